@@ -1,0 +1,48 @@
+"""poptorch_lite: PopTorch's programming model on stock PyTorch.
+
+``import poptorch_lite as poptorch`` and annotate, wrap and train as with
+PopTorch. The flow of a call: annotations -> partition -> placement ->
+schedule -> executor -> wrapper (see the modules of the same names).
+"""
+
+from . import optim
+from .annotations import BeginBlock, Block, BlockFunction, recomputationCheckpoint, removeBlocks
+from .dataloader import AsynchronousDataAccessor, DataLoader
+from .enums import (AnchorMode, AutoStage, CommGroupType, ConnectionType, DataLoaderMode,
+                    Liveness, MatMulSerializationMode, MeanReductionStrategy, OutputMode,
+                    OverlapMode, PipelineSchedule, ReductionType, SharingStrategy, SyncPattern)
+from .errors import (BatchSizeError, BlockError, ConfigFileError, DataLoaderError, DeviceError,
+                     Error, ExecutionError, FrozenOptionsError, InputError, IpuOnlyWarning,
+                     LossError, OptimizerError, OptionsError, PipelineError, PoptorchLiteWarning,
+                     RecoverableError, TraceError, UnrecoverableError, WrapError)
+from .frontends import (print_pipeline_stage_assignment_summary, set_pipeline_stage_assignment,
+                        split_at, stage_summary)
+from .ops import (NameScope, identity_loss, ipuHardwareIsAvailable, ipuHardwareVersion,
+                  ipu_print_tensor, isRunningOnIpu, nop, serializedMatMul, setLogLevel,
+                  set_available_memory, set_overlap_for_input, set_overlap_for_output)
+from .ipu_options import TensorLocationSettings
+from .options import Options, combined_batch_size
+from .strategies import (ExecutionStrategy, ParallelPhasedExecution, Phase, PipelinedExecution,
+                         SerialPhasedExecution, ShardedExecution, Stage)
+from .wrapper import PoplarExecutor, inferenceModel, trainingModel
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AnchorMode", "AsynchronousDataAccessor", "AutoStage", "BatchSizeError", "BeginBlock",
+    "Block", "BlockError", "BlockFunction", "CommGroupType", "ConfigFileError",
+    "ConnectionType", "DataLoader", "DataLoaderError", "DataLoaderMode", "DeviceError", "Error",
+    "ExecutionError", "ExecutionStrategy", "FrozenOptionsError", "InputError", "IpuOnlyWarning",
+    "Liveness", "LossError", "MatMulSerializationMode", "MeanReductionStrategy", "NameScope",
+    "OptimizerError", "Options", "OptionsError", "OutputMode", "OverlapMode",
+    "ParallelPhasedExecution", "Phase", "PipelineError", "PipelineSchedule",
+    "PipelinedExecution", "PoplarExecutor", "PoptorchLiteWarning", "RecoverableError",
+    "ReductionType", "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage",
+    "SyncPattern", "TensorLocationSettings", "TraceError", "UnrecoverableError", "WrapError",
+    "combined_batch_size", "identity_loss", "inferenceModel", "ipuHardwareIsAvailable",
+    "ipuHardwareVersion", "ipu_print_tensor", "isRunningOnIpu", "nop", "optim",
+    "print_pipeline_stage_assignment_summary", "recomputationCheckpoint", "removeBlocks",
+    "serializedMatMul", "setLogLevel", "set_available_memory", "set_overlap_for_input",
+    "set_overlap_for_output", "set_pipeline_stage_assignment", "split_at", "stage_summary",
+    "trainingModel",
+]

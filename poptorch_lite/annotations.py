@@ -1,0 +1,242 @@
+"""Annotations: blocks, stages' building bricks, and recomputation checkpoints.
+
+Annotations only record data. Outside a wrapped model they do nothing at all
+(an annotated model runs natively as plain PyTorch). While a wrapper traces the
+model ([Note: trace context]) they leave marker nodes in the graph
+(``poptorch_lite.markers``) from which the partition reads which block every
+op belongs to.
+
+[Note: trace context]
+``trace_context()`` is the one switch between "plain PyTorch" and "being
+traced"; only the partition enters it, for the duration of one trace. It holds
+the auto-id counter of id-less blocks, which restarts at every trace, so the
+same model always traces to the same block ids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+
+from . import markers
+from .errors import BlockError, InputError
+
+
+@dataclasses.dataclass
+class _TraceState:
+    active: bool = False
+    next_auto_id: int = 0
+    current_block: Optional[str] = None  # for stage summaries only; the graph is the truth
+
+
+_state = threading.local()
+
+
+def _current() -> _TraceState:
+    if not hasattr(_state, "value"):
+        _state.value = _TraceState()
+    return _state.value
+
+
+@contextlib.contextmanager
+def trace_context():
+    """Mark the current thread as tracing a wrapped model (used by the partition)."""
+    previous = _current()
+    _state.value = _TraceState(active=True)
+    try:
+        yield _state.value
+    finally:
+        _state.value = previous
+
+
+def is_tracing() -> bool:
+    """True while a wrapper traces a model on this thread."""
+    return _current().active
+
+
+def _resolve_id(user_id: Optional[str]) -> str:
+    state = _current()
+    if user_id is None:
+        user_id = str(state.next_auto_id)
+        state.next_auto_id += 1
+    return str(user_id)
+
+
+def _begin(user_id: Optional[str], ipu_id: Optional[int]) -> None:
+    if is_tracing():
+        uid = _resolve_id(user_id)
+        _current().current_block = uid
+        markers.BEGIN_BLOCK(uid, -1 if ipu_id is None else int(ipu_id))
+
+
+def _check_ids(user_id: Any, ipu_id: Any) -> None:
+    if user_id is not None and not isinstance(user_id, str):
+        raise BlockError(f"a block's user_id must be a str, got {user_id!r}; "
+                         f"write user_id=\"{user_id}\"")
+    if ipu_id is not None and (isinstance(ipu_id, bool) or not isinstance(ipu_id, int) or ipu_id < 0):
+        raise BlockError(f"a block's ipu_id must be a non-negative int, got {ipu_id!r}")
+
+
+class _BlockHook:
+    """The forward pre-hook that BeginBlock registers (a class, so copies keep it)."""
+
+    def __init__(self, user_id: Optional[str], ipu_id: Optional[int]):
+        self.user_id, self.ipu_id = user_id, ipu_id
+
+    def __call__(self, module, inputs):
+        _begin(self.user_id, self.ipu_id)
+
+    def __repr__(self):
+        return f"BeginBlock(user_id={self.user_id!r}, ipu_id={self.ipu_id!r})"
+
+
+def BeginBlock(module, user_id: Optional[str] = None, ipu_id: Optional[int] = None):
+    """Start a block at ``module``: it and everything run after it belong to the block.
+
+    Layers after a BeginBlock inherit its block until the next one starts; ops
+    before the first block run on IPU 0.
+
+    Args:
+        module: an ``nn.Module`` (returned unchanged, parameter names intact),
+            or a plain callable (returned wrapped so that calling it starts the block).
+        user_id: the block's name (``Stage`` refers to it); auto-numbered if None.
+        ipu_id: the IPU the block runs on.
+
+    Raises:
+        BlockError: the module already starts a block, or ``module`` is neither
+            a module nor callable.
+
+    Example:
+        >>> import torch
+        >>> layer = BeginBlock(torch.nn.Linear(2, 2), "B1", ipu_id=1)
+    """
+    _check_ids(user_id, ipu_id)
+    if isinstance(module, torch.nn.Module):
+        if block_of(module) is not None:
+            raise BlockError(f"module {type(module).__name__} has already been assigned to a "
+                             f"block ({block_of(module)!r}); call removeBlocks(module) first")
+        module.register_forward_pre_hook(_BlockHook(user_id, ipu_id))
+        return module
+    if callable(module):
+        @functools.wraps(module)
+        def begin_then_call(*args, **kwargs):
+            _begin(user_id, ipu_id)
+            return module(*args, **kwargs)
+        return begin_then_call
+    raise BlockError(f"BeginBlock needs an nn.Module or a callable, got {type(module).__name__}")
+
+
+def block_of(module: torch.nn.Module) -> Optional[_BlockHook]:
+    """The BeginBlock annotation on ``module`` itself, or None."""
+    for hook in module._forward_pre_hooks.values():
+        if isinstance(hook, _BlockHook):
+            return hook
+    return None
+
+
+def removeBlocks(module: torch.nn.Module) -> torch.nn.Module:
+    """Remove every BeginBlock annotation from ``module`` and its children."""
+    for m in module.modules():
+        for key, hook in list(m._forward_pre_hooks.items()):
+            if isinstance(hook, _BlockHook):
+                del m._forward_pre_hooks[key]
+    return module
+
+
+class Block(contextlib.ContextDecorator):
+    """A scope inside ``forward`` whose ops belong to one block.
+
+    After the scope closes no block is active: an op there is refused ("No active
+    Block") until the next block starts. Blocks with the same ``user_id`` are one
+    block (re-entering one is allowed).
+
+    Example:
+        >>> import torch
+        >>> def forward(x):
+        ...     with Block("B0", ipu_id=0):
+        ...         x = x * 2
+        ...     with Block("B1", ipu_id=1):
+        ...         return x + 1
+        >>> forward(torch.ones(1))
+        tensor([3.])
+    """
+
+    def __init__(self, user_id: Optional[str] = None, ipu_id: Optional[int] = None):
+        _check_ids(user_id, ipu_id)
+        self.user_id, self.ipu_id = user_id, ipu_id
+
+    def __enter__(self):
+        _begin(self.user_id, self.ipu_id)
+        return self
+
+    def __exit__(self, *exc):
+        if is_tracing():
+            _current().current_block = None
+            markers.END_BLOCK()
+        return False
+
+    @staticmethod
+    def start(user_id: Optional[str] = None, ipu_id: Optional[int] = None) -> None:
+        """Start a block without a scope: it lasts until the next block starts."""
+        _check_ids(user_id, ipu_id)
+        _begin(user_id, ipu_id)
+
+    @staticmethod
+    def useAutoId() -> None:
+        """Number id-less blocks "0", "1", ... from here (each trace restarts at 0)."""
+        _current().next_auto_id = 0
+
+
+def BlockFunction(user_id: Optional[str] = None, ipu_id: Optional[int] = None) -> Callable:
+    """Decorator: the function's body runs inside ``with Block(user_id, ipu_id)``.
+
+    Example:
+        >>> @BlockFunction("B0", ipu_id=0)
+        ... def double(x):
+        ...     return x * 2
+    """
+    _check_ids(user_id, ipu_id)
+
+    def decorate(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with Block(user_id, ipu_id):
+                return fn(*args, **kwargs)
+        return wrapper
+    return decorate
+
+
+def recomputationCheckpoint(*tensors):
+    """Mark values to keep rather than recompute; returns its inputs.
+
+    One tensor returns the tensor, several a tuple, one list or tuple argument
+    the same container. Recomputation itself comes with pipelined execution;
+    the mark never changes results.
+
+    Raises:
+        InputError: an input is not a tensor ("All inputs must be tensors").
+
+    Example:
+        >>> import torch
+        >>> recomputationCheckpoint(torch.ones(2))
+        tensor([1., 1.])
+    """
+    container = None
+    items = tensors
+    if len(tensors) == 1 and isinstance(tensors[0], (list, tuple)):
+        container, items = type(tensors[0]), tuple(tensors[0])
+    for t in items:
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"All inputs must be tensors: recomputationCheckpoint got "
+                             f"{type(t).__name__}; pass the tensors to keep")
+    if is_tracing():
+        for t in items:
+            markers.MARK_CHECKPOINT(t)
+    if container is not None:
+        return container(items)
+    return items[0] if len(items) == 1 else tuple(items)

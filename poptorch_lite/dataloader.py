@@ -1,0 +1,499 @@
+"""PopTorch's DataLoader: combined batches for one call of a wrapped model."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import warnings
+import weakref
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from . import errors
+from .enums import DataLoaderMode
+from .options import Options, combined_batch_size
+
+_ASYNC_OPTION_KEYS = ("buffer_size", "miss_sleep_time_in_ms", "load_indefinitely",
+                      "early_preload", "sharing_strategy")
+_POLL_S = 0.05  # how often a blocked worker or consumer re-checks for stop/abandon
+
+
+class _ProcessBlockSampler(torch.utils.data.Sampler):
+    """Process p's contiguous block of the dataset, optionally of one global shuffle.
+
+    With P processes and combined batch C (drop_last=True) each process reads
+    ``per_proc = C * (n // (C * P))`` items; the L = n - P * per_proc leftovers
+    are read by nobody that epoch::
+
+        position  0 ......... per_proc ........ 2*per_proc ..... n
+                  [  process 0  ][  process 1  ][ leftovers L ]
+
+    With shuffle, position k holds ``randperm(n)[k]`` drawn from a generator
+    seeded with ``seed + epoch`` (the same in every process), and on odd epochs
+    every block shifts right by L so leftovers get used (PopTorch's swap_range).
+    With drop_last=False the n items are split as evenly as possible instead.
+    """
+
+    def __init__(self, n: int, step: int, p: int, P: int, drop_last: bool, shuffle: bool,
+                 seed: Optional[int]):
+        if drop_last:
+            per_proc = step * (n // (step * P))
+            self._start, self._length, self._leftovers = p * per_proc, per_proc, n - P * per_proc
+        else:
+            sizes = [n // P + (n % P > q) for q in range(P)]
+            self._start, self._length, self._leftovers = sum(sizes[:p]), sizes[p], 0
+        self._n, self._shuffle, self._seed = n, shuffle, seed
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __iter__(self) -> Iterator[int]:
+        if not self._shuffle:
+            return iter(range(self._start, self._start + self._length))
+        order = torch.randperm(self._n, generator=torch.Generator().manual_seed(self._seed + self.epoch))
+        start = self._start + (self._leftovers if self.epoch % 2 else 0)
+        return iter(order[start:start + self._length].tolist())
+
+
+class _CombinedBatchSampler(torch.utils.data.Sampler):
+    """Concatenates every ``factor`` consecutive batches of a user's batch sampler."""
+
+    def __init__(self, batch_sampler: Iterable[list], factor: int, drop_last: bool):
+        self.batch_sampler, self._factor, self._drop_last = batch_sampler, factor, drop_last
+
+    def __len__(self) -> int:
+        full, rest = divmod(len(self.batch_sampler), self._factor)
+        return full + int(rest > 0 and not self._drop_last)
+
+    def __iter__(self) -> Iterator[list]:
+        group, count = [], 0
+        for batch in self.batch_sampler:
+            group, count = group + list(batch), count + 1
+            if count == self._factor:
+                yield group
+                group, count = [], 0
+        if count and not self._drop_last:
+            yield group
+
+
+def _rebatch(batches: Iterable[Any], size: int, drop_last: bool) -> Iterator[Any]:
+    """Cuts a stream of batches (tensors, tuples, dicts of them) into batches of ``size`` rows."""
+    pending, rows, spec = [], 0, None
+    for batch in batches:
+        leaves, spec = tree_flatten(batch)
+        if not leaves or not all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in leaves):
+            raise errors.DataLoaderError(
+                f"rebatching needs batches whose leaves are tensors with a batch dimension, got "
+                f"{[type(t).__name__ for t in leaves]}; use DataLoaderMode.Async or rebatched_size=None")
+        pending, rows = pending + [leaves], rows + len(leaves[0])
+        while rows >= size:
+            columns = [torch.cat(column) for column in zip(*pending)]
+            yield tree_unflatten([c[:size] for c in columns], spec)
+            pending, rows = [[c[size:] for c in columns]], rows - size
+    if rows and not drop_last:
+        yield tree_unflatten([torch.cat(column) for column in zip(*pending)], spec)
+
+
+class DataLoader(torch.utils.data.DataLoader):
+    """A ``torch.utils.data.DataLoader`` whose batch is the combined batch of one model call.
+
+    The torch batch size is ``combined_batch_size(options, batch_size)``
+    (B·D·(R/g)·G; POPTORCH_REFERENCE §1, §8). Unlike torch: ``drop_last``
+    defaults to True; ``options`` are frozen; with ``Distributed.numProcesses``
+    P > 1 each process reads its own contiguous block (see ``set_epoch``); mode
+    Async/AsyncRebatched loads ahead in a thread through an
+    :class:`AsynchronousDataAccessor` (the same batches in the same order as
+    Sync). An Async loader's thread keeps the loader alive: call ``terminate()``
+    when done (it also runs at interpreter exit).
+
+    Args:
+        options: the ``Options`` the model is wrapped with.
+        dataset: a map-style or iterable dataset.
+        batch_size: the micro-batch size B (None: no batching, as in torch).
+        shuffle: shuffle every epoch (default False).
+        num_workers: torch worker processes.
+        drop_last: drop a short last combined batch (default True); False warns.
+        persistent_workers: defaults to ``num_workers > 0``.
+        auto_distributed_partitioning: split the dataset between processes.
+        mode: a ``DataLoaderMode``; Async with drop_last=False acts as AsyncRebatched.
+        async_options: keyword arguments of the accessor (not ``rebatched_size``).
+        rebatched_worker_size: AsyncRebatched: the torch batch size of an
+            IterableDataset before the accessor rebatches (default: combined).
+        batch_sampler: yields micro-batches of indices; a combined batch joins
+            ``combined_batch_size(options, 1)`` consecutive ones.
+        **kwargs: passed to ``torch.utils.data.DataLoader``.
+
+    Raises:
+        errors.DataLoaderError: an argument is invalid or arguments conflict.
+
+    Example:
+        >>> opts = Options().deviceIterations(2)
+        >>> loader = DataLoader(opts, torch.utils.data.TensorDataset(torch.arange(10.0)), batch_size=2)
+        >>> loader.combinedBatchSize, len(loader)
+        (4, 2)
+    """
+
+    def __init__(self, options: Options, dataset: torch.utils.data.Dataset, batch_size: Optional[int] = 1,
+                 shuffle: Optional[bool] = None, num_workers: int = 0, drop_last: bool = True,
+                 persistent_workers: Optional[bool] = None, auto_distributed_partitioning: bool = True,
+                 mode: DataLoaderMode = DataLoaderMode.Sync, async_options: Optional[dict] = None,
+                 rebatched_worker_size: Optional[int] = None, batch_sampler: Optional[Iterable] = None,
+                 **kwargs: Any):
+        self._accessor: Optional[AsynchronousDataAccessor] = None
+        if not isinstance(options, Options):
+            raise errors.DataLoaderError(f"DataLoader's first argument must be poptorch_lite.Options, "
+                                         f"got {type(options).__name__}; call DataLoader(opts, dataset, ...)")
+        options._freeze()
+        mode, async_options = _check_mode(mode, async_options)
+        shuffle = bool(shuffle)
+        is_iterable = isinstance(dataset, torch.utils.data.IterableDataset)
+        P, p = options.Distributed.numProcesses, options.Distributed.processId
+        distributed = P > 1 and auto_distributed_partitioning
+        self._epoch_sampler: Optional[_ProcessBlockSampler] = None
+        self._rebatched_size: Optional[int] = None
+        self._rebatched_drop_last = drop_last
+        args: dict[str, Any] = dict(shuffle=shuffle, drop_last=drop_last)
+
+        if batch_sampler is not None:
+            if batch_size not in (1, None) or shuffle:
+                raise errors.DataLoaderError(
+                    f"batch_sampler is mutually exclusive with batch_size and shuffle (got batch_size="
+                    f"{batch_size}, shuffle={shuffle}); leave them unset, the sampler chooses batches")
+            if distributed:
+                raise errors.DataLoaderError(
+                    f"a batch_sampler cannot be split between {P} processes; give each process its "
+                    f"own batch_sampler and pass auto_distributed_partitioning=False")
+            micro = getattr(batch_sampler, "batch_size", None)
+            self._combined = combined_batch_size(options, micro) if isinstance(micro, int) else None
+            args = dict(batch_sampler=_CombinedBatchSampler(
+                batch_sampler, combined_batch_size(options, 1), drop_last))
+        else:
+            if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+                raise errors.DataLoaderError(f"batch_size must be a positive int or None, got {batch_size!r}")
+            self._combined = None if batch_size is None else combined_batch_size(options, batch_size)
+            args["batch_size"] = self._combined
+
+        if is_iterable:
+            if distributed:
+                raise errors.DataLoaderError(
+                    f"auto_distributed_partitioning cannot split an IterableDataset between {P} "
+                    f"processes; shard it yourself and pass auto_distributed_partitioning=False")
+            if num_workers > 1 and "worker_init_fn" not in kwargs:
+                warnings.warn(f"IterableDataset with num_workers={num_workers} and no worker_init_fn: "
+                              f"every element comes {num_workers} times; pass a worker_init_fn that "
+                              f"shards the dataset", errors.PoptorchLiteWarning, stacklevel=2)
+        elif batch_sampler is None and self._combined is not None:
+            n, step = len(dataset), self._combined * (P if distributed else 1)
+            if drop_last and n < step:
+                raise errors.DataLoaderError(
+                    f"the dataset has {n} items, fewer than the {step} one step reads (combined batch "
+                    f"{self._combined} x {P if distributed else 1} processes), so the loader would be "
+                    f"empty; use a smaller batch_size or options, or drop_last=False")
+            if not drop_last and n % step:
+                warnings.warn(f"the dataset has {n} items, not a multiple of the {step} one step reads, "
+                              f"and drop_last=False: the last batch has {n % step} items; pass "
+                              f"drop_last=True to avoid it", errors.PoptorchLiteWarning, stacklevel=2)
+            if distributed:
+                if shuffle and options.random_seed is None:
+                    raise errors.DataLoaderError(
+                        "shuffle=True with auto_distributed_partitioning needs the same order in every "
+                        "process: call options.randomSeed(N) with the same N in every process")
+                if "sampler" in kwargs:
+                    raise errors.DataLoaderError("a sampler cannot be combined with auto_distributed_"
+                                                 "partitioning; pass auto_distributed_partitioning=False")
+                self._epoch_sampler = _ProcessBlockSampler(n, self._combined, p, P, drop_last, shuffle,
+                                                           options.random_seed)
+                args.update(sampler=self._epoch_sampler, shuffle=False)
+        elif distributed and batch_sampler is None:
+            raise errors.DataLoaderError("batch_size=None cannot be split between processes; pass a "
+                                         "batch_size or auto_distributed_partitioning=False")
+
+        if mode == DataLoaderMode.Async and not drop_last:
+            mode = DataLoaderMode.AsyncRebatched
+        if rebatched_worker_size is not None and (
+                mode != DataLoaderMode.AsyncRebatched or self._combined is None
+                or not 1 <= rebatched_worker_size <= self._combined):
+            raise errors.DataLoaderError(
+                f"rebatched_worker_size ({rebatched_worker_size}) needs mode=DataLoaderMode."
+                f"AsyncRebatched (got {mode.name}) and 1 <= it <= the combined batch ({self._combined})")
+        if mode == DataLoaderMode.AsyncRebatched and is_iterable and self._combined is not None:
+            # Workers send what they have; the accessor cuts exact combined batches from it.
+            self._rebatched_size = self._combined
+            args.update(batch_size=rebatched_worker_size or self._combined, drop_last=False)
+
+        if persistent_workers is None:
+            persistent_workers = num_workers > 0
+        super().__init__(dataset, num_workers=num_workers, persistent_workers=persistent_workers,
+                         **args, **kwargs)
+        self._options = options
+        self._next_epoch = 0
+        if mode != DataLoaderMode.Sync:
+            self._accessor = AsynchronousDataAccessor(self, **async_options,
+                                                      rebatched_size=self._rebatched_size)
+
+    @property
+    def combinedBatchSize(self) -> Optional[int]:
+        """Items one model call consumes from the dataset (None if unbatched)."""
+        return self._combined
+
+    @property
+    def options(self) -> Options:
+        """The (frozen) options this loader was built with."""
+        return self._options
+
+    def set_epoch(self, epoch: int) -> None:
+        """Sets the epoch the next iteration uses; later iterations count up from it.
+
+        Only the distributed shuffle depends on it: its order is drawn from
+        ``randomSeed + epoch``, identically in every process. Without calls,
+        iterations are epochs 0, 1, 2, ... (every epoch differs, as in
+        PopTorch); calling ``set_epoch(e)`` before epoch e, as with torch's
+        DistributedSampler, gives the same orders. In Async mode an epoch
+        already preloaded under the old number is discarded.
+
+        Example:
+            >>> loader.set_epoch(3)  # doctest: +SKIP
+        """
+        self._next_epoch = epoch
+        if self._accessor is not None:
+            self._accessor._discard_preloaded()
+
+    def terminate(self) -> None:
+        """Stops the Async worker thread (no effect in Sync mode).
+
+        Example:
+            >>> loader.terminate()  # doctest: +SKIP
+        """
+        if self._accessor is not None:
+            self._accessor.terminate()
+
+    def __len__(self) -> int:
+        if self._rebatched_size is None:
+            return super().__len__()
+        full, rest = divmod(len(self.dataset), self._rebatched_size)
+        return full + int(rest > 0 and not self._rebatched_drop_last)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._accessor) if self._accessor is not None else self._sync_iter()
+
+    def _sync_iter(self) -> Iterator[Any]:
+        """One epoch of the torch loader (the Async worker thread calls this)."""
+        if self._epoch_sampler is not None:
+            self._epoch_sampler.epoch = self._next_epoch
+        self._next_epoch += 1
+        return super().__iter__()
+
+
+def _check_mode(mode: Any, async_options: Optional[dict]) -> tuple[DataLoaderMode, dict]:
+    """Validates ``mode`` and the keys of ``async_options``."""
+    try:
+        mode = DataLoaderMode(mode)
+    except ValueError:
+        raise errors.DataLoaderError(f"mode must be a DataLoaderMode (Sync, Async, AsyncRebatched), "
+                                     f"got {mode!r}") from None
+    unknown = sorted(set(async_options or {}) - set(_ASYNC_OPTION_KEYS))
+    if unknown:
+        raise errors.DataLoaderError(f"unknown async_options {unknown}: the valid keys are "
+                                     f"{list(_ASYNC_OPTION_KEYS)} (AsyncRebatched sets rebatched_size)")
+    return mode, dict(async_options or {})
+
+
+class _End:
+    """Marks the end of an epoch in an accessor's queue."""
+
+
+class _Failure:
+    """Carries an exception raised while loading to the consumer."""
+
+    def __init__(self, error: BaseException, index: int):
+        self.error, self.index = error, index
+
+
+def _failing(error: BaseException) -> Iterator[Any]:
+    """An iterator that raises ``error`` (opening an epoch failed)."""
+    raise error
+    yield  # pragma: no cover (makes this a generator)
+
+
+class _Epoch:
+    """One epoch, loaded ahead by a daemon thread into a bounded queue."""
+
+    def __init__(self, source: Iterator[Any], buffer_size: int):
+        self.queue: queue.Queue = queue.Queue(maxsize=buffer_size)
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, args=(source,), daemon=True,
+                                       name="poptorch_lite.AsynchronousDataAccessor")
+        self.thread.start()
+
+    def _run(self, source: Iterator[Any]) -> None:
+        index = 0
+        try:
+            for item in source:
+                if not self._put(item):
+                    return
+                index += 1
+            self._put(_End)
+        except BaseException as error:  # forwarded to the consumer
+            self._put(_Failure(error, index))
+
+    def _put(self, item: Any) -> bool:
+        while not self.stopping:
+            try:
+                self.queue.put(item, timeout=_POLL_S)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def get(self) -> Any:
+        """The next item (or ``_End`` / a ``_Failure``), waiting for the thread."""
+        while True:
+            try:
+                return self.queue.get(timeout=_POLL_S)
+            except queue.Empty:
+                if not self.thread.is_alive() and self.queue.empty():
+                    raise errors.DataLoaderError("the AsynchronousDataAccessor's thread stopped "
+                                                 "mid-epoch; create a new accessor") from None
+
+    def stop(self) -> None:
+        """Stops the thread and joins it (idempotent)."""
+        self.stopping = True
+        while not self.queue.empty():
+            self.queue.get_nowait()
+        if self.thread is not threading.current_thread():
+            self.thread.join()
+
+
+def _stop_all(epochs: set) -> None:
+    for epoch in list(epochs):
+        epoch.stop()
+    epochs.clear()
+
+
+class AsynchronousDataAccessor:
+    """Loads ahead from any iterable in a background thread; yields the same items in order.
+
+    PopTorch loads in a separate process into a shared-memory ring buffer;
+    poptorch_lite loads each epoch in a daemon thread into a bounded
+    ``queue.Queue`` of ``buffer_size`` items (items are not reused buffers: no
+    need to clone). Every ``iter()`` starts a new epoch, also after breaking
+    out of a loop. An exception while loading is re-raised in the consumer as
+    ``errors.DataLoaderError`` with the original as ``__cause__``.
+    ``terminate()`` stops and joins the thread; it also runs when the accessor
+    is garbage collected and at interpreter exit.
+
+    Args:
+        dataset: any iterable (a Sync ``DataLoader``, a Dataset, a list).
+        buffer_size: items loaded ahead.
+        miss_sleep_time_in_ms: accepted and ignored (the thread blocks on the queue).
+        load_indefinitely: start loading the next epoch as soon as one ends.
+        early_preload: start loading at construction instead of at ``iter()``.
+        sharing_strategy: accepted and ignored (no process, nothing to share).
+        rebatched_size: cut the loaded batches into batches of this many rows
+            (a short last one is dropped unless ``dataset`` is a DataLoader
+            with drop_last=False).
+
+    Raises:
+        errors.DataLoaderError: ``dataset`` is a DataLoader with its own
+            accessor, or an argument is invalid.
+
+    Example:
+        >>> accessor = AsynchronousDataAccessor([1, 2, 3])
+        >>> list(accessor), len(accessor)
+        ([1, 2, 3], 3)
+        >>> accessor.terminate()
+    """
+
+    def __init__(self, dataset: Iterable[Any], buffer_size: int = 3, miss_sleep_time_in_ms: float = 0.1,
+                 load_indefinitely: bool = True, early_preload: bool = False, sharing_strategy: Any = None,
+                 rebatched_size: Optional[int] = None):
+        self._epochs: set[_Epoch] = set()
+        self._current: Optional[_Epoch] = None
+        self._next: Optional[_Epoch] = None
+        self._terminated = False
+        if isinstance(dataset, DataLoader) and dataset._accessor is not None:
+            raise errors.DataLoaderError(
+                "this DataLoader already uses an AsynchronousDataAccessor internally; iterate the "
+                "DataLoader itself, or build it with mode=DataLoaderMode.Sync to wrap it")
+        for name, value in (("buffer_size", buffer_size), ("rebatched_size", rebatched_size or 1)):
+            if not isinstance(value, int) or value < 1:
+                raise errors.DataLoaderError(f"{name} must be an int >= 1, got {value!r}")
+        if sharing_strategy is not None or miss_sleep_time_in_ms != 0.1:
+            errors.warn_once("AsynchronousDataAccessor.sharing_strategy",
+                             "sharing_strategy and miss_sleep_time_in_ms tune PopTorch's loader "
+                             "process; poptorch_lite loads in a thread and ignores them")
+        self._dataset, self.rebatched_size = dataset, rebatched_size
+        self._buffer_size, self._load_indefinitely = buffer_size, load_indefinitely
+        self._finalizer = weakref.finalize(self, _stop_all, self._epochs)
+        if early_preload:
+            self._next = self._open()
+
+    def _open(self) -> _Epoch:
+        """Opens the next epoch here (so a DataLoader's epoch number is read in order)."""
+        is_loader = isinstance(self._dataset, DataLoader)
+        try:
+            source = self._dataset._sync_iter() if is_loader else iter(self._dataset)
+            if self.rebatched_size is not None:
+                drop_last = self._dataset._rebatched_drop_last if is_loader else True
+                source = _rebatch(source, self.rebatched_size, drop_last)
+        except BaseException as error:  # reported by the first next()
+            source = _failing(error)
+        epoch = _Epoch(source, self._buffer_size)
+        self._epochs.add(epoch)
+        return epoch
+
+    def _close(self, epoch: Optional[_Epoch]) -> None:
+        if epoch is not None:
+            epoch.stop()
+            self._epochs.discard(epoch)
+
+    def _discard_preloaded(self) -> None:
+        """Drops an epoch opened ahead (the DataLoader's epoch number changed)."""
+        self._close(self._next)
+        self._next = None
+
+    def terminate(self) -> None:
+        """Stops the thread and waits for it; iterating afterwards raises.
+
+        Example:
+            >>> AsynchronousDataAccessor(range(3)).terminate()
+        """
+        self._terminated = True
+        self._current = self._next = None
+        self._finalizer()
+
+    def __len__(self) -> int:
+        if self.rebatched_size is None or getattr(self._dataset, "_accessor", None) is self:
+            return len(self._dataset)
+        rows = len(self._dataset) * (getattr(self._dataset, "batch_size", None) or 1)
+        return rows // self.rebatched_size
+
+    def __iter__(self) -> AsynchronousDataAccessor:
+        if self._terminated:
+            raise errors.DataLoaderError("this AsynchronousDataAccessor (or its DataLoader) was "
+                                         "terminated; create a new one")
+        self._close(self._current)
+        self._current, self._next = self._next or self._open(), None
+        return self
+
+    def __next__(self) -> Any:
+        epoch = self._current
+        if epoch is None:
+            raise StopIteration
+        item = epoch.get()
+        if item is _End or isinstance(item, _Failure):
+            self._close(epoch)
+            self._current = None
+            if item is _End and self._load_indefinitely:
+                self._next = self._open()
+        if item is _End:
+            raise StopIteration
+        if isinstance(item, _Failure):
+            raise errors.DataLoaderError(
+                f"loading item {item.index} of an epoch failed in the AsynchronousDataAccessor's "
+                f"thread: {type(item.error).__name__}: {item.error} (the original is chained as "
+                f"__cause__; use DataLoaderMode.Sync to debug it in the main thread)") from item.error
+        return item

@@ -1,0 +1,49 @@
+"""Marker ops: how annotations appear as nodes of a traced graph.
+
+Tracing records every op that runs; these ops do nothing at run time, but they
+leave a node in the graph at the point where the user's code called them (as
+``torch.distributed.pipelining``'s ``pipe_split()`` does), so the partition
+reads block boundaries, the loss and recomputation checkpoints from the graph
+itself.
+
+- ``begin_block(user_id, ipu_id)``: ops after this node belong to the block
+  (``ipu_id`` -1 when the block names no IPU);
+- ``end_block()``: a ``Block`` scope closed; no block is active until the next;
+- ``mark_loss(x)``: ``x`` is a loss (the output of a torch loss function or of
+  ``identity_loss``);
+- ``mark_checkpoint(x)``: ``x`` is a recomputation checkpoint.
+- ``print_tensor(x, title)`` is not a marker: it stays in the stage graph and
+  prints ``x`` each time the stage runs (``ipu_print_tensor``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_lib = torch.library.Library("poptorch_lite", "DEF")
+_lib.define("begin_block(str user_id, int ipu_id) -> ()")
+_lib.define("end_block() -> ()")
+_lib.define("mark_loss(Tensor x) -> ()")
+_lib.define("mark_checkpoint(Tensor x) -> ()")
+_lib.define("print_tensor(Tensor x, str title) -> ()")
+
+
+def _nothing(*args):
+    return None
+
+
+def _print(x, title):
+    print(f"{title}{x}" if title else x)
+
+
+for _name in ("begin_block", "end_block", "mark_loss", "mark_checkpoint"):
+    _lib.impl(_name, _nothing, "CompositeExplicitAutograd")
+_lib.impl("print_tensor", _print, "CompositeExplicitAutograd")
+
+ops = torch.ops.poptorch_lite
+BEGIN_BLOCK = ops.begin_block.default
+END_BLOCK = ops.end_block.default
+MARK_LOSS = ops.mark_loss.default
+MARK_CHECKPOINT = ops.mark_checkpoint.default
+PRINT_TENSOR = ops.print_tensor.default
+MARKERS = frozenset({BEGIN_BLOCK, END_BLOCK, MARK_LOSS, MARK_CHECKPOINT})

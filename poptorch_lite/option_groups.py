@@ -1,0 +1,183 @@
+"""The core sub-groups of Options: ``Training`` (accumulation, reduction) and ``Distributed``.
+
+``Options.Training`` holds G and how the G*R micro-batch gradients are reduced
+(POPTORCH_REFERENCE.md §2); ``Options.Distributed`` holds this process's rank
+among several instances (§8). Both are option groups (see ``options_base``).
+
+Example:
+    >>> from poptorch_lite.options import Options
+    >>> Options().Training.gradientAccumulation(4).gradient_accumulation
+    4
+"""
+
+from __future__ import annotations
+
+import os
+
+from . import errors
+from .enums import MeanReductionStrategy, ReductionType
+from .options_base import (OptionGroup, check_positive_int, coerce_enum, setter,
+                           warn_ipu_only)
+
+
+class _TrainingOptions(OptionGroup):
+    """``Options.Training``: gradient accumulation and its reduction.
+
+    Example:
+        >>> t = _TrainingOptions().gradientAccumulation(4)
+        >>> t.gradient_accumulation, t.reduction_type
+        (4, <ReductionType.Mean: 1>)
+    """
+
+    _PATH = "Options.Training"
+    _ATTRIBUTES = {
+        "gradient_accumulation": lambda g, v: g.gradientAccumulation(v),
+        "reduction_type": lambda g, v: g.accumulationAndReplicationReductionType(v),
+        "accumulation_and_replication_reduction_type":
+            lambda g, v: g.accumulationAndReplicationReductionType(v),
+        "mean_reduction_strategy":
+            lambda g, v: g.setMeanAccumulationAndReplicationReductionStrategy(v),
+        "automatic_loss_scaling": lambda g, v: g.setAutomaticLossScaling(v),
+        "convolution_dithering": lambda g, v: g.setConvolutionDithering(v),
+    }
+
+    def __init__(self):
+        super().__init__(gradient_accumulation=1, reduction_type=ReductionType.Mean,
+                         mean_reduction_strategy=MeanReductionStrategy.Post,
+                         automatic_loss_scaling=False, convolution_dithering=False)
+
+    @property
+    def accumulation_and_replication_reduction_type(self) -> ReductionType:
+        """PopTorch's name for :attr:`reduction_type`."""
+        return self.reduction_type
+
+    @setter
+    def gradientAccumulation(self, gradient_accumulation: int):
+        """Accumulate gradients over G micro-batches per optimizer step (G >= 1).
+
+        Example:
+            >>> _TrainingOptions().gradientAccumulation(8).gradient_accumulation
+            8
+        """
+        self._store(gradient_accumulation=check_positive_int(
+            gradient_accumulation, "gradientAccumulation",
+            "opts.Training.gradientAccumulation(1)"))
+
+    @setter
+    def accumulationAndReplicationReductionType(self, reduction_type: ReductionType):
+        """Mean (default) or Sum of the G*R micro-batch gradients; NoReduction is refused.
+
+        Example:
+            >>> t = _TrainingOptions().accumulationAndReplicationReductionType(ReductionType.Sum)
+            >>> t.reduction_type
+            <ReductionType.Sum: 0>
+        """
+        name = "Training.accumulationAndReplicationReductionType"
+        value = coerce_enum(reduction_type, ReductionType, name)
+        if value == ReductionType.NoReduction:
+            raise errors.OptionsError(
+                f"{name} must be set to poptorch.ReductionType.Mean or "
+                f"poptorch.ReductionType.Sum, got {value!r}; call "
+                f"opts.{name}(poptorch.ReductionType.Mean)")
+        self._store(reduction_type=value)
+
+    @setter
+    def accumulationReductionType(self, reduction_type: ReductionType):
+        """Deprecated PopTorch name of :meth:`accumulationAndReplicationReductionType`."""
+        self.accumulationAndReplicationReductionType(reduction_type)
+
+    @setter
+    def setMeanAccumulationAndReplicationReductionStrategy(self, strategy: MeanReductionStrategy):
+        """When the mean divides (IPU-only: equal results in fp32)."""
+        self._store(mean_reduction_strategy=coerce_enum(
+            strategy, MeanReductionStrategy,
+            "Training.setMeanAccumulationAndReplicationReductionStrategy"))
+        warn_ipu_only(f"{self._PATH}.setMeanAccumulationAndReplicationReductionStrategy")
+
+    @setter
+    def setAutomaticLossScaling(self, enabled: bool):
+        """IPU float16 automatic loss scaling (IPU-only)."""
+        self._store(automatic_loss_scaling=enabled)
+        warn_ipu_only(f"{self._PATH}.setAutomaticLossScaling")
+
+    @setter
+    def setConvolutionDithering(self, enabled: bool):
+        """Tile balancing of convolutions (IPU-only)."""
+        self._store(convolution_dithering=enabled)
+        warn_ipu_only(f"{self._PATH}.setConvolutionDithering")
+
+
+class _DistributedOptions(OptionGroup):
+    """``Options.Distributed``: this process's rank among several instances.
+
+    At construction it reads ``OMPI_COMM_WORLD_SIZE`` / ``OMPI_COMM_WORLD_RANK``
+    as PopTorch does (``setEnvVarNames`` picks other variables, e.g. torchrun's
+    ``"WORLD_SIZE", "RANK"``).
+
+    Example:
+        >>> d = _DistributedOptions().configureProcessId(1, 4)
+        >>> d.processId, d.numProcesses
+        (1, 4)
+    """
+
+    _PATH = "Options.Distributed"
+    _ATTRIBUTES = {
+        "process_id": lambda g, v: g.configureProcessId(v, g.num_processes),
+        "num_processes": lambda g, v: g.configureProcessId(g.process_id, v),
+    }
+
+    def __init__(self):
+        super().__init__(process_id=0, num_processes=1)
+        self.setEnvVarNames("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")
+
+    @property
+    def processId(self) -> int:
+        """Id of this process, 0 <= processId < numProcesses."""
+        return self.process_id
+
+    @property
+    def numProcesses(self) -> int:
+        """Number of processes the execution is distributed over."""
+        return self.num_processes
+
+    @setter
+    def configureProcessId(self, process_id: int, num_processes: int):
+        """Set this process's id and the number of processes.
+
+        Example:
+            >>> _DistributedOptions().configureProcessId(0, 2).numProcesses
+            2
+        """
+        n = check_positive_int(num_processes, "Distributed.configureProcessId num_processes",
+                               "opts.Distributed.configureProcessId(0, 1)")
+        if isinstance(process_id, bool) or not isinstance(process_id, int) \
+                or not 0 <= process_id < n:
+            raise errors.OptionsError(
+                f"Distributed.configureProcessId({process_id!r}, {num_processes!r}): "
+                f"the process id must be an int with 0 <= process_id < {n}; call "
+                f"opts.Distributed.configureProcessId(pid, n) with 0 <= pid < n")
+        self._store(process_id=process_id, num_processes=n)
+
+    @setter
+    def setEnvVarNames(self, var_num_processes: str, var_process_id: str):
+        """Read numProcesses and processId from these environment variables.
+
+        Example:
+            >>> _DistributedOptions().setEnvVarNames("NO_SUCH_SIZE", "NO_SUCH_RANK").numProcesses
+            1
+        """
+        read = {}
+        for var, default in ((var_num_processes, "1"), (var_process_id, "0")):
+            text = os.environ.get(var, default)
+            try:
+                read[var] = int(text)
+            except ValueError:
+                raise errors.OptionsError(
+                    f"Environment variable {var}={text!r} is not an int; set it to "
+                    f"an integer or call opts.Distributed.disable()") from None
+        self.configureProcessId(read[var_process_id], read[var_num_processes])
+
+    @setter
+    def disable(self):
+        """Ignore the environment: one process, id 0."""
+        self._store(process_id=0, num_processes=1)

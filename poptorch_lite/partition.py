@@ -1,0 +1,473 @@
+"""Partition: trace a model once on real inputs and split the graph into stages.
+
+[Note: partition]
+PopTorch traces a model on the first call's inputs: Python control flow and
+side effects run at trace time, tensor ops (in-place buffer updates included)
+land in the graph, each op in the block active when it ran. We do the same
+with ``make_fx`` (dispatcher-level tracing on concrete inputs), passing the
+parameters and buffers in as graph inputs (``functional_call``), so stage
+graphs run on whatever tensors they are given: the user's own ``Parameter``
+objects, or a replica's copy of the buffers. Annotations leave marker nodes
+(``markers``) in the graph; every op belongs to the block of the last
+``begin_block`` before it. A stage is a maximal run of ops on one IPU;
+consecutive blocks on the same IPU merge.
+
+A value is named by where it comes from: ``param:<name>``, ``buffer:<name>``,
+``input:<k>`` (the k-th tensor leaf of the call's arguments), or
+``node:<name>`` (computed by a stage). Sources are handed to any stage that
+needs them; a computed value travels from its stage to every later stage
+that uses it (skip connections, labels, the loss inputs).
+
+[Note: loss provenance]
+The loss is the value marked by a torch loss function or ``identity_loss``
+(``mark_loss`` nodes), never a position in the return value. Marked values
+that feed another marked value are not final; exactly one must remain.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import traceback
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.func import functional_call
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from . import markers
+from .annotations import trace_context, _current
+from .enums import AutoStage
+from .errors import BlockError, Error, LossError, PipelineError, TraceError
+from .ops import LOSS_FUNCTIONS
+from .strategies import ExecutionStrategy
+
+
+@dataclasses.dataclass
+class Stage:
+    """One stage of a partitioned model: a graph that runs on one IPU.
+
+    Attributes:
+        index: the stage's position s in execution order.
+        ipu: the IPU it runs on (its stream and device come from the placement).
+        blocks: the user block ids it holds, in order of appearance.
+        module: the stage graph; called with the values named by ``inputs``,
+            returns the values named by ``outputs`` as a tuple.
+        inputs: value names ([Note: partition]) of its arguments.
+        outputs: value names it produces for later stages or for the caller.
+    """
+
+    index: int
+    ipu: int
+    blocks: tuple
+    module: fx.GraphModule
+    inputs: tuple
+    outputs: tuple
+
+    @property
+    def param_names(self) -> list:
+        return [v.split(":", 1)[1] for v in self.inputs if v.startswith("param:")]
+
+
+@dataclasses.dataclass
+class Partition:
+    """A traced model split into stages, with everything needed to run and merge it.
+
+    Attributes:
+        stages: in execution order.
+        loss: the value name of the final loss (None in inference, or if none).
+        outputs: one entry per leaf of the model's return value: a value name
+            (str) for tensor leaves, or ``("const", value)`` for other leaves.
+        out_spec: the pytree spec to rebuild the return value.
+        mutated_buffers: names of buffers the forward changes in place.
+        checkpoints: value names marked by ``recomputationCheckpoint``.
+        module_blocks: layer name -> block id active when it ran (for summaries).
+    """
+
+    stages: list
+    loss: Optional[str]
+    outputs: list
+    out_spec: Any
+    mutated_buffers: frozenset
+    checkpoints: frozenset
+    module_blocks: dict
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def stage_ipus(self) -> list:
+        return [st.ipu for st in self.stages]
+
+
+class _LossMode(TorchFunctionMode):
+    """Marks the result of every torch loss function called during a trace."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in LOSS_FUNCTIONS and isinstance(out, torch.Tensor):
+            markers.MARK_LOSS(out)
+        return out
+
+
+@contextlib.contextmanager
+def _preserved_state(model: torch.nn.Module, modes: dict):
+    """Run the trace with the wrap-time train/eval modes; undo every change it makes.
+
+    The trace really runs the forward once, so RNG draws and buffer updates
+    (BatchNorm statistics, counters) are rolled back afterwards: tracing must
+    change no state ([Note: partition]).
+    """
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    current = {m: m.training for m in model.modules()}
+    for m in model.modules():
+        m.training = modes.get(m, m.training)
+    try:
+        yield
+    finally:
+        for m, flag in current.items():
+            m.training = flag
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def _user_frame(exc: BaseException) -> str:
+    """The innermost traceback line outside torch and poptorch_lite, for messages."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    for fr in reversed(frames):
+        if "/torch/" not in fr.filename and "/poptorch_lite/" not in fr.filename:
+            return f'{fr.filename}:{fr.lineno}: {fr.line}'
+    return "(no line of user code in the traceback)"
+
+
+def _node_line(node: fx.Node) -> str:
+    trace = node.meta.get("stack_trace", "") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines()]
+    return " / ".join(lines[:2]) if lines else f"op {node.target}"
+
+
+def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, training: bool):
+    """Trace ``model(*args, **kwargs)`` into an aten-level graph.
+
+    Args:
+        model: the user's model (its state is restored after the trace).
+        modes: module -> train/eval flag to trace with (the wrap-time modes).
+        args, kwargs: one micro-batch of the call's arguments.
+        training: trace with autograd enabled.
+
+    Returns:
+        ``(graph_module, param_names, buffer_names, out_spec, const_outputs,
+        module_blocks)``; the graph takes params, buffers, then the tensor
+        leaves of (args, kwargs), and returns the tensor leaves of the output.
+
+    Raises:
+        TraceError: the forward failed while tracing; names the user's line.
+    """
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    names = list(params) + list(buffers)
+    leaves, in_spec = pytree.tree_flatten((args, kwargs))
+    tensor_pos = [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+    result: dict = {}
+    module_blocks: dict = {}
+
+    def run(*flat):
+        values = dict(zip(names, flat[:len(names)]))
+        call_leaves = list(leaves)
+        for k, t in zip(tensor_pos, flat[len(names):]):
+            call_leaves[k] = t
+        a, kw = pytree.tree_unflatten(call_leaves, in_spec)
+        out = functional_call(model, values, a, kw)
+        out_leaves, result["spec"] = pytree.tree_flatten(out)
+        result["leaves"] = out_leaves
+        return [v for v in out_leaves if isinstance(v, torch.Tensor)]
+
+    def record_block(module, inputs, output):
+        state = _current()
+        module_blocks[module] = state.current_block
+
+    flat = list(params.values()) + list(buffers.values()) + [leaves[k] for k in tensor_pos]
+    grad = torch.enable_grad() if training else torch.no_grad()
+    hook = torch.nn.modules.module.register_module_forward_hook(record_block)
+    try:
+        with _preserved_state(model, modes), trace_context(), grad, _LossMode():
+            gm = make_fx(run, tracing_mode="real", record_stack_traces=True)(*flat)
+    except Error:
+        raise
+    except Exception as exc:
+        raise TraceError(
+            f"the model could not be traced at {_user_frame(exc)}: {type(exc).__name__}: {exc}. "
+            f"The forward runs once on the first call's real inputs; make it run as plain "
+            f"PyTorch on one micro-batch of those inputs") from exc
+    finally:
+        hook.remove()
+    consts = [None if isinstance(v, torch.Tensor) else v for v in result["leaves"]]
+    layer_blocks = {name: module_blocks[m] for name, m in model.named_modules()
+                    if m in module_blocks and name}
+    return gm, list(params), list(buffers), result["spec"], consts, layer_blocks
+
+
+def _block_stage_ids(blocks: list, strategy: ExecutionStrategy) -> dict:
+    """Block id -> (stage id, ipu), following PopTorch's rules (see POPTORCH_REFERENCE §5.2).
+
+    ``blocks`` lists (user_id, ipu_id or None) in order of first appearance.
+    """
+    ids = [b for b, _ in blocks]
+    ipu_of = dict(blocks)
+    resolved = {}
+    if strategy.stages:
+        named = [b for st in strategy.stages for b in st.blocks]
+        for b in named:
+            if b not in ipu_of:
+                raise BlockError(f"a Stage names block '{b}', but the model has no such block "
+                                 f"(its blocks: {ids}); fix the Stage or the block's user_id")
+        for b in ids:
+            s = strategy.stage_index(b)
+            if s is None:
+                raise BlockError(f"Unknown Block '{b}' list of expected Blocks: {named}; "
+                                 f"add '{b}' to a Stage of the execution strategy")
+            st = strategy.stages[s]
+            ipu = st.ipu_id if st.ipu_id is not None else (ipu_of[b] if ipu_of[b] is not None else s)
+            resolved[b] = (s, ipu)
+        return resolved
+    if strategy.auto_stage == AutoStage.AutoIncrement:
+        for s, b in enumerate(ids):
+            resolved[b] = (s, ipu_of[b] if ipu_of[b] is not None else s)
+        return resolved
+    for b in ids:
+        if ipu_of[b] is None:
+            raise BlockError(f"poptorch.AutoStage.SameAsIpu was selected but no IPU was specified "
+                             f"for block {b}; give it an ipu_id, or use "
+                             f"PipelinedExecution(AutoStage.AutoIncrement) or explicit Stages")
+        resolved[b] = (ipu_of[b], ipu_of[b])
+    return resolved
+
+
+def _is_mutation_of(node: fx.Node, target: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return False
+    for arg, value in zip(schema.arguments, node.args):
+        if value is target and arg.alias_info is not None and arg.alias_info.is_write:
+            return True
+    return False
+
+
+def split(gm: fx.GraphModule, param_names: Sequence[str], buffer_names: Sequence[str],
+          strategy: ExecutionStrategy, training: bool) -> tuple:
+    """Split a traced graph into stages.
+
+    Returns:
+        ``(stages, loss, output_values, mutated_buffers, checkpoints, block_stage)``.
+
+    Raises:
+        BlockError: an op outside any Block, an unknown or unnamed block, or
+            stage ids out of order under PipelinedExecution.
+        LossError: training with no loss or several independent losses.
+    """
+    nodes = list(gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    source_name = {}
+    for k, n in enumerate(placeholders):
+        if k < len(param_names):
+            source_name[n] = f"param:{param_names[k]}"
+        elif k < len(param_names) + len(buffer_names):
+            source_name[n] = f"buffer:{buffer_names[k - len(param_names)]}"
+        else:
+            source_name[n] = f"input:{k - len(param_names) - len(buffer_names)}"
+
+    # 1. Which block each op belongs to, from the markers ([Note: partition]).
+    block_seq: list = []  # (user_id, ipu or None) in first-appearance order
+    seen: dict = {}
+    current: Any = "<leading>"
+    owner: dict = {}
+    losses, checkpoints = [], []
+    for n in nodes:
+        if n.op != "call_function":
+            continue
+        if n.target is markers.BEGIN_BLOCK:
+            uid, ipu = n.args[0], (None if n.args[1] < 0 else n.args[1])
+            if uid in seen and ipu is not None and seen[uid] is not None and seen[uid] != ipu:
+                raise BlockError(f"block '{uid}' is declared on IPU {seen[uid]} and on IPU {ipu}; "
+                                 f"give each block one ipu_id")
+            if uid not in seen:
+                block_seq.append(uid)
+                seen[uid] = ipu
+            elif seen[uid] is None:
+                seen[uid] = ipu
+            current = uid
+        elif n.target is markers.END_BLOCK:
+            current = None
+        elif n.target is markers.MARK_LOSS:
+            losses.append(n.args[0])
+        elif n.target is markers.MARK_CHECKPOINT:
+            checkpoints.append(n.args[0])
+        else:
+            if current is None:
+                raise BlockError(
+                    f"No active Block, all the ops must belong to a Block: {n.target} at "
+                    f"{_node_line(n)} runs after a Block scope closed. You must declare all the "
+                    f"layers inside a Block scope, using either the context manager or BlockFunction")
+            owner[n] = current
+
+    # 2. Block -> (stage id, ipu); ops before the first block run on IPU 0.
+    block_stage = _block_stage_ids([(b, seen[b]) for b in block_seq], strategy)
+    block_stage["<leading>"] = (-1, 0)
+    ops = [n for n in nodes if n in owner]
+    if strategy.pipelined:
+        last = None
+        for n in ops:
+            sid = block_stage[owner[n]][0]
+            if last is not None and sid < last[0]:
+                order = " -> ".join(f"{b}(stage {block_stage[b][0]})" for b in block_seq)
+                raise BlockError(
+                    f"stage ids must ascend in execution order under PipelinedExecution, but "
+                    f"block '{owner[n]}' (stage {sid}) runs after block '{last[1]}' (stage "
+                    f"{last[0]}): {order}. Use PipelinedExecution(AutoStage.AutoIncrement), "
+                    f"reorder the Stages, or use ShardedExecution")
+            last = (sid, owner[n])
+
+    # 3. Stages: maximal runs of consecutive ops on one IPU.
+    runs: list = []
+    for n in ops:
+        ipu = block_stage[owner[n]][1]
+        if not runs or runs[-1][0] != ipu:
+            runs.append((ipu, [], []))
+        runs[-1][1].append(n)
+        if owner[n] != "<leading>" and owner[n] not in runs[-1][2]:
+            runs[-1][2].append(owner[n])
+    if not runs:
+        runs = [(0, [], [])]
+    stage_of = {n: s for s, run in enumerate(runs) for n in run[1]}
+
+    # 4. The loss, by provenance ([Note: loss provenance]).
+    loss_node = None
+    if training:
+        loss_node = _final_loss(losses)
+
+    # 5. One graph per stage; values computed in a stage and needed later become outputs.
+    out_node = next(n for n in nodes if n.op == "output")
+    model_outputs = list(out_node.args[0])
+    needed_later = {n for n in model_outputs if isinstance(n, fx.Node)}
+    if loss_node is not None:
+        needed_later.add(loss_node)
+    checkpoint_nodes = {c for c in checkpoints if isinstance(c, fx.Node)}
+
+    def value_name(n: fx.Node) -> str:
+        return source_name.get(n, f"node:{n.name}")
+
+    mutated = {source_name[p].split(":", 1)[1] for p in placeholders
+               if source_name[p].startswith("buffer:") and any(_is_mutation_of(u, p) for u in p.users)}
+    stages = []
+    for s, (ipu, run_nodes, blocks) in enumerate(runs):
+        g = fx.Graph()
+        env: dict = {}
+        inputs: list = []
+
+        def arg(n: fx.Node, env=env, g=g, inputs=inputs):
+            if n not in env:
+                if n.op == "get_attr":
+                    env[n] = g.get_attr(n.target)
+                else:
+                    inputs.append(value_name(n))
+                    env[n] = g.placeholder(value_name(n).replace(":", "_").replace(".", "_"))
+            return env[n]
+
+        for n in run_nodes:
+            if n.target in markers.MARKERS:
+                continue
+            env[n] = g.node_copy(n, arg)
+        outputs = [n for n in run_nodes if n in env and (
+            n in needed_later or any(stage_of.get(u, s) > s for u in n.users))]
+        g.output(tuple(env[n] for n in outputs))
+        module = fx.GraphModule(gm, g)
+        stages.append(Stage(s, ipu, tuple(blocks), module, tuple(inputs),
+                            tuple(value_name(n) for n in outputs)))
+    output_values = [value_name(n) for n in model_outputs]
+    loss = value_name(loss_node) if loss_node is not None else None
+    return (stages, loss, output_values, frozenset(mutated),
+            frozenset(value_name(c) for c in checkpoint_nodes), block_stage)
+
+
+def _final_loss(losses: list) -> fx.Node:
+    """The one loss that feeds no other loss ([Note: loss provenance])."""
+    candidates = list(dict.fromkeys(n for n in losses if isinstance(n, fx.Node)))
+    ancestors: dict = {}
+
+    def upstream(n: fx.Node) -> set:
+        if n not in ancestors:
+            seen, stack = set(), list(n.all_input_nodes)
+            while stack:
+                m = stack.pop()
+                if m not in seen:
+                    seen.add(m)
+                    stack.extend(m.all_input_nodes)
+            ancestors[n] = seen
+        return ancestors[n]
+
+    final = [c for c in candidates if not any(c in upstream(d) for d in candidates if d is not c)]
+    if not final:
+        raise LossError("Couldn't find a loss in graph! A training model must compute its loss "
+                        "with a torch loss function (F.cross_entropy, nn.MSELoss, ...) or mark "
+                        "it with poptorch_lite.identity_loss(x, reduction)")
+    if len(final) > 1:
+        lines = "; ".join(_node_line(c) for c in final)
+        raise LossError(f"Multiple independent losses found in graph ({len(final)}: {lines}). "
+                        f"Graph must have one final loss. Wrap final graph loss in "
+                        f"poptorch.identity_loss, e.g. identity_loss(l1 + l2, reduction='none')")
+    return final[0]
+
+
+def partition(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict,
+              strategy: ExecutionStrategy, training: bool) -> Partition:
+    """Trace ``model`` on one micro-batch and split it into stages ([Note: partition]).
+
+    Example:
+        >>> import torch
+        >>> from poptorch_lite.strategies import ShardedExecution
+        >>> p = partition(torch.nn.Linear(2, 2), {}, (torch.ones(1, 2),), {},
+        ...               ShardedExecution(), training=False)
+        >>> p.num_stages
+        1
+    """
+    gm, pnames, bnames, spec, consts, layer_blocks = trace(model, modes, args, kwargs, training)
+    stages, loss, tensor_outputs, mutated, checkpoints, _ = split(gm, pnames, bnames, strategy,
+                                                                 training)
+    it = iter(tensor_outputs)
+    outputs = [next(it) if c is None else ("const", c) for c in consts]
+    return Partition(stages, loss, outputs, spec, mutated, checkpoints, layer_blocks)
+
+
+def check_pipeline_minimums(num_stages: int, strategy: ExecutionStrategy, training: bool,
+                            gradient_accumulation: int, device_iterations: int) -> None:
+    """PopTorch's minimums for PipelinedExecution (POPTORCH_REFERENCE §5.2).
+
+    Raises:
+        PipelineError: training with gradientAccumulation < 2N-1, or inference
+            with deviceIterations < N, for N pipeline stages.
+    """
+    if not strategy.pipelined or num_stages < 2:
+        return
+    n = num_stages
+    if training and gradient_accumulation < 2 * n - 1:
+        raise PipelineError(
+            f"poptorch.Options().Training.gradientAccumulation must be greater than or equal to "
+            f"the number of pipeline stages ({2 * n - 1}) when using poptorch.PipelinedExecution: "
+            f"gradientAccumulation({gradient_accumulation}) is too small for a {n}-stage pipeline "
+            f"(a model with {n} pipeline stages has an additional {n - 1} stages when training); "
+            f"call opts.Training.gradientAccumulation({2 * n - 1}) or more, or use ShardedExecution")
+    if not training and device_iterations < n:
+        raise PipelineError(
+            f"poptorch.Options().deviceIterations must be greater than or equal to the number of "
+            f"pipeline stages ({n}) when using PopTorch.PipelinedExecution: deviceIterations"
+            f"({device_iterations}) is too small; call opts.deviceIterations({n}) or more, "
+            f"or use ShardedExecution")

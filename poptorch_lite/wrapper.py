@@ -1,0 +1,372 @@
+"""The PopTorch face: ``trainingModel``, ``inferenceModel`` and the model they return.
+
+A call validates its inputs, traces the model once per input signature
+(``partition``), places the stages (``placement``), builds the schedule
+(``schedule``) and runs it (``executor``), then merges the micro-batch outputs
+per the output mode. Every refusal happens before any parameter, optimizer
+state, buffer or RNG state changes.
+
+[Note: weight sync]
+Stages on the host model's device compute with the user's own ``Parameter``
+objects, so after a training call the model holds the trained values, an
+``inferenceModel`` of the same model sees them, and host edits take effect at
+once (POPTORCH_REFERENCE §11: an emulation need not copy PopTorch's stale-copy
+artifacts). Stages on other devices use copies ([Note: weight homes]) that
+follow host edits before every call; ``copyWeightsToHost``/``copyWeightsToDevice``
+force the copies either way.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from typing import Optional
+
+import torch
+
+from . import optim as poptorch_optim
+from .batch import MicroBatches, merge, resolve_output_mode, selected_microbatches
+from .enums import ConnectionType, ReductionType
+from .errors import BatchSizeError, DeviceError, Error, OptionsError, WrapError, warn_once, \
+    PoptorchLiteWarning
+from .executor import Executor, StepArithmetic
+from .options import Options, batch_factor
+from .partition import Partition, check_pipeline_minimums, partition
+from .placement import Placement, Weights
+from .schedule import build
+
+# Models currently wrapped by a training wrapper (refused a second time until destroy()).
+_TRAINING_WRAPPERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+class _Program:
+    """What one input signature compiles to: the partition and its executor."""
+
+    def __init__(self, partition: Partition, executor: Executor):
+        self.partition = partition
+        self.executor = executor
+
+
+class PoplarExecutor:
+    """A model wrapped by ``trainingModel`` or ``inferenceModel``.
+
+    Call it like the model with a combined batch. Attributes that the wrapper
+    does not define are read from the user's model (``poptorch_model.fc.weight``).
+    """
+
+    def __init__(self, model: torch.nn.Module, options: Options, training: bool,
+                 optimizer: Optional[torch.optim.Optimizer] = None):
+        self._user_model = model
+        self._options = options
+        self._training = training
+        self._modes = {m: m.training for m in model.modules()}  # traced with wrap-time modes
+        self._optimizer = optimizer
+        self._programs: dict = {}
+        self._placement: Optional[Placement] = None
+        self._weights: Optional[Weights] = None
+        self._attached = False
+        self._compiled = False
+        self._versions: tuple = ()
+
+    # -- PopTorch's API -------------------------------------------------------------------
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The user's model."""
+        return self._user_model
+
+    @property
+    def options(self) -> Options:
+        """The wrapper's own (frozen) copy of the options."""
+        return self._options
+
+    def __call__(self, *args, **kwargs):
+        """Run one call: D device iterations over a combined batch.
+
+        Raises:
+            BatchSizeError, InputError, BlockError, LossError, PipelineError,
+            OptionsError: refused before any state changes.
+            ExecutionError: an action failed while running.
+        """
+        opts = self._options
+        if opts.connection_type == ConnectionType.Never:
+            raise DeviceError("Options.connectionType(ConnectionType.Never) was set: this model "
+                              "can be compiled but not run; use ConnectionType.Always to run it")
+        mbs = self._split(args, kwargs)
+        program = self._program(mbs)
+        if not self._attached:
+            self._attach()
+        self._follow_host_edits()
+        D, R = opts.device_iterations, self._replicas()
+        G = opts.Training.gradient_accumulation if self._training else 1
+        ex = program.executor
+        ipus = program.partition.stage_ipus()
+        outputs = []
+        if self._training:
+            schedule = build(opts.execution_strategy.schedule, len(ipus), G * R, True, ipus)
+            step = StepArithmetic(
+                self._optimizer, poptorch_optim.loss_scaling(self._optimizer),
+                G * R if opts.Training.reduction_type == ReductionType.Mean else 1,
+                poptorch_optim.max_grad_norm(self._optimizer))
+            for d in range(D):
+                ks = range(d * G * R, (d + 1) * G * R)
+                outputs += ex.run(schedule, [mbs.tensors(k) for k in ks], lambda j: j % R, step)
+        else:
+            schedule = build(opts.execution_strategy.schedule, len(ipus), D * R, False, ipus)
+            outputs = ex.run(schedule, [mbs.tensors(k) for k in range(D * R)], lambda j: j % R,
+                             None)
+        self._weights.to_host()
+        self._remember_versions()
+        return self._merge(program.partition, outputs)
+
+    def compile(self, *args, **kwargs) -> None:
+        """Trace and check the model for these inputs without running a step."""
+        if self._compiled:
+            warn_once("compile.twice", "compile() was called on a model that is already "
+                      "compiled; nothing to do", PoptorchLiteWarning)
+        self._program(self._split(args, kwargs))
+        if not self._attached:
+            self._attach()
+
+    def isCompiled(self) -> bool:
+        return self._compiled
+
+    def copyWeightsToHost(self) -> None:
+        """Copy device-side weights and buffers back to the user's model."""
+        self._require_compiled()
+        self._weights.to_host()
+
+    def copyWeightsToDevice(self) -> None:
+        """Make the device side use the user's model's current weights and buffers."""
+        self._require_compiled()
+        self._weights.to_device()
+        self._remember_versions()
+
+    def setOptimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Use ``optimizer``'s hyper-parameters from the next call on.
+
+        The optimizer state is kept unless ``optimizer`` carries state of its own
+        (a loaded state dict), as in PopTorch.
+        """
+        if not self._training:
+            raise WrapError("setOptimizer() needs a model wrapped with trainingModel")
+        poptorch_optim.check_optimizer(optimizer)
+        if optimizer is self._optimizer:
+            return
+        if len(optimizer.state) > 0:
+            self._optimizer = optimizer
+        else:
+            poptorch_optim.copy_hyperparameters(optimizer, self._optimizer)
+
+    def detachFromDevice(self) -> None:
+        """Copy weights to the host and release the device's workers."""
+        if not self._compiled or not self._attached:
+            raise DeviceError("Device is not attached: compile or call the model before "
+                              "detachFromDevice()")
+        self._weights.to_host()
+        self._placement.close()
+        self._attached = False
+
+    def attachToDevice(self) -> None:
+        """Attach again after ``detachFromDevice()`` (a call attaches automatically)."""
+        self._require_compiled()
+        if self._attached:
+            raise DeviceError("Device is already attached")
+        self._attach()
+
+    def isAttachedToDevice(self) -> bool:
+        return self._attached
+
+    def destroy(self) -> None:
+        """Copy weights back, release workers and unwrap (the model can be wrapped again)."""
+        if self._weights is not None:
+            self._weights.to_host()
+        if self._placement is not None:
+            self._placement.close()
+        self._programs.clear()
+        self._placement = self._weights = None
+        self._attached = self._compiled = False
+        if _TRAINING_WRAPPERS.get(self._user_model) is self:
+            del _TRAINING_WRAPPERS[self._user_model]
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        """Load into the user's model, then into the device side."""
+        result = self._user_model.load_state_dict(state_dict, strict)
+        if self._compiled:
+            self.copyWeightsToDevice()
+        return result
+
+    def to(self, *args, **kwargs):
+        raise WrapError("a wrapped model cannot be moved with .to(): IPUs map to devices through "
+                        "Options.set_ipu_devices(...); move the model before wrapping it")
+
+    cuda = cpu = half = float = double = to
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._user_model, name)
+
+    def __repr__(self) -> str:
+        kind = "trainingModel" if self._training else "inferenceModel"
+        return f"{kind}({self._user_model!r})"
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _replicas(self) -> int:
+        return self._options.replication_factor // self._options.input_group_size
+
+    def _split(self, args, kwargs) -> MicroBatches:
+        o = self._options
+        G = o.Training.gradient_accumulation if self._training else 1
+        explain = (f"Options.deviceIterations({o.device_iterations}) * "
+                   f"(Options.replicationFactor({o.replication_factor}) / "
+                   f"Options.inputReplicaGrouping.input_group_size({o.input_group_size})) * "
+                   f"Options.Training.gradientAccumulation({G})")
+        return MicroBatches(args, kwargs, batch_factor(o) if self._training else
+                            o.device_iterations * self._replicas(), explain)
+
+    def _program(self, mbs: MicroBatches) -> _Program:
+        key = mbs.signature()
+        if key in self._programs:
+            return self._programs[key]
+        o = self._options
+        a, kw = mbs.args_kwargs(0)
+        part = partition(self._user_model, self._modes, a, kw, o.execution_strategy,
+                         self._training)
+        check_pipeline_minimums(part.num_stages, o.execution_strategy, self._training,
+                                o.Training.gradient_accumulation, o.device_iterations)
+        if self._replicas() > 1 and part.mutated_buffers and o.broadcast_buffers:
+            raise OptionsError(
+                f"PopTorch does not support broadcasting buffers: the model changes buffers "
+                f"{sorted(part.mutated_buffers)} and replicationFactor is "
+                f"{o.replication_factor}. If your model is able to tolerate buffers becoming out "
+                f"of sync between replicas, you can disable buffer broadcasting using "
+                f"poptorch.Options.broadcastBuffers(False)")
+        if self._weights is None:
+            self._weights = Weights(self._user_model, self._replicas(),
+                                    separate_buffers=not o.broadcast_buffers)
+        ipus = set(part.stage_ipus())
+        if self._placement is None or not ipus <= set(self._placement.devices):
+            if self._placement is not None:
+                self._placement.close()
+            self._placement = Placement(sorted(ipus), o.ipu_devices)
+        program = _Program(part, Executor(part, self._placement, self._weights))
+        self._programs[key] = program
+        self._compiled = True
+        return program
+
+    def _attach(self) -> None:
+        self._attached = True
+        self._weights.to_device()
+        self._remember_versions()
+
+    def _require_compiled(self) -> None:
+        if not self._compiled:
+            raise DeviceError("Model has not been compiled or has been destroyed: call the "
+                              "model (or model.compile(...)) first")
+
+    def _remember_versions(self) -> None:
+        w = self._weights
+        self._versions = tuple(t._version for t in list(w.params.values()) + list(w.buffers.values()))
+
+    def _follow_host_edits(self) -> None:
+        """Host tensors changed since the last sync (an edit, another wrapper's training)."""
+        w = self._weights
+        now = tuple(t._version for t in list(w.params.values()) + list(w.buffers.values()))
+        if now != self._versions:
+            w.to_device()
+            self._versions = now
+
+    def _merge(self, part: Partition, per_microbatch: list):
+        o = self._options
+        mode = resolve_output_mode(o.output_mode, self._training)
+        G = o.Training.gradient_accumulation if self._training else 1
+        groups = selected_microbatches(mode, o.output_return_period or 1, o.device_iterations,
+                                       G, self._replicas())
+        merged = iter(merge(per_microbatch, groups))
+        leaves = [next(merged) if isinstance(v, str) else v[1] for v in part.outputs]
+        from torch.utils import _pytree as pytree
+        return pytree.tree_unflatten(leaves, part.out_spec)
+
+
+def _check_options(options) -> Options:
+    if options is None:
+        return Options()
+    if not isinstance(options, Options):
+        raise OptionsError(f"Invalid type: 'options' is of type {type(options)} "
+                           f"(Expected poptorch.Options)")
+    return options
+
+
+def trainingModel(model, options: Optional[Options] = None,
+                  optimizer: Optional[torch.optim.Optimizer] = None) -> PoplarExecutor:
+    """Wrap ``model`` for training: each call runs forward, backward and optimizer steps.
+
+    Args:
+        model: an ``nn.Module`` whose forward returns (or includes) a loss, or a
+            wrapped model (its ``.model`` is wrapped).
+        options: ``Options`` (default: ``Options()``); frozen by this call.
+        optimizer: default ``poptorch_lite.optim.SGD(model.parameters(), lr=0.01)``.
+
+    Raises:
+        OptionsError: ``options`` is not an Options.
+        WrapError: the model is already wrapped for training.
+        OptimizerError: the optimizer is not supported.
+
+    Example:
+        >>> import torch
+        >>> class Net(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.fc = torch.nn.Linear(2, 1)
+        ...     def forward(self, x, y):
+        ...         out = self.fc(x)
+        ...         return out, torch.nn.functional.mse_loss(out, y)
+        >>> net = Net()
+        >>> train = trainingModel(net)
+        >>> out, loss = train(torch.ones(4, 2), torch.zeros(4, 1))
+    """
+    if isinstance(model, PoplarExecutor):
+        model = model.model
+    options = _check_options(options)
+    existing = _TRAINING_WRAPPERS.get(model)
+    if existing is not None:
+        raise WrapError("Model has already been wrapped in 'poptorch.trainingModel'. Call "
+                        "model.destroy() on the model to unwrap before wrapping again.")
+    if optimizer is None:
+        optimizer = poptorch_optim.SGD(model.parameters(), lr=0.01)
+    poptorch_optim.check_optimizer(optimizer)
+    private = options.clone()
+    options._freeze()
+    private._freeze()
+    wrapper = PoplarExecutor(model, private, True, optimizer)
+    _TRAINING_WRAPPERS[model] = wrapper
+    return wrapper
+
+
+def inferenceModel(model, options: Optional[Options] = None) -> PoplarExecutor:
+    """Wrap ``model`` for inference: each call runs forwards only.
+
+    Raises:
+        OptionsError: ``options`` is not an Options, or gradientAccumulation is not 1.
+
+    Example:
+        >>> import torch
+        >>> infer = inferenceModel(torch.nn.Linear(2, 1))
+        >>> infer(torch.ones(3, 2)).shape
+        torch.Size([3, 1])
+    """
+    if isinstance(model, PoplarExecutor):
+        model = model.model
+    options = _check_options(options)
+    if options.Training.gradient_accumulation != 1:
+        raise OptionsError(
+            f"You must set poptorch.Options().Training.gradientAccumulation to 1 or leave it as "
+            f"its default value (1) when running a poptorch.inferenceModel() (it is "
+            f"{options.Training.gradient_accumulation}). Use poptorch.Options().deviceIterations "
+            f"for pipelined execution instead.")
+    private = options.clone()
+    options._freeze()
+    private._freeze()
+    return PoplarExecutor(model, private, False)
