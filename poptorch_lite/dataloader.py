@@ -174,7 +174,7 @@ class DataLoader(torch.utils.data.DataLoader):
             if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
                 raise errors.DataLoaderError(f"batch_size must be a positive int or None, got {batch_size!r}")
             self._combined = None if batch_size is None else combined_batch_size(options, batch_size)
-            args["batch_size"] = self._combined
+            args.update(batch_size=self._combined, drop_last=drop_last and batch_size is not None)
 
         if is_iterable:
             if distributed:

@@ -12,7 +12,7 @@ a consequence here and say so: ``connectionType(ConnectionType.Never)`` (and
 
 Example:
     >>> from poptorch_lite.options import Options
-    >>> Options().logDir("/tmp/logs").log_dir  # doctest: +SKIP
+    >>> Options().logDir("/tmp/logs").log_dir
     '/tmp/logs'
 """
 
@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 from . import errors
 from .enums import ConnectionType, OutputMode, SyncPattern
-from .options_base import check_bool, coerce_enum, setter, warn_ipu_only
+from .options_base import coerce_enum, setter, via_setter, warn_ipu_only
 
 #: Defaults of the values the setters below store on ``Options``.
 DEVICE_DEFAULTS: dict[str, Any] = dict(
@@ -37,25 +37,22 @@ DEVICE_DEFAULTS: dict[str, Any] = dict(
     available_memory_proportion={}, anchored_tensors={})
 
 
-def _attr(method: str):
-    return lambda group, value: getattr(group, method)(value)
-
 
 #: snake_case attribute -> setter, for ``opts.<attribute> = value``.
 DEVICE_ATTRIBUTES = {
-    "auto_round_num_ipus": _attr("autoRoundNumIPUs"), "use_model": _attr("useIpuModel"),
-    "executable_cache_dir": _attr("enableExecutableCaching"),
-    "connection_type": _attr("connectionType"), "ipu_id": _attr("useIpuId"),
-    "ipu_version": _attr("useOfflineIpuTarget"), "sync_pattern": _attr("syncPattern"),
-    "log_cycle_count": _attr("logCycleCount"), "profile_dir": _attr("enableProfiling"),
-    "log_dir": _attr("logDir"), "max_repeat_logs": _attr("maxRepeatLogs"),
-    "model_name": _attr("modelName"), "stable_norm": _attr("enableStableNorm"),
-    "show_compilation_progress_bar": _attr("showCompilationProgressBar"),
-    "relax_optimizer_attributes_checks": _attr("relaxOptimizerAttributesChecks"),
-    "source_location_excludes": _attr("sourceLocationExcludes"),
-    "updatable_named_buffers": _attr("updatableNamedBuffers"),
-    "synthetic_data": _attr("enableSyntheticData"),
-    "available_memory_proportion": _attr("setAvailableMemoryProportion"),
+    "auto_round_num_ipus": via_setter("autoRoundNumIPUs"), "use_model": via_setter("useIpuModel"),
+    "executable_cache_dir": via_setter("enableExecutableCaching"),
+    "connection_type": via_setter("connectionType"), "ipu_id": via_setter("useIpuId"),
+    "ipu_version": via_setter("useOfflineIpuTarget"), "sync_pattern": via_setter("syncPattern"),
+    "log_cycle_count": via_setter("logCycleCount"), "profile_dir": via_setter("enableProfiling"),
+    "log_dir": via_setter("logDir"), "max_repeat_logs": via_setter("maxRepeatLogs"),
+    "model_name": via_setter("modelName"), "stable_norm": via_setter("enableStableNorm"),
+    "show_compilation_progress_bar": via_setter("showCompilationProgressBar"),
+    "relax_optimizer_attributes_checks": via_setter("relaxOptimizerAttributesChecks"),
+    "source_location_excludes": via_setter("sourceLocationExcludes"),
+    "updatable_named_buffers": via_setter("updatableNamedBuffers"),
+    "synthetic_data": via_setter("enableSyntheticData"),
+    "available_memory_proportion": via_setter("setAvailableMemoryProportion"),
 }
 
 
@@ -64,7 +61,7 @@ class DeviceOptions:
 
     Example:
         >>> from poptorch_lite.options import Options
-        >>> Options().useIpuModel(True).use_model  # doctest: +SKIP
+        >>> Options().useIpuModel(True).use_model
         True
     """
 
@@ -74,29 +71,59 @@ class DeviceOptions:
 
     @setter
     def autoRoundNumIPUs(self, auto_round_num_ipus: bool = True):
-        """Round the IPU count up to a power of 2 (any count works here)."""
+        """Round the IPU count up to a power of 2 (any count works here).
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().autoRoundNumIPUs().auto_round_num_ipus
+            True
+        """
         self._ipu_only("autoRoundNumIPUs", auto_round_num_ipus=auto_round_num_ipus)
 
     @setter
     def useIpuModel(self, use_model: bool):
-        """Run on the IPU Model simulator."""
+        """Run on the IPU Model simulator.
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().useIpuModel(True).use_model
+            True
+        """
         self._ipu_only("useIpuModel", use_model=use_model)
 
     @setter
     def enableExecutableCaching(self, path: Optional[str]):
-        """Cache compiled executables in ``path`` (None disables)."""
+        """Cache compiled executables in ``path`` (None disables).
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().enableExecutableCaching('/tmp/cache').executable_cache_dir
+            '/tmp/cache'
+        """
         self._ipu_only("enableExecutableCaching", executable_cache_dir=path)
 
     @setter
     def connectionType(self, connection_type: ConnectionType):
-        """When to attach to the IPU; ``Never`` = compile only (calls are refused)."""
+        """When to attach to the IPU; ``Never`` = compile only (calls are refused).
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().connectionType(ConnectionType.OnDemand).connection_type
+            <ConnectionType.OnDemand: 1>
+        """
         ct = coerce_enum(connection_type, ConnectionType, "connectionType")
         self._ipu_only("connectionType", "With ConnectionType.Never a wrapped model "
                        "compiles but refuses to run, as in PopTorch", connection_type=ct)
 
     @setter
     def useIpuId(self, ipu_id: int):
-        """Use the IPU device with this ``gc-info`` id."""
+        """Use the IPU device with this ``gc-info`` id.
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().useIpuId(1).ipu_id
+            1
+        """
         if isinstance(ipu_id, bool) or not isinstance(ipu_id, int) or ipu_id < 0:
             raise errors.OptionsError(
                 f"useIpuId needs a non-negative int, got {ipu_id!r}; call e.g. "
@@ -105,89 +132,185 @@ class DeviceOptions:
 
     @setter
     def useOfflineIpuTarget(self, ipu_version: int = 2):
-        """Compile for an offline IPU target; sets ``connectionType(Never)``."""
+        """Compile for an offline IPU target; sets ``connectionType(Never)``.
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().useOfflineIpuTarget().connection_type
+            <ConnectionType.Never: 2>
+        """
         self._ipu_only("useOfflineIpuTarget", "It sets connectionType(Never): a "
                        "wrapped model compiles but refuses to run",
                        ipu_version=ipu_version, connection_type=ConnectionType.Never)
 
     @setter
     def syncPattern(self, sync_pattern: SyncPattern):
-        """IPU synchronisation pattern."""
+        """IPU synchronisation pattern.
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().syncPattern(SyncPattern.SinglePipeline).sync_pattern
+            <SyncPattern.SinglePipeline: 1>
+        """
         sp = coerce_enum(sync_pattern, SyncPattern, "syncPattern")
         self._ipu_only("syncPattern", sync_pattern=sp)
 
     @setter
     def logCycleCount(self, log_cycle_count: bool):
-        """Log IPU cycle counts."""
+        """Log IPU cycle counts.
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().logCycleCount(True).log_cycle_count
+            True
+        """
         self._ipu_only("logCycleCount", log_cycle_count=log_cycle_count)
 
     @setter
     def enableProfiling(self, profile_dir: Optional[str] = None):
-        """Write Poplar profiling reports to ``profile_dir`` (default ``.``)."""
+        """Write Poplar profiling reports to ``profile_dir`` (default ``.``).
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().enableProfiling('prof').profile_dir
+            'prof'
+        """
         self._ipu_only("enableProfiling", profile_dir=profile_dir or ".")
 
     @setter
     def logDir(self, log_dir: str):
-        """Directory for PopTorch's log files."""
+        """Directory for PopTorch's log files.
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().logDir('logs').log_dir
+            'logs'
+        """
         self._ipu_only("logDir", log_dir=log_dir)
 
     @setter
     def maxRepeatLogs(self, number_repeats: int):
-        """Cap on repeats of a repeated log message."""
+        """Cap on repeats of a repeated log message.
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().maxRepeatLogs(2).max_repeat_logs
+            2
+        """
         self._ipu_only("maxRepeatLogs", max_repeat_logs=number_repeats)
 
     @setter
     def modelName(self, name: str):
-        """Model name used for profile sub-directories."""
+        """Model name used for profile sub-directories.
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().modelName('mnist').model_name
+            'mnist'
+        """
         self._ipu_only("modelName", model_name=name)
 
     @setter
     def enableStableNorm(self, enabled: bool):
-        """Use the slower, more stable IPU norm kernels."""
+        """Use the slower, more stable IPU norm kernels.
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().enableStableNorm(True).stable_norm
+            True
+        """
         self._ipu_only("enableStableNorm", stable_norm=enabled)
 
     @setter
     def showCompilationProgressBar(self, show: bool = True):
-        """Show the Poplar compilation progress bar."""
+        """Show the Poplar compilation progress bar.
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().showCompilationProgressBar(False).show_compilation_progress_bar
+            False
+        """
         self._ipu_only("showCompilationProgressBar", show_compilation_progress_bar=show)
 
     @setter
     def relaxOptimizerAttributesChecks(self, relax: bool = True):
-        """Turn PopTorch's unexpected-optimizer-attribute warnings into debug logs."""
+        """Turn PopTorch's unexpected-optimizer-attribute warnings into debug logs.
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().relaxOptimizerAttributesChecks().relax_optimizer_attributes_checks
+            True
+        """
         self._ipu_only("relaxOptimizerAttributesChecks",
                        relax_optimizer_attributes_checks=relax)
 
     @setter
     def sourceLocationExcludes(self, excludes: list):
-        """Replace the frames skipped in IR source locations."""
+        """Replace the frames skipped in IR source locations.
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().sourceLocationExcludes(['lib/']).source_location_excludes
+            ['lib/']
+        """
         self._ipu_only("sourceLocationExcludes", source_location_excludes=list(excludes))
 
     @setter
     def appendToLocationExcludes(self, *excludes: str):
-        """Add frames skipped in IR source locations."""
+        """Add frames skipped in IR source locations.
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().appendToLocationExcludes('lib/').source_location_excludes[-1]
+            'lib/'
+        """
         self._ipu_only("appendToLocationExcludes", source_location_excludes=[
             *self.source_location_excludes, *excludes])
 
     @setter
     def disableModuleNamescope(self):
-        """Drop module names from PopART op names."""
+        """Drop module names from PopART op names.
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().disableModuleNamescope().module_namescope_enabled
+            False
+        """
         self._ipu_only("disableModuleNamescope", module_namescope_enabled=False)
 
     @setter
     def updatableNamedBuffers(self, buffers: list):
-        """Buffers that ``copyNamedBuffersToDevice`` may update."""
+        """Buffers that ``copyNamedBuffersToDevice`` may update.
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().updatableNamedBuffers(['bn.running_mean']).updatable_named_buffers
+            ['bn.running_mean']
+        """
         self._ipu_only("updatableNamedBuffers", updatable_named_buffers=list(buffers))
 
     @setter
     def enableSyntheticData(self, enabled: bool):
-        """IPU benchmarking without host I/O: here the inputs are NOT replaced."""
+        """IPU benchmarking without host I/O: here the inputs are NOT replaced.
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().enableSyntheticData(True).synthetic_data
+            True
+        """
         self._ipu_only("enableSyntheticData", "poptorch_lite does NOT replace the "
                        "inputs by random data: the model runs on the real host "
                        "inputs and its numerics stay real", synthetic_data=enabled)
 
     @setter
     def setAvailableMemoryProportion(self, available_memory_proportion: dict):
-        """Temporary memory per IPU, e.g. ``{"IPU0": 0.5}``."""
+        """Temporary memory per IPU, e.g. ``{"IPU0": 0.5}``.
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().setAvailableMemoryProportion({'IPU0': 0.5}).available_memory_proportion
+            {0: 0.5}
+        """
         if not isinstance(available_memory_proportion, dict):
             raise errors.OptionsError(
                 f"setAvailableMemoryProportion needs a dict such as {{'IPU0': 0.5}}, "
@@ -210,7 +333,13 @@ class DeviceOptions:
     def anchorTensor(self, short_name: str, long_name: str,
                      output_mode: Optional[OutputMode] = None,
                      output_return_period: Optional[int] = 1):
-        """Anchor a PopART tensor by name (PopART names do not exist here)."""
+        """Anchor a PopART tensor by name (PopART names do not exist here).
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().anchorTensor('grad', 'Gradient___fc.bias').anchored_tensors
+            {'grad': ['Gradient___fc.bias', None, 1]}
+        """
         anchors = dict(self.anchored_tensors)
         anchors[short_name] = [long_name, output_mode, output_return_period]
         self._ipu_only("anchorTensor", anchored_tensors=anchors)

@@ -20,14 +20,10 @@ from typing import Any, Optional
 import torch
 
 from . import errors
-from .enums import ConnectionType, HalfFloatCastingBehavior, OutputMode, SyncPattern
+from .enums import HalfFloatCastingBehavior
 from .options_base import (OptionGroup, check_bool, coerce_enum, setter,
-                           warn_ipu_only)
+                           via_setter, warn_ipu_only)
 
-
-def _attr(method: str):
-    """An attribute assignment that calls the one-argument setter ``method``."""
-    return lambda group, value: getattr(group, method)(value)
 
 
 class _PrecisionOptions(OptionGroup):
@@ -40,11 +36,11 @@ class _PrecisionOptions(OptionGroup):
 
     _PATH = "Options.Precision"
     _ATTRIBUTES = {
-        "floating_point_exceptions": _attr("enableFloatingPointExceptions"),
-        "stochastic_rounding": _attr("enableStochasticRounding"),
-        "partials_type": _attr("setPartialsType"),
-        "half_float_casting": _attr("halfFloatCasting"),
-        "running_statistics_always_float": _attr("runningStatisticsAlwaysFloat"),
+        "floating_point_exceptions": via_setter("enableFloatingPointExceptions"),
+        "stochastic_rounding": via_setter("enableStochasticRounding"),
+        "partials_type": via_setter("setPartialsType"),
+        "half_float_casting": via_setter("halfFloatCasting"),
+        "running_statistics_always_float": via_setter("runningStatisticsAlwaysFloat"),
     }
 
     def __init__(self):
@@ -55,19 +51,34 @@ class _PrecisionOptions(OptionGroup):
 
     @setter
     def enableFloatingPointExceptions(self, enabled: bool):
-        """Raise on IPU floating-point exceptions (IPU-only)."""
+        """Raise on IPU floating-point exceptions (IPU-only).
+
+        Example:
+            >>> _PrecisionOptions().enableFloatingPointExceptions(True).floating_point_exceptions
+            True
+        """
         self._store(floating_point_exceptions=check_bool(enabled, "enableFloatingPointExceptions"))
         warn_ipu_only(f"{self._PATH}.enableFloatingPointExceptions")
 
     @setter
     def enableStochasticRounding(self, enabled: bool):
-        """Round float16 stochastically on the IPU (IPU-only)."""
+        """Round float16 stochastically on the IPU (IPU-only).
+
+        Example:
+            >>> _PrecisionOptions().enableStochasticRounding(True).stochastic_rounding
+            True
+        """
         self._store(stochastic_rounding=enabled)
         warn_ipu_only(f"{self._PATH}.enableStochasticRounding")
 
     @setter
     def setPartialsType(self, dtype: torch.dtype):
-        """Type of matmul/convolution partials: ``torch.float`` or ``torch.half``."""
+        """Type of matmul/convolution partials: ``torch.float`` or ``torch.half``.
+
+        Example:
+            >>> _PrecisionOptions().setPartialsType(torch.float).partials_type
+            torch.float32
+        """
         if dtype not in (torch.float32, torch.float16):
             raise errors.OptionsError(
                 f"parameter to setPartialsType should be either torch.float or "
@@ -77,14 +88,24 @@ class _PrecisionOptions(OptionGroup):
 
     @setter
     def halfFloatCasting(self, behavior: HalfFloatCastingBehavior):
-        """Deprecated casting rule for mixed float16/float32 ops (IPU-only)."""
+        """Deprecated casting rule for mixed float16/float32 ops (IPU-only).
+
+        Example:
+            >>> _PrecisionOptions().halfFloatCasting(HalfFloatCastingBehavior.HalfUpcastToFloat).half_float_casting
+            <HalfFloatCastingBehavior.HalfUpcastToFloat: 1>
+        """
         self._store(half_float_casting=coerce_enum(
             behavior, HalfFloatCastingBehavior, "Precision.halfFloatCasting"))
         warn_ipu_only(f"{self._PATH}.halfFloatCasting")
 
     @setter
     def runningStatisticsAlwaysFloat(self, value: bool):
-        """Keep BatchNorm running statistics in float32 (IPU-only)."""
+        """Keep BatchNorm running statistics in float32 (IPU-only).
+
+        Example:
+            >>> _PrecisionOptions().runningStatisticsAlwaysFloat(False).running_statistics_always_float
+            False
+        """
         self._store(running_statistics_always_float=check_bool(
             value, "runningStatisticsAlwaysFloat"))
         warn_ipu_only(f"{self._PATH}.runningStatisticsAlwaysFloat")
@@ -99,14 +120,19 @@ class _JitOptions(OptionGroup):
     """
 
     _PATH = "Options.Jit"
-    _ATTRIBUTES = {"trace_model": _attr("traceModel")}
+    _ATTRIBUTES = {"trace_model": via_setter("traceModel")}
 
     def __init__(self):
         super().__init__(trace_model=False)
 
     @setter
     def traceModel(self, trace_model: bool):
-        """Must be False: torch.jit tracing is not used (True raises OptionsError)."""
+        """Must be False: torch.jit tracing is not used (True raises OptionsError).
+
+        Example:
+            >>> _JitOptions().traceModel(False).trace_model
+            False
+        """
         if trace_model is not False:
             raise errors.OptionsError(
                 f"Jit.traceModel({trace_model!r}) is not supported: models are "
@@ -143,6 +169,10 @@ class _PopartOptions(OptionGroup):
         Raises:
             errors.OptionsError: ``key`` is not a str, or autoRecomputation is
                 not a non-negative int.
+
+        Example:
+            >>> _PopartOptions().set('enableStableNorm', True).options
+            {'enableStableNorm': True}
         """
         if not isinstance(key, str):
             raise errors.OptionsError(
@@ -161,7 +191,12 @@ class _PopartOptions(OptionGroup):
 
     @setter
     def setEngineOptions(self, engine_options: dict):
-        """Poplar engine options (IPU-only)."""
+        """Poplar engine options (IPU-only).
+
+        Example:
+            >>> _PopartOptions().setEngineOptions({'opt': '1'}).options
+            {'engineOptions': {'opt': '1'}}
+        """
         if not isinstance(engine_options, dict):
             raise errors.OptionsError(
                 f"setEngineOptions needs a dict, got {engine_options!r}; call e.g. "
@@ -171,7 +206,12 @@ class _PopartOptions(OptionGroup):
 
     @setter
     def setPatterns(self, patterns: dict, level: int = 2):
-        """Override PopART's graph patterns (IPU-only)."""
+        """Override PopART's graph patterns (IPU-only).
+
+        Example:
+            >>> _PopartOptions().setPatterns({'PadSum': True}).options['patterns']
+            {'PadSum': True}
+        """
         if not isinstance(patterns, dict) or isinstance(level, bool) or not isinstance(level, int):
             raise errors.OptionsError(
                 f"setPatterns needs a dict of pattern names and an int level, got "
@@ -205,34 +245,69 @@ class TensorLocationSettings:
         return self
 
     def minElementsForOffChip(self, min_elements: int) -> TensorLocationSettings:
-        """Tensors with fewer elements are never off-chip."""
+        """Tensors with fewer elements are never off-chip.
+
+        Example:
+            >>> TensorLocationSettings().minElementsForOffChip(64).toDict()
+            {'minElementsForOffChip': 64}
+        """
         return self._int("minElementsForOffChip", min_elements)
 
     def minElementsForReplicatedTensorSharding(self, min_elements: int) -> TensorLocationSettings:
-        """Tensors with fewer elements are never sharded across replicas."""
+        """Tensors with fewer elements are never sharded across replicas.
+
+        Example:
+            >>> TensorLocationSettings().minElementsForReplicatedTensorSharding(8).toDict()
+            {'minElementsForReplicatedTensorSharding': 8}
+        """
         return self._int("minElementsForReplicatedTensorSharding", min_elements)
 
     def useOnChipStorage(self, use: Optional[bool] = True) -> TensorLocationSettings:
-        """On-chip (True) or off-chip (False) storage; None leaves it undefined."""
+        """On-chip (True) or off-chip (False) storage; None leaves it undefined.
+
+        Example:
+            >>> TensorLocationSettings().useOnChipStorage(True).toDict()
+            {'onChip': 1}
+        """
         if use is None:
             self._values.pop("onChip", None)
             return self
         return self._flag("onChip", "useOnChipStorage", use)
 
     def useReplicatedTensorSharding(self, use: bool = True) -> TensorLocationSettings:
-        """Shard the tensor across replicas."""
+        """Shard the tensor across replicas.
+
+        Example:
+            >>> TensorLocationSettings().useReplicatedTensorSharding().toDict()
+            {'useReplicatedTensorSharding': 1}
+        """
         return self._flag("useReplicatedTensorSharding", "useReplicatedTensorSharding", use)
 
     def useIOTilesToLoad(self, use: bool = True) -> TensorLocationSettings:
-        """Load the tensor through IO tiles."""
+        """Load the tensor through IO tiles.
+
+        Example:
+            >>> TensorLocationSettings().useIOTilesToLoad(False).toDict()
+            {'useIOTilesToLoad': 0}
+        """
         return self._flag("useIOTilesToLoad", "useIOTilesToLoad", use)
 
     def useIOTilesToStore(self, use: bool = True) -> TensorLocationSettings:
-        """Store the tensor through IO tiles."""
+        """Store the tensor through IO tiles.
+
+        Example:
+            >>> TensorLocationSettings().useIOTilesToStore().toDict()
+            {'useIOTilesToStore': 1}
+        """
         return self._flag("useIOTilesToStore", "useIOTilesToStore", use)
 
     def toDict(self) -> dict[str, int]:
-        """The settings as a dict of PopART names."""
+        """The settings as a dict of PopART names.
+
+        Example:
+            >>> TensorLocationSettings().toDict()
+            {}
+        """
         return dict(self._values)
 
     def __eq__(self, other: object) -> bool:
@@ -251,7 +326,7 @@ class _TensorLocationOptions(OptionGroup):
     """
 
     _PATH = "Options.TensorLocations"
-    _ATTRIBUTES = {"num_io_tiles": _attr("numIOTiles")}
+    _ATTRIBUTES = {"num_io_tiles": via_setter("numIOTiles")}
 
     def __init__(self):
         super().__init__(num_io_tiles=0, location_activation=None, location_weight=None,
@@ -259,7 +334,12 @@ class _TensorLocationOptions(OptionGroup):
 
     @setter
     def numIOTiles(self, num_tiles: int):
-        """Reserve IO tiles: an even number between 32 and 192."""
+        """Reserve IO tiles: an even number between 32 and 192.
+
+        Example:
+            >>> _TensorLocationOptions().numIOTiles(64).num_io_tiles
+            64
+        """
         if (isinstance(num_tiles, bool) or not isinstance(num_tiles, int)
                 or not 32 <= num_tiles <= 192 or num_tiles % 2):
             raise errors.OptionsError(
@@ -280,20 +360,40 @@ class _TensorLocationOptions(OptionGroup):
 
     @setter
     def setActivationLocation(self, location: TensorLocationSettings):
-        """Where activations live (IPU-only)."""
+        """Where activations live (IPU-only).
+
+        Example:
+            >>> _TensorLocationOptions().setActivationLocation(TensorLocationSettings().useOnChipStorage(False)).location_activation
+            {'onChip': 0}
+        """
         self._location("activation", location)
 
     @setter
     def setWeightLocation(self, location: TensorLocationSettings):
-        """Where weights live (IPU-only)."""
+        """Where weights live (IPU-only).
+
+        Example:
+            >>> _TensorLocationOptions().setWeightLocation(TensorLocationSettings().useOnChipStorage()).location_weight
+            {'onChip': 1}
+        """
         self._location("weight", location)
 
     @setter
     def setOptimizerLocation(self, location: TensorLocationSettings):
-        """Where optimizer state lives (IPU-only)."""
+        """Where optimizer state lives (IPU-only).
+
+        Example:
+            >>> _TensorLocationOptions().setOptimizerLocation(TensorLocationSettings().useOnChipStorage(False)).location_optimizer
+            {'onChip': 0}
+        """
         self._location("optimizer", location)
 
     @setter
     def setAccumulatorLocation(self, location: TensorLocationSettings):
-        """Where gradient accumulators live (IPU-only)."""
+        """Where gradient accumulators live (IPU-only).
+
+        Example:
+            >>> _TensorLocationOptions().setAccumulatorLocation(TensorLocationSettings()).location_accumulator
+            {}
+        """
         self._location("accumulator", location)

@@ -17,7 +17,7 @@ import os
 from . import errors
 from .enums import MeanReductionStrategy, ReductionType
 from .options_base import (OptionGroup, check_positive_int, coerce_enum, setter,
-                           warn_ipu_only)
+                           via_setter, warn_ipu_only)
 
 
 class _TrainingOptions(OptionGroup):
@@ -31,14 +31,14 @@ class _TrainingOptions(OptionGroup):
 
     _PATH = "Options.Training"
     _ATTRIBUTES = {
-        "gradient_accumulation": lambda g, v: g.gradientAccumulation(v),
-        "reduction_type": lambda g, v: g.accumulationAndReplicationReductionType(v),
+        "gradient_accumulation": via_setter("gradientAccumulation"),
+        "reduction_type": via_setter("accumulationAndReplicationReductionType"),
         "accumulation_and_replication_reduction_type":
-            lambda g, v: g.accumulationAndReplicationReductionType(v),
+            via_setter("accumulationAndReplicationReductionType"),
         "mean_reduction_strategy":
-            lambda g, v: g.setMeanAccumulationAndReplicationReductionStrategy(v),
-        "automatic_loss_scaling": lambda g, v: g.setAutomaticLossScaling(v),
-        "convolution_dithering": lambda g, v: g.setConvolutionDithering(v),
+            via_setter("setMeanAccumulationAndReplicationReductionStrategy"),
+        "automatic_loss_scaling": via_setter("setAutomaticLossScaling"),
+        "convolution_dithering": via_setter("setConvolutionDithering"),
     }
 
     def __init__(self):
@@ -83,12 +83,22 @@ class _TrainingOptions(OptionGroup):
 
     @setter
     def accumulationReductionType(self, reduction_type: ReductionType):
-        """Deprecated PopTorch name of :meth:`accumulationAndReplicationReductionType`."""
+        """Deprecated PopTorch name of :meth:`accumulationAndReplicationReductionType`.
+
+        Example:
+            >>> _TrainingOptions().accumulationReductionType(ReductionType.Sum).reduction_type
+            <ReductionType.Sum: 0>
+        """
         self.accumulationAndReplicationReductionType(reduction_type)
 
     @setter
     def setMeanAccumulationAndReplicationReductionStrategy(self, strategy: MeanReductionStrategy):
-        """When the mean divides (IPU-only: equal results in fp32)."""
+        """When the mean divides (IPU-only: equal results in fp32).
+
+        Example:
+            >>> _TrainingOptions().setMeanAccumulationAndReplicationReductionStrategy(MeanReductionStrategy.Running).mean_reduction_strategy
+            <MeanReductionStrategy.Running: 0>
+        """
         self._store(mean_reduction_strategy=coerce_enum(
             strategy, MeanReductionStrategy,
             "Training.setMeanAccumulationAndReplicationReductionStrategy"))
@@ -96,13 +106,23 @@ class _TrainingOptions(OptionGroup):
 
     @setter
     def setAutomaticLossScaling(self, enabled: bool):
-        """IPU float16 automatic loss scaling (IPU-only)."""
+        """IPU float16 automatic loss scaling (IPU-only).
+
+        Example:
+            >>> _TrainingOptions().setAutomaticLossScaling(True).automatic_loss_scaling
+            True
+        """
         self._store(automatic_loss_scaling=enabled)
         warn_ipu_only(f"{self._PATH}.setAutomaticLossScaling")
 
     @setter
     def setConvolutionDithering(self, enabled: bool):
-        """Tile balancing of convolutions (IPU-only)."""
+        """Tile balancing of convolutions (IPU-only).
+
+        Example:
+            >>> _TrainingOptions().setConvolutionDithering(True).convolution_dithering
+            True
+        """
         self._store(convolution_dithering=enabled)
         warn_ipu_only(f"{self._PATH}.setConvolutionDithering")
 
@@ -179,5 +199,10 @@ class _DistributedOptions(OptionGroup):
 
     @setter
     def disable(self):
-        """Ignore the environment: one process, id 0."""
+        """Ignore the environment: one process, id 0.
+
+        Example:
+            >>> _DistributedOptions().configureProcessId(1, 2).disable().numProcesses
+            1
+        """
         self._store(process_id=0, num_processes=1)

@@ -31,7 +31,7 @@ from .ipu_options import (_JitOptions, _PopartOptions, _PrecisionOptions,
                           _TensorLocationOptions)
 from .option_groups import _DistributedOptions, _TrainingOptions
 from .options_base import (OptionGroup, check_bool, check_positive_int,
-                           coerce_enum, setter)
+                           coerce_enum, setter, via_setter)
 from .strategies import ExecutionStrategy, PipelinedExecution
 
 DeviceLike = Union[str, torch.device]
@@ -40,19 +40,19 @@ DeviceLike = Union[str, torch.device]
 def _options_attributes() -> dict:
     attributes = dict(DEVICE_ATTRIBUTES)
     attributes.update({
-        "device_iterations": lambda g, v: g.deviceIterations(v),
-        "replication_factor": lambda g, v: g.replicationFactor(v),
+        "device_iterations": via_setter("deviceIterations"),
+        "replication_factor": via_setter("replicationFactor"),
         "input_group_size": lambda g, v: g.inputReplicaGrouping(v, g.input_group_type),
         "input_group_type": lambda g, v: g.inputReplicaGrouping(g.input_group_size, v),
         "output_mode": lambda g, v: g.outputMode(
             v, g.output_return_period if coerce_enum(v, OutputMode, "outputMode")
             == OutputMode.EveryN else None),
         "output_return_period": lambda g, v: g.outputMode(g.output_mode, v),
-        "random_seed": lambda g, v: g.randomSeed(v),
-        "execution_strategy": lambda g, v: g.setExecutionStrategy(v),
-        "broadcast_buffers": lambda g, v: g.broadcastBuffers(v),
+        "random_seed": via_setter("randomSeed"),
+        "execution_strategy": via_setter("setExecutionStrategy"),
+        "broadcast_buffers": via_setter("broadcastBuffers"),
         "auto_recomputation": lambda g, v: g._Popart.set("autoRecomputation", v),
-        "ipu_devices": lambda g, v: g.set_ipu_devices(v),
+        "ipu_devices": via_setter("set_ipu_devices"),
     })
     return attributes
 
@@ -175,7 +175,12 @@ class Options(DeviceOptions, OptionGroup):
 
     @setter
     def anchorMode(self, anchor_mode: OutputMode, anchor_return_period: Optional[int] = None):
-        """Pre-2.4 name of :meth:`outputMode`."""
+        """Pre-2.4 name of :meth:`outputMode`.
+
+        Example:
+            >>> Options().anchorMode(OutputMode.Sum).output_mode
+            <OutputMode.Sum: 3>
+        """
         self.outputMode(anchor_mode, anchor_return_period)
 
     def defaultOutputMode(self) -> bool:
@@ -339,6 +344,12 @@ class IpuDeviceMap(dict):
         return self.every
 
     def get(self, ipu: int, default: Any = None) -> Any:
+        """The device of ``ipu``, or ``default``.
+
+        Example:
+            >>> IpuDeviceMap({0: torch.device("cpu")}).get(1, "default")
+            'default'
+        """
         return self[ipu] if ipu in self else default
 
     def __repr__(self) -> str:

@@ -162,7 +162,7 @@ def _plain(value: Any) -> Any:
     """A value as plain data for toDict (strategies and devices as text)."""
     if isinstance(value, (bool, int, float, str, type(None))):
         return value
-    if type(value) is dict:
+    if isinstance(value, dict) and getattr(value, "every", None) is None:
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
@@ -252,7 +252,23 @@ def warn_ipu_only(option: str, detail: str = "") -> None:
     Example:
         >>> warn_ipu_only("Options.useIpuModel")  # doctest: +SKIP
     """
+    shown = option if option.endswith(")") else f"{option}()"
     errors.warn_once(
         option,
-        f"{option}() only tunes IPU hardware and has no effect in poptorch_lite; "
+        f"{shown} only tunes IPU hardware and has no effect in poptorch_lite; "
         f"the value is stored and ignored{'. ' + detail if detail else ''}")
+
+
+def via_setter(method: str) -> Callable[[Any, Any], Any]:
+    """An ``_ATTRIBUTES`` entry: assigning the attribute calls ``method(value)``.
+
+    Example:
+        >>> from poptorch_lite.options import Options
+        >>> via_setter("deviceIterations")(Options(), 3).device_iterations
+        3
+    """
+
+    def assign(group, value):
+        return getattr(group, method)(value)
+
+    return assign

@@ -150,6 +150,11 @@ def resolve_setter(options, path: list[str]):
 
     Raises:
         _Refused: a step is not an option group or the last is not a setter.
+
+    Example:
+        >>> from poptorch_lite.options import Options
+        >>> resolve_setter(Options(), ['Training', 'gradientAccumulation'])(2).gradient_accumulation
+        2
     """
     group = options
     for name in path[:-1]:
@@ -184,7 +189,12 @@ def apply_line(options, text: str):
     call = tree.body
     if not isinstance(call, ast.Call):
         raise _Refused("the line is not a setter call")
-    setter_fn = resolve_setter(options, _dotted(call.func))
+    try:
+        path = _dotted(call.func)
+    except _Refused:
+        raise _Refused(f"'{ast.unparse(call.func)}' is not a setter path such as "
+                       f"'Training.gradientAccumulation'") from None
+    setter_fn = resolve_setter(options, path)
     args, kwargs = _arguments(call)
     return setter_fn(*args, **kwargs)
 

@@ -58,18 +58,11 @@ class Stage:
 
     @property
     def ipu_id(self) -> Optional[int]:
-        """The IPU set with :meth:`ipu`, or None (then the block's ``ipu_id``,
-        else the stage id, decides; POPTORCH_REFERENCE.md §5.2)."""
+        """The IPU set with :meth:`ipu`, or None (then the block's, else the stage id)."""
         return self._ipu
 
     def ipu(self, n: int) -> Stage:
-        """Run this stage on IPU ``n``.
-
-        Args:
-            n: a non-negative int.
-
-        Returns:
-            This stage (for chaining).
+        """Run this stage on IPU ``n`` (a non-negative int); returns the stage.
 
         Raises:
             errors.OptionsError: ``n`` is not a non-negative int.
@@ -113,8 +106,7 @@ class Phase:
             of two blocks).
 
     Raises:
-        errors.OptionsError: no argument, or a mix of Stages and strings, or
-            another type.
+        errors.OptionsError: no argument, a mix of Stages and strings, or another type.
 
     Example:
         >>> Phase(Stage("A"), Stage("B")).ipus(0, 2).stages
@@ -142,10 +134,7 @@ class Phase:
         return self.stages[idx]
 
     def ipus(self, *ipus: int) -> Phase:
-        """Assign one IPU to each stage of this phase, in order.
-
-        Returns:
-            This phase.
+        """Assign one IPU to each stage of this phase, in order; returns the phase.
 
         Raises:
             errors.OptionsError: the number of IPUs differs from the number of
@@ -271,10 +260,7 @@ class PipelinedExecution(ExecutionStrategy):
                 f"either a single AutoStage or only stages/block ids")
         auto_stage = autos[0] if autos else (AutoStage.SameAsIpu if not args else None)
         stages = [] if auto_stage is not None else [_as_stage(a, name) for a in args]
-        super().__init__(stages, auto_stage, self._schedule(schedule))
-
-    def _schedule(self, schedule) -> PipelineSchedule:
-        return PipelineSchedule.parse(schedule)
+        super().__init__(stages, auto_stage, PipelineSchedule.parse(schedule))
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self._stage_args()}, "

@@ -1,0 +1,74 @@
+"""Small models and a plain-PyTorch reference that does the same arithmetic."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+import poptorch_lite as poptorch
+
+
+class BlockMLP(torch.nn.Module):
+    """Four Linear layers split into 1, 2 or 4 blocks on IPUs 0.., with a cross-entropy loss."""
+
+    def __init__(self, blocks: int = 2, width: int = 8, classes: int = 4, dropout: float = 0.0,
+                 batchnorm: bool = False):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(3))
+        self.head = torch.nn.Linear(width, classes)
+        self.bn = torch.nn.BatchNorm1d(width) if batchnorm else None
+        self.drop = torch.nn.Dropout(dropout) if dropout else None
+        self.blocks = blocks
+
+    def forward(self, x, y):
+        per = 4 // self.blocks
+        for k, layer in enumerate(list(self.layers) + [self.head]):
+            if k % per == 0:
+                poptorch.Block.start(f"b{k // per}", ipu_id=k // per)
+            if layer is self.head:
+                if self.bn is not None:
+                    x = self.bn(x)
+                if self.drop is not None:
+                    x = self.drop(x)
+                out = layer(x)
+            else:
+                x = torch.relu(layer(x))
+        return out, F.cross_entropy(out, y)
+
+
+def data(n: int, width: int = 8, classes: int = 4, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, width, generator=g), torch.randint(0, classes, (n,), generator=g)
+
+
+def reference_training(model, optimizer, x, y, D: int, G: int, R: int, mean: bool = True):
+    """Plain PyTorch: D steps, each the summed backward of G·R micro-batches, then /G·R (Mean).
+
+    Micro-batch k of the combined batch is [D, G, R, B] order (POPTORCH_REFERENCE §1).
+    Returns (per-micro-batch outputs, per-micro-batch losses, last step's grads).
+    """
+    F_ = D * G * R
+    b = x.shape[0] // F_
+    outs, losses = [], []
+    for d in range(D):
+        optimizer.zero_grad(set_to_none=True)
+        for j in range(G * R):
+            k = d * G * R + j
+            out, loss = model(x[k * b:(k + 1) * b], y[k * b:(k + 1) * b])
+            loss.backward()
+            outs.append(out.detach())
+            losses.append(loss.detach())
+        if mean:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(G * R)
+        optimizer.step()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return outs, losses, grads
+
+
+def twin(model):
+    """A deep copy to serve as the plain-PyTorch reference."""
+    return copy.deepcopy(model)

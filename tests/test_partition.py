@@ -1,0 +1,274 @@
+"""Partition: annotation forms, values crossing stages, tracing semantics, loss provenance."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+import poptorch_lite as poptorch
+
+from models import data, reference_training
+
+
+def layers():
+    torch.manual_seed(0)
+    return torch.nn.ModuleDict({"dense1": torch.nn.Linear(8, 8), "dense2": torch.nn.Linear(8, 8),
+                                "dense3": torch.nn.Linear(8, 8), "logits": torch.nn.Linear(8, 4)})
+
+
+class WithBlocks(torch.nn.Module):
+    """dense1 | dense2 dense3 | logits on IPUs 0, 1, 2 written with Block scopes."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = layers()
+
+    def forward(self, x, y):
+        with poptorch.Block("s0", ipu_id=0):
+            x = torch.relu(self.net["dense1"](x))
+        with poptorch.Block("s1", ipu_id=1):
+            x = torch.relu(self.net["dense3"](torch.relu(self.net["dense2"](x))))
+        with poptorch.Block("s2", ipu_id=2):
+            out = self.net["logits"](x)
+            return out, F.cross_entropy(out, y)
+
+
+class WithBlockFunctions(WithBlocks):
+    @poptorch.BlockFunction("s0", ipu_id=0)
+    def first(self, x):
+        return torch.relu(self.net["dense1"](x))
+
+    @poptorch.BlockFunction("s1", ipu_id=1)
+    def middle(self, x):
+        return torch.relu(self.net["dense3"](torch.relu(self.net["dense2"](x))))
+
+    @poptorch.BlockFunction("s2", ipu_id=2)
+    def last(self, x, y):
+        out = self.net["logits"](x)
+        return out, F.cross_entropy(out, y)
+
+    def forward(self, x, y):
+        return self.last(self.middle(self.first(x)), y)
+
+
+class WithSequential(torch.nn.Module):
+    """The same layers as an nn.Sequential, the loss outside any block."""
+
+    def __init__(self):
+        super().__init__()
+        n = layers()
+        self.seq = torch.nn.Sequential()
+        for name in ["dense1", "relu1", "dense2", "relu2", "dense3", "relu3", "logits"]:
+            self.seq.add_module(name, n[name] if name in n else torch.nn.ReLU())
+
+    def forward(self, x, y):
+        out = self.seq(x)
+        return out, F.cross_entropy(out, y)
+
+
+def begin_blocks():
+    m = WithSequential()
+    poptorch.BeginBlock(m.seq.dense1, "s0", ipu_id=0)
+    poptorch.BeginBlock(m.seq.dense2, "s1", ipu_id=1)
+    poptorch.BeginBlock(m.seq.logits, "s2", ipu_id=2)
+    return m
+
+
+def sequential_list():
+    m = WithSequential()
+    poptorch.set_pipeline_stage_assignment(m.seq, [0, 0, 1, 1, 1, 1, 2])
+    return m
+
+
+def named_splits():
+    m = WithSequential()
+    poptorch.split_at(m, ["seq.dense2", "seq.logits"])
+    return m
+
+
+FORMS = {"Block": WithBlocks, "BlockFunction": WithBlockFunctions, "BeginBlock": begin_blocks,
+         "Sequential list": sequential_list, "named splits": named_splits}
+
+
+def stage_layout(poptorch_model):
+    part = next(iter(poptorch_model._programs.values())).partition
+    names = {id(p): n.split(".")[-2] for n, p in poptorch_model.model.named_parameters()}
+    params = dict(poptorch_model.model.named_parameters())
+    return [(st.ipu, sorted({names[id(params[n])] for n in st.param_names})) for st in part.stages]
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_every_annotation_form_yields_the_same_partition(form):
+    model = FORMS[form]()
+    opts = poptorch.Options().setExecutionStrategy(poptorch.ShardedExecution())
+    wrapped = poptorch.inferenceModel(model, opts)
+    x, y = data(4)
+    out, loss = wrapped(x, y)
+    assert stage_layout(wrapped) == [(0, ["dense1"]), (1, ["dense2", "dense3"]), (2, ["logits"])]
+    plain_out, plain_loss = WithBlocks()(x, y)  # same weights; annotations are no-ops here
+    assert_close(out, plain_out.detach())
+    assert_close(loss, plain_loss.detach())
+
+
+class Skip(torch.nn.Module):
+    """A value from stage 0 used in stage 2, the labels used in stage 2 only."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x, y):
+        with poptorch.Block("A", ipu_id=0):
+            h0 = torch.tanh(self.a(x))
+        with poptorch.Block("B", ipu_id=1):
+            h1 = torch.tanh(self.b(h0))
+        with poptorch.Block("C", ipu_id=2):
+            out = self.c(h1 + h0)
+            return out, F.mse_loss(out, y * 2)
+
+
+def test_skip_connections_and_labels_cross_stages_and_match_plain_pytorch():
+    torch.manual_seed(0)
+    model = Skip()
+    ref = copy.deepcopy(model)
+    G = 4
+    x, y = torch.randn(2 * G, 8), torch.randn(2 * G, 8)
+    opts = poptorch.Options().setExecutionStrategy(poptorch.ShardedExecution())
+    opts.Training.gradientAccumulation(G)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    poptorch_model = poptorch.trainingModel(model, opts, opt)
+    _, loss = poptorch_model(x, y)
+    part = next(iter(poptorch_model._programs.values())).partition
+    assert [st.ipu for st in part.stages] == [0, 1, 2]
+    assert "input:1" in part.stages[2].inputs and "input:1" not in part.stages[0].inputs
+    skip = [v for v in part.stages[0].outputs if v in part.stages[2].inputs]
+    assert len(skip) == 1 and skip[0] not in part.stages[1].outputs  # straight from stage 0
+    _, ref_losses, ref_grads = reference_training(ref, torch.optim.SGD(ref.parameters(), lr=0.1),
+                                                  x, y, 1, G, 1)
+    assert_close(loss, ref_losses[-1], atol=1e-5, rtol=0)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_close(p.grad, ref_grads[n], atol=1e-5, rtol=0)
+        assert_close(p.detach(), q.detach(), atol=1e-5, rtol=0)
+
+
+class ClientPatterns(torch.nn.Module):
+    """What symbolic tracing cannot run (POPTORCH_REFERENCE §12)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.python_calls = 0
+
+    def forward(self, x, y):
+        self.python_calls += 1          # Python side effect: runs at trace time only
+        self.steps += 1                 # in-place buffer update: lands in the graph
+        out = self.fc(x)
+        n = float(out.numel())          # concrete at trace time
+        if self.training:               # Python control flow on a flag
+            out = out * 1.0
+        acc = (out.argmax(1) == y).sum() / n * out.shape[1]
+        return F.cross_entropy(out, y), acc  # the loss first, not last
+
+
+def test_client_patterns_trace_and_the_loss_is_found_by_provenance():
+    torch.manual_seed(0)
+    model = ClientPatterns()
+    ref = copy.deepcopy(model)
+    G = 4
+    x, y = torch.randn(3 * G, 4), torch.randint(0, 3, (3 * G,))
+    opts = poptorch.Options()
+    opts.Training.gradientAccumulation(G)
+    opts.outputMode(poptorch.OutputMode.All)
+    train = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+    loss, acc = train(x, y)
+    loss2, _ = train(x, y)
+    assert model.python_calls == 1            # traced once, replayed after
+    assert int(model.steps) == 2 * G          # the buffer update ran per micro-batch
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_losses = []
+    for _ in range(2):
+        ref_opt.zero_grad()
+        for k in range(G):
+            l, _ = ref(x[3 * k:3 * k + 3], y[3 * k:3 * k + 3])
+            (l / G).backward()
+            ref_losses.append(l.detach())
+        ref_opt.step()
+    assert_close(torch.cat([loss, loss2]), torch.stack(ref_losses), atol=1e-5, rtol=0)
+    assert acc.shape == (G,)
+
+
+class CustomLoss(torch.nn.Module):
+    def __init__(self, reduction):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 2)
+        self.reduction = reduction
+
+    def forward(self, x):
+        out = self.fc(x)
+        return {"out": out, "loss": poptorch.identity_loss((out ** 2).sum(1), self.reduction)}
+
+
+@pytest.mark.parametrize("reduction,plain", [("sum", torch.sum), ("mean", torch.mean),
+                                             ("none", torch.sum)])
+def test_identity_loss_trains_like_its_reduction(reduction, plain):
+    torch.manual_seed(0)
+    model = CustomLoss(reduction)
+    ref = copy.deepcopy(model)
+    x = torch.randn(6, 4)
+    result = poptorch.trainingModel(model, None, torch.optim.SGD(model.parameters(), lr=0.1))(x)
+    assert set(result) == {"out", "loss"}
+    out = ref.fc(x)
+    plain((out ** 2).sum(1)).backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= 0.1 * p.grad
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_close(p.detach(), q.detach(), atol=1e-6, rtol=0)
+
+
+def test_stage_summary_lists_layers_blocks_stages_and_devices():
+    model = begin_blocks()
+    wrapped = poptorch.inferenceModel(model, poptorch.Options().setExecutionStrategy(
+        poptorch.ShardedExecution()))
+    with pytest.raises(poptorch.DeviceError, match="not been compiled"):
+        poptorch.stage_summary(wrapped)
+    wrapped(*data(2))
+    rows = [[c.strip() for c in line.split("|")] for line in poptorch.stage_summary(wrapped).splitlines()]
+    assert rows[0] == ["layer", "block", "stage", "device", "parameters"]
+    assert rows[2:] == [["seq.dense1", "s0", "0", "cpu", "72"], ["seq.relu1", "s0", "0", "cpu", "0"],
+                        ["seq.dense2", "s1", "1", "cpu", "72"], ["seq.relu2", "s1", "1", "cpu", "0"],
+                        ["seq.dense3", "s1", "1", "cpu", "72"], ["seq.relu3", "s1", "1", "cpu", "0"],
+                        ["seq.logits", "s2", "2", "cpu", "36"]]
+
+
+def test_front_ends_refuse_bad_assignments():
+    seq = WithSequential().seq
+    with pytest.raises(poptorch.BlockError, match="7 layers"):
+        poptorch.set_pipeline_stage_assignment(seq, [0, 1])
+    with pytest.raises(poptorch.BlockError, match="back to 0"):
+        poptorch.set_pipeline_stage_assignment(seq, [0, 1, 0, 1, 1, 1, 1])
+    with pytest.raises(poptorch.BlockError, match="no layer named 'dense9'"):
+        poptorch.split_at(seq, ["dense9"])
+
+
+def test_annotations_are_no_ops_outside_a_wrapper():
+    model = begin_blocks()
+    x, y = data(3)
+    out, _ = model(x, y)
+    assert not poptorch.isRunningOnIpu()
+    assert out.shape == (3, 4)
+
+
+def test_is_running_on_ipu_is_true_while_traced():
+    seen = []
+
+    class Probe(torch.nn.Module):
+        def forward(self, x):
+            seen.append(poptorch.isRunningOnIpu())
+            return x * 2
+
+    poptorch.inferenceModel(Probe())(torch.ones(2))
+    assert seen == [True]
