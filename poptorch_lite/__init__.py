@@ -9,6 +9,7 @@ from . import optim
 from .annotations import BeginBlock, Block, BlockFunction, recomputationCheckpoint, removeBlocks
 from .dataloader import AsynchronousDataAccessor, DataLoader
 from .enums import (AnchorMode, AutoStage, CommGroupType, ConnectionType, DataLoaderMode,
+                    HalfFloatCastingBehavior, MultiConvPlanType,
                     Liveness, MatMulSerializationMode, MeanReductionStrategy, OutputMode,
                     OverlapMode, PipelineSchedule, ReductionType, SharingStrategy, SyncPattern)
 from .errors import (BatchSizeError, BlockError, ConfigFileError, DataLoaderError, DeviceError,
@@ -32,7 +33,8 @@ __all__ = [
     "AnchorMode", "AsynchronousDataAccessor", "AutoStage", "BatchSizeError", "BeginBlock",
     "Block", "BlockError", "BlockFunction", "CommGroupType", "ConfigFileError",
     "ConnectionType", "DataLoader", "DataLoaderError", "DataLoaderMode", "DeviceError", "Error",
-    "ExecutionError", "ExecutionStrategy", "FrozenOptionsError", "InputError", "IpuOnlyWarning",
+    "ExecutionError", "ExecutionStrategy", "FrozenOptionsError", "HalfFloatCastingBehavior",
+    "InputError", "IpuOnlyWarning", "MultiConvPlanType",
     "Liveness", "LossError", "MatMulSerializationMode", "MeanReductionStrategy", "NameScope",
     "OptimizerError", "Options", "OptionsError", "OutputMode", "OverlapMode",
     "ParallelPhasedExecution", "Phase", "PipelineError", "PipelineSchedule",

@@ -119,7 +119,8 @@ class IpuOnlyWarning(PoptorchLiteWarning):
 _warned: set[str] = set()
 
 
-def warn_once(key: str, message: str, category: type[Warning] = IpuOnlyWarning) -> bool:
+def warn_once(key: str, message: str, category: type[Warning] = IpuOnlyWarning,
+              stacklevel: int = 3) -> bool:
     """Issue ``message`` as a warning the first time ``key`` is seen in this process.
 
     Args:
@@ -127,6 +128,7 @@ def warn_once(key: str, message: str, category: type[Warning] = IpuOnlyWarning) 
             same key are silent.
         message: the warning text.
         category: the warning class.
+        stacklevel: passed to ``warnings.warn`` (3: the caller of the function that warns).
 
     Returns:
         True when the warning was issued, False when ``key`` had been seen before.
@@ -140,5 +142,5 @@ def warn_once(key: str, message: str, category: type[Warning] = IpuOnlyWarning) 
     if key in _warned:
         return False
     _warned.add(key)
-    warnings.warn(message, category, stacklevel=3)
+    warnings.warn(message, category, stacklevel=stacklevel)
     return True

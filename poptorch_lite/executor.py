@@ -120,6 +120,7 @@ class Executor:
             for a, (_, exc) in zip([a for a in row if a is not None], results):
                 if exc is not None:
                     self._fail(schedule, t, a, exc)
+        self.placement.finish()
         self.last_peak_stash = run.peak_stash
         out = []
         for i in range(len(microbatches)):

@@ -1,4 +1,4 @@
-"""Partition: trace a model once on real inputs and split the graph into stages.
+"""Partition: split a traced model's graph into stages.
 
 [Note: partition]
 PopTorch traces a model on the first call's inputs: Python control flow and
@@ -26,24 +26,17 @@ that feed another marked value are not final; exactly one must remain.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import traceback
 from typing import Any, Optional, Sequence
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.proxy_tensor import make_fx
-from torch.func import functional_call
-from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
 
 from . import markers
-from .annotations import trace_context, _current
 from .enums import AutoStage
-from .errors import BlockError, Error, LossError, PipelineError, TraceError
-from .ops import LOSS_FUNCTIONS
+from .errors import BlockError, LossError, PipelineError
 from .strategies import ExecutionStrategy
+from .tracing import trace
 
 
 @dataclasses.dataclass
@@ -103,117 +96,10 @@ class Partition:
         return [st.ipu for st in self.stages]
 
 
-class _LossMode(TorchFunctionMode):
-    """Marks the result of every torch loss function called during a trace."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func in LOSS_FUNCTIONS and isinstance(out, torch.Tensor):
-            markers.MARK_LOSS(out)
-        return out
-
-
-@contextlib.contextmanager
-def _preserved_state(model: torch.nn.Module, modes: dict):
-    """Run the trace with the wrap-time train/eval modes; undo every change it makes.
-
-    The trace really runs the forward once, so RNG draws and buffer updates
-    (BatchNorm statistics, counters) are rolled back afterwards: tracing must
-    change no state ([Note: partition]).
-    """
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    current = {m: m.training for m in model.modules()}
-    for m in model.modules():
-        m.training = modes.get(m, m.training)
-    try:
-        yield
-    finally:
-        for m, flag in current.items():
-            m.training = flag
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-
-
-def _user_frame(exc: BaseException) -> str:
-    """The innermost traceback line outside torch and poptorch_lite, for messages."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    for fr in reversed(frames):
-        if "/torch/" not in fr.filename and "/poptorch_lite/" not in fr.filename:
-            return f'{fr.filename}:{fr.lineno}: {fr.line}'
-    return "(no line of user code in the traceback)"
-
-
 def _node_line(node: fx.Node) -> str:
     trace = node.meta.get("stack_trace", "") or ""
     lines = [ln.strip() for ln in trace.strip().splitlines()]
     return " / ".join(lines[:2]) if lines else f"op {node.target}"
-
-
-def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, training: bool):
-    """Trace ``model(*args, **kwargs)`` into an aten-level graph.
-
-    Args:
-        model: the user's model (its state is restored after the trace).
-        modes: module -> train/eval flag to trace with (the wrap-time modes).
-        args, kwargs: one micro-batch of the call's arguments.
-        training: trace with autograd enabled.
-
-    Returns:
-        ``(graph_module, param_names, buffer_names, out_spec, const_outputs,
-        module_blocks)``; the graph takes params, buffers, then the tensor
-        leaves of (args, kwargs), and returns the tensor leaves of the output.
-
-    Raises:
-        TraceError: the forward failed while tracing; names the user's line.
-    """
-    params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
-    names = list(params) + list(buffers)
-    leaves, in_spec = pytree.tree_flatten((args, kwargs))
-    tensor_pos = [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
-    result: dict = {}
-    module_blocks: dict = {}
-
-    def run(*flat):
-        values = dict(zip(names, flat[:len(names)]))
-        call_leaves = list(leaves)
-        for k, t in zip(tensor_pos, flat[len(names):]):
-            call_leaves[k] = t
-        a, kw = pytree.tree_unflatten(call_leaves, in_spec)
-        out = functional_call(model, values, a, kw)
-        out_leaves, result["spec"] = pytree.tree_flatten(out)
-        result["leaves"] = out_leaves
-        return [v for v in out_leaves if isinstance(v, torch.Tensor)]
-
-    def record_block(module, inputs, output):
-        state = _current()
-        module_blocks[module] = state.current_block
-
-    flat = list(params.values()) + list(buffers.values()) + [leaves[k] for k in tensor_pos]
-    grad = torch.enable_grad() if training else torch.no_grad()
-    hook = torch.nn.modules.module.register_module_forward_hook(record_block)
-    try:
-        with _preserved_state(model, modes), trace_context(), grad, _LossMode():
-            gm = make_fx(run, tracing_mode="real", record_stack_traces=True)(*flat)
-    except Error:
-        raise
-    except Exception as exc:
-        raise TraceError(
-            f"the model could not be traced at {_user_frame(exc)}: {type(exc).__name__}: {exc}. "
-            f"The forward runs once on the first call's real inputs; make it run as plain "
-            f"PyTorch on one micro-batch of those inputs") from exc
-    finally:
-        hook.remove()
-    consts = [None if isinstance(v, torch.Tensor) else v for v in result["leaves"]]
-    layer_blocks = {name: module_blocks[m] for name, m in model.named_modules()
-                    if m in module_blocks and name}
-    return gm, list(params), list(buffers), result["spec"], consts, layer_blocks
 
 
 def _block_stage_ids(blocks: list, strategy: ExecutionStrategy) -> dict:
@@ -321,6 +207,9 @@ def split(gm: fx.GraphModule, param_names: Sequence[str], buffer_names: Sequence
 
     # 2. Block -> (stage id, ipu); ops before the first block run on IPU 0.
     block_stage = _block_stage_ids([(b, seen[b]) for b in block_seq], strategy)
+    validate_ipus = getattr(strategy, "validate_ipus", None)  # ParallelPhasedExecution's parity
+    if validate_ipus is not None:
+        validate_ipus({b: ipu for b, (_, ipu) in block_stage.items()})
     block_stage["<leading>"] = (-1, 0)
     ops = [n for n in nodes if n in owner]
     if strategy.pipelined:

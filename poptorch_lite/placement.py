@@ -6,7 +6,10 @@ A stream runs its actions in submission order. On CUDA it is a
 The executor runs a schedule's rows in order: when a row has one action it runs
 on the caller's thread (inside the CUDA stream's context on a GPU); when it
 has several, each goes to its stream's worker and the row ends when all have
-finished, so work across streams is ordered row by row. Workers start on first
+finished, so work across streams is ordered row by row. On the GPU, launching
+is asynchronous: each CUDA stream first waits for the events that the previous
+row's streams recorded, and ``finish()`` waits for the last row before the
+host reads results. Workers start on first
 use and stop on ``close()`` or when the placement is garbage collected.
 
 [Note: weight homes]
@@ -72,17 +75,29 @@ class CpuStream:
 
 
 class CudaStream:
-    """A ``torch.cuda.Stream`` that actions are launched on ([Note: streams])."""
+    """A ``torch.cuda.Stream`` that actions are launched on ([Note: streams]).
+
+    Before each action the stream waits for the events recorded by the previous
+    row's actions; after it, it records an event of its own, so rows are ordered
+    across streams on the GPU without the host waiting.
+    """
 
     def __init__(self, name: str, device: torch.device):
         self.name = name
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
+        self.waits: list = []   # events of the previous row, set by the placement
+        self.done = None        # the event recorded after this stream's last action
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
 
     def _launch(self, fn: Callable):
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            return fn()
+            for event in self.waits:
+                self.stream.wait_event(event)
+            result = fn()
+            self.done = torch.cuda.Event()
+            self.done.record(self.stream)
+            return result
 
     def submit(self, fn: Callable) -> concurrent.futures.Future:
         if self._pool is None:
@@ -119,6 +134,7 @@ class Placement:
             name = f"poptorch_lite-ipu{ipu}"
             self.streams[ipu] = CudaStream(name, dev) if dev.type == "cuda" else CpuStream(name)
         self._finalizer = weakref.finalize(self, _close_all, list(self.streams.values()))
+        self._row_events: list = []  # CUDA events recorded by the last row's actions
 
     def device(self, ipu: int) -> torch.device:
         return self.devices[ipu]
@@ -127,28 +143,37 @@ class Placement:
         return self.streams[ipu]
 
     def run_row(self, work: Sequence[tuple]) -> list:
-        """Run ``[(ipu, fn), ...]`` together, one per stream; return results or raise the first error.
+        """Run ``[(ipu, fn), ...]`` together, one per stream, after everything of the last row.
 
-        Each result is ``(value, None)`` or ``(None, exception)``, in ``work`` order.
+        Returns one ``(value, None)`` or ``(None, exception)`` per item, in ``work`` order.
         """
+        for ipu, _ in work:
+            stream = self.streams[ipu]
+            if isinstance(stream, CudaStream):
+                stream.waits = self._row_events
         if len(work) == 1:
             ipu, fn = work[0]
             try:
-                return [(self.streams[ipu].run_here(fn), None)]
+                results = [(self.streams[ipu].run_here(fn), None)]
             except Exception as exc:  # reported by the executor with its context
-                return [(None, exc)]
-        futures = [self.streams[ipu].submit(fn) for ipu, fn in work]
-        results = []
-        for f in futures:
-            try:
-                results.append((f.result(), None))
-            except Exception as exc:
-                results.append((None, exc))
-        if any(d.type == "cuda" for d in self.devices.values()):
-            for s in self.streams.values():
-                if isinstance(s, CudaStream):
-                    s.stream.synchronize()
+                results = [(None, exc)]
+        else:
+            futures = [self.streams[ipu].submit(fn) for ipu, fn in work]
+            results = []
+            for f in futures:
+                try:
+                    results.append((f.result(), None))
+                except Exception as exc:
+                    results.append((None, exc))
+        self._row_events = [self.streams[ipu].done for ipu, _ in work
+                            if isinstance(self.streams[ipu], CudaStream)]
         return results
+
+    def finish(self) -> None:
+        """Wait on the host for the last row's GPU work (before results are read)."""
+        for event in self._row_events:
+            event.synchronize()
+        self._row_events = []
 
     def close(self) -> None:
         """Stop every worker thread (idempotent)."""

@@ -18,17 +18,16 @@ force the copies either way.
 
 from __future__ import annotations
 
-import copy
 import weakref
 from typing import Optional
 
 import torch
+from torch.utils import _pytree as pytree
 
 from . import optim as poptorch_optim
 from .batch import MicroBatches, merge, resolve_output_mode, selected_microbatches
 from .enums import ConnectionType, ReductionType
-from .errors import BatchSizeError, DeviceError, Error, OptionsError, WrapError, warn_once, \
-    PoptorchLiteWarning
+from .errors import DeviceError, OptionsError, PoptorchLiteWarning, WrapError, warn_once
 from .executor import Executor, StepArithmetic
 from .options import Options, batch_factor
 from .partition import Partition, check_pipeline_minimums, partition
@@ -286,7 +285,6 @@ class PoplarExecutor:
                                        G, self._replicas())
         merged = iter(merge(per_microbatch, groups))
         leaves = [next(merged) if isinstance(v, str) else v[1] for v in part.outputs]
-        from torch.utils import _pytree as pytree
         return pytree.tree_unflatten(leaves, part.out_spec)
 
 

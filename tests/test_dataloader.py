@@ -48,6 +48,12 @@ def accessor_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == THREAD_NAME and t.is_alive()]
 
 
+@pytest.fixture(autouse=True)
+def no_thread_left_behind():
+    yield
+    assert accessor_threads() == [], "a test left an AsynchronousDataAccessor thread running"
+
+
 @pytest.fixture
 def loaders():
     """Collects Async loaders and accessors and terminates them after the test."""
@@ -389,10 +395,13 @@ def test_terminate_leaves_no_thread_and_refuses_iteration():
     before = len(threading.enumerate())
     loader = DataLoader(opts(), data(40), batch_size=2, mode=DataLoaderMode.Async,
                         async_options=dict(buffer_size=1, early_preload=True))
-    next(iter(loader))
+    batches = iter(loader)
+    next(batches)
     assert accessor_threads()
     loader.terminate()
     assert accessor_threads() == [] and len(threading.enumerate()) == before
+    with pytest.raises(errors.DataLoaderError, match="terminated"):
+        next(batches)
     with pytest.raises(errors.DataLoaderError, match="terminated"):
         iter(loader)
     loader.terminate()  # idempotent

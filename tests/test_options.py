@@ -25,11 +25,13 @@ PACKAGE = pathlib.Path(options.__file__).parent
 
 @pytest.fixture(autouse=True)
 def clean_state(monkeypatch):
-    """Fresh warn-once record and no environment variables that Options reads."""
+    """Fresh warn-once record, torch RNG state kept, no environment that Options reads."""
     for var in ("POPTORCH_DEFAULT_OPTIONS", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"):
         monkeypatch.delenv(var, raising=False)
     errors._warned.clear()
+    rng = torch.get_rng_state()  # randomSeed() seeds torch; leave other tests unaffected
     yield
+    torch.set_rng_state(rng)
     errors._warned.clear()
 
 
