@@ -33,7 +33,10 @@ def _nothing(*args):
 
 
 def _print(x, title):
-    print(f"{title}{x}" if title else x)
+    from .annotations import is_tracing  # annotations imports this module
+
+    if not is_tracing():  # the trace runs the forward once; only real runs print
+        print(f"{title}{x}" if title else x)
 
 
 for _name in ("begin_block", "end_block", "mark_loss", "mark_checkpoint"):

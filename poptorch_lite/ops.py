@@ -40,7 +40,8 @@ def identity_loss(x: torch.Tensor, reduction: str) -> torch.Tensor:
         tensor(2.)
     """
     if not isinstance(x, torch.Tensor):
-        raise InputError(f"identity_loss needs a tensor, got {type(x).__name__}")
+        raise InputError(f"identity_loss needs a tensor, got {type(x).__name__} {x!r}; compute "
+                         f"the loss with torch ops, or wrap a value with torch.as_tensor(...)")
     if reduction not in _REDUCTIONS:
         raise OptionsError(f"Unsupported reduction type {reduction!r} for identity_loss: "
                            f"use one of {sorted(_REDUCTIONS)}")

@@ -10,56 +10,12 @@ import torch
 
 from . import errors
 from .errors import OptimizerError
+from .optim_extras import _EXTRAS, _MOMENT_TYPES, _Global, _global_value, _refuse_amsgrad
+from .optim_rules import (_adamw_step_without_bias_correction, _lamb_init, _lamb_step,
+                          _rmsprop_tf_step)
 
 __all__ = ["SGD", "Adam", "AdamW", "RMSprop", "LAMB", "VariableAttributes", "check_optimizer",
            "loss_scaling", "max_grad_norm", "copy_hyperparameters"]
-
-# [Note: optimizer extras]
-# PopTorch's extra arguments (except SGD's velocity_scaling) are *global*: one value per
-# optimizer, kept in every param group's dict (PopTorch scripts read group["loss_scaling"])
-# and in `defaults` (for groups added later). The attribute (`opt.loss_scaling`) reads the
-# groups and refuses groups that disagree; setting it validates and writes every group.
-# step() never applies loss_scaling or max_grad_norm: the wrapper scales the loss, then
-# unscales and clips the gradients before step(). Accumulator dtypes and velocity scaling
-# only pick IPU storage precision; the state here stays float32, so results do not change.
-
-
-def _positive(name: str, value: Any, allow_inf: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
-    if not ok or (math.isinf(value) and not allow_inf):
-        kind = "a positive float (inf allowed)" if allow_inf else "a positive finite float"
-        raise OptimizerError(f"{name}={value!r} is invalid: it must be {kind}, e.g. {name}=1.0")
-    return float(value)
-
-
-def _accum_dtype(name: str, value: Any) -> torch.dtype:
-    if value not in (torch.float32, torch.float16):
-        raise OptimizerError(f"{name}={value!r} is invalid: accumulation types must be either "
-                             f"torch.float32 or torch.float16; pass {name}=torch.float32")
-    if value == torch.float16:
-        errors.warn_once(f"optim.{name}", f"{name}=torch.float16 only sets IPU storage precision;"
-                         " poptorch_lite keeps optimizer state in float32")
-    return value
-
-
-def _flag(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise OptimizerError(f"{name}={value!r} is invalid: pass {name}=True or {name}=False")
-    return value
-
-
-_EXTRAS: dict[str, tuple[Any, Callable[[str, Any], Any]]] = {  # name: (default, validator)
-    "loss_scaling": (1.0, _positive),
-    "max_grad_norm": (math.inf, lambda name, v: _positive(name, v, allow_inf=True)),
-    "use_combined_accum": (False, _flag), "bias_correction": (True, _flag),
-    "use_tf_variant": (False, _flag), "accum_type": (torch.float32, _accum_dtype),
-    "velocity_accum_type": (torch.float32, _accum_dtype),
-    "first_order_momentum_accum_type": (torch.float32, _accum_dtype),
-    "second_order_momentum_accum_type": (torch.float32, _accum_dtype),
-    "velocity_scaling": (1.0, _positive),  # SGD's one per-group extra
-}
-_MOMENT_TYPES = ("accum_type", "first_order_momentum_accum_type",
-                 "second_order_momentum_accum_type")
 
 
 class VariableAttributes:
@@ -95,44 +51,6 @@ class VariableAttributes:
     def markAsVariable(self, name: str) -> None:  # noqa: N802
         """Mark ``name`` as variable."""
         self._variables.add(self._check(name))
-
-
-class _Global:
-    """A global extra (see [Note: optimizer extras]): read from the groups, written to all."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, opt: Any, owner: type | None = None) -> Any:
-        return self if opt is None else _global_value(opt, self._owned(opt))
-
-    def __set__(self, opt: Any, value: Any) -> None:
-        value = _EXTRAS[self._owned(opt)][1](self.name, value)
-        opt.defaults[self.name] = value
-        for group in opt.param_groups:
-            group[self.name] = value
-
-
-    def _owned(self, opt: Any) -> str:
-        if self.name not in type(opt)._GLOBALS:
-            raise AttributeError(f"{type(opt).__name__} has no {self.name} (PopTorch gives it "
-                                 f"only {list(type(opt)._GLOBALS)})")
-        return self.name
-
-
-def _global_value(opt: Any, name: str) -> Any:
-    values = [group.get(name, opt.defaults[name]) for group in opt.param_groups]
-    if any(v != values[0] for v in values):
-        raise OptimizerError(f"{name} is global in PopTorch but the param groups disagree: "
-                             f"{values}; set opt.{name} = value to give every group one value")
-    return values[0]
-
-
-def _refuse_amsgrad(opt: torch.optim.Optimizer) -> None:
-    flags = [group.get("amsgrad", False) for group in opt.param_groups]
-    if any(flags):
-        raise OptimizerError(f"amsgrad=True is not supported by PopTorch (the param groups' "
-                             f"amsgrad: {flags}); pass amsgrad=False")
 
 
 class _PopTorchOptimizer:
@@ -173,29 +91,6 @@ def _torch_step(torch_cls: type, opt: Any, closure: Callable | None) -> Any:
     """torch's step without the hook wrapper torch patches onto classes (ours already ran)."""
     step = torch_cls.step
     return (step.__wrapped__ if getattr(step, "hooked", False) else step)(opt, closure)
-
-
-def _closure_loss(closure: Callable | None) -> Any:
-    if closure is None:
-        return None
-    with torch.enable_grad():
-        return closure()
-
-
-def _with_grads(group: dict[str, Any]) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
-    """(parameter, gradient) pairs of a group, the gradient negated when maximize=True."""
-    for p in group["params"]:
-        if p.grad is not None:
-            yield p, (-p.grad if group.get("maximize", False) else p.grad)
-
-
-def _stepped_state(state: dict, p: torch.Tensor, **buffers: Callable) -> dict:
-    """A parameter's state, created with ``buffers`` on first use, its step incremented."""
-    if not state:
-        state["step"] = torch.zeros((), dtype=torch.float32)
-        state.update({name: make(p) for name, make in buffers.items()})
-    state["step"] += 1
-    return state
 
 
 class SGD(_PopTorchOptimizer, torch.optim.SGD):
@@ -306,21 +201,7 @@ class AdamW(_PopTorchOptimizer, torch.optim.AdamW):
         """One update: torch's AdamW, or the formulas above without bias correction."""
         if self.bias_correction:
             return _torch_step(torch.optim.AdamW, self, closure)
-        return self._step_without_bias_correction(closure)
-
-    @torch.no_grad()
-    def _step_without_bias_correction(self, closure: Callable | None) -> Any:
-        loss = _closure_loss(closure)
-        for group in self.param_groups:
-            (beta1, beta2), lr = group["betas"], group["lr"]
-            for p, grad in _with_grads(group):
-                state = _stepped_state(self.state[p], p, exp_avg=torch.zeros_like,
-                                       exp_avg_sq=torch.zeros_like)
-                p.mul_(1 - lr * group["weight_decay"])
-                m = state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
-                v = state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                p.addcdiv_(m, v.sqrt().add_(group["eps"]), value=-lr)
-        return loss
+        return _adamw_step_without_bias_correction(self, closure)
 
 
 class RMSprop(_PopTorchOptimizer, torch.optim.RMSprop):
@@ -362,46 +243,7 @@ class RMSprop(_PopTorchOptimizer, torch.optim.RMSprop):
         """One update: torch's RMSprop, or TensorFlow's (the formulas above)."""
         if not self.use_tf_variant:
             return _torch_step(torch.optim.RMSprop, self, closure)
-        return self._tf_step(closure)
-
-    @torch.no_grad()
-    def _tf_step(self, closure: Callable | None) -> Any:
-        loss = _closure_loss(closure)
-        for group in self.param_groups:
-            alpha, eps, lr, momentum = group["alpha"], group["eps"], group["lr"], group["momentum"]
-            buffers = {"square_avg": torch.ones_like}  # TF: the squares start at 1
-            if momentum > 0:
-                buffers["momentum_buffer"] = torch.zeros_like
-            if group["centered"]:
-                buffers["grad_avg"] = torch.zeros_like
-            for p, grad in _with_grads(group):
-                state = _stepped_state(self.state[p], p, **buffers)
-                if group["weight_decay"] != 0:
-                    grad = grad.add(p, alpha=group["weight_decay"])
-                s = state["square_avg"].mul_(alpha).addcmul_(grad, grad, value=1 - alpha)
-                if group["centered"]:
-                    a = state["grad_avg"].mul_(alpha).add_(grad, alpha=1 - alpha)
-                    denom = s.addcmul(a, a, value=-1).add_(eps).sqrt_()
-                else:
-                    denom = s.add(eps).sqrt_()
-                if momentum > 0:  # TF: lr goes inside the momentum buffer
-                    p.sub_(state["momentum_buffer"].mul_(momentum).addcdiv_(grad, denom, value=lr))
-                else:
-                    p.addcdiv_(grad, denom, value=-lr)
-        return loss
-
-
-def _lamb_init(opt: torch.optim.Optimizer, params: Any, lr: float = 1e-3,
-               betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-               weight_decay: float = 1e-2, max_weight_norm: float = 65500.0) -> None:
-    """LAMB's per-group defaults and their checks, as torch's constructors do them."""
-    if not (lr >= 0 and eps >= 0 and weight_decay >= 0 and all(0 <= b < 1 for b in betas)):
-        raise ValueError(f"invalid hyper-parameters lr={lr}, eps={eps}, weight_decay="
-                         f"{weight_decay}, betas={betas}: lr, eps, weight_decay must be >= 0 "
-                         "and betas in [0, 1)")
-    max_weight_norm = _positive("max_weight_norm", max_weight_norm, allow_inf=True)
-    torch.optim.Optimizer.__init__(opt, params, dict(
-        lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_weight_norm=max_weight_norm))
+        return _rmsprop_tf_step(self, closure)
 
 
 class LAMB(_PopTorchOptimizer, torch.optim.Optimizer):
@@ -441,25 +283,9 @@ class LAMB(_PopTorchOptimizer, torch.optim.Optimizer):
                  max_grad_norm: float | None = None):
         self._init(_lamb_init, locals())
 
-    @torch.no_grad()
     def step(self, closure: Callable | None = None) -> Any:
         """One LAMB update of every parameter that has a gradient (the formulas above)."""
-        loss = _closure_loss(closure)
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p, grad in _with_grads(group):
-                state = _stepped_state(self.state[p], p, exp_avg=torch.zeros_like,
-                                       exp_avg_sq=torch.zeros_like)
-                m = state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
-                v = state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                t = state["step"].item()
-                bc1, bc2 = (1 - beta1**t, 1 - beta2**t) if self.bias_correction else (1.0, 1.0)
-                u = (m / bc1) / (v.sqrt() / math.sqrt(bc2)).add_(group["eps"])
-                u.add_(p, alpha=group["weight_decay"])
-                r1, r2 = p.norm().clamp(max=group["max_weight_norm"]), u.norm()  # phi(||p||)
-                trust = torch.where((r1 == 0) | (r2 == 0), torch.ones_like(r1), r1 / r2)
-                p.sub_(u * (group["lr"] * trust))
-        return loss
+        return _lamb_step(self, closure)
 
 
 _ACCEPTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop,

@@ -138,22 +138,12 @@ def _block_stage_ids(blocks: list, strategy: ExecutionStrategy) -> dict:
     return resolved
 
 
-def _is_mutation_of(node: fx.Node, target: fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return False
-    for arg, value in zip(schema.arguments, node.args):
-        if value is target and arg.alias_info is not None and arg.alias_info.is_write:
-            return True
-    return False
-
-
 def split(gm: fx.GraphModule, param_names: Sequence[str], buffer_names: Sequence[str],
           strategy: ExecutionStrategy, training: bool) -> tuple:
     """Split a traced graph into stages.
 
     Returns:
-        ``(stages, loss, output_values, mutated_buffers, checkpoints, block_stage)``.
+        ``(stages, loss, output_values, checkpoints, block_stage)``.
 
     Raises:
         BlockError: an op outside any Block, an unknown or unnamed block, or
@@ -254,8 +244,6 @@ def split(gm: fx.GraphModule, param_names: Sequence[str], buffer_names: Sequence
     def value_name(n: fx.Node) -> str:
         return source_name.get(n, f"node:{n.name}")
 
-    mutated = {source_name[p].split(":", 1)[1] for p in placeholders
-               if source_name[p].startswith("buffer:") and any(_is_mutation_of(u, p) for u in p.users)}
     stages = []
     for s, (ipu, run_nodes, blocks) in enumerate(runs):
         g = fx.Graph()
@@ -283,7 +271,7 @@ def split(gm: fx.GraphModule, param_names: Sequence[str], buffer_names: Sequence
                             tuple(value_name(n) for n in outputs)))
     output_values = [value_name(n) for n in model_outputs]
     loss = value_name(loss_node) if loss_node is not None else None
-    return (stages, loss, output_values, frozenset(mutated),
+    return (stages, loss, output_values,
             frozenset(value_name(c) for c in checkpoint_nodes), block_stage)
 
 
@@ -328,8 +316,9 @@ def partition(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict,
         >>> p.num_stages
         1
     """
-    gm, pnames, bnames, spec, consts, layer_blocks = trace(model, modes, args, kwargs, training)
-    stages, loss, tensor_outputs, mutated, checkpoints, _ = split(gm, pnames, bnames, strategy,
+    gm, pnames, bnames, spec, consts, layer_blocks, mutated = trace(model, modes, args, kwargs,
+                                                                    training)
+    stages, loss, tensor_outputs, checkpoints, _ = split(gm, pnames, bnames, strategy,
                                                                  training)
     it = iter(tensor_outputs)
     outputs = [next(it) if c is None else ("const", c) for c in consts]

@@ -176,8 +176,8 @@ class Placement:
         self._row_events = []
 
     def close(self) -> None:
-        """Stop every worker thread (idempotent)."""
-        self._finalizer()
+        """Stop every worker thread; a later row starts them again (idempotent)."""
+        _close_all(list(self.streams.values()))
 
 
 def _close_all(streams: list) -> None:

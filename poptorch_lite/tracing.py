@@ -50,7 +50,7 @@ def _preserved_state(model: torch.nn.Module, modes: dict):
     for m in model.modules():
         m.training = modes.get(m, m.training)
     try:
-        yield
+        yield {id(b): saved for b, saved in buffers}
     finally:
         for m, flag in current.items():
             m.training = flag
@@ -82,8 +82,12 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
 
     Returns:
         ``(graph_module, param_names, buffer_names, out_spec, const_outputs,
-        module_blocks)``; the graph takes params, buffers, then the tensor
-        leaves of (args, kwargs), and returns the tensor leaves of the output.
+        module_blocks, mutated_buffers)``; the graph takes params, buffers, then
+        the tensor leaves of (args, kwargs), and returns the tensor leaves of the
+        output. ``mutated_buffers`` names the buffers the forward wrote in place:
+        their version counter moved or their values changed (op schemas do not
+        announce every write: ``native_batch_norm`` updates its running
+        statistics without bumping a version).
 
     Raises:
         TraceError: the forward failed while tracing; names the user's line.
@@ -115,8 +119,11 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
     grad = torch.enable_grad() if training else torch.no_grad()
     hook = torch.nn.modules.module.register_module_forward_hook(record_block)
     try:
-        with _preserved_state(model, modes), trace_context(), grad, _LossMode():
+        with _preserved_state(model, modes) as before, trace_context(), grad, _LossMode():
+            versions = {n: b._version for n, b in buffers.items()}
             gm = make_fx(run, tracing_mode="real", record_stack_traces=True)(*flat)
+            mutated = frozenset(n for n, b in buffers.items() if b._version != versions[n]
+                                or not torch.equal(b, before[id(b)]))
     except Error:
         raise
     except Exception as exc:
@@ -129,4 +136,4 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
     consts = [None if isinstance(v, torch.Tensor) else v for v in result["leaves"]]
     layer_blocks = {name: module_blocks[m] for name, m in model.named_modules()
                     if m in module_blocks and name}
-    return gm, list(params), list(buffers), result["spec"], consts, layer_blocks
+    return gm, list(params), list(buffers), result["spec"], consts, layer_blocks, mutated

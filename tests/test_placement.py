@@ -85,3 +85,13 @@ def test_a_stage_on_another_device_uses_a_copy_that_follows_the_host():
     assert torch.equal(copy.cpu(), model.weight.detach())
     copy.grad = torch.ones_like(copy)
     assert torch.equal(weights.gather_grad("weight"), torch.ones(2, 2))
+
+
+def test_closing_again_after_reuse_releases_the_new_workers():
+    placement = Placement([0, 1], None)
+    placement.run_row([(0, lambda: 0), (1, lambda: 1)])
+    placement.close()  # as detachFromDevice does
+    placement.run_row([(0, lambda: 0), (1, lambda: 1)])  # re-attached: workers start again
+    assert [t for t in threading.enumerate() if t.name.startswith("poptorch_lite")]
+    placement.close()  # as destroy does
+    assert not [t for t in threading.enumerate() if t.name.startswith("poptorch_lite")]
