@@ -5,7 +5,9 @@ and has one dispatch on the action kind; it holds no scheduling logic.
 
 [Note: autograd boundary]
 A stage's inputs that another stage computed arrive detached and, when the
-producer's value requires grad, as fresh leaves that require grad. Backward of
+producer's value requires grad, as fresh leaves that require grad (a stage that
+writes such an input in place gets a clone of the leaf, so the gradient still
+reaches the leaf and the producer's value stays intact). Backward of
 a stage is ``torch.autograd.backward(outputs, grad_tensors)`` with the
 gradients its consumers left for its outputs (the loss gets the loss-scaling
 factor); afterwards the gradients of its boundary inputs go upstream. Each
@@ -164,6 +166,8 @@ class Executor:
                 if torch.is_grad_enabled() and produced.requires_grad:
                     v.requires_grad_(True)
                     boundary[name] = v
+                if name in st.written_inputs:  # written in place: leave the producer's value
+                    v = v.clone()
             args.append(v)
         outs = st.module(*args)
         for name, o in zip(st.outputs, outs):

@@ -51,6 +51,9 @@ class Stage:
             returns the values named by ``outputs`` as a tuple.
         inputs: value names ([Note: partition]) of its arguments.
         outputs: value names it produces for later stages or for the caller.
+        written_inputs: inputs from earlier stages that an op of this stage
+            writes in place (``nn.ReLU(inplace=True)`` opening a stage); the
+            executor gives the stage a copy of them.
     """
 
     index: int
@@ -59,6 +62,7 @@ class Stage:
     module: fx.GraphModule
     inputs: tuple
     outputs: tuple
+    written_inputs: frozenset = frozenset()
 
     @property
     def param_names(self) -> list:
@@ -100,6 +104,25 @@ def _node_line(node: fx.Node) -> str:
     trace = node.meta.get("stack_trace", "") or ""
     lines = [ln.strip() for ln in trace.strip().splitlines()]
     return " / ".join(lines[:2]) if lines else f"op {node.target}"
+
+
+def _written_in_place(value: fx.Node) -> bool:
+    """Whether an op writes ``value`` in place, directly or through a view of it."""
+    stack, seen = [value], set()
+    while stack:
+        v = stack.pop()
+        seen.add(v)
+        for user in v.users:
+            schema = getattr(user.target, "_schema", None)
+            if schema is None:
+                continue
+            for arg, given in zip(schema.arguments, user.args):
+                if given is v and arg.alias_info is not None and arg.alias_info.is_write:
+                    return True
+            returns_alias = schema.returns and schema.returns[0].alias_info is not None
+            if returns_alias and user.args and user.args[0] is v and user not in seen:
+                stack.append(user)  # a view of v: writing it writes v
+    return False
 
 
 def _block_stage_ids(blocks: list, strategy: ExecutionStrategy) -> dict:
@@ -267,8 +290,10 @@ def split(gm: fx.GraphModule, param_names: Sequence[str], buffer_names: Sequence
             n in needed_later or any(stage_of.get(u, s) > s for u in n.users))]
         g.output(tuple(env[n] for n in outputs))
         module = fx.GraphModule(gm, g)
+        written = frozenset(value_name(n) for n in env if value_name(n).startswith("node:")
+                            and env[n].op == "placeholder" and _written_in_place(env[n]))
         stages.append(Stage(s, ipu, tuple(blocks), module, tuple(inputs),
-                            tuple(value_name(n) for n in outputs)))
+                            tuple(value_name(n) for n in outputs), written))
     output_values = [value_name(n) for n in model_outputs]
     loss = value_name(loss_node) if loss_node is not None else None
     return (stages, loss, output_values,

@@ -272,3 +272,42 @@ def test_is_running_on_ipu_is_true_while_traced():
 
     poptorch.inferenceModel(Probe())(torch.ones(2))
     assert seen == [True]
+
+
+class InPlaceAtBoundary(torch.nn.Module):
+    """Stage 1 opens with an in-place ReLU on stage 0's output; stage 2 writes through a view."""
+
+    def __init__(self):
+        super().__init__()
+        self.seq = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(inplace=True),
+                                       torch.nn.Linear(6, 6))
+        self.head = torch.nn.Linear(6, 2)
+
+    def forward(self, x, y):
+        h = self.seq(x)
+        with poptorch.Block("head", ipu_id=2):
+            flat = h.view(-1)
+            flat.mul_(0.5)
+            out = self.head(h)
+            return out, F.mse_loss(out, y)
+
+
+def test_values_written_in_place_at_a_stage_boundary_match_plain_pytorch():
+    torch.manual_seed(0)
+    model = InPlaceAtBoundary()
+    poptorch.set_pipeline_stage_assignment(model.seq, [0, 1, 1])
+    ref = copy.deepcopy(model)
+    G = 2
+    x, y = torch.randn(3 * G, 4), torch.randn(3 * G, 2)
+    opts = poptorch.Options().setExecutionStrategy(poptorch.ShardedExecution())
+    opts.Training.gradientAccumulation(G)
+    train = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+    _, loss = train(x, y)
+    part = next(iter(train._programs.values())).partition
+    assert [len(st.written_inputs) for st in part.stages] == [0, 1, 1]
+    _, ref_losses, ref_grads = reference_training(ref, torch.optim.SGD(ref.parameters(), lr=0.1),
+                                                  x, y, 1, G, 1)
+    assert_close(loss, ref_losses[-1], atol=1e-6, rtol=0)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_close(p.grad, ref_grads[n], atol=1e-6, rtol=0, msg=n)
+        assert_close(p.detach(), q.detach(), atol=1e-6, rtol=0, msg=n)
