@@ -39,11 +39,20 @@ _TRAINING_WRAPPERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class _Program:
-    """What one input signature compiles to: the partition and its executor."""
+    """What one input signature compiles to: the partition, its executor, its schedules."""
 
-    def __init__(self, partition: Partition, executor: Executor):
+    def __init__(self, partition: Partition, executor: Executor, kind):
         self.partition = partition
         self.executor = executor
+        self.kind = kind
+        self._schedules: dict = {}
+
+    def schedule(self, m: int, training: bool):
+        """The (validated, cached) schedule for m micro-batches."""
+        if (m, training) not in self._schedules:
+            ipus = self.partition.stage_ipus()
+            self._schedules[m, training] = build(self.kind, len(ipus), m, training, ipus)
+        return self._schedules[m, training]
 
 
 class PoplarExecutor:
@@ -99,10 +108,9 @@ class PoplarExecutor:
         D, R = opts.device_iterations, self._replicas()
         G = opts.Training.gradient_accumulation if self._training else 1
         ex = program.executor
-        ipus = program.partition.stage_ipus()
         outputs = []
         if self._training:
-            schedule = build(opts.execution_strategy.schedule, len(ipus), G * R, True, ipus)
+            schedule = program.schedule(G * R, True)
             step = StepArithmetic(
                 self._optimizer, poptorch_optim.loss_scaling(self._optimizer),
                 G * R if opts.Training.reduction_type == ReductionType.Mean else 1,
@@ -111,8 +119,7 @@ class PoplarExecutor:
                 ks = range(d * G * R, (d + 1) * G * R)
                 outputs += ex.run(schedule, [mbs.tensors(k) for k in ks], lambda j: j % R, step)
         else:
-            schedule = build(opts.execution_strategy.schedule, len(ipus), D * R, False, ipus)
-            outputs = ex.run(schedule, [mbs.tensors(k) for k in range(D * R)], lambda j: j % R,
+            outputs = ex.run(program.schedule(D * R, False), [mbs.tensors(k) for k in range(D * R)], lambda j: j % R,
                              None)
         self._weights.to_host()
         self._remember_versions()
@@ -250,7 +257,8 @@ class PoplarExecutor:
             if self._placement is not None:
                 self._placement.close()
             self._placement = Placement(sorted(ipus), o.ipu_devices)
-        program = _Program(part, Executor(part, self._placement, self._weights))
+        program = _Program(part, Executor(part, self._placement, self._weights),
+                           o.execution_strategy.schedule)
         self._programs[key] = program
         self._compiled = True
         return program

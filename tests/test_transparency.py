@@ -28,6 +28,14 @@ def assert_same_state(opt_a, opt_b):
             assert_close(sa[k][name], sb[k][name], atol=ATOL, rtol=0)
 
 
+def sharded(G, device):
+    """Options for G accumulated micro-batches through ShardedExecution on ``device``."""
+    opts = poptorch.Options().setExecutionStrategy(poptorch.ShardedExecution())
+    opts.Training.gradientAccumulation(G)
+    opts.set_ipu_devices(device)
+    return opts
+
+
 MATRIX = list(itertools.product([1, 2, 4], [1, 4, 8], [1, 2], [1, 3], ["mean", "sum"],
                                 ["sgd", "adam"]))
 
@@ -88,10 +96,7 @@ def test_several_calls_keep_matching(device):
     torch.manual_seed(0)
     model, G = BlockMLP(2), 4
     ref = twin(model)
-    opts = poptorch.Options()
-    opts.Training.gradientAccumulation(G)
-    opts.setExecutionStrategy(poptorch.ShardedExecution())
-    opts.set_ipu_devices(device)
+    opts = sharded(G, device)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
     train = poptorch.trainingModel(model, opts, opt)
@@ -109,10 +114,7 @@ def test_dropout_and_batchnorm_match_with_the_same_seed(device):
     torch.manual_seed(0)
     model, G = BlockMLP(2, dropout=0.3, batchnorm=True), 4
     ref = twin(model)
-    opts = poptorch.Options()
-    opts.Training.gradientAccumulation(G)
-    opts.setExecutionStrategy(poptorch.ShardedExecution())
-    opts.set_ipu_devices(device)
+    opts = sharded(G, device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
     x, y = data(4 * G)
