@@ -262,7 +262,7 @@ def build(kind: PipelineSchedule, S: int, m: int, training: bool,
             warn_once(f"schedule.{kind.name}",
                       f"the {kind.name} schedule is not implemented yet: its {S} stages run one "
                       f"action at a time (Sequential); results are identical, only speed differs",
-                      PoptorchLiteWarning)
+                      PoptorchLiteWarning, stacklevel=5)  # the user's call of the wrapped model
     schedule = builder(S, m, training, streams)
     validate(schedule)
     return schedule
