@@ -46,25 +46,25 @@ class MicroBatches:
     """
 
     def __init__(self, args: tuple, kwargs: dict, factor: int, explain: str):
-        check_tensor_lists(list(args) + list(kwargs.values()))
+        _check_number_lists(list(args) + list(kwargs.values()))
         leaves, self.spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
         self.factor = factor
         for leaf in leaves:
             _check_leaf(leaf)
-        for k, leaf in enumerate(leaves):
-            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-                warn_once("input.requires_grad",
-                          "an input tensor requires grad: inputs are detached (a wrapped model "
-                          "computes gradients for its parameters only)", PoptorchLiteWarning)
-                leaves[k] = leaf.detach()
-        for leaf in leaves:
-            if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] % factor:
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            if leaf.dim() > 0 and leaf.shape[0] % factor:
                 raise BatchSizeError(
                     f"Invalid batch dimension: In the input {tuple(leaf.shape)}, the batch "
                     f"dimension ({leaf.shape[0]}) must be a multiple of {explain} = {factor}, "
                     f"because one call runs that many micro-batches; pass a batch of "
                     f"micro_batch_size * {factor} rows (poptorch_lite.DataLoader(options, ...) "
                     f"yields such batches)")
+        if any(isinstance(v, torch.Tensor) and v.requires_grad for v in leaves):
+            warn_once("input.requires_grad",
+                      "an input tensor requires grad: inputs are detached (a wrapped model "
+                      "computes gradients for its parameters only)", PoptorchLiteWarning)
+            leaves = [v.detach() if isinstance(v, torch.Tensor) else v for v in leaves]
         self.leaves = leaves
         self.tensor_positions = [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
 
@@ -109,7 +109,7 @@ def _slice(t: torch.Tensor, k: int, factor: int) -> torch.Tensor:
     return t[k * b:(k + 1) * b]
 
 
-def check_tensor_lists(values: Sequence) -> None:
+def _check_number_lists(values: Sequence) -> None:
     """Refuse lists of plain numbers as inputs (they would be frozen into the graph)."""
     for v in values:
         if isinstance(v, (list, tuple)) and v and all(isinstance(x, (int, float)) for x in v):

@@ -16,8 +16,11 @@ stage keeps a FIFO stash of what its backward needs, in micro-batch order.
 [Note: gradient arithmetic]
 Autograd sums the gradients of all micro-batches (accumulation steps and
 replicas run in turn) into ``.grad``. The reduction of stage s (``sG``)
-divides that sum once by ``loss_scaling`` (undoing the scaled loss) and, for
-``ReductionType.Mean``, by the number of micro-batches ``G·R``. The update
+divides that sum once by ``loss_scaling`` (undoing the scaled loss) and by
+``StepArithmetic.divisor``: for ``ReductionType.Mean`` the number of
+micro-batches ``G·R``; for ``Sum`` 1. With ``inputReplicaGrouping(g)`` the g
+replicas of a group share one input, so each micro-batch run stands for g of
+them: Mean divides by ``G·R/g`` and Sum by ``1/g``. The update
 (``U``) clips to ``max_grad_norm`` if finite, then calls ``optimizer.step()``.
 After a training call, each parameter's ``.grad`` holds the gradient its last
 step used.
@@ -45,13 +48,14 @@ class StepArithmetic:
     Attributes:
         optimizer: the optimizer to step.
         loss_scaling: the factor the loss is multiplied by before backward.
-        mean_divisor: G·R for ReductionType.Mean, 1 for Sum.
+        divisor: what the summed micro-batch gradients are divided by (besides
+            the loss scaling) to give the reduced gradient.
         max_grad_norm: clip the global gradient norm to this (inf: no clipping).
     """
 
     optimizer: torch.optim.Optimizer
     loss_scaling: float = 1.0
-    mean_divisor: int = 1
+    divisor: float = 1
     max_grad_norm: float = math.inf
 
 
@@ -59,7 +63,7 @@ class _Run:
     """The state of one run of a schedule: values, stashes and gradients per micro-batch."""
 
     def __init__(self, partition: Partition, microbatches: Sequence[Sequence[torch.Tensor]],
-                 replica_of: Callable, wanted: set):
+                 replica_of: Callable):
         S = partition.num_stages
         self.inputs = microbatches
         self.replica_of = replica_of
@@ -67,8 +71,6 @@ class _Run:
         self.grads = [dict() for _ in microbatches]       # value name -> gradient, per micro-batch
         self.results = [dict() for _ in microbatches]     # returned values, detached
         self.stash = [collections.deque() for _ in range(S)]  # per stage: (i, boundary, outputs)
-        self.wanted = wanted
-        self.peak_stash = [0] * S
 
 
 class Executor:
@@ -87,11 +89,19 @@ class Executor:
         self.partition = partition
         self.placement = placement
         self.weights = weights
-        self.owner = {}  # parameter name -> the first stage that uses it (it reduces the grad)
+        # Each stage's inputs as (name, kind, key), parsed once: [Note: partition] names them.
+        self.sources = [[(n, *n.split(":", 1)) for n in st.inputs] for st in partition.stages]
+        # The parameters whose gradient each stage reduces: those it is the first to use.
+        self.owned = [[] for _ in partition.stages]
+        seen: set = set()
         for st in partition.stages:
             for name in st.param_names:
-                self.owner.setdefault(name, st.index)
-        self.last_peak_stash: list = []
+                if name not in seen:
+                    seen.add(name)
+                    self.owned[st.index].append(name)
+        self.wanted = {o for o in partition.outputs if isinstance(o, str)}
+        self.handlers = {Kind.FORWARD: self._forward, Kind.BACKWARD: self._backward,
+                         Kind.REDUCE: self._reduce, Kind.STEP: self._step}
 
     def run(self, schedule: Schedule, microbatches: Sequence[Sequence[torch.Tensor]],
             replica_of: Callable, step: Optional[StepArithmetic]) -> list:
@@ -111,8 +121,7 @@ class Executor:
                 action and shows the grid with the failing row marked.
         """
         p = self.partition
-        wanted = {o for o in p.outputs if isinstance(o, str)}
-        run = _Run(p, microbatches, replica_of, wanted)
+        run = _Run(p, microbatches, replica_of)
         if schedule.training:
             self.weights.zero_grads()
         for t, row in enumerate(schedule.rows):
@@ -123,7 +132,6 @@ class Executor:
                 if exc is not None:
                     self._fail(schedule, t, a, exc)
         self.placement.finish()
-        self.last_peak_stash = run.peak_stash
         out = []
         for i in range(len(microbatches)):
             out.append([self._result(run, i, o) for o in p.outputs if isinstance(o, str)])
@@ -132,8 +140,7 @@ class Executor:
     # -- dispatch -------------------------------------------------------------------------
 
     def _bind(self, a: Action, run: _Run, step: Optional[StepArithmetic], training: bool):
-        handler = {Kind.FORWARD: self._forward, Kind.BACKWARD: self._backward,
-                   Kind.REDUCE: self._reduce, Kind.STEP: self._step}.get(a.kind)
+        handler = self.handlers.get(a.kind)
         if handler is None:
             raise Error(f"action {a} ({a.kind.name}) has no handler in this executor")
 
@@ -152,8 +159,7 @@ class Executor:
         i = a.microbatch
         device = self.placement.device(st.ipu)
         args, boundary = [], {}
-        for name in st.inputs:
-            kind, key = name.split(":", 1)
+        for name, kind, key in self.sources[a.stage]:
             if kind == "param":
                 v = self.weights.param(key, device)
             elif kind == "buffer":
@@ -172,11 +178,10 @@ class Executor:
         outs = st.module(*args)
         for name, o in zip(st.outputs, outs):
             run.values[i][name] = o
-            if name in run.wanted or name == self.partition.loss:
+            if name in self.wanted:
                 run.results[i][name] = o.detach()
         if torch.is_grad_enabled():
             run.stash[a.stage].append((i, boundary, outs))
-            run.peak_stash[a.stage] = max(run.peak_stash[a.stage], len(run.stash[a.stage]))
 
     def _backward(self, a: Action, run: _Run, step: StepArithmetic) -> None:
         st = self.partition.stages[a.stage]
@@ -203,10 +208,8 @@ class Executor:
 
     def _reduce(self, a: Action, run: _Run, step: StepArithmetic) -> None:
         # [Note: gradient arithmetic] sum over micro-batches -> mean (or sum), unscaled.
-        divisor = step.loss_scaling * step.mean_divisor
-        for name, s in self.owner.items():
-            if s != a.stage:
-                continue
+        divisor = step.loss_scaling * step.divisor
+        for name in self.owned[a.stage]:
             grad = self.weights.gather_grad(name)
             if grad is not None and divisor != 1:
                 grad.div_(divisor)

@@ -60,13 +60,18 @@ class CpuStream:
         self.name = name
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
 
+    def _launch(self, fn: Callable):
+        return fn()
+
     def submit(self, fn: Callable) -> concurrent.futures.Future:
+        """Run ``fn`` on this stream's worker thread (started on first use)."""
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=self.name)
-        return self._pool.submit(fn)
+        return self._pool.submit(self._launch, fn)
 
     def run_here(self, fn: Callable):
-        return fn()
+        """Run ``fn`` on the caller's thread, as this stream's next action."""
+        return self._launch(fn)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -74,7 +79,7 @@ class CpuStream:
             self._pool = None
 
 
-class CudaStream:
+class CudaStream(CpuStream):
     """A ``torch.cuda.Stream`` that actions are launched on ([Note: streams]).
 
     Before each action the stream waits for the events recorded by the previous
@@ -83,12 +88,11 @@ class CudaStream:
     """
 
     def __init__(self, name: str, device: torch.device):
-        self.name = name
+        super().__init__(name)
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
         self.waits: list = []   # events of the previous row, set by the placement
         self.done = None        # the event recorded after this stream's last action
-        self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
 
     def _launch(self, fn: Callable):
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
@@ -98,19 +102,6 @@ class CudaStream:
             self.done = torch.cuda.Event()
             self.done.record(self.stream)
             return result
-
-    def submit(self, fn: Callable) -> concurrent.futures.Future:
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=self.name)
-        return self._pool.submit(self._launch, fn)
-
-    def run_here(self, fn: Callable):
-        return self._launch(fn)
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
 
 
 class Placement:
@@ -138,9 +129,6 @@ class Placement:
 
     def device(self, ipu: int) -> torch.device:
         return self.devices[ipu]
-
-    def stream(self, ipu: int):
-        return self.streams[ipu]
 
     def run_row(self, work: Sequence[tuple]) -> list:
         """Run ``[(ipu, fn), ...]`` together, one per stream, after everything of the last row.

@@ -105,15 +105,18 @@ class PoplarExecutor:
         if not self._attached:
             self._attach()
         self._follow_host_edits()
-        D, R = opts.device_iterations, self._replicas()
-        G = opts.Training.gradient_accumulation if self._training else 1
+        # R: the replicas run in turn, one per input slice ([Note: batch layout]); G is 1
+        # for inference models (refused otherwise at wrap time).
+        D, R, G = opts.device_iterations, self._replicas(), opts.Training.gradient_accumulation
         ex = program.executor
         outputs = []
         if self._training:
             schedule = program.schedule(G * R, True)
+            # [Note: gradient arithmetic]: each micro-batch run stands for input_group_size replicas
+            mean = opts.Training.reduction_type == ReductionType.Mean
             step = StepArithmetic(
                 self._optimizer, poptorch_optim.loss_scaling(self._optimizer),
-                G * R if opts.Training.reduction_type == ReductionType.Mean else 1,
+                G * R if mean else 1 / opts.input_group_size,
                 poptorch_optim.max_grad_norm(self._optimizer))
             for d in range(D):
                 ks = range(d * G * R, (d + 1) * G * R)
@@ -224,13 +227,11 @@ class PoplarExecutor:
 
     def _split(self, args, kwargs) -> MicroBatches:
         o = self._options
-        G = o.Training.gradient_accumulation if self._training else 1
         explain = (f"Options.deviceIterations({o.device_iterations}) * "
                    f"(Options.replicationFactor({o.replication_factor}) / "
                    f"Options.inputReplicaGrouping.input_group_size({o.input_group_size})) * "
-                   f"Options.Training.gradientAccumulation({G})")
-        return MicroBatches(args, kwargs, batch_factor(o) if self._training else
-                            o.device_iterations * self._replicas(), explain)
+                   f"Options.Training.gradientAccumulation({o.Training.gradient_accumulation})")
+        return MicroBatches(args, kwargs, batch_factor(o), explain)
 
     def _program(self, mbs: MicroBatches) -> _Program:
         key = mbs.signature()
@@ -273,24 +274,25 @@ class PoplarExecutor:
             raise DeviceError("Model has not been compiled or has been destroyed: call the "
                               "model (or model.compile(...)) first")
 
-    def _remember_versions(self) -> None:
+    def _host_versions(self) -> tuple:
         w = self._weights
-        self._versions = tuple(t._version for t in list(w.params.values()) + list(w.buffers.values()))
+        return tuple(t._version for t in (*w.params.values(), *w.buffers.values()))
+
+    def _remember_versions(self) -> None:
+        self._versions = self._host_versions()
 
     def _follow_host_edits(self) -> None:
         """Host tensors changed since the last sync (an edit, another wrapper's training)."""
-        w = self._weights
-        now = tuple(t._version for t in list(w.params.values()) + list(w.buffers.values()))
+        now = self._host_versions()
         if now != self._versions:
-            w.to_device()
+            self._weights.to_device()
             self._versions = now
 
     def _merge(self, part: Partition, per_microbatch: list):
         o = self._options
         mode = resolve_output_mode(o.output_mode, self._training)
-        G = o.Training.gradient_accumulation if self._training else 1
         groups = selected_microbatches(mode, o.output_return_period or 1, o.device_iterations,
-                                       G, self._replicas())
+                                       o.Training.gradient_accumulation, self._replicas())
         merged = iter(merge(per_microbatch, groups))
         leaves = [next(merged) if isinstance(v, str) else v[1] for v in part.outputs]
         return pytree.tree_unflatten(leaves, part.out_spec)

@@ -141,3 +141,28 @@ def test_inference_matches_plain_pytorch(R, device):
     refs = [model(x[k * b:(k + 1) * b], y[k * b:(k + 1) * b]) for k in range(D * R)]
     assert_close(out, torch.cat([o for o, _ in refs]).detach(), atol=ATOL, rtol=0)
     assert_close(loss, torch.stack([l for _, l in refs]).detach(), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_replicas_sharing_inputs_count_once_each(reduction, device):
+    """inputReplicaGrouping(2) with R=2: both replicas see every slice (POPTORCH_REFERENCE §4).
+
+    Sum adds both replicas' (equal) gradients: twice the slices' sum; Mean divides that
+    by G·R, which is the slices' sum over G.
+    """
+    torch.manual_seed(0)
+    model, G, lr = BlockMLP(2), 4, 0.1
+    ref = twin(model)
+    x, y = data(2 * G)
+    opts = sharded(G, device).replicationFactor(2).inputReplicaGrouping(
+        2, poptorch.CommGroupType.Consecutive)
+    opts.Training.accumulationAndReplicationReductionType(
+        poptorch.ReductionType.Mean if reduction == "mean" else poptorch.ReductionType.Sum)
+    poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=lr))(x, y)
+    _, _, slice_sums = reference_training(ref, torch.optim.SGD(ref.parameters(), lr=0.0),
+                                          x, y, 1, G, 1, mean=False)
+    for name, p in model.named_parameters():
+        expected = 2 * slice_sums[name] if reduction == "sum" else slice_sums[name] / G
+        assert_close(p.grad, expected, atol=ATOL, rtol=0, msg=name)
+        initial = dict(ref.named_parameters())[name].detach()
+        assert_close(p.detach(), initial - lr * expected, atol=ATOL, rtol=0, msg=name)

@@ -3,7 +3,6 @@
 import copy
 import itertools
 import re
-import threading
 
 import pytest
 import torch
@@ -419,29 +418,6 @@ def test_connection_type_never_compiles_but_refuses_to_run(device):
                        match=r"ConnectionType\.Never.*ConnectionType\.Always"):
         train(x, y)
     assert_unchanged(before, model, opt)
-
-
-def poptorch_threads():
-    return [t.name for t in threading.enumerate() if t.name.startswith("poptorch_lite")]
-
-
-def test_no_worker_thread_outlives_detach_and_destroy(device):
-    torch.manual_seed(0)
-    model = BlockMLP(4)
-    x, y = data(B * 7)
-    opts = options(device, G=7, strategy=poptorch.PipelinedExecution())
-    train = poptorch.trainingModel(model, opts)
-    infer = poptorch.inferenceModel(model, options(device, D=4, strategy=poptorch.PipelinedExecution()))
-    train(x, y)
-    infer(*data(B * 4))
-    train.detachFromDevice()
-    infer.detachFromDevice()
-    assert poptorch_threads() == []
-    train(x, y)  # re-attached
-    infer(*data(B * 4))
-    train.destroy()
-    infer.destroy()
-    assert poptorch_threads() == []
 
 
 # -- 5. refused inputs leave every state as it was -------------------------------------
