@@ -1,9 +1,53 @@
 """Schedules as lists: exact action order, step counts, dependencies; no torch involved."""
 
+import warnings
+
 import pytest
 
 from poptorch_lite.enums import PipelineSchedule
-from poptorch_lite.schedule import Action, Kind, Schedule, build, sequential, validate
+from poptorch_lite.schedule import (Action, Kind, Schedule, build, gpipe, grouped, interleaved,
+                                    sequential, validate)
+from poptorch_lite.schedule import _list_schedule
+
+P = PipelineSchedule
+CONCURRENT = [P.Grouped, P.Interleaved, P.GPipe]
+BUILDERS = {P.Sequential: sequential, P.Grouped: grouped, P.Interleaved: interleaved,
+            P.GPipe: gpipe}
+
+# [Note: schedule kinds], one stream per stage, no recomputation: per kind, the training
+# steps, the inference steps, the training peak in flight at stage s, and the warm-up w
+# (each stage runs w forwards, then forward and backward in turn, then its last w backwards).
+FORMULAS = {
+    P.Sequential: (lambda S, m: 2 * S * m + S + 1, lambda S, m: S * m,
+                   lambda S, m, s: 1, lambda S, m, s: 0),
+    P.Grouped: (lambda S, m: 2 * m + 2 * S, lambda S, m: m + S - 1,
+                lambda S, m, s: min(m, 2 * (S - s) - 1), lambda S, m, s: min(2 * (S - 1 - s), m)),
+    P.Interleaved: (lambda S, m: 2 * m + 2 * S, lambda S, m: m + S - 1,
+                    lambda S, m, s: min(m, S - s), lambda S, m, s: min(S - 1 - s, m)),
+    P.GPipe: (lambda S, m: 2 * m + 2 * S, lambda S, m: m + S - 1,
+              lambda S, m, s: m, lambda S, m, s: m),
+}
+
+
+def _r(cells: str) -> list:
+    """One grid row from its cells separated by spaces, ``.`` for idle."""
+    return ["" if c == "." else c for c in cells.split()]
+
+
+def _stage_order(schedule: Schedule, s: int) -> list:
+    """Stage s's forwards and backwards, in the order its stream runs them."""
+    kinds = (Kind.FORWARD, Kind.BACKWARD)
+    return [str(a) for a in schedule.actions() if a.stage == s and a.kind in kinds]
+
+
+def _warmup_order(m: int, w: int, training: bool) -> list:
+    """w forwards, then forward and backward in turn, then the last w backwards: (kind, i)."""
+    F, B = [("F", i) for i in range(m)], [("B", i) for i in range(m)] if training else []
+    return F[:w] + [a for i in range(w, m) for a in (F[i], B[i - w])] + B[m - w:]
+
+
+def _without_recompute(schedule: Schedule) -> list:
+    return [r for r in schedule.text() if not any("R" in c for c in r)]
 
 
 def test_schedule_modules_do_not_import_torch():
@@ -19,37 +63,258 @@ def test_schedule_modules_do_not_import_torch():
         assert "torch" not in imported, module.__name__
 
 
-def test_sequential_training_grid_is_exact():
-    s = sequential(2, 2, True, [0, 1])
-    assert s.text() == [
-        ["0F0", ""], ["", "1F0"], ["", "1B0"], ["0B0", ""],
-        ["0F1", ""], ["", "1F1"], ["", "1B1"], ["0B1", ""],
-        ["", "1G"], ["0G", ""], ["U", ""],
-    ]
+# -- exact grids -------------------------------------------------------------------------
+
+GRIDS = {
+    (P.Sequential, 2, 2, True): [
+        _r("0F0 ."), _r(". 1F0"), _r(". 1B0"), _r("0B0 ."),
+        _r("0F1 ."), _r(". 1F1"), _r(". 1B1"), _r("0B1 ."),
+        _r(". 1G"), _r("0G ."), _r("U ."),
+    ],
+    (P.Sequential, 3, 2, False): [
+        _r("0F0 . ."), _r(". 1F0 ."), _r(". . 2F0"),
+        _r("0F1 . ."), _r(". 1F1 ."), _r(". . 2F1"),
+    ],
+    (P.Grouped, 2, 3, True): [
+        _r("0F0 ."), _r("0F1 1F0"), _r(". 1B0"), _r("0F2 1F1"), _r("0B0 1B1"),
+        _r(". 1F2"), _r("0B1 1B2"), _r("0B2 ."), _r("0G 1G"), _r("U ."),
+    ],
+    (P.Grouped, 3, 2, True): [
+        _r("0F0 . ."), _r("0F1 1F0 ."), _r(". 1F1 2F0"), _r(". . 2B0"), _r(". . 2F1"),
+        _r(". 1B0 2B1"), _r("0B0 1B1 ."), _r("0B1 . ."), _r("0G 1G 2G"), _r("U . ."),
+    ],
+    (P.Interleaved, 2, 3, True): [
+        _r("0F0 ."), _r("0F1 1F0"), _r(". 1B0"), _r("0B0 1F1"), _r("0F2 1B1"),
+        _r("0B1 1F2"), _r(". 1B2"), _r("0B2 ."), _r("0G 1G"), _r("U ."),
+    ],
+    (P.Interleaved, 3, 4, True): [
+        _r("0F0 . ."), _r("0F1 1F0 ."), _r("0F2 1F1 2F0"), _r(". . 2B0"), _r(". 1B0 2F1"),
+        _r("0B0 1F2 2B1"), _r("0F3 1B1 2F2"), _r("0B1 1F3 2B2"), _r(". 1B2 2F3"),
+        _r("0B2 . 2B3"), _r(". 1B3 ."), _r("0B3 . ."), _r("0G 1G 2G"), _r("U . ."),
+    ],
+    (P.GPipe, 2, 2, True): [
+        _r("0F0 ."), _r("0F1 1F0"), _r(". 1F1"), _r(". 1B0"), _r("0B0 1B1"), _r("0B1 ."),
+        _r("0G 1G"), _r("U ."),
+    ],
+    (P.GPipe, 3, 2, True): [
+        _r("0F0 . ."), _r("0F1 1F0 ."), _r(". 1F1 2F0"), _r(". . 2F1"), _r(". . 2B0"),
+        _r(". 1B0 2B1"), _r("0B0 1B1 ."), _r("0B1 . ."), _r("0G 1G 2G"), _r("U . ."),
+    ],
+}
+INFERENCE_GRIDS = {  # the same for every concurrent kind
+    (2, 3): [_r("0F0 ."), _r("0F1 1F0"), _r("0F2 1F1"), _r(". 1F2")],
+    (3, 2): [_r("0F0 . ."), _r("0F1 1F0 ."), _r(". 1F1 2F0"), _r(". . 2F1")],
+}
 
 
-def test_sequential_inference_grid_is_exact():
-    assert sequential(3, 2, False, [0, 1, 2]).text() == [
-        ["0F0", "", ""], ["", "1F0", ""], ["", "", "2F0"],
-        ["0F1", "", ""], ["", "1F1", ""], ["", "", "2F1"],
-    ]
+@pytest.mark.parametrize("kind, S, m, training", list(GRIDS))
+def test_training_and_sequential_grids_are_exact(kind, S, m, training):
+    assert build(kind, S, m, training).text() == GRIDS[kind, S, m, training]
 
 
+@pytest.mark.parametrize("kind", CONCURRENT)
+@pytest.mark.parametrize("S, m", list(INFERENCE_GRIDS))
+def test_inference_grids_are_exact(kind, S, m):
+    assert build(kind, S, m, False).text() == INFERENCE_GRIDS[S, m]
+
+
+def test_sequential_builder_keeps_its_grid():
+    assert sequential(2, 2, True, [0, 1]).text() == GRIDS[P.Sequential, 2, 2, True]
+
+
+# -- every kind over S in 1..8, m in 1..32 -------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", list(P))
 @pytest.mark.parametrize("S", range(1, 9))
-@pytest.mark.parametrize("m", [1, 2, 3, 7, 16, 32])
 @pytest.mark.parametrize("training", [True, False])
-def test_sequential_steps_dependencies_and_peak(S, m, training):
-    s = sequential(S, m, training, list(range(S)))
-    validate(s)
-    assert len(s.rows) == (2 * S * m + S + 1 if training else S * m)
-    assert all(sum(a is not None for a in row) == 1 for row in s.rows)  # one action at a time
-    assert s.peak_in_flight() == [1] * S
+def test_steps_peak_and_stage_order_match_the_documented_formulas(kind, S, training):
+    train_steps, infer_steps, peak, warmup = FORMULAS[kind]
+    for m in range(1, 33):
+        s = BUILDERS[kind](S, m, training, range(S))
+        validate(s)
+        assert len(s.rows) == (train_steps(S, m) if training else infer_steps(S, m)), (S, m)
+        assert s.peak_in_flight() == [peak(S, m, t) if training else 1 for t in range(S)], (S, m)
+        by_stage = [[] for _ in range(S)]  # each stage's actions, in its stream's order
+        for acts in s.per_stream():
+            for a in acts:
+                if a.kind in (Kind.FORWARD, Kind.BACKWARD):
+                    by_stage[a.stage].append((a.kind.value, a.microbatch))
+        for t, got in enumerate(by_stage):
+            F, B = [i for k, i in got if k == "F"], [i for k, i in got if k == "B"]
+            assert F == list(range(m)) and B == (list(range(m)) if training else []), (S, m, t)
+            w = warmup(S, m, t) if training else m
+            assert got == _warmup_order(m, w, training), (S, m, t)
+        if not training and kind is not P.Sequential:
+            assert s.rows == grouped(S, m, False, range(S)).rows
+
+
+def test_sequential_runs_one_action_at_a_time():
+    for S, m, training in [(1, 3, True), (3, 2, True), (4, 5, False)]:
+        rows = sequential(S, m, training, range(S)).rows
+        assert all(sum(a is not None for a in row) == 1 for row in rows)
+
+
+# -- stages sharing a stream -------------------------------------------------------------
 
 
 def test_stages_sharing_an_ipu_share_a_stream():
     s = sequential(3, 1, False, [0, 1, 0])
     assert s.num_streams == 2
     assert [[str(a) for a in acts] for acts in s.per_stream()] == [["0F0", "2F0"], ["1F0"]]
+
+
+SHARED_GRIDS = {
+    (P.Grouped, (0, 1, 0)): [  # S=3, m=2
+        _r("0F0 ."), _r("0F1 1F0"), _r("2F0 1F1"), _r("2B0 ."), _r("2F1 ."), _r("2B1 1B0"),
+        _r("0B0 1B1"), _r("0B1 ."), _r("2G 1G"), _r("0G ."), _r("U ."),
+    ],
+    (P.Interleaved, (0, 1, 0)): [
+        _r("0F0 ."), _r("0F1 1F0"), _r("2F0 1F1"), _r("2B0 ."), _r("2F1 1B0"), _r("2B1 ."),
+        _r("0B0 ."), _r(". 1B1"), _r("0B1 ."), _r("2G 1G"), _r("0G ."), _r("U ."),
+    ],
+    (P.GPipe, (0, 0)): [  # S=2, m=2
+        _r("0F0"), _r("0F1"), _r("1F0"), _r("1F1"), _r("1B0"), _r("1B1"), _r("0B0"), _r("0B1"),
+        _r("1G"), _r("0G"), _r("U"),
+    ],
+}
+
+
+@pytest.mark.parametrize("kind, streams", list(SHARED_GRIDS))
+def test_shared_stream_grids_are_exact(kind, streams):
+    assert build(kind, len(streams), 2, True, streams).text() == SHARED_GRIDS[kind, streams]
+
+
+@pytest.mark.parametrize("kind", list(P))
+@pytest.mark.parametrize("streams", [(0, 1, 0), (0, 0), (0, 0, 1, 1), (1, 0), (0, 1, 1, 0, 2)])
+@pytest.mark.parametrize("training", [True, False])
+def test_shared_streams_keep_each_stages_order_and_peak(kind, streams, training):
+    S = len(streams)
+    for m in (1, 2, 3, 8):
+        shared, own = build(kind, S, m, training, streams), build(kind, S, m, training)
+        validate(shared)
+        assert shared.num_streams == max(streams) + 1
+        for s in range(S):
+            assert _stage_order(shared, s) == _stage_order(own, s)
+        assert shared.peak_in_flight() == own.peak_in_flight()
+
+
+# -- recomputation -----------------------------------------------------------------------
+
+
+def test_recompute_grids_are_exact():
+    assert build(P.Grouped, 2, 2, True, recompute=[True, False]).text() == [
+        _r("0F0 ."), _r("0F1 1F0"), _r(". 1B0"), _r(". 1F1"), _r("0R0 ."), _r("0B0 1B1"),
+        _r("0R1 ."), _r("0B1 ."), _r("0G 1G"), _r("U ."),
+    ]
+    assert build(P.Sequential, 2, 1, True, recompute=[True, True]).text() == [
+        _r("0F0 ."), _r(". 1F0"), _r(". 1R0"), _r(". 1B0"), _r("0R0 ."), _r("0B0 ."),
+        _r(". 1G"), _r("0G ."), _r("U ."),
+    ]
+
+
+@pytest.mark.parametrize("kind", list(P))
+@pytest.mark.parametrize("streams, recompute", [
+    ((0,), (True,)), ((0, 1), (True, True)), ((0, 1, 2), (False, True, False)),
+    ((0, 1, 2, 3), (True, False, True, True)), ((0, 1, 0), (True, True, False)),
+    ((0, 0), (False, True)),
+])
+def test_recompute_runs_right_before_each_backward_of_its_stage(kind, streams, recompute):
+    S = len(streams)
+    for m in (1, 2, 5):
+        s = build(kind, S, m, True, streams, recompute)
+        assert s.recompute == recompute
+        for acts in s.per_stream():
+            for k, a in enumerate(acts):
+                if a.kind is Kind.BACKWARD and recompute[a.stage]:
+                    assert acts[k - 1] == Action(Kind.RECOMPUTE, a.stage, a.microbatch), (m, str(a))
+                if a.kind is Kind.RECOMPUTE:
+                    assert recompute[a.stage] and acts[k + 1].kind is Kind.BACKWARD
+        assert len([a for a in s.actions() if a.kind is Kind.RECOMPUTE]) == m * sum(recompute)
+        plain = build(kind, S, m, True, streams)
+        assert _without_recompute(s) == plain.text()  # only rows were inserted
+        assert s.peak_in_flight() == plain.peak_in_flight()
+
+
+@pytest.mark.parametrize("kind, extra", [
+    (P.Grouped, lambda S, m: m + S - 1), (P.GPipe, lambda S, m: m + S - 1),
+    (P.Interleaved, lambda S, m: 2 * m + S - 2 if S > 1 else m), (P.Sequential, lambda S, m: S * m),
+])
+def test_recomputing_every_stage_adds_one_row_per_row_of_backwards(kind, extra):
+    for S in range(1, 9):
+        for m in (1, 2, 3, 7, 32):
+            plain = len(BUILDERS[kind](S, m, True, range(S)).rows)
+            recomputed = len(BUILDERS[kind](S, m, True, range(S), [True] * S).rows)
+            assert recomputed == plain + extra(S, m), (S, m)
+
+
+@pytest.mark.parametrize("kind", list(P))
+def test_inference_and_no_recomputed_stage_have_no_recompute(kind):
+    s = build(kind, 3, 4, False, recompute=[True] * 3)
+    assert s.recompute == () and s.text() == build(kind, 3, 4, False).text()
+    assert build(kind, 3, 4, True, recompute=[False] * 3).text() == build(kind, 3, 4, True).text()
+
+
+def test_validate_refuses_a_missing_or_late_recompute():
+    good = build(P.Sequential, 1, 1, True, recompute=[True])
+    assert good.text() == [_r("0F0"), _r("0R0"), _r("0B0"), _r("0G"), _r("U")]
+    rows = good.rows
+    with pytest.raises(ValueError, match="0B0 at row 1 runs before 0R0"):
+        validate(Schedule("bad", 1, 1, True, (0,), rows[:1] + rows[2:], (True,)))
+    with pytest.raises(ValueError, match="0B0 at row 1 runs before 0R0"):
+        validate(Schedule("bad", 1, 1, True, (0,), (rows[0], rows[2], rows[1]) + rows[3:], (True,)))
+    with pytest.raises(ValueError, match="0R0 at row 1 is not an action of this schedule"):
+        validate(Schedule("bad", 1, 1, True, (0,), rows))  # R of a stage that does not recompute
+    with pytest.raises(ValueError, match="needs one flag per stage"):
+        validate(Schedule("bad", 1, 1, True, (0,), rows, (True, False)))
+
+
+# -- dependencies: what a stream waits for without row barriers --------------------------
+
+
+def test_dependencies_are_exact_and_limited_to_the_schedule():
+    s = build(P.Interleaved, 2, 2, True, recompute=[True, False])
+
+    def deps(text):
+        return [str(d) for d in s.dependencies(Action.parse(text))]
+
+    assert deps("1F1") == ["0F1", "1F0"]
+    assert deps("0R1") == ["0F1"]
+    assert deps("0B1") == ["0F1", "1B1", "0B0", "0R1"]
+    assert deps("1B0") == ["1F0"]
+    assert deps("0G") == ["0B0", "0B1"]
+    assert deps("U") == ["0G", "1G"]
+    inference = build(P.Interleaved, 2, 2, False)
+    assert [str(d) for d in inference.dependencies(Action.parse("0B1"))] == ["0F1"]
+
+
+@pytest.mark.parametrize("kind", list(P))
+@pytest.mark.parametrize("streams, recompute", [
+    ((0, 1, 2), None), ((0, 1, 0), (True, False, True)),
+])
+def test_streams_waiting_on_dependencies_run_every_action(kind, streams, recompute):
+    """Run each stream's list in order, an action once its dependencies are done: no deadlock."""
+    for training in (True, False):
+        s = build(kind, len(streams), 4, training, streams, recompute)
+        queues, done = [list(acts) for acts in s.per_stream()], set()
+        while any(queues):
+            moved = False
+            for q in queues:
+                while q and all(d in done for d in s.dependencies(q[0])):
+                    done.add(q.pop(0))
+                    moved = True
+            assert moved, [str(q[0]) for q in queues if q]
+        assert done == set(s.actions())
+
+
+def test_list_scheduling_refuses_orders_that_deadlock():
+    f, b = Action(Kind.FORWARD, 0, 0), Action(Kind.BACKWARD, 0, 0)
+    assert _list_schedule([[f, b]], 1, 1, True) == [[f], [b]]
+    with pytest.raises(ValueError, match="deadlock at row 0: 0B0"):
+        _list_schedule([[b, f]], 1, 1, True)
+
+
+# -- validate, text form, render, build -----------------------------------------------------
 
 
 def test_validate_rejects_a_backward_before_its_forward():
@@ -92,14 +357,20 @@ def test_render_marks_the_failing_row():
     assert lines[0].split() == ["step", "|", "s0", "|", "s1"]
     assert lines[3].startswith(">>   1 |")
     assert "1F0" in lines[3]
+    assert lines[0].index("|") == lines[2].index("|") == lines[3].index("|")
+    assert all(line == line.rstrip() for line in lines)
 
 
-def test_build_runs_unimplemented_kinds_as_sequential_with_one_warning():
-    import warnings
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        a = build(PipelineSchedule.Grouped, 2, 3, True)
-        build(PipelineSchedule.Grouped, 2, 3, True)
-        build(PipelineSchedule.Grouped, 1, 3, True)  # one stage: every kind is the same
-    assert a.text() == sequential(2, 3, True, [0, 1]).text()
-    assert len([w for w in caught if "Grouped" in str(w.message)]) == 1
+@pytest.mark.parametrize("kind", list(P))
+def test_build_does_not_warn_for_any_kind(kind):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for S in (1, 2, 3):
+            assert build(kind, S, 3, True).name == kind.value
+
+
+def test_build_refuses_shapes_it_cannot_schedule():
+    for args in [(0, 2, None, None), (2, 0, None, None), (2, 2, (0,), None), (2, 2, None, (True,))]:
+        S, m, streams, recompute = args
+        with pytest.raises(ValueError, match="one stream"):
+            build(P.Grouped, S, m, True, streams, recompute)
