@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -337,6 +337,19 @@ def loss_scaling(optimizer: torch.optim.Optimizer) -> float:
         8.0
     """
     return optimizer.loss_scaling if isinstance(optimizer, _PopTorchOptimizer) else 1.0
+
+
+def accum_dtype(optimizer: torch.optim.Optimizer) -> Optional[torch.dtype]:
+    """The dtype gradients accumulate in: the optimizer's ``accum_type`` (PopTorch's
+    "data type used for gradients"); None for torch's optimizers (the parameter's own).
+
+    Example:
+        >>> accum_dtype(SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1))
+        torch.float32
+    """
+    dtype = getattr(optimizer, "accum_type", None) if isinstance(optimizer, _PopTorchOptimizer) \
+        else None
+    return dtype if isinstance(dtype, torch.dtype) else None
 
 
 def max_grad_norm(optimizer: torch.optim.Optimizer) -> float:

@@ -32,7 +32,7 @@ def _accum_dtype(name: str, value: Any) -> torch.dtype:
     if value not in (torch.float32, torch.float16):
         raise OptimizerError(f"{name}={value!r} is invalid: accumulation types must be either "
                              f"torch.float32 or torch.float16; pass {name}=torch.float32")
-    if value == torch.float16:
+    if value == torch.float16 and name != "accum_type":  # accum_type: the gradient accumulators
         errors.warn_once(f"optim.{name}", f"{name}=torch.float16 only sets IPU storage precision;"
                          " poptorch_lite keeps optimizer state in float32")
     return value

@@ -53,6 +53,7 @@ def _options_attributes() -> dict:
         "broadcast_buffers": via_setter("broadcastBuffers"),
         "auto_recomputation": lambda g, v: g._Popart.set("autoRecomputation", v),
         "ipu_devices": via_setter("set_ipu_devices"),
+        "watchdog_timeout": via_setter("watchdogTimeout"),
     })
     return attributes
 
@@ -67,8 +68,8 @@ class Options(DeviceOptions, OptionGroup):
     Attributes:
         device_iterations, replication_factor, input_group_size, output_mode,
         output_return_period, random_seed (None until ``randomSeed``),
-        execution_strategy, broadcast_buffers, auto_recomputation, ipu_devices:
-            see their setters.
+        execution_strategy, broadcast_buffers, auto_recomputation, ipu_devices,
+        watchdog_timeout: see their setters.
 
     Example:
         >>> opts = Options().deviceIterations(20).replicationFactor(2).randomSeed(123)
@@ -86,7 +87,7 @@ class Options(DeviceOptions, OptionGroup):
             input_group_type=CommGroupType.Consecutive, output_mode=OutputMode.Default,
             output_return_period=1, random_seed=None,
             execution_strategy=PipelinedExecution(), broadcast_buffers=True,
-            ipu_devices=None, **copy.deepcopy(DEVICE_DEFAULTS))
+            ipu_devices=None, watchdog_timeout=600.0, **copy.deepcopy(DEVICE_DEFAULTS))
         self._popart = _PopartOptions()
         self._training = _TrainingOptions()
         self._distributed = _DistributedOptions()
@@ -236,6 +237,27 @@ class Options(DeviceOptions, OptionGroup):
             False
         """
         self._store(broadcast_buffers=check_bool(broadcast_buffers, "broadcastBuffers"))
+
+    @setter
+    def watchdogTimeout(self, seconds: Optional[float]):
+        """Fail a call whose actions make no progress for ``seconds`` (poptorch_lite's own).
+
+        A stuck action (a deadlocked data source, a hung collective) then raises
+        ``ExecutionError`` naming the stuck actions instead of hanging. Default
+        600 s; ``None`` or 0 waits forever.
+
+        Raises:
+            OptionsError: a negative or non-numeric value.
+
+        Example:
+            >>> Options().watchdogTimeout(30).watchdog_timeout
+            30.0
+        """
+        if seconds is not None and (isinstance(seconds, bool) or
+                                    not isinstance(seconds, (int, float)) or seconds < 0):
+            raise errors.OptionsError(f"watchdogTimeout needs a number of seconds >= 0 or None, got "
+                               f"{seconds!r}; call e.g. opts.watchdogTimeout(60)")
+        self._store(watchdog_timeout=None if not seconds else float(seconds))
 
     @setter
     def set_ipu_devices(self, mapping: Union[DeviceLike, Sequence[DeviceLike],

@@ -32,11 +32,21 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from . import markers
-from .enums import AutoStage
+from . import markers, rng
+from .enums import AutoStage, PipelineSchedule
 from .errors import BlockError, LossError, PipelineError
 from .strategies import ExecutionStrategy
 from .tracing import trace
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """A piece of a stage between recomputation checkpoints: a graph and its value names."""
+
+    module: fx.GraphModule
+    inputs: tuple
+    outputs: tuple
+    written: frozenset = frozenset()
 
 
 @dataclasses.dataclass
@@ -54,6 +64,9 @@ class Stage:
         written_inputs: inputs from earlier stages that an op of this stage
             writes in place (``nn.ReLU(inplace=True)`` opening a stage); the
             executor gives the stage a copy of them.
+        segments: the stage cut after each ``recomputationCheckpoint`` value,
+            for recomputation (one segment when it has none).
+        random: whether it has random ops ([Note: micro-batch RNG]).
     """
 
     index: int
@@ -63,6 +76,8 @@ class Stage:
     inputs: tuple
     outputs: tuple
     written_inputs: frozenset = frozenset()
+    segments: tuple = ()
+    random: bool = False
 
     @property
     def param_names(self) -> list:
@@ -249,7 +264,6 @@ def split(gm: fx.GraphModule, param_names: Sequence[str], buffer_names: Sequence
             runs[-1][2].append(owner[n])
     if not runs:
         runs = [(0, [], [])]
-    stage_of = {n: s for s, run in enumerate(runs) for n in run[1]}
 
     # 4. The loss, by provenance ([Note: loss provenance]).
     loss_node = None
@@ -268,7 +282,42 @@ def split(gm: fx.GraphModule, param_names: Sequence[str], buffer_names: Sequence
         return source_name.get(n, f"node:{n.name}")
 
     stages = []
-    for s, (ipu, run_nodes, blocks) in enumerate(runs):
+    graphs = _subgraphs(gm, [run[1] for run in runs], value_name, needed_later)
+    for s, ((ipu, run_nodes, blocks), (module, inputs, outputs, written)) in enumerate(
+            zip(runs, graphs)):
+        exported = {n for n in run_nodes if value_name(n) in outputs}
+        segments = [Segment(*g) for g in _subgraphs(
+            gm, _segment_groups(run_nodes, checkpoint_nodes), value_name, exported)]
+        for seg in segments:
+            rng.seed_random_ops(seg.module)
+        stages.append(Stage(s, ipu, tuple(blocks), module, inputs, outputs, written,
+                            tuple(segments), rng.seed_random_ops(module)))
+    output_values = [value_name(n) for n in model_outputs]
+    loss = value_name(loss_node) if loss_node is not None else None
+    return (stages, loss, output_values,
+            frozenset(value_name(c) for c in checkpoint_nodes), block_stage)
+
+
+def _segment_groups(nodes: list, checkpoints: set) -> list:
+    """``nodes`` cut after each checkpointed value (empty groups dropped)."""
+    groups: list = [[]]
+    for n in nodes:
+        groups[-1].append(n)
+        if n in checkpoints:
+            groups.append([])
+    return [g for g in groups if g] or [[]]
+
+
+def _subgraphs(root: fx.GraphModule, groups: list, value_name, exported: set) -> list:
+    """One graph per group of ``root``'s nodes, each taking the values it reads.
+
+    A value is an output of its group's graph when it is in ``exported`` or a
+    later group reads it. Returns ``(module, inputs, outputs, written_inputs)``
+    per group, with value names ([Note: partition]).
+    """
+    group_of = {n: k for k, nodes in enumerate(groups) for n in nodes}
+    result = []
+    for k, nodes in enumerate(groups):
         g = fx.Graph()
         env: dict = {}
         inputs: list = []
@@ -282,22 +331,18 @@ def split(gm: fx.GraphModule, param_names: Sequence[str], buffer_names: Sequence
                     env[n] = g.placeholder(value_name(n).replace(":", "_").replace(".", "_"))
             return env[n]
 
-        for n in run_nodes:
+        for n in nodes:
             if n.target in markers.MARKERS:
                 continue
             env[n] = g.node_copy(n, arg)
-        outputs = [n for n in run_nodes if n in env and (
-            n in needed_later or any(stage_of.get(u, s) > s for u in n.users))]
+        outputs = [n for n in nodes if n in env and (
+            n in exported or any(group_of.get(u, k) > k for u in n.users))]
         g.output(tuple(env[n] for n in outputs))
-        module = fx.GraphModule(gm, g)
         written = frozenset(value_name(n) for n in env if value_name(n).startswith("node:")
                             and env[n].op == "placeholder" and _written_in_place(env[n]))
-        stages.append(Stage(s, ipu, tuple(blocks), module, tuple(inputs),
-                            tuple(value_name(n) for n in outputs), written))
-    output_values = [value_name(n) for n in model_outputs]
-    loss = value_name(loss_node) if loss_node is not None else None
-    return (stages, loss, output_values,
-            frozenset(value_name(c) for c in checkpoint_nodes), block_stage)
+        result.append((fx.GraphModule(root, g), tuple(inputs),
+                       tuple(value_name(n) for n in outputs), written))
+    return result
 
 
 def _final_loss(losses: list) -> fx.Node:
@@ -356,9 +401,11 @@ def check_pipeline_minimums(num_stages: int, strategy: ExecutionStrategy, traini
 
     Raises:
         PipelineError: training with gradientAccumulation < 2N-1, or inference
-            with deviceIterations < N, for N pipeline stages.
+            with deviceIterations < N, for N pipeline stages. The Sequential
+            schedule runs one action at a time and has no minimum.
     """
-    if not strategy.pipelined or num_stages < 2:
+    if not strategy.pipelined or strategy.schedule is PipelineSchedule.Sequential \
+            or num_stages < 2:
         return
     n = num_stages
     if training and gradient_accumulation < 2 * n - 1:

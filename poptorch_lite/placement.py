@@ -3,14 +3,20 @@
 [Note: streams]
 A stream runs its actions in submission order. On CUDA it is a
 ``torch.cuda.Stream``; on the CPU it is a worker thread (a "CPU stream").
-The executor runs a schedule's rows in order: when a row has one action it runs
-on the caller's thread (inside the CUDA stream's context on a GPU); when it
-has several, each goes to its stream's worker and the row ends when all have
-finished, so work across streams is ordered row by row. On the GPU, launching
-is asynchronous: each CUDA stream first waits for the events that the previous
-row's streams recorded, and ``finish()`` waits for the last row before the
-host reads results. Workers start on first
-use and stop on ``close()`` or when the placement is garbage collected.
+Every stream gets its whole action list for a run at once
+(:meth:`Placement.run_lists`) and runs it on its worker thread; before an
+action it waits until the actions it depends on (on other streams) are done,
+so stages work concurrently exactly as far as the schedule's dependencies
+allow, with no barrier between steps. On the GPU "done" means launched: the
+CUDA stream then also waits on the CUDA event that each such action recorded
+after it, and the host waits for every stream before it reads results.
+The caller's thread only watches: it returns when all lists are done, and
+raises :class:`ActionFailed` as soon as an action fails (the other streams
+stop before their next action) or :class:`ActionStuck` when no action has
+finished for ``watchdog`` seconds. Workers start on first use, are reused by
+every run, and stop on ``close()`` or when the placement is garbage
+collected; a stream whose action is stuck is abandoned and gets a fresh
+worker on its next use.
 
 [Note: weight homes]
 A stage uses a parameter where it lives: on the same device, the user's own
@@ -24,6 +30,10 @@ Replicas beyond the first keep their own buffers when
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import functools
+import threading
+import time
 import weakref
 from typing import Callable, Optional, Sequence
 
@@ -53,25 +63,54 @@ def resolve_devices(ipus: Sequence[int], mapping: Optional[dict]) -> dict:
     return devices
 
 
+class ActionFailed(Exception):
+    """An action raised: ``.action`` and the exception as ``__cause__``-style ``.exc``."""
+
+    def __init__(self, action, exc: BaseException):
+        super().__init__(f"{action}: {exc!r}")
+        self.action, self.exc = action, exc
+
+
+class ActionStuck(Exception):
+    """No action finished for ``.seconds``; ``.running`` maps stream -> its current action."""
+
+    def __init__(self, running: dict, seconds: float):
+        super().__init__(f"no progress for {seconds} s; running: {running}")
+        self.running, self.seconds = running, seconds
+
+
 class CpuStream:
-    """A worker thread that runs submitted actions in order ([Note: streams])."""
+    """A worker thread that runs submitted work in order ([Note: streams])."""
 
     def __init__(self, name: str):
         self.name = name
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
 
-    def _launch(self, fn: Callable):
-        return fn()
+    def context(self):
+        """What the worker runs its list inside (the CUDA stream on a GPU)."""
+        return contextlib.nullcontext()
+
+    def wait(self, events: list) -> None:
+        """Order this stream after ``events`` (CUDA); on the CPU, being done is enough."""
+
+    def record(self):
+        """An event marking the end of the work launched so far (CUDA), else None."""
+        return None
+
+    def synchronize(self) -> None:
+        """Wait on the host until the work launched so far has finished."""
 
     def submit(self, fn: Callable) -> concurrent.futures.Future:
         """Run ``fn`` on this stream's worker thread (started on first use)."""
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=self.name)
-        return self._pool.submit(self._launch, fn)
+        return self._pool.submit(fn)
 
-    def run_here(self, fn: Callable):
-        """Run ``fn`` on the caller's thread, as this stream's next action."""
-        return self._launch(fn)
+    def abandon(self) -> None:
+        """Leave a stuck worker behind (it exits when its action returns); start afresh."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
 
     def close(self) -> None:
         if self._pool is not None:
@@ -80,28 +119,43 @@ class CpuStream:
 
 
 class CudaStream(CpuStream):
-    """A ``torch.cuda.Stream`` that actions are launched on ([Note: streams]).
-
-    Before each action the stream waits for the events recorded by the previous
-    row's actions; after it, it records an event of its own, so rows are ordered
-    across streams on the GPU without the host waiting.
-    """
+    """A ``torch.cuda.Stream`` that a worker thread launches actions on ([Note: streams])."""
 
     def __init__(self, name: str, device: torch.device):
         super().__init__(name)
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
-        self.waits: list = []   # events of the previous row, set by the placement
-        self.done = None        # the event recorded after this stream's last action
 
-    def _launch(self, fn: Callable):
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            for event in self.waits:
-                self.stream.wait_event(event)
-            result = fn()
-            self.done = torch.cuda.Event()
-            self.done.record(self.stream)
-            return result
+    def context(self):
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(self.device))
+        stack.enter_context(torch.cuda.stream(self.stream))
+        return stack
+
+    def wait(self, events: list) -> None:
+        for event in events:
+            self.stream.wait_event(event)
+
+    def record(self):
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+
+class _Progress:
+    """What the workers of one run share: actions done, the first failure, a stop flag."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.done: set = set()
+        self.events: dict = {}    # action -> CUDA event recorded after it
+        self.running: dict = {}   # stream -> action
+        self.failure: Optional[BaseException] = None
+        self.stop = False
+        self.stamp = time.monotonic()
 
 
 class Placement:
@@ -125,46 +179,92 @@ class Placement:
             name = f"poptorch_lite-ipu{ipu}"
             self.streams[ipu] = CudaStream(name, dev) if dev.type == "cuda" else CpuStream(name)
         self._finalizer = weakref.finalize(self, _close_all, list(self.streams.values()))
-        self._row_events: list = []  # CUDA events recorded by the last row's actions
 
     def device(self, ipu: int) -> torch.device:
         return self.devices[ipu]
 
-    def run_row(self, work: Sequence[tuple]) -> list:
-        """Run ``[(ipu, fn), ...]`` together, one per stream, after everything of the last row.
+    def run_lists(self, lists: dict, waits: Callable, call: Callable,
+                  watchdog: Optional[float] = None) -> None:
+        """Run every stream's action list concurrently ([Note: streams]).
 
-        Returns one ``(value, None)`` or ``(None, exception)`` per item, in ``work`` order.
+        Args:
+            lists: IPU id -> the actions its stream runs, in order.
+            waits: action -> the actions on other streams it must wait for.
+            call: runs one action (on its stream's worker thread).
+            watchdog: seconds without any action finishing before giving up
+                (None or 0: wait forever).
+
+        Raises:
+            ActionFailed: the first action that raised (the others stopped).
+            ActionStuck: the watchdog fired; the stuck streams were abandoned.
+            KeyboardInterrupt: on the caller's thread; the workers stopped first.
         """
-        for ipu, _ in work:
-            stream = self.streams[ipu]
-            if isinstance(stream, CudaStream):
-                stream.waits = self._row_events
-        if len(work) == 1:
-            ipu, fn = work[0]
-            try:
-                results = [(self.streams[ipu].run_here(fn), None)]
-            except Exception as exc:  # reported by the executor with its context
-                results = [(None, exc)]
-        else:
-            futures = [self.streams[ipu].submit(fn) for ipu, fn in work]
-            results = []
-            for f in futures:
-                try:
-                    results.append((f.result(), None))
-                except Exception as exc:
-                    results.append((None, exc))
-        self._row_events = [self.streams[ipu].done for ipu, _ in work
-                            if isinstance(self.streams[ipu], CudaStream)]
-        return results
+        progress = _Progress()
+        total = sum(len(actions) for actions in lists.values())
+        futures = {ipu: self.streams[ipu].submit(
+            functools.partial(self._work, ipu, actions, waits, call, progress))
+            for ipu, actions in lists.items() if actions}
+        try:
+            with progress.cond:
+                while len(progress.done) < total and progress.failure is None:
+                    progress.cond.wait(timeout=0.25 if watchdog else None)
+                    idle = time.monotonic() - progress.stamp
+                    if watchdog and progress.failure is None and idle > watchdog:
+                        progress.failure = ActionStuck(dict(progress.running), watchdog)
+                progress.stop = progress.failure is not None
+                progress.cond.notify_all()
+        except BaseException:  # KeyboardInterrupt while waiting: stop the workers, then re-raise
+            with progress.cond:
+                progress.stop = True
+                progress.cond.notify_all()
+            concurrent.futures.wait(futures.values())
+            raise
+        if isinstance(progress.failure, ActionStuck):
+            stuck = progress.failure.running
+            for ipu in stuck:
+                self.streams[ipu].abandon()
+            concurrent.futures.wait([f for ipu, f in futures.items() if ipu not in stuck])
+            raise progress.failure
+        concurrent.futures.wait(futures.values())
+        for ipu in futures:
+            self.streams[ipu].synchronize()
+        if progress.failure is not None:
+            raise progress.failure
 
-    def finish(self) -> None:
-        """Wait on the host for the last row's GPU work (before results are read)."""
-        for event in self._row_events:
-            event.synchronize()
-        self._row_events = []
+    def _work(self, ipu: int, actions: list, waits: Callable, call: Callable,
+              progress: _Progress) -> None:
+        stream = self.streams[ipu]
+        with stream.context():
+            for a in actions:
+                needs = waits(a)
+                if any(d not in progress.done for d in needs):
+                    with progress.cond:
+                        while not progress.stop and any(d not in progress.done for d in needs):
+                            progress.cond.wait()
+                if progress.stop:
+                    return
+                stream.wait([progress.events[d] for d in needs if d in progress.events])
+                progress.running[ipu] = a
+                try:
+                    call(a)
+                except BaseException as exc:  # reported by the caller's thread
+                    with progress.cond:
+                        if progress.failure is None:
+                            progress.failure = ActionFailed(a, exc)
+                        progress.stop = True
+                        progress.cond.notify_all()
+                    return
+                event = stream.record()
+                if event is not None:
+                    progress.events[a] = event
+                with progress.cond:
+                    del progress.running[ipu]
+                    progress.done.add(a)
+                    progress.stamp = time.monotonic()
+                    progress.cond.notify_all()
 
     def close(self) -> None:
-        """Stop every worker thread; a later row starts them again (idempotent)."""
+        """Stop every worker thread; a later run starts them again (idempotent)."""
         _close_all(list(self.streams.values()))
 
 
@@ -226,6 +326,13 @@ class Weights:
             for (name, replica, device), c in self._buffer_copies.items():
                 if replica == 0:
                     self.buffers[name].copy_(c)
+
+    def storages(self) -> set:
+        """The storages of every parameter and buffer and their copies (not activations)."""
+        tensors = (*self.params.values(), *self.buffers.values(), *self._param_copies.values(),
+                   *self._buffer_copies.values(),
+                   *(b for bufs in self._replica_buffers for b in bufs.values()))
+        return {t.untyped_storage().data_ptr() for t in tensors}
 
     def zero_grads(self) -> None:
         for p in self.params.values():

@@ -50,6 +50,7 @@ class Stage:
                     f"user_id strings given to BeginBlock/Block, e.g. Stage('B1')")
         self._blocks = list(block_ids)
         self._ipu: Optional[int] = None
+        self._recompute: Optional[bool] = None
 
     @property
     def blocks(self) -> list[BlockId]:
@@ -78,9 +79,35 @@ class Stage:
         self._ipu = n
         return self
 
+    @property
+    def recompute_enabled(self) -> Optional[bool]:
+        """Set by :meth:`recompute`; None follows ``autoRecomputation``."""
+        return self._recompute
+
+    def recompute(self, enabled: bool = True) -> Stage:
+        """Recompute this stage's forward in its backward slot (or not); returns the stage.
+
+        Overrides ``opts._Popart.set("autoRecomputation", 3)`` (which recomputes
+        every stage) for this stage. Only the stage's inputs and its
+        ``recomputationCheckpoint`` values are kept between forward and backward.
+
+        Raises:
+            errors.OptionsError: ``enabled`` is not a bool.
+
+        Example:
+            >>> Stage("B1").recompute().recompute_enabled
+            True
+        """
+        if not isinstance(enabled, bool):
+            raise errors.OptionsError(
+                f"Stage{tuple(self._blocks)!r}.recompute() needs a bool, got {enabled!r}")
+        self._recompute = enabled
+        return self
+
     def __repr__(self) -> str:
         ids = ", ".join(repr(b) for b in self._blocks)
-        return f"Stage({ids})" + (f".ipu({self._ipu})" if self._ipu is not None else "")
+        return (f"Stage({ids})" + (f".ipu({self._ipu})" if self._ipu is not None else "")
+                + (f".recompute({self._recompute})" if self._recompute is not None else ""))
 
 
 def _as_stage(arg, where: str) -> Stage:

@@ -18,6 +18,8 @@ force the copies either way.
 
 from __future__ import annotations
 
+import dataclasses
+import time
 import weakref
 from typing import Optional
 
@@ -33,25 +35,58 @@ from .options import Options, batch_factor
 from .partition import Partition, check_pipeline_minimums, partition
 from .placement import Placement, Weights
 from .schedule import build
+from .timeline import Recorder, Timeline
 
 # Models currently wrapped by a training wrapper (refused a second time until destroy()).
+# Both sides are weak: the wrapper holds its model, so a strong value would keep the key
+# (and the wrapper's workers) alive for ever.
 _TRAINING_WRAPPERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _training_wrapper(model) -> Optional["PoplarExecutor"]:
+    ref = _TRAINING_WRAPPERS.get(model)
+    return None if ref is None else ref()
+
+
+@dataclasses.dataclass(frozen=True)
+class RunStatistics:
+    """What the last call of a wrapped model measured (``model.runStatistics()``).
+
+    Attributes:
+        schedule: the schedule's name (``"grouped"``, ...).
+        peak_stash_depth: per stage, the most micro-batches held in its
+            activation stash at once (never more than the schedule's
+            ``peak_in_flight``).
+        peak_stash_bytes: per stage, the most bytes its stash held at once
+            (distinct storages; parameters, buffers and the call's inputs
+            excluded).
+        timeline: every action's stream, stage, micro-batch, kind, start and
+            end (:class:`~poptorch_lite.timeline.Timeline`: ``summary()``,
+            ``render()``, ``write_chrome_trace(path)``).
+    """
+
+    schedule: str
+    peak_stash_depth: tuple
+    peak_stash_bytes: tuple
+    timeline: Timeline
 
 
 class _Program:
     """What one input signature compiles to: the partition, its executor, its schedules."""
 
-    def __init__(self, partition: Partition, executor: Executor, kind):
+    def __init__(self, partition: Partition, executor: Executor, kind, recompute: tuple):
         self.partition = partition
         self.executor = executor
         self.kind = kind
+        self.recompute = recompute
         self._schedules: dict = {}
 
     def schedule(self, m: int, training: bool):
         """The (validated, cached) schedule for m micro-batches."""
         if (m, training) not in self._schedules:
             ipus = self.partition.stage_ipus()
-            self._schedules[m, training] = build(self.kind, len(ipus), m, training, ipus)
+            self._schedules[m, training] = build(self.kind, len(ipus), m, training, ipus,
+                                                 self.recompute if training else None)
         return self._schedules[m, training]
 
 
@@ -75,6 +110,7 @@ class PoplarExecutor:
         self._attached = False
         self._compiled = False
         self._versions: tuple = ()
+        self._statistics: Optional[RunStatistics] = None
 
     # -- PopTorch's API -------------------------------------------------------------------
 
@@ -109,7 +145,8 @@ class PoplarExecutor:
         # for inference models (refused otherwise at wrap time).
         D, R, G = opts.device_iterations, self._replicas(), opts.Training.gradient_accumulation
         ex = program.executor
-        outputs = []
+        recorder = Recorder(time.perf_counter())
+        runs = []  # (schedule, micro-batch indices, step) per run of a schedule
         if self._training:
             schedule = program.schedule(G * R, True)
             # [Note: gradient arithmetic]: each micro-batch run stands for input_group_size replicas
@@ -117,16 +154,42 @@ class PoplarExecutor:
             step = StepArithmetic(
                 self._optimizer, poptorch_optim.loss_scaling(self._optimizer),
                 G * R if mean else 1 / opts.input_group_size,
-                poptorch_optim.max_grad_norm(self._optimizer))
-            for d in range(D):
-                ks = range(d * G * R, (d + 1) * G * R)
-                outputs += ex.run(schedule, [mbs.tensors(k) for k in ks], lambda j: j % R, step)
+                poptorch_optim.max_grad_norm(self._optimizer),
+                poptorch_optim.accum_dtype(self._optimizer))
+            runs = [(schedule, range(d * G * R, (d + 1) * G * R), step) for d in range(D)]
         else:
-            outputs = ex.run(program.schedule(D * R, False), [mbs.tensors(k) for k in range(D * R)], lambda j: j % R,
-                             None)
+            runs = [(program.schedule(D * R, False), range(D * R), None)]
+        outputs, depth, nbytes = [], [0] * program.partition.num_stages, [0] * program.partition.num_stages
+        for d, (schedule, ks, step) in enumerate(runs):
+            out, stats = ex.run(schedule, [mbs.tensors(k) for k in ks], lambda j: j % R, step,
+                                recorder, d, opts.watchdog_timeout)
+            outputs += out
+            depth = [max(a, b) for a, b in zip(depth, stats.peak_stash_depth)]
+            nbytes = [max(a, b) for a, b in zip(nbytes, stats.peak_stash_bytes)]
+        names = [f"ipu{k} ({self._placement.devices[k]})" if k in self._placement.devices
+                 else f"ipu{k} (unused)" for k in range(runs[0][0].num_streams)]
+        self._statistics = RunStatistics(runs[0][0].name, tuple(depth), tuple(nbytes),
+                                         recorder.timeline(names, runs[0][0].name))
         self._weights.to_host()
         self._remember_versions()
         return self._merge(program.partition, outputs)
+
+    def runStatistics(self) -> RunStatistics:
+        """The last call's timeline and activation-stash peaks (poptorch_lite's own).
+
+        Raises:
+            DeviceError: the model has not been called yet.
+
+        Example:
+            >>> import torch
+            >>> model = inferenceModel(torch.nn.Linear(2, 1))
+            >>> _ = model(torch.ones(3, 2))
+            >>> model.runStatistics().timeline.spans[0].label
+            '0F0'
+        """
+        if self._statistics is None:
+            raise DeviceError("runStatistics() reports on the last call: call the model first")
+        return self._statistics
 
     def compile(self, *args, **kwargs) -> None:
         """Trace and check the model for these inputs without running a step."""
@@ -195,7 +258,7 @@ class PoplarExecutor:
         self._programs.clear()
         self._placement = self._weights = None
         self._attached = self._compiled = False
-        if _TRAINING_WRAPPERS.get(self._user_model) is self:
+        if _training_wrapper(self._user_model) is self:
             del _TRAINING_WRAPPERS[self._user_model]
 
     def load_state_dict(self, state_dict, strict: bool = True):
@@ -258,11 +321,22 @@ class PoplarExecutor:
             if self._placement is not None:
                 self._placement.close()
             self._placement = Placement(sorted(ipus), o.ipu_devices)
-        program = _Program(part, Executor(part, self._placement, self._weights),
-                           o.execution_strategy.schedule)
+        recompute = tuple(self._recomputed(st) for st in part.stages) if self._training else ()
+        program = _Program(part, Executor(part, self._placement, self._weights, recompute),
+                           o.execution_strategy.schedule, recompute)
         self._programs[key] = program
         self._compiled = True
         return program
+
+    def _recomputed(self, stage) -> bool:
+        """Whether a stage is recomputed: its Stage's ``recompute()``, else autoRecomputation."""
+        strategy = self._options.execution_strategy
+        chosen = [strategy.stages[i].recompute_enabled for i in
+                  (strategy.stage_index(b) for b in stage.blocks) if i is not None]
+        chosen = [c for c in chosen if c is not None]
+        if chosen:
+            return any(chosen)
+        return self._options.auto_recomputation >= 3  # PopART's RecomputationType.Pipeline
 
     def _attach(self) -> None:
         self._attached = True
@@ -338,7 +412,7 @@ def trainingModel(model, options: Optional[Options] = None,
     if isinstance(model, PoplarExecutor):
         model = model.model
     options = _check_options(options)
-    existing = _TRAINING_WRAPPERS.get(model)
+    existing = _training_wrapper(model)
     if existing is not None:
         raise WrapError("Model has already been wrapped in 'poptorch.trainingModel'. Call "
                         "model.destroy() on the model to unwrap before wrapping again.")
@@ -349,7 +423,7 @@ def trainingModel(model, options: Optional[Options] = None,
     options._freeze()
     private._freeze()
     wrapper = PoplarExecutor(model, private, True, optimizer)
-    _TRAINING_WRAPPERS[model] = wrapper
+    _TRAINING_WRAPPERS[model] = weakref.ref(wrapper)
     return wrapper
 
 

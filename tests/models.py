@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import poptorch_lite as poptorch
+from poptorch_lite import rng
 
 
 class BlockMLP(torch.nn.Module):
@@ -43,10 +44,26 @@ def data(n: int, width: int = 8, classes: int = 4, seed: int = 1):
     return torch.randn(n, width, generator=g), torch.randint(0, classes, (n,), generator=g)
 
 
-def reference_training(model, optimizer, x, y, D: int, G: int, R: int, mean: bool = True):
+def microbatch_seeds(D: int, m: int) -> list:
+    """The seed each micro-batch's random ops start from in D runs of m micro-batches.
+
+    poptorch_lite draws one base per run from the default generator and seeds
+    micro-batch i of the run with ``microbatch_seed(base, i)`` ([Note: micro-batch RNG]);
+    call this right after the same ``torch.manual_seed`` as the wrapped model's call.
+    """
+    seeds = []
+    for _ in range(D):
+        base = rng.draw_base()
+        seeds += [rng.microbatch_seed(base, i) for i in range(m)]
+    return seeds
+
+
+def reference_training(model, optimizer, x, y, D: int, G: int, R: int, mean: bool = True,
+                       seeds=None):
     """Plain PyTorch: D steps, each the summed backward of G·R micro-batches, then /G·R (Mean).
 
     Micro-batch k of the combined batch is [D, G, R, B] order (POPTORCH_REFERENCE §1).
+    With ``seeds``, micro-batch k's forward starts with ``torch.manual_seed(seeds[k])``.
     Returns (per-micro-batch outputs, per-micro-batch losses, last step's grads).
     """
     F_ = D * G * R
@@ -56,6 +73,8 @@ def reference_training(model, optimizer, x, y, D: int, G: int, R: int, mean: boo
         optimizer.zero_grad(set_to_none=True)
         for j in range(G * R):
             k = d * G * R + j
+            if seeds is not None:
+                torch.manual_seed(seeds[k])
             out, loss = model(x[k * b:(k + 1) * b], y[k * b:(k + 1) * b])
             loss.backward()
             outs.append(out.detach())

@@ -339,14 +339,25 @@ def test_other_extras_are_validated():
         Adam(params, loss_scalling=2.0)
 
 
-def test_float16_accumulators_are_stored_and_warn_once():
+def test_float16_moment_types_are_stored_and_warn_once():
     params = list(make_model().parameters())
-    with pytest.warns(errors.IpuOnlyWarning, match="accum_type=torch.float16"):
-        opt = Adam(params, accum_type=torch.float16)
-    assert opt.accum_type == torch.float16 and opt.param_groups[0]["accum_type"] == torch.float16
+    with pytest.warns(errors.IpuOnlyWarning, match="first_order_momentum_accum_type=torch.float16"):
+        opt = Adam(params, first_order_momentum_accum_type=torch.float16)
+    assert opt.first_order_momentum_accum_type == torch.float16
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        Adam(params, accum_type=torch.float16)
+        Adam(params, first_order_momentum_accum_type=torch.float16)
+
+
+def test_accum_type_is_the_gradient_accumulator_dtype():
+    params = list(make_model().parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # it has an effect here: no IPU-only warning
+        opt = Adam(params, accum_type=torch.float16)
+    assert opt.accum_type == torch.float16 and opt.param_groups[0]["accum_type"] == torch.float16
+    assert optim.accum_dtype(opt) == torch.float16
+    assert optim.accum_dtype(SGD(params, lr=0.1)) == torch.float32
+    assert optim.accum_dtype(torch.optim.SGD(params, lr=0.1)) is None
 
 
 def test_groups_disagreeing_on_a_global_extra_are_refused():

@@ -1,11 +1,13 @@
-"""Placement: devices per IPU, CPU streams running a row together, where weights live."""
+"""Placement: devices per IPU, streams running their lists concurrently, where weights live."""
 
 import threading
+import time
 
 import pytest
 import torch
 
-from poptorch_lite.placement import Placement, Weights, resolve_devices
+from poptorch_lite.placement import (ActionFailed, ActionStuck, Placement, Weights,
+                                     resolve_devices)
 
 
 def test_devices_follow_the_mapping_and_default_to_cpu_without_cuda():
@@ -15,52 +17,95 @@ def test_devices_follow_the_mapping_and_default_to_cpu_without_cuda():
         assert devices == {0: torch.device("cpu"), 1: torch.device("cpu"), 2: torch.device("cpu")}
 
 
-def test_a_row_of_several_actions_runs_them_together_on_their_own_threads():
+def workers():
+    return [t for t in threading.enumerate() if t.name.startswith("poptorch_lite")]
+
+
+def run(placement, lists, waits=None, call=None, watchdog=None):
+    placement.run_lists(lists, lambda a: (waits or {}).get(a, []), call or (lambda a: None),
+                        watchdog)
+
+
+def test_each_stream_runs_its_list_on_its_own_thread_at_the_same_time():
     placement = Placement([0, 1], {0: "cpu", 1: "cpu"})
     barrier = threading.Barrier(2, timeout=10)  # only passes if both run at once
     names = {}
 
-    def action(ipu):
-        def run():
-            names[ipu] = threading.current_thread().name
+    def call(a):
+        names[a] = threading.current_thread().name
+        if a in ("a1", "b1"):
             barrier.wait()
-            return ipu * 10
-        return run
 
-    results = placement.run_row([(0, action(0)), (1, action(1))])
-    assert results == [(0, None), (10, None)]
-    assert names[0].startswith("poptorch_lite-ipu0") and names[1].startswith("poptorch_lite-ipu1")
+    run(placement, {0: ["a0", "a1"], 1: ["b0", "b1"]}, call=call)
+    assert {a: n.split("_")[1] for a, n in names.items()} == {
+        "a0": "lite-ipu0", "a1": "lite-ipu0", "b0": "lite-ipu1", "b1": "lite-ipu1"}
     placement.close()
-    assert not [t for t in threading.enumerate() if t.name.startswith("poptorch_lite")]
+    assert workers() == []
 
 
-def test_a_failing_action_is_returned_with_its_exception_and_the_others_finish():
+def test_an_action_waits_for_what_it_needs_on_other_streams():
     placement = Placement([0, 1], None)
-    done = []
+    order = []
 
-    def fail():
-        raise ValueError("boom")
+    def call(a):
+        if a == "a0":
+            time.sleep(0.05)  # b0 would overtake it if it did not wait
+        order.append(a)
 
-    results = placement.run_row([(0, fail), (1, lambda: done.append(1) or "ok")])
-    assert results[1] == ("ok", None) and done == [1]
-    assert isinstance(results[0][1], ValueError) and results[0][0] is None
+    run(placement, {0: ["a0", "a1"], 1: ["b0", "b1"]}, waits={"b0": ["a0"], "a1": ["b0"]},
+        call=call)
+    assert order.index("a0") < order.index("b0") < order.index("a1")
     placement.close()
 
 
-def test_a_single_action_runs_on_the_callers_thread_and_starts_no_worker():
-    placement = Placement([0], None)
-    [(name, exc)] = placement.run_row([(0, lambda: threading.current_thread().name)])
-    assert exc is None and name == threading.current_thread().name
-    assert not [t for t in threading.enumerate() if t.name.startswith("poptorch_lite")]
+def test_a_failing_action_stops_the_other_streams_before_their_next_action():
+    placement = Placement([0, 1], None)
+    ran = []
+
+    def call(a):
+        ran.append(a)
+        if a == "a1":
+            raise ValueError("boom")
+
+    with pytest.raises(ActionFailed) as info:
+        run(placement, {0: ["a0", "a1", "a2"], 1: ["b0", "b1", "b2"]},
+            waits={"b1": ["a1"], "b2": ["a2"]}, call=call)
+    assert info.value.action == "a1" and isinstance(info.value.exc, ValueError)
+    assert "a2" not in ran and "b1" not in ran and "b2" not in ran
+    run(placement, {0: ["a0"], 1: ["b0"]})  # usable again
+    placement.close()
+    assert workers() == []
+
+
+def test_the_watchdog_abandons_a_stuck_stream_and_the_placement_stays_usable():
+    placement = Placement([0, 1], None)
+    release = threading.Event()
+
+    def call(a):
+        if a == "b0":
+            release.wait(30)
+
+    start = time.perf_counter()
+    with pytest.raises(ActionStuck) as info:
+        run(placement, {0: ["a0", "a1"], 1: ["b0"]}, waits={"a1": ["b0"]}, call=call,
+            watchdog=0.2)
+    assert time.perf_counter() - start < 2 and info.value.running == {1: "b0"}
+    stuck = [t for t in workers() if "ipu1" in t.name]
+    release.set()
+    for t in stuck:
+        t.join(5)
+    run(placement, {0: ["a0"], 1: ["b0"]}, call=call)  # ipu1 has a fresh worker
+    placement.close()
+    assert workers() == []
 
 
 def test_garbage_collection_releases_the_workers():
     import gc
     placement = Placement([0, 1], None)
-    placement.run_row([(0, lambda: 0), (1, lambda: 1)])
+    run(placement, {0: ["a"], 1: ["b"]})
     del placement
     gc.collect()
-    assert not [t for t in threading.enumerate() if t.name.startswith("poptorch_lite")]
+    assert workers() == []
 
 
 def test_stages_on_the_models_device_use_the_users_parameter_objects():
@@ -89,9 +134,9 @@ def test_a_stage_on_another_device_uses_a_copy_that_follows_the_host():
 
 def test_closing_again_after_reuse_releases_the_new_workers():
     placement = Placement([0, 1], None)
-    placement.run_row([(0, lambda: 0), (1, lambda: 1)])
+    run(placement, {0: ["a"], 1: ["b"]})
     placement.close()  # as detachFromDevice does
-    placement.run_row([(0, lambda: 0), (1, lambda: 1)])  # re-attached: workers start again
-    assert [t for t in threading.enumerate() if t.name.startswith("poptorch_lite")]
+    run(placement, {0: ["a"], 1: ["b"]})  # re-attached: workers start again
+    assert len(workers()) == 2
     placement.close()  # as destroy does
-    assert not [t for t in threading.enumerate() if t.name.startswith("poptorch_lite")]
+    assert workers() == []

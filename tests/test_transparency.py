@@ -8,7 +8,7 @@ from torch.testing import assert_close
 
 import poptorch_lite as poptorch
 
-from models import BlockMLP, data, reference_training, twin
+from models import BlockMLP, data, microbatch_seeds, reference_training, twin
 
 ATOL = 1e-5
 
@@ -38,54 +38,75 @@ def sharded(G, device):
 
 MATRIX = list(itertools.product([1, 2, 4], [1, 4, 8], [1, 2], [1, 3], ["mean", "sum"],
                                 ["sgd", "adam"]))
+SCHEDULES = ["sequential", "grouped", "interleaved", "gpipe"]
+VARIANTS = list(itertools.product(SCHEDULES, [False, True]))  # (schedule, recompute)
+
+
+def pipelined(schedule, recompute, G, device):
+    """Options for G micro-batches through PipelinedExecution with ``schedule``."""
+    opts = poptorch.Options().setExecutionStrategy(
+        poptorch.PipelinedExecution(schedule=schedule))
+    opts.Training.gradientAccumulation(G)
+    opts.set_ipu_devices(device)
+    if recompute:
+        opts._Popart.set("autoRecomputation", 3)
+    return opts
+
+
+def runnable(schedule, blocks, G):
+    """PopTorch's minimum for pipelined schedules: G >= 2N-1 (Sequential has none)."""
+    return schedule == "sequential" or blocks == 1 or G >= 2 * blocks - 1
 
 
 @pytest.mark.parametrize("blocks,G,R,D,reduction,opt_kind", MATRIX)
 def test_training_matches_plain_pytorch(blocks, G, R, D, reduction, opt_kind, device):
+    """Every schedule, with and without recomputation, against one plain-PyTorch run."""
     torch.manual_seed(0)
-    model = BlockMLP(blocks)
-    ref = twin(model)
+    initial = BlockMLP(blocks)
+    ref = twin(initial)
     B = 2
     x, y = data(B * D * G * R)
-    opts = poptorch.Options().deviceIterations(D).replicationFactor(R)
-    opts.Training.gradientAccumulation(G)
-    opts.Training.accumulationAndReplicationReductionType(
-        poptorch.ReductionType.Mean if reduction == "mean" else poptorch.ReductionType.Sum)
-    opts.outputMode(poptorch.OutputMode.All)
-    opts.setExecutionStrategy(poptorch.ShardedExecution())
-    opts.set_ipu_devices(device)
-    opt = make_optimizer(opt_kind, model.parameters())
     ref_opt = make_optimizer(opt_kind, ref.parameters())
-
-    out, loss = poptorch.trainingModel(model, opts, opt)(x, y)
     ref_outs, ref_losses, ref_grads = reference_training(ref, ref_opt, x, y, D, G, R,
                                                          mean=reduction == "mean")
-
     n = D * G * R
-    assert out.shape == (n * B, 4)
-    assert loss.shape == ((n,) if n > 1 else ())
-    assert_close(out, torch.cat(ref_outs), atol=ATOL, rtol=0)
-    assert_close(loss, torch.stack(ref_losses).reshape(loss.shape), atol=ATOL, rtol=0)
-    for name, p in model.named_parameters():
-        assert_close(p.grad, ref_grads[name], atol=ATOL, rtol=0, msg=f"grad of {name}")
-        assert_close(p.detach(), dict(ref.named_parameters())[name].detach(), atol=ATOL, rtol=0,
-                     msg=f"weight {name}")
-    assert_same_state(opt, ref_opt)
+    ran = 0
+    for schedule, recompute in VARIANTS:
+        if not runnable(schedule, blocks, G):
+            continue
+        model = twin(initial)
+        opts = pipelined(schedule, recompute, G, device).deviceIterations(D).replicationFactor(R)
+        opts.Training.accumulationAndReplicationReductionType(
+            poptorch.ReductionType.Mean if reduction == "mean" else poptorch.ReductionType.Sum)
+        opts.outputMode(poptorch.OutputMode.All)
+        opt = make_optimizer(opt_kind, model.parameters())
+        out, loss = poptorch.trainingModel(model, opts, opt)(x, y)
+        where = f"{schedule}, recompute={recompute}"
+        assert out.shape == (n * B, 4)
+        assert loss.shape == ((n,) if n > 1 else ())
+        assert_close(out, torch.cat(ref_outs), atol=ATOL, rtol=0, msg=where)
+        assert_close(loss, torch.stack(ref_losses).reshape(loss.shape), atol=ATOL, rtol=0,
+                     msg=where)
+        for name, p in model.named_parameters():
+            assert_close(p.grad, ref_grads[name], atol=ATOL, rtol=0, msg=f"grad of {name}, {where}")
+            assert_close(p.detach(), dict(ref.named_parameters())[name].detach(), atol=ATOL,
+                         rtol=0, msg=f"weight {name}, {where}")
+        assert_same_state(opt, ref_opt)
+        ran += 1
+    assert ran == sum(runnable(s, blocks, G) for s, _ in VARIANTS)
 
 
-@pytest.mark.parametrize("blocks,G", [(2, 3), (4, 7), (4, 8)])
-def test_pipelined_execution_matches_plain_pytorch(blocks, G, device):
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("blocks,G", [(2, 3), (4, 7)])
+def test_pipelines_at_their_minimum_accumulation_match_plain_pytorch(blocks, G, schedule,
+                                                                     device):
     torch.manual_seed(0)
     model = BlockMLP(blocks)
     ref = twin(model)
     x, y = data(2 * G)
-    opts = poptorch.Options()
-    opts.Training.gradientAccumulation(G)
-    opts.set_ipu_devices(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    with pytest.warns(poptorch.PoptorchLiteWarning, match="Sequential"):
-        _, loss = poptorch.trainingModel(model, opts, opt)(x, y)
+    _, loss = poptorch.trainingModel(model, pipelined(schedule, False, G, device), opt)(x, y)
     _, ref_losses, _ = reference_training(ref, ref_opt, x, y, 1, G, 1)
     assert_close(loss, ref_losses[-1], atol=ATOL, rtol=0)  # OutputMode.Final by default
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
@@ -110,22 +131,29 @@ def test_several_calls_keep_matching(device):
     assert_same_state(opt, ref_opt)
 
 
-def test_dropout_and_batchnorm_match_with_the_same_seed(device):
+@pytest.mark.parametrize("schedule,recompute", VARIANTS)
+def test_dropout_and_batchnorm_match_with_the_same_seed(schedule, recompute, device):
+    """Random ops draw from one stream per micro-batch ([Note: micro-batch RNG]), so every
+    schedule gives plain PyTorch's numbers when it seeds each micro-batch the same way;
+    recomputation replays the masks and moves BatchNorm statistics once."""
     torch.manual_seed(0)
-    model, G = BlockMLP(2, dropout=0.3, batchnorm=True), 4
+    model, G, D = BlockMLP(2, dropout=0.3, batchnorm=True), 4, 2
     ref = twin(model)
-    opts = sharded(G, device)
+    opts = pipelined(schedule, recompute, G, device).deviceIterations(D)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
-    x, y = data(4 * G)
+    x, y = data(4 * G * D)
     torch.manual_seed(123)
     _, loss = poptorch.trainingModel(model, opts, opt)(x, y)
+    after = torch.rand(3)  # the call drew one base per run from the default generator
     torch.manual_seed(123)
-    _, ref_losses, _ = reference_training(ref, ref_opt, x, y, 1, G, 1)
+    seeds = microbatch_seeds(D, G)
+    assert torch.equal(torch.rand(3), after)
+    _, ref_losses, _ = reference_training(ref, ref_opt, x, y, D, G, 1, seeds=seeds)
     assert_close(loss, ref_losses[-1], atol=ATOL, rtol=0)
     for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
         assert_close(a, b, atol=ATOL, rtol=0, msg=name)
-    assert int(model.bn.num_batches_tracked) == G
+    assert int(model.bn.num_batches_tracked) == G * D
 
 
 @pytest.mark.parametrize("R", [1, 2])

@@ -11,7 +11,7 @@ from torch.testing import assert_close
 
 import poptorch_lite as poptorch
 
-from models import BlockMLP, data, reference_training, twin
+from models import BlockMLP, data, microbatch_seeds, reference_training, twin
 
 ATOL = 1e-5
 All, Final, Sum, EveryN, Default = (poptorch.OutputMode.All, poptorch.OutputMode.Final,
@@ -358,7 +358,7 @@ def test_compile_runs_no_step(device):
     torch.manual_seed(5)
     train(x, y)
     torch.manual_seed(5)
-    reference_training(ref, ref_opt, x, y, 1, 2, 1)  # exactly one step in all
+    reference_training(ref, ref_opt, x, y, 1, 2, 1, seeds=microbatch_seeds(1, 2))  # one step
     assert_same_weights(model, ref)
 
 
@@ -598,8 +598,8 @@ def frozen_options(device):
 
 def wrapped_twice(device):
     model = Probe()
-    poptorch.trainingModel(model, options(device))
-    return model, primed_sgd(model), lambda: poptorch.trainingModel(model, options(device))
+    first = poptorch.trainingModel(model, options(device))  # alive while the second is tried
+    return model, primed_sgd(model), lambda: (first, poptorch.trainingModel(model, options(device)))
 
 
 X4, Y4 = probe_data(B)
@@ -689,7 +689,8 @@ def trains_like_plain_pytorch(model, opts, D=1, G=1, R=1):
     torch.manual_seed(7)
     out, loss = poptorch.trainingModel(model, opts, sgd(model))(x, y)
     torch.manual_seed(7)
-    ref_outs, ref_losses, _ = reference_training(ref, sgd(ref), x, y, D, G, R)
+    seeds = microbatch_seeds(D, G * R)  # [Note: micro-batch RNG], for models with random ops
+    ref_outs, ref_losses, _ = reference_training(ref, sgd(ref), x, y, D, G, R, seeds=seeds)
     assert_close(out, torch.cat(ref_outs), atol=ATOL, rtol=0)
     assert_close(loss, torch.stack(ref_losses).reshape(loss.shape), atol=ATOL, rtol=0)
     assert_same_weights(model, ref)

@@ -1,0 +1,376 @@
+"""Pipelined execution: stages on their own streams, the stash's promise, recomputation,
+accumulator dtype, timelines, failures and the watchdog."""
+
+import gc
+import json
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+import poptorch_lite as poptorch
+from poptorch_lite.annotations import is_tracing
+from poptorch_lite.enums import PipelineSchedule
+from poptorch_lite.schedule import build
+
+from models import BlockMLP, data, twin
+
+SCHEDULES = ["sequential", "grouped", "interleaved", "gpipe"]
+CONCURRENT = ["grouped", "interleaved", "gpipe"]
+
+# A probe op: calls PROBE(kind, stage, micro-batch) in its forward ("F") and backward ("B").
+# Rows of the input carry their micro-batch index in column 0.
+PROBE = {"fn": None}
+
+
+@torch.library.custom_op("poptorch_lite_test::probe", mutates_args=())
+def probe(x: torch.Tensor, stage: int) -> torch.Tensor:
+    if PROBE["fn"] is not None and not is_tracing():
+        PROBE["fn"]("F", stage, int(x[0, 0]))
+    return x.clone()
+
+
+@probe.register_fake
+def _(x, stage):
+    return torch.empty_like(x)
+
+
+def _probe_backward(ctx, grad):
+    if PROBE["fn"] is not None:
+        PROBE["fn"]("B", ctx.stage, int(ctx.index))
+    return grad, None
+
+
+def _probe_setup(ctx, inputs, output):
+    ctx.stage, ctx.index = inputs[1], inputs[0][0, 0]
+
+
+probe.register_autograd(_probe_backward, setup_context=_probe_setup)
+
+
+@pytest.fixture(autouse=True)
+def no_probe():
+    PROBE["fn"] = None
+    yield
+    PROBE["fn"] = None
+
+
+class Probed(torch.nn.Module):
+    """S stages on IPUs 0..S-1; each passes the micro-batch index column through a probe."""
+
+    def __init__(self, stages=2, width=4):
+        super().__init__()
+        self.fcs = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(stages))
+
+    def forward(self, x, y):
+        index = x[:, :1]
+        h = x
+        for s, fc in enumerate(self.fcs):
+            with poptorch.Block(f"b{s}", ipu_id=s):
+                h = probe(torch.cat([index, fc(h)[:, 1:]], dim=1), s)
+                if s == len(self.fcs) - 1:
+                    loss = F.mse_loss(h, y)
+        return h, loss
+
+
+def probed_batch(m, width=4, rows=2):
+    x = torch.randn(m * rows, width)
+    x[:, 0] = torch.arange(m).repeat_interleave(rows).float()
+    return x, torch.randn(m * rows, width)
+
+
+def options(schedule, G, D=1, recompute=False):
+    opts = poptorch.Options().deviceIterations(D).setExecutionStrategy(
+        poptorch.PipelinedExecution(schedule=schedule))
+    opts.Training.gradientAccumulation(G)
+    if recompute:
+        opts._Popart.set("autoRecomputation", 3)
+    return opts
+
+
+def workers():
+    return [t for t in threading.enumerate() if t.name.startswith("poptorch_lite-ipu")]
+
+
+# -- streams -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule", CONCURRENT)
+def test_stages_work_at_the_same_time_on_their_own_threads(schedule):
+    """1F0 and 0F1 only pass a 2-party barrier if they really run at once."""
+    barrier = threading.Barrier(2, timeout=10)
+    threads = {}
+
+    def fn(kind, stage, i):
+        threads.setdefault(stage, set()).add(threading.current_thread().name)
+        if kind == "F" and (stage, i) in ((0, 1), (1, 0)):
+            barrier.wait()
+
+    PROBE["fn"] = fn
+    model = poptorch.trainingModel(Probed(2), options(schedule, 4))
+    model(*probed_batch(4))
+    assert [sorted(threads[s]) for s in (0, 1)] == [["poptorch_lite-ipu0_0"],
+                                                    ["poptorch_lite-ipu1_0"]]
+    spans = model.runStatistics().timeline.spans
+    f01 = next(s for s in spans if s.label == "0F1")
+    f10 = next(s for s in spans if s.label == "1F0")
+    assert f01.start < f10.end and f10.start < f01.end  # overlapping in time
+    model.destroy()
+
+
+def test_sequential_runs_one_action_at_a_time():
+    model = poptorch.trainingModel(BlockMLP(4), options("sequential", 2))
+    model(*data(4))
+    spans = model.runStatistics().timeline.spans
+    assert [s.label for s in spans] == [str(a) for a in build(
+        PipelineSchedule.Sequential, 4, 2, True).actions()]
+    assert all(a.end <= b.start for a, b in zip(spans, spans[1:]))
+
+
+def test_the_sequential_schedule_has_no_accumulation_minimum():
+    torch.manual_seed(0)
+    x, y = data(2)
+    poptorch.trainingModel(BlockMLP(4), options("sequential", 1))(x, y)
+    with pytest.raises(poptorch.PipelineError, match=r"gradientAccumulation\(7\)"):
+        poptorch.trainingModel(BlockMLP(4), options("grouped", 1))(x, y)
+
+
+def test_workers_are_reused_and_released_by_destroy_and_by_garbage_collection():
+    gc.collect()  # earlier tests' models
+    assert workers() == []
+    model = poptorch.trainingModel(BlockMLP(2), options("grouped", 4))
+    model(*data(8))
+    first = {t.ident for t in workers()}
+    model(*data(8))
+    assert len(first) == 2 and {t.ident for t in workers()} == first
+    model.destroy()
+    assert workers() == []
+    model = poptorch.trainingModel(BlockMLP(2), options("interleaved", 4))
+    model(*data(8))
+    assert len(workers()) == 2
+    del model
+    gc.collect()
+    assert workers() == []
+
+
+# -- the activation stash ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("blocks,G", [(2, 3), (2, 8), (4, 7), (4, 12)])
+def test_stash_depth_is_what_the_schedule_promises(schedule, blocks, G):
+    model = poptorch.trainingModel(BlockMLP(blocks), options(schedule, G))
+    model(*data(2 * G))
+    promised = build(PipelineSchedule.parse(schedule), blocks, G, True).peak_in_flight()
+    assert list(model.runStatistics().peak_stash_depth) == promised
+    expected = {"sequential": [1] * blocks, "gpipe": [G] * blocks,
+                "interleaved": [min(G, blocks - s) for s in range(blocks)],
+                "grouped": [min(G, 2 * (blocks - s) - 1) for s in range(blocks)]}[schedule]
+    assert promised == expected
+
+
+class Wide(torch.nn.Module):
+    """Two stages of three Linear+GELU layers (with dropout), optionally checkpointed."""
+
+    def __init__(self, width=64, checkpoint=False, dropout=0.0):
+        super().__init__()
+        self.a = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(3))
+        self.b = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(3))
+        self.drop = torch.nn.Dropout(dropout)
+        self.checkpoint = checkpoint
+
+    def forward(self, x, y):
+        with poptorch.Block("b0", ipu_id=0):
+            for fc in self.a:
+                x = F.gelu(fc(x))
+        with poptorch.Block("b1", ipu_id=1):
+            for k, fc in enumerate(self.b):
+                x = self.drop(F.gelu(fc(x)))
+                if self.checkpoint and k == 1:
+                    x = poptorch.recomputationCheckpoint(x)
+            loss = F.mse_loss(x, y)
+        return x, loss
+
+
+def run_wide(schedule, recompute, checkpoint=False, dropout=0.0, seed=5, stage=None):
+    torch.manual_seed(0)
+    model = Wide(checkpoint=checkpoint, dropout=dropout)
+    opts = options(schedule, 4, recompute=recompute and stage is None)
+    if stage is not None:
+        opts.setExecutionStrategy(poptorch.PipelinedExecution(
+            poptorch.Stage("b0").recompute(stage == 0), poptorch.Stage("b1").recompute(stage == 1),
+            schedule=schedule))
+    wrapped = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = torch.randn(32, 64), torch.randn(32, 64)
+    torch.manual_seed(seed)
+    _, loss = wrapped(x, y)
+    return model, loss, wrapped.runStatistics()
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_recomputation_gives_identical_numbers_and_keeps_less(schedule, checkpoint):
+    plain, plain_loss, plain_stats = run_wide(schedule, False, checkpoint, dropout=0.2)
+    recomputed, loss, stats = run_wide(schedule, True, checkpoint, dropout=0.2)
+    assert torch.equal(loss, plain_loss)
+    for (name, p), q in zip(recomputed.named_parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+        assert torch.equal(p.detach(), q.detach()), name
+    assert stats.peak_stash_depth == plain_stats.peak_stash_depth
+    # Stage 1 keeps its boundary input (8 rows x 64 floats per micro-batch), plus the
+    # checkpointed value when there is one, instead of every activation.
+    rows, depth = 8, stats.peak_stash_depth[1]
+    kept = (2 if checkpoint else 1) * rows * 64 * 4
+    assert stats.peak_stash_bytes[1] == depth * kept
+    assert plain_stats.peak_stash_bytes[1] > 3 * stats.peak_stash_bytes[1]
+    assert stats.peak_stash_bytes[0] == 0  # stage 0 starts from the call's own inputs
+    kinds = {(s.stage, s.kind) for s in stats.timeline.spans}
+    assert (0, "R") in kinds and (1, "R") in kinds
+
+
+def test_recompute_can_be_chosen_per_stage():
+    _, _, plain = run_wide("grouped", False)
+    _, _, only1 = run_wide("grouped", True, stage=1)
+    assert {s.stage for s in only1.timeline.spans if s.kind == "R"} == {1}
+    assert only1.peak_stash_bytes[0] == plain.peak_stash_bytes[0]
+    assert only1.peak_stash_bytes[1] < plain.peak_stash_bytes[1]
+
+
+def test_recomputed_batchnorm_statistics_move_once():
+    torch.manual_seed(0)
+    model = BlockMLP(2, batchnorm=True)
+    ref = twin(model)
+    x, y = data(16)
+    poptorch.trainingModel(model, options("interleaved", 4, recompute=True))(x, y)
+    poptorch.trainingModel(ref, options("interleaved", 4))(x, y)
+    assert int(model.bn.num_batches_tracked) == 4
+    assert torch.equal(model.bn.running_mean, ref.bn.running_mean)
+    assert torch.equal(model.bn.running_var, ref.bn.running_var)
+
+
+# -- gradient accumulation ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("accum_type", [None, torch.float32])
+def test_gradients_accumulate_in_the_optimizers_accum_type(accum_type):
+    """bfloat16 parameters: with accum_type=float32 (PopTorch's "data type used for
+    gradients") the G micro-batch gradients are summed and divided in float32, then cast
+    once; torch's own optimizer accumulates in the parameter's dtype."""
+    torch.manual_seed(0)
+    G = 8
+    model = BlockMLP(2).to(torch.bfloat16)
+    ref = twin(model)
+    x, y = data(2 * G)
+    x = x.to(torch.bfloat16)
+    if accum_type is None:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    else:
+        opt = poptorch.optim.SGD(model.parameters(), lr=0.1, accum_type=accum_type)
+    poptorch.trainingModel(model, options("grouped", G), opt)(x, y)
+    sums = {n: None for n, _ in ref.named_parameters()}
+    for i in range(G):
+        ref.zero_grad(set_to_none=True)
+        _, loss = ref(x[2 * i:2 * i + 2], y[2 * i:2 * i + 2])
+        loss.backward()
+        for n, p in ref.named_parameters():
+            g = p.grad if accum_type is None else p.grad.float()
+            sums[n] = g if sums[n] is None else sums[n] + g
+    for n, p in ref.named_parameters():
+        grad = (sums[n] / G).to(torch.bfloat16)
+        assert torch.equal(dict(model.named_parameters())[n].grad, grad), n
+        assert torch.equal(dict(model.named_parameters())[n].detach(), p.detach().add(grad, alpha=-0.1)), n
+
+
+# -- timeline ----------------------------------------------------------------------------
+
+
+def test_the_timeline_records_every_action_of_every_run(tmp_path):
+    D, G = 2, 4
+    model = poptorch.trainingModel(BlockMLP(2), options("interleaved", G, D=D))
+    model(*data(2 * G * D))
+    timeline = model.runStatistics().timeline
+    actions = [str(a) for a in build(PipelineSchedule.Interleaved, 2, G, True).actions()]
+    for run in range(D):
+        labels = sorted(s.label for s in timeline.spans if s.run == run)
+        assert labels == sorted(actions)
+    for s in timeline.spans:
+        assert s.stream == (0 if s.stage is None else s.stage) and s.end >= s.start
+    for stream in (0, 1):
+        mine = [s for s in timeline.spans if s.stream == stream]
+        assert all(a.end <= b.start for a, b in zip(mine, mine[1:]))  # one at a time per stream
+    assert timeline.stream_names == ["ipu0 (cpu)", "ipu1 (cpu)"]
+    path = tmp_path / "trace.json"
+    timeline.write_chrome_trace(path)
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert len(events) == D * len(actions)
+    assert 0 < timeline.bubble_fraction() < 1
+
+
+# -- failures and the watchdog -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("kind", ["F", "B"])
+@pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.parametrize("microbatch", [0, 2, 4])
+def test_a_failing_action_is_reported_promptly_and_the_next_call_works(schedule, kind, stage,
+                                                                       microbatch):
+    def fn(k, s, i):
+        if (k, s, i) == (kind, stage, microbatch):
+            raise RuntimeError("injected fault")
+
+    model = poptorch.trainingModel(Probed(2), options(schedule, 5))
+    x, y = probed_batch(5)
+    PROBE["fn"] = fn
+    start = time.perf_counter()
+    with pytest.raises(poptorch.ExecutionError) as info:
+        model(x, y)
+    assert time.perf_counter() - start < 1.0
+    text = str(info.value)
+    assert text.startswith(f"action {stage}{kind}{microbatch} (")
+    assert f"stage {stage} ['b{stage}'], micro-batch {microbatch}" in text
+    assert "RuntimeError: injected fault" in text
+    marked = [line for line in text.splitlines() if line.startswith(">>")]
+    assert len(marked) == 1 and f"{stage}{kind}{microbatch}" in marked[0]
+    PROBE["fn"] = None
+    _, loss = model(x, y)
+    assert torch.isfinite(loss)
+    model.destroy()
+    assert workers() == []
+
+
+def test_the_watchdog_turns_a_stuck_action_into_an_error():
+    release = threading.Event()
+
+    def fn(k, s, i):
+        if (k, s, i) == ("F", 1, 2):
+            release.wait(30)
+
+    opts = options("grouped", 4).watchdogTimeout(0.3)
+    model = poptorch.trainingModel(Probed(2), opts)
+    x, y = probed_batch(4)
+    PROBE["fn"] = fn
+    start = time.perf_counter()
+    with pytest.raises(poptorch.ExecutionError, match=r"no action finished for 0.3 s") as info:
+        model(x, y)
+    assert time.perf_counter() - start < 2.0
+    assert str(info.value).startswith("action 1F2 (forward) failed")
+    stuck = [t for t in workers() if t.name.startswith("poptorch_lite-ipu1")]
+    release.set()  # the abandoned worker finishes its action and exits
+    for t in stuck:
+        t.join(5)
+    PROBE["fn"] = None
+    _, loss = model(x, y)  # ipu1 has a fresh worker
+    assert torch.isfinite(loss)
+    model.destroy()
+    assert workers() == []
+
+
+def test_watchdog_timeout_is_checked():
+    with pytest.raises(poptorch.OptionsError, match="watchdogTimeout needs a number"):
+        poptorch.Options().watchdogTimeout(-1)
+    assert poptorch.Options().watchdogTimeout(None).watchdog_timeout is None
+    assert poptorch.Options().watchdog_timeout == 600.0
