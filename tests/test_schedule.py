@@ -7,7 +7,7 @@ import pytest
 from poptorch_lite.enums import PipelineSchedule
 from poptorch_lite.schedule import (Action, Kind, Schedule, build, gpipe, grouped, interleaved,
                                     sequential, validate)
-from poptorch_lite.schedule import _list_schedule
+from poptorch_lite.schedule_kinds import _list_schedule
 
 P = PipelineSchedule
 CONCURRENT = [P.Grouped, P.Interleaved, P.GPipe]
@@ -54,7 +54,10 @@ def test_schedule_modules_do_not_import_torch():
     import ast
     import poptorch_lite.enums
     import poptorch_lite.schedule
-    for module in (poptorch_lite.schedule, poptorch_lite.enums):
+    import poptorch_lite.schedule_kinds
+    import poptorch_lite.timeline
+    for module in (poptorch_lite.schedule, poptorch_lite.schedule_kinds, poptorch_lite.enums,
+                   poptorch_lite.timeline):
         tree = ast.parse(open(module.__file__).read())
         imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
                     for a in n.names}
