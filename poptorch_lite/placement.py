@@ -16,7 +16,9 @@ stop before their next action) or :class:`ActionStuck` when no action has
 finished for ``watchdog`` seconds. Workers start on first use, are reused by
 every run, and stop on ``close()`` or when the placement is garbage
 collected; a stream whose action is stuck is abandoned and gets a fresh
-worker on its next use.
+worker on its next use. The CPU streams share the caller's intra-op threads
+(``torch.get_num_threads()`` when the placement is made) evenly, at least one
+each, so concurrent stages do not oversubscribe the cores.
 
 [Note: weight homes]
 A stage uses a parameter where it lives: on the same device, the user's own
@@ -63,6 +65,11 @@ def resolve_devices(ipus: Sequence[int], mapping: Optional[dict]) -> dict:
     return devices
 
 
+def _set_threads(n: int) -> None:
+    torch.get_num_threads()  # torch sets a thread's count lazily, from its default: do it now
+    torch.set_num_threads(n)
+
+
 class ActionFailed(Exception):
     """An action raised: ``.action`` and the exception as ``__cause__``-style ``.exc``."""
 
@@ -80,10 +87,18 @@ class ActionStuck(Exception):
 
 
 class CpuStream:
-    """A worker thread that runs submitted work in order ([Note: streams])."""
+    """A worker thread that runs submitted work in order ([Note: streams]).
 
-    def __init__(self, name: str):
+    Args:
+        name: the worker thread's name prefix.
+        threads: torch intra-op threads for the worker (None: torch's default). CPU
+            streams share the cores: two streams with two intra-op threads each on two
+            cores lose about a quarter of their speed to oversubscription.
+    """
+
+    def __init__(self, name: str, threads: Optional[int] = None):
         self.name = name
+        self.threads = threads
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
 
     def context(self):
@@ -104,6 +119,10 @@ class CpuStream:
         """Run ``fn`` on this stream's worker thread (started on first use)."""
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=self.name)
+            if self.threads is not None:
+                ours = torch.get_num_threads()
+                self._pool.submit(_set_threads, self.threads).result()
+                torch.set_num_threads(ours)  # the setting is also torch's default for new threads
         return self._pool.submit(fn)
 
     def abandon(self) -> None:
@@ -175,9 +194,12 @@ class Placement:
     def __init__(self, ipus: Sequence[int], mapping: Optional[dict]):
         self.devices = resolve_devices(sorted(set(ipus)), mapping)
         self.streams = {}
+        cpu_streams = sum(dev.type == "cpu" for dev in self.devices.values())
+        threads = max(1, torch.get_num_threads() // cpu_streams) if cpu_streams else None
         for ipu, dev in self.devices.items():
             name = f"poptorch_lite-ipu{ipu}"
-            self.streams[ipu] = CudaStream(name, dev) if dev.type == "cuda" else CpuStream(name)
+            self.streams[ipu] = (CudaStream(name, dev) if dev.type == "cuda" else
+                                 CpuStream(name, threads))
         self._finalizer = weakref.finalize(self, _close_all, list(self.streams.values()))
 
     def device(self, ipu: int) -> torch.device:

@@ -140,3 +140,26 @@ def test_closing_again_after_reuse_releases_the_new_workers():
     assert len(workers()) == 2
     placement.close()  # as destroy does
     assert workers() == []
+
+
+def test_cpu_streams_share_the_intra_op_threads_and_leave_the_callers_alone():
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        placement = Placement([0, 1], None)
+        seen = {}
+        run(placement, {0: ["a"], 1: ["b"]}, call=lambda a: seen.update({a: torch.get_num_threads()}))
+        assert seen == {"a": 2, "b": 2}
+        assert torch.get_num_threads() == 4
+        fresh = []
+        t = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert fresh == [4]  # torch's default for new threads is restored
+        placement.close()
+        single = Placement([0], None)
+        run(single, {0: ["a"]}, call=lambda a: seen.update({a: torch.get_num_threads()}))
+        assert seen["a"] == 4
+        single.close()
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,346 @@
+"""Pipeline speed: poptorch_lite's schedules against plain PyTorch and torch.distributed.pipelining.
+
+    python benchmarks/pipeline.py       # 8 x Linear(1024)+ReLU in 2 stages, micro-batch 32, m = 8
+    python benchmarks/pipeline.py --repeats 40 --schedules interleaved,gpipe --torch-schedules 1f1b
+    python benchmarks/pipeline.py --width 256 --repeats 5 --warmup 1      # a quick smoke run
+
+A balanced, compute-bound 2-stage MLP: the first half of the Linear+ReLU layers
+in block "s0", the second half and the MSE loss in block "s1". One training step
+is m micro-batches of B rows forward and backward, gradients averaged, and one
+SGD step (the step is timed too). The whole process computes with one intra-op
+thread, so a stage stream (a worker thread) or a rank has one core's worth.
+
+Rows of the table:
+    plain PyTorch, full batch    one forward/backward of m*B rows, one step
+    plain PyTorch, micro-batched m forwards/backwards of B rows; the baseline
+    plain PyTorch, both stages   each stage's m forwards/backwards on its own
+      at once, 2 threads         thread, with no dependencies between them: the
+                                 machine's 2-thread scaling c, and from it the
+                                 attainable speed-up ideal*c/S
+    poptorch_lite <schedule>     one call of the wrapped model (``--schedules``;
+                                 "+recompute" recomputes every forward stage)
+    torch <schedule>             torch.distributed.pipelining, one process per
+                                 stage, gloo on loopback (``--torch-schedules``)
+
+Speed-up is over the micro-batched baseline; "of ideal" divides it by the
+pipeline's ideal S*m/(m+S-1) (all stages busy except the fill and drain);
+"cores" is CPU time over wall time, all threads (or all ranks) together.
+Repetitions are interleaved (A, B, C, A, B, C, ...) after warm-up rounds, so
+the machine's noise falls on every variant alike; each figure is a median.
+
+The second table reads ``model.runStatistics()`` after a call (peak stashed
+activations per stage, stash depth, bubble fraction and utilisation per
+stream), with and without recomputation; "n/a" where poptorch_lite does not
+provide it.
+"""
+
+import argparse
+import copy
+import concurrent.futures
+import statistics
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import poptorch_lite as poptorch
+from _pipeline_dist import SCHEDULES as TORCH_SCHEDULES, TorchPipeline, mlp, stage_slice
+
+S = 2  # pipeline stages: blocks "s0" and "s1"
+CEILING = "plain PyTorch, both stages at once, 2 threads"
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--width", type=int, default=1024, help="features of each Linear layer")
+parser.add_argument("--layers", type=int, default=8, help="Linear+ReLU layers, half per stage")
+parser.add_argument("--micro-batch", type=int, default=32, help="rows per micro-batch (B)")
+parser.add_argument("--microbatches", type=int, default=8,
+                    help="micro-batches per step (m, gradient accumulation; at least 2*S-1)")
+parser.add_argument("--lr", type=float, default=1e-4, help="SGD learning rate")
+parser.add_argument("--repeats", type=int, default=20, help="timed steps per variant")
+parser.add_argument("--warmup", type=int, default=3, help="untimed rounds of every variant first")
+parser.add_argument("--schedules",
+                    default="sequential,grouped,interleaved,interleaved+recompute,gpipe",
+                    help="poptorch_lite variants, comma-separated: a PipelineSchedule name, "
+                         "optionally with +recompute")
+parser.add_argument("--torch-schedules", default="gpipe,1f1b",
+                    help=f"torch.distributed.pipelining schedules, comma-separated, of "
+                         f"{sorted(TORCH_SCHEDULES)}; empty to skip the 2-process runs")
+parser.add_argument("--timelines", action="store_true",
+                    help="also print each schedule's timeline (needs runStatistics)")
+
+
+class TwoStageMLP(torch.nn.Module):
+    """``mlp(width, layers)``: the first half in block "s0", the rest and the MSE loss in "s1"."""
+
+    def __init__(self, width, layers):
+        super().__init__()
+        body = mlp(width, layers)  # first, so that the weights match the torch ranks' (same seed)
+        self.first, self.second = body[stage_slice(0, S, layers)], body[stage_slice(1, S, layers)]
+
+    def forward(self, x, y):
+        with poptorch.Block("s0", ipu_id=0):
+            h = self.first(x)
+        with poptorch.Block("s1", ipu_id=1):
+            out = self.second(h)
+            loss = F.mse_loss(out, y)
+        return out, loss
+
+
+def parse_variants(text):
+    """``"interleaved,gpipe+recompute"`` -> [(Interleaved, False), (GPipe, True)]."""
+    variants = []
+    for token in filter(None, (t.strip() for t in text.split(","))):
+        name, plus, extra = token.partition("+")
+        if plus and extra != "recompute":
+            parser.error(f"--schedules: unknown suffix '+{extra}' in '{token}'; the only "
+                         f"suffix is '+recompute', e.g. 'interleaved+recompute'")
+        try:
+            variants.append((poptorch.PipelineSchedule.parse(name), bool(plus)))
+        except poptorch.Error as e:
+            parser.error(f"--schedules: {e}")
+    return variants
+
+
+def variant_name(schedule, recompute):
+    return schedule.value + (" + recompute" if recompute else "")
+
+
+def wrap(base, m, schedule, recompute, lr):
+    """A copy of ``base`` wrapped by ``trainingModel``: m micro-batches and one SGD step a call."""
+    net = copy.deepcopy(base)
+    opts = poptorch.Options()
+    opts.Training.gradientAccumulation(m)
+    opts.setExecutionStrategy(poptorch.PipelinedExecution("s0", "s1", schedule=schedule))
+    if recompute:
+        opts._Popart.set("autoRecomputation", 3)  # recompute every forward stage
+    return poptorch.trainingModel(net, opts, torch.optim.SGD(net.parameters(), lr=lr))
+
+
+def timed(fn):
+    """Wrap ``fn`` to return (wall seconds, CPU seconds of the whole process) of one call."""
+    def run():
+        t, c = time.perf_counter(), time.process_time()
+        fn()
+        return time.perf_counter() - t, time.process_time() - c
+    return run
+
+
+def plain_steps(base, x, y, m, lr):
+    """The two plain-PyTorch baselines, each on its own copy of ``base``."""
+    full, micro = copy.deepcopy(base), copy.deepcopy(base)
+    full_opt = torch.optim.SGD(full.parameters(), lr=lr)
+    micro_opt = torch.optim.SGD(micro.parameters(), lr=lr)
+    xs, ys = x.chunk(m), y.chunk(m)
+
+    def full_step():
+        full_opt.zero_grad(set_to_none=True)
+        full(x, y)[1].backward()
+        full_opt.step()
+
+    def micro_step():
+        micro_opt.zero_grad(set_to_none=True)
+        for x_i, y_i in zip(xs, ys):
+            micro(x_i, y_i)[1].backward()
+        for p in micro.parameters():
+            p.grad.div_(m)  # the mean over micro-batches, as poptorch_lite and torch do
+        micro_opt.step()
+
+    return full_step, micro_step
+
+
+def _one_intra_op_thread():
+    torch.get_num_threads()  # torch sets a new thread's count lazily: settle it, then set it
+    torch.set_num_threads(1)
+
+
+def ceiling_step(base, x, y, m, lr):
+    """Both stages' work of one step at once on 2 plain threads, with no dependencies
+    between them (stage 1 starts from precomputed inputs): what this machine can run
+    concurrently at best. Divided into the micro-batched time it gives the machine's
+    2-thread scaling c (2.00 on perfectly independent cores)."""
+    net = copy.deepcopy(base)
+    opt = torch.optim.SGD(net.parameters(), lr=lr)
+    xs, ys = x.chunk(m), y.chunk(m)
+    with torch.no_grad():
+        hs = [net.first(x_i) for x_i in xs]
+
+    def stage0():
+        for x_i in xs:
+            net.first(x_i).sum().backward()
+
+    def stage1():
+        for h_i, y_i in zip(hs, ys):
+            F.mse_loss(net.second(h_i.requires_grad_()), y_i).backward()
+
+    pool = concurrent.futures.ThreadPoolExecutor(2, initializer=_one_intra_op_thread)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        for done in [pool.submit(stage0), pool.submit(stage1)]:
+            done.result()
+        for p in net.parameters():
+            p.grad.div_(m)
+        opt.step()
+
+    return step
+
+
+def measure(variants, repeats, warmup):
+    """Run every variant ``warmup`` times, then ``repeats`` interleaved timed times.
+
+    Returns:
+        {label: (median wall seconds, median cores busy)}.
+    """
+    for _ in tqdm(range(warmup), desc="warm-up", leave=False):
+        for run in variants.values():
+            run()
+    samples = {label: [] for label in variants}
+    for _ in tqdm(range(repeats), desc="timing", leave=False):
+        for label, run in variants.items():
+            samples[label].append(run())
+    return {label: (statistics.median(w for w, _ in v), statistics.median(c / w for w, c in v))
+            for label, v in samples.items()}
+
+
+def print_speed_table(results, baseline, rows_per_step, ideal):
+    print(f"{'variant':<44} {'samples/s':>9} {'ms/step':>8} {'speed-up':>8} {'of ideal':>8} "
+          f"{'cores':>5}")
+    print(f"{'-' * 44} {'-' * 9} {'-' * 8} {'-' * 8} {'-' * 8} {'-' * 5}")
+    for label, (wall, cores) in results.items():
+        speed_up = results[baseline][0] / wall
+        print(f"{label:<44} {rows_per_step / wall:9.1f} {wall * 1e3:8.1f} {speed_up:7.2f}x "
+              f"{100 * speed_up / ideal:7.0f}% {cores:5.2f}")
+
+
+def stash_rows(base, wrapped, args):
+    """(name, ``runStatistics()`` or None) for every schedule in ``--schedules``, with and
+    without recomputation; models not timed are built here and called twice (trace, measure).
+    All None when this poptorch_lite has no ``runStatistics``."""
+    has_stats = hasattr(poptorch.PoplarExecutor, "runStatistics")
+    x = torch.randn(args.microbatches * args.micro_batch, args.width)
+    y = torch.randn_like(x)
+    rows = []
+    for schedule in dict.fromkeys(schedule for schedule, _ in wrapped):
+        for recompute in (False, True):
+            model = wrapped.get((schedule, recompute))
+            if has_stats and model is None:
+                model = wrap(base, args.microbatches, schedule, recompute, args.lr)
+                model(x, y)
+                model(x, y)
+            rows.append((variant_name(schedule, recompute),
+                         model.runStatistics() if has_stats else None))
+    return rows
+
+
+def print_stash_table(rows, show_timelines):
+    def per_stage(values, fmt):
+        return "/".join(fmt(v) for v in values)
+
+    print(f"{'poptorch_lite schedule':<26} {'peak stash MiB (s0/s1)':>22} {'peak depth':>10} "
+          f"{'bubble':>6} {'utilisation per stream':>22}")
+    print(f"{'-' * 26} {'-' * 22} {'-' * 10} {'-' * 6} {'-' * 22}")
+    for name, stats in rows:
+        if stats is None:
+            print(f"{name:<26} {'n/a':>22} {'n/a':>10} {'n/a':>6} {'n/a':>22}")
+            continue
+        timeline = stats.timeline
+        mib = per_stage(stats.peak_stash_bytes, lambda b: f"{b / 2**20:.1f}")
+        depth = per_stage(stats.peak_stash_depth, str)
+        busy = per_stage(timeline.utilisation(), lambda u: f"{100 * u:.0f}%")
+        bubble = f"{100 * timeline.bubble_fraction():.0f}%"
+        print(f"{name:<26} {mib:>22} {depth:>10} {bubble:>6} {busy:>22}")
+    if any(stats is None for _, stats in rows):
+        print("(n/a: this poptorch_lite has no PoplarExecutor.runStatistics() yet)")
+    if show_timelines:
+        for name, stats in rows:
+            if stats is not None:
+                print(f"\n{name}: {stats.timeline.summary()}\n{stats.timeline.render()}")
+
+
+def build_variants(args, schedules, torch_names):
+    """The timed variants, in table order, each a callable returning (wall s, CPU s).
+
+    Returns:
+        (variants, label of the baseline, the unwrapped model the copies come from,
+        {(schedule, recompute): wrapped model}, the torch ranks or None). The ranks start
+        last, so that bad options fail before them; their start-up overlaps the warm-up.
+    """
+    m, B = args.microbatches, args.micro_batch
+    torch.manual_seed(0)
+    base = TwoStageMLP(args.width, args.layers)
+    x, y = torch.randn(m * B, args.width), torch.randn(m * B, args.width)
+    full_step, micro_step = plain_steps(base, x, y, m, args.lr)
+    baseline = f"plain PyTorch, micro-batched ({m} x {B} rows)"
+    variants = {f"plain PyTorch, full batch ({m * B} rows)": timed(full_step),
+                baseline: timed(micro_step),
+                CEILING: timed(ceiling_step(base, x, y, m, args.lr))}
+    wrapped = {}
+    for schedule, recompute in schedules:
+        model = wrapped[(schedule, recompute)] = wrap(base, m, schedule, recompute, args.lr)
+        variants[f"poptorch_lite {variant_name(schedule, recompute)}"] = timed(
+            lambda model=model: model(x, y))
+    ranks = (TorchPipeline(torch_names, args.width, args.layers, B, m, args.lr, S)
+             if torch_names else None)
+    for name in torch_names:
+        variants[f"torch {TORCH_SCHEDULES[name].__name__} ({S} processes)"] = (
+            lambda name=name: ranks.step(name))
+    return variants, baseline, base, wrapped, ranks
+
+
+def main():
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # one intra-op thread per stream (and per rank)
+    m, B = args.microbatches, args.micro_batch
+    schedules = parse_variants(args.schedules)
+    torch_names = [n.strip().lower() for n in args.torch_schedules.split(",") if n.strip()]
+    unknown = [n for n in torch_names if n not in TORCH_SCHEDULES]
+    if unknown:
+        parser.error(f"--torch-schedules: unknown {unknown}; choose from {sorted(TORCH_SCHEDULES)}")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", poptorch.PoptorchLiteWarning)
+        variants, baseline, base, wrapped, ranks = build_variants(args, schedules, torch_names)
+        try:
+            results = measure(variants, args.repeats, args.warmup)
+        finally:
+            if ranks is not None:
+                ranks.close()
+        stash = stash_rows(base, wrapped, args)
+
+    ideal = S * m / (m + S - 1)
+    print(f"model: {args.layers} x Linear({args.width})+ReLU in {S} stages, MSE loss in the last; "
+          f"micro-batch B = {B}, m = {m} micro-batches per step ({m * B} samples), "
+          f"SGD lr {args.lr:g}")
+    print(f"threads: {torch.get_num_threads()} intra-op per stream/rank; median of {args.repeats} "
+          f"interleaved steps after {args.warmup} warm-up rounds")
+    print(f"ideal pipeline speed-up S*m/(m+S-1) = {S}*{m}/{m + S - 1} = {ideal:.2f}x "
+          f"over the micro-batched baseline\n")
+    print_speed_table(results, baseline, m * B, ideal)
+    pop = {label: wall for label, (wall, _) in results.items() if label.startswith("poptorch_lite")}
+    one_f_one_b = [label for label in results if "Schedule1F1B" in label]
+    if pop and one_f_one_b:
+        best = min(pop, key=pop.get)
+        print(f"\nsamples/s of the best poptorch_lite variant ({best.split(' ', 1)[1]}) / "
+              f"torch Schedule1F1B's: {results[one_f_one_b[0]][0] / pop[best]:.2f}x")
+    scaling = results[baseline][0] / results[CEILING][0]
+    attainable = ideal * scaling / S
+    print(f"this machine's 2-thread scaling on this work: c = {scaling:.2f} (2.00 = two "
+          f"independent cores); attainable speed-up ideal*c/S = {attainable:.2f}x")
+    if pop:
+        best = min(pop, key=pop.get)
+        speed_up = results[baseline][0] / pop[best]
+        print(f"best poptorch_lite variant: {speed_up:.2f}x = {100 * speed_up / ideal:.0f}% of "
+              f"ideal, {100 * speed_up / attainable:.0f}% of attainable")
+    print()
+    print_stash_table(stash, args.timelines)
+    notes = dict.fromkeys(f"{w.category.__name__}: {w.message}" for w in caught)
+    if notes:
+        print("\nwarnings during the run:")
+        for note in notes:
+            print(f"  - {note}")
+
+
+if __name__ == "__main__":
+    main()
