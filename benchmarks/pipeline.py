@@ -239,8 +239,8 @@ def print_stash_table(rows, show_timelines):
         return "/".join(fmt(v) for v in values)
 
     print(f"{'poptorch_lite schedule':<26} {'peak stash MiB (s0/s1)':>22} {'peak depth':>10} "
-          f"{'bubble':>6} {'utilisation per stream':>22}")
-    print(f"{'-' * 26} {'-' * 22} {'-' * 10} {'-' * 6} {'-' * 22}")
+          f"{'bubble':>6} {'utilisation per stream':>22} {'F/B ms':>11}")
+    print(f"{'-' * 26} {'-' * 22} {'-' * 10} {'-' * 6} {'-' * 22} {'-' * 11}")
     for name, stats in rows:
         if stats is None:
             print(f"{name:<26} {'n/a':>22} {'n/a':>10} {'n/a':>6} {'n/a':>22}")
@@ -250,7 +250,9 @@ def print_stash_table(rows, show_timelines):
         depth = per_stage(stats.peak_stash_depth, str)
         busy = per_stage(timeline.utilisation(), lambda u: f"{100 * u:.0f}%")
         bubble = f"{100 * timeline.bubble_fraction():.0f}%"
-        print(f"{name:<26} {mib:>22} {depth:>10} {bubble:>6} {busy:>22}")
+        f_b = "/".join(f"{1e3 * statistics.median(s.end - s.start for s in timeline.spans if s.kind == k):.1f}"
+                       for k in "FB")  # median action times: do actions slow down when they overlap?
+        print(f"{name:<26} {mib:>22} {depth:>10} {bubble:>6} {busy:>22} {f_b:>11}")
     if any(stats is None for _, stats in rows):
         print("(n/a: this poptorch_lite has no PoplarExecutor.runStatistics() yet)")
     if show_timelines:

@@ -101,18 +101,18 @@ class _Epoch:
                     raise errors.DataLoaderError("the AsynchronousDataAccessor's thread stopped "
                                                  "mid-epoch; create a new accessor") from None
 
-    def stop(self) -> None:
-        """Stops the thread and joins it (idempotent)."""
+    def stop(self, join: bool = True) -> None:
+        """Stops the thread and, with ``join``, waits for it (idempotent)."""
         self.stopping = True
         while not self.queue.empty():
             self.queue.get_nowait()
-        if self.thread is not threading.current_thread():
+        if join and self.thread is not threading.current_thread():
             self.thread.join()
 
 
-def _stop_all(epochs: set) -> None:
+def _stop_all(epochs: set, join: bool = True) -> None:
     for epoch in list(epochs):
-        epoch.stop()
+        epoch.stop(join)
     epochs.clear()
 
 
@@ -170,7 +170,9 @@ class AsynchronousDataAccessor:
                              "process; poptorch_lite loads in a thread and ignores them")
         self._dataset, self.rebatched_size = dataset, rebatched_size
         self._buffer_size, self._load_indefinitely = buffer_size, load_indefinitely
-        self._finalizer = weakref.finalize(self, _stop_all, self._epochs)
+        # Garbage collection may run this on a thread that holds threading's internal locks
+        # (one that is starting): it must not join, so it only tells the threads to stop.
+        self._finalizer = weakref.finalize(self, _stop_all, self._epochs, False)
         if early_preload:
             self._next = self._open()
 
@@ -206,7 +208,8 @@ class AsynchronousDataAccessor:
         """
         self._terminated = True
         self._current = self._next = None
-        self._finalizer()
+        self._finalizer.detach()
+        _stop_all(self._epochs)
 
     def __len__(self) -> int:
         if self.rebatched_size is None or getattr(self._dataset, "_accessor", None) is self:

@@ -131,9 +131,10 @@ class CpuStream:
             self._pool.shutdown(wait=False)
             self._pool = None
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Stop the worker (``wait``: until it has exited)."""
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown(wait=wait)
             self._pool = None
 
 
@@ -200,7 +201,9 @@ class Placement:
             name = f"poptorch_lite-ipu{ipu}"
             self.streams[ipu] = (CudaStream(name, dev) if dev.type == "cuda" else
                                  CpuStream(name, threads))
-        self._finalizer = weakref.finalize(self, _close_all, list(self.streams.values()))
+        # Garbage collection may run this on any thread, even one that is starting and holds
+        # threading's internal locks: it must not join, so it only tells the workers to exit.
+        self._finalizer = weakref.finalize(self, _close_all, list(self.streams.values()), False)
 
     def device(self, ipu: int) -> torch.device:
         return self.devices[ipu]
@@ -290,9 +293,9 @@ class Placement:
         _close_all(list(self.streams.values()))
 
 
-def _close_all(streams: list) -> None:
+def _close_all(streams: list, wait: bool = True) -> None:
     for s in streams:
-        s.close()
+        s.close(wait)
 
 
 class Weights:

@@ -413,6 +413,9 @@ def test_garbage_collected_accessor_stops_its_thread():
     assert accessor_threads()
     del accessor
     gc.collect()
+    deadline = time.monotonic() + 5  # told to stop, the thread exits on its own
+    while accessor_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert accessor_threads() == []
 
 
