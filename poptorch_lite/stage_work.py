@@ -13,7 +13,7 @@ consumers left for its outputs (the loss gets the loss-scaling factor);
 afterwards the gradients of its boundary inputs go upstream.
 
 [Note: activation stash]
-Each stage keeps a FIFO of :class:`_Entry`, one per micro-batch forwarded and
+Each stage keeps a FIFO of :class:`Entry`, one per micro-batch forwarded and
 not yet backwarded; the schedule runs each stage's backwards in forward order,
 so the head is always the micro-batch a backward needs. Without recomputation
 an entry holds the stage's autograd graph (its saved activations); with it,
