@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import threading
+import time
 
 import torch
 import torch.nn.functional as F
@@ -91,3 +93,16 @@ def reference_training(model, optimizer, x, y, D: int, G: int, R: int, mean: boo
 def twin(model):
     """A deep copy to serve as the plain-PyTorch reference."""
     return copy.deepcopy(model)
+
+
+def workers() -> list:
+    """The stream worker threads alive now (named ``poptorch_lite-ipu<k>_<n>``)."""
+    return [t for t in threading.enumerate() if t.name.startswith("poptorch_lite-ipu")]
+
+
+def exited(timeout: float = 5.0) -> bool:
+    """Whether every worker has exited; after garbage collection they exit on their own."""
+    deadline = time.monotonic() + timeout
+    while workers() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return workers() == []

@@ -9,14 +9,13 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.testing import assert_close
 
 import poptorch_lite as poptorch
 from poptorch_lite.annotations import is_tracing
 from poptorch_lite.enums import PipelineSchedule
 from poptorch_lite.schedule import build
 
-from models import BlockMLP, data, twin
+from models import BlockMLP, data, exited, twin, workers
 
 SCHEDULES = ["sequential", "grouped", "interleaved", "gpipe"]
 CONCURRENT = ["grouped", "interleaved", "gpipe"]
@@ -89,18 +88,6 @@ def options(schedule, G, D=1, recompute=False):
     if recompute:
         opts._Popart.set("autoRecomputation", 3)
     return opts
-
-
-def exited(timeout=5.0):
-    """Whether every worker has exited; after garbage collection they exit on their own."""
-    deadline = time.monotonic() + timeout
-    while workers() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return workers() == []
-
-
-def workers():
-    return [t for t in threading.enumerate() if t.name.startswith("poptorch_lite-ipu")]
 
 
 # -- streams -----------------------------------------------------------------------------

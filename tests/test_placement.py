@@ -9,24 +9,14 @@ import torch
 from poptorch_lite.placement import (ActionFailed, ActionStuck, Placement, Weights,
                                      resolve_devices)
 
+from models import exited, workers
+
 
 def test_devices_follow_the_mapping_and_default_to_cpu_without_cuda():
     devices = resolve_devices([0, 1, 2], {1: torch.device("cpu")})
     assert devices[1] == torch.device("cpu")
     if not torch.cuda.is_available():
         assert devices == {0: torch.device("cpu"), 1: torch.device("cpu"), 2: torch.device("cpu")}
-
-
-def exited(timeout=5.0):
-    """Whether every worker has exited; after garbage collection they exit on their own."""
-    deadline = time.monotonic() + timeout
-    while workers() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return workers() == []
-
-
-def workers():
-    return [t for t in threading.enumerate() if t.name.startswith("poptorch_lite")]
 
 
 def run(placement, lists, waits=None, call=None, watchdog=None):
