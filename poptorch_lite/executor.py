@@ -164,19 +164,11 @@ class Executor:
                         rows[a] = t
             waits = {a: [d for d in schedule.dependencies(a) if self._ipu(d) != self._ipu(a)]
                      for a in rows}
-            order = schedule.actions()
-            if all(sum(a is not None for a in row) == 1 for row in schedule.rows):
-                # One action per row (Sequential): a total order, run as one.
-                for prev, a in zip(order, order[1:]):
-                    if self._ipu(prev) != self._ipu(a):
-                        waits[a] = [prev]
             cached = self._plans[id(schedule)] = (schedule, (lists, waits, rows))
         return cached[1]
 
     def _ipu(self, a: Action) -> int:
         return self.partition.stages[a.stage if a.stage is not None else 0].ipu
-
-    # -- forward, recompute, backward ---------------------------------------------------------
 
     # -- reduction and update -------------------------------------------------------------
 

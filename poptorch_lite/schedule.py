@@ -123,11 +123,21 @@ class Schedule:
     def _present(self) -> frozenset:
         return frozenset(self.actions())
 
+    @functools.cached_property
+    def _previous(self) -> dict:
+        """action -> the one before it, when every row holds one action (a total order)."""
+        if any(sum(a is not None for a in row) != 1 for row in self.rows):
+            return {}
+        order = self.actions()
+        return dict(zip(order[1:], order))
+
     def dependencies(self, a: Action) -> list:
         """The actions of this schedule that must finish before ``a`` starts.
 
         A stream that runs its list in order and waits for these (on other
-        streams) keeps every dependency without row barriers.
+        streams) keeps every dependency without row barriers. A grid whose
+        rows hold one action each (Sequential) is a total order: there each
+        action also waits for the one before it.
 
         Example:
             >>> from poptorch_lite.enums import PipelineSchedule
@@ -137,6 +147,9 @@ class Schedule:
         """
         deps = _dependencies(a, self.num_stages, self.num_microbatches, self.training,
                              self.recompute)
+        previous = self._previous.get(a)
+        if previous is not None and previous not in deps:
+            deps.append(previous)
         return [d for d in deps if d in self._present]
 
     def per_stream(self) -> list:

@@ -37,6 +37,7 @@ segment.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 from typing import Callable, Optional, Sequence
 
@@ -125,6 +126,12 @@ class StageWork:
                                  and n.split(":", 1)[1] in partition.mutated_buffers]
                                 for st in partition.stages]
         self.wanted = {o for o in partition.outputs if isinstance(o, str)}
+        # Per stage, the values that cross a checkpoint cut inside it: what recompute starts from.
+        self.cuts = []
+        for st in partition.stages:
+            inside = {n for seg in st.segments for n in seg.outputs}
+            self.cuts.append(list(dict.fromkeys(n for seg in st.segments[1:] for n in seg.inputs
+                                                if n in inside)))
         # Per stage, the bytes one micro-batch's stash entry holds without recomputation,
         # measured with a saved-tensor hook on the first forward (a Python hook on every
         # saved tensor would otherwise take the GIL in every backward).
@@ -175,40 +182,34 @@ class StageWork:
             with rng.use(stream), torch.autograd.graph.saved_tensors_hooks(_drop, _gone):
                 for seg in st.segments:
                     env.update(zip(seg.outputs, seg.module(*[env[n] for n in seg.inputs])))
-            entry.kept = self._kept(st, env)
+            entry.kept = {n: (env[n].detach(), env[n].requires_grad) for n in self.cuts[s]}
             outs = tuple(env[n] for n in st.outputs)
             for t in (*boundary.values(), *(v for v, _ in entry.kept.values()),
                       *entry.buffers.values()):
                 self._count(t, counted, run.excluded)
             entry.nbytes = sum(counted.values())
-        elif s in self._entry_bytes:  # measured once: every micro-batch has the same shapes
-            with rng.use(stream):
-                outs = st.module(*args)
-            entry.segments = [(outs, st.outputs, {})]
-            entry.nbytes = self._entry_bytes[s]
         else:
+            measure = s not in self._entry_bytes  # once: every micro-batch has the same shapes
+
             def pack(t: torch.Tensor) -> torch.Tensor:
                 self._count(t, counted, run.excluded)
                 return t
-            with rng.use(stream), torch.autograd.graph.saved_tensors_hooks(pack, _identity):
+            hooks = (torch.autograd.graph.saved_tensors_hooks(pack, _identity) if measure
+                     else contextlib.nullcontext())
+            with rng.use(stream), hooks:
                 outs = st.module(*args)
             entry.segments = [(outs, st.outputs, {})]
-            for t in boundary.values():
-                self._count(t, counted, run.excluded)
-            entry.nbytes = self._entry_bytes[s] = sum(counted.values())
+            if measure:
+                for t in boundary.values():
+                    self._count(t, counted, run.excluded)
+                self._entry_bytes[s] = sum(counted.values())
+            entry.nbytes = self._entry_bytes[s]
         self._keep_outputs(st, run, i, outs)
         stash = run.stash[s]
         stash.append(entry)
         stats = run.stats
         stats.peak_stash_depth[s] = max(stats.peak_stash_depth[s], len(stash))
         stats.peak_stash_bytes[s] = max(stats.peak_stash_bytes[s], sum(e.nbytes for e in stash))
-
-    @staticmethod
-    def _kept(st, env: dict) -> dict:
-        """Values that cross a checkpoint cut inside the stage: what recompute starts from."""
-        produced_inside = {n for seg in st.segments for n in seg.outputs}
-        return {n: (env[n].detach(), env[n].requires_grad)
-                for seg in st.segments[1:] for n in seg.inputs if n in produced_inside}
 
     @staticmethod
     def _count(t: torch.Tensor, counted: dict, excluded: set) -> None:
@@ -287,16 +288,10 @@ class StageWork:
                     grads.append(g.to(o.device))
             if tensors:
                 torch.autograd.backward(tensors, grads)
-            for name, leaf in leaves.items():
-                if leaf.grad is not None:
-                    prev = pending.get(name)
-                    pending[name] = leaf.grad if prev is None else prev + leaf.grad
+            _collect_grads(leaves, pending)
         for name in st.outputs:
             run.values[i].pop(name, None)
-        for name, leaf in entry.boundary.items():  # input gradients go upstream
-            if leaf.grad is not None:
-                prev = grads_in.get(name)
-                grads_in[name] = leaf.grad if prev is None else prev + leaf.grad.to(prev.device)
+        _collect_grads(entry.boundary, grads_in)  # input gradients go upstream
         if step.accum_dtype is not None:
             self._accumulate(a.stage, run, step.accum_dtype)
 
@@ -315,3 +310,11 @@ class StageWork:
 
 def _identity(t):
     return t
+
+
+def _collect_grads(leaves: dict, into: dict) -> None:
+    """Add each leaf's ``.grad`` to ``into[name]`` (on the device already there)."""
+    for name, leaf in leaves.items():
+        if leaf.grad is not None:
+            prev = into.get(name)
+            into[name] = leaf.grad if prev is None else prev + leaf.grad.to(prev.device)

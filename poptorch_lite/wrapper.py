@@ -145,9 +145,7 @@ class PoplarExecutor:
         # for inference models (refused otherwise at wrap time).
         D, R, G = opts.device_iterations, self._replicas(), opts.Training.gradient_accumulation
         ex = program.executor
-        recorder = Recorder(time.perf_counter())
-        runs = []  # (schedule, micro-batch indices, step) per run of a schedule
-        if self._training:
+        if self._training:  # D runs of G·R micro-batches, one optimizer step each
             schedule = program.schedule(G * R, True)
             # [Note: gradient arithmetic]: each micro-batch run stands for input_group_size replicas
             mean = opts.Training.reduction_type == ReductionType.Mean
@@ -156,20 +154,22 @@ class PoplarExecutor:
                 G * R if mean else 1 / opts.input_group_size,
                 poptorch_optim.max_grad_norm(self._optimizer),
                 poptorch_optim.accum_dtype(self._optimizer))
-            runs = [(schedule, range(d * G * R, (d + 1) * G * R), step) for d in range(D)]
-        else:
-            runs = [(program.schedule(D * R, False), range(D * R), None)]
-        outputs, depth, nbytes = [], [0] * program.partition.num_stages, [0] * program.partition.num_stages
-        for d, (schedule, ks, step) in enumerate(runs):
-            out, stats = ex.run(schedule, [mbs.tensors(k) for k in ks], lambda j: j % R, step,
-                                recorder, d, opts.watchdog_timeout)
+            runs = [range(d * G * R, (d + 1) * G * R) for d in range(D)]
+        else:  # one run of every micro-batch
+            schedule, step, runs = program.schedule(D * R, False), None, [range(D * R)]
+        recorder = Recorder(time.perf_counter())
+        outputs, stats = [], []
+        for d, ks in enumerate(runs):
+            out, run_stats = ex.run(schedule, [mbs.tensors(k) for k in ks], lambda j: j % R,
+                                    step, recorder, d, opts.watchdog_timeout)
             outputs += out
-            depth = [max(a, b) for a, b in zip(depth, stats.peak_stash_depth)]
-            nbytes = [max(a, b) for a, b in zip(nbytes, stats.peak_stash_bytes)]
+            stats.append(run_stats)
         names = [f"ipu{k} ({self._placement.devices[k]})" if k in self._placement.devices
-                 else f"ipu{k} (unused)" for k in range(runs[0][0].num_streams)]
-        self._statistics = RunStatistics(runs[0][0].name, tuple(depth), tuple(nbytes),
-                                         recorder.timeline(names, runs[0][0].name))
+                 else f"ipu{k} (unused)" for k in range(schedule.num_streams)]
+        self._statistics = RunStatistics(  # peaks over the call's runs
+            schedule.name, tuple(max(v) for v in zip(*(r.peak_stash_depth for r in stats))),
+            tuple(max(v) for v in zip(*(r.peak_stash_bytes for r in stats))),
+            recorder.timeline(names, schedule.name))
         self._weights.to_host()
         self._remember_versions()
         return self._merge(program.partition, outputs)

@@ -234,6 +234,13 @@ def test_recompute_can_be_chosen_per_stage():
     assert only1.peak_stash_bytes[1] < plain.peak_stash_bytes[1]
 
 
+def test_stage_recompute_takes_a_bool():
+    assert repr(poptorch.Stage("b0").ipu(1).recompute(False)) == "Stage('b0').ipu(1).recompute(False)"
+    assert poptorch.Stage("b0").recompute_enabled is None  # follows autoRecomputation
+    with pytest.raises(poptorch.OptionsError, match=r"Stage\('b0',\)\.recompute\(\) needs a bool, got 'yes'"):
+        poptorch.Stage("b0").recompute("yes")
+
+
 def test_recomputed_batchnorm_statistics_move_once():
     torch.manual_seed(0)
     model = BlockMLP(2, batchnorm=True)
@@ -282,11 +289,21 @@ def test_gradients_accumulate_in_the_optimizers_accum_type(accum_type):
 # -- timeline ----------------------------------------------------------------------------
 
 
+def test_run_statistics_need_a_call():
+    model = poptorch.trainingModel(BlockMLP(2), options("grouped", 4))
+    with pytest.raises(poptorch.DeviceError, match="call the model first"):
+        model.runStatistics()
+    model(*data(8))
+    assert model.runStatistics().schedule == "grouped"
+
+
 def test_the_timeline_records_every_action_of_every_run(tmp_path):
     D, G = 2, 4
     model = poptorch.trainingModel(BlockMLP(2), options("interleaved", G, D=D))
     model(*data(2 * G * D))
-    timeline = model.runStatistics().timeline
+    stats = model.runStatistics()
+    assert stats.peak_stash_depth == (2, 1)  # the peak over both runs
+    timeline = stats.timeline
     actions = [str(a) for a in build(PipelineSchedule.Interleaved, 2, G, True).actions()]
     for run in range(D):
         labels = sorted(s.label for s in timeline.spans if s.run == run)

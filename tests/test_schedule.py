@@ -216,6 +216,20 @@ def test_recompute_grids_are_exact():
     ]
 
 
+def test_a_grid_of_one_action_per_row_is_a_total_order():
+    """Sequential: each action also waits for the one before it, on whatever stream."""
+    s = sequential(2, 2, True, (0, 1))
+
+    def deps(text):
+        return [str(d) for d in s.dependencies(Action.parse(text))]
+
+    assert deps("1G") == ["1B0", "1B1", "0B1"]    # 0B1 ran just before it on stream 0
+    assert deps("0F1") == ["0F0", "0B0"]          # already a dependency: not repeated
+    assert deps("1F0") == ["0F0"]
+    concurrent = build(P.Grouped, 2, 2, True)
+    assert [str(d) for d in concurrent.dependencies(Action.parse("1G"))] == ["1B0", "1B1"]
+
+
 @pytest.mark.parametrize("kind", list(P))
 @pytest.mark.parametrize("streams, recompute", [
     ((0,), (True,)), ((0, 1), (True, True)), ((0, 1, 2), (False, True, False)),
