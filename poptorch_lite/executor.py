@@ -32,7 +32,8 @@ import torch
 from . import rng
 from .errors import ExecutionError
 from .partition import Partition
-from .placement import ActionFailed, ActionStuck, Placement, Weights
+from .placement import ActionFailed, ActionStuck, Placement
+from .weights import Weights
 from .schedule import Action, Kind, Schedule
 from .stage_work import Run, StageWork
 from .timeline import Recorder

@@ -19,14 +19,6 @@ collected; a stream whose action is stuck is abandoned and gets a fresh
 worker on its next use. The CPU streams share the caller's intra-op threads
 (``torch.get_num_threads()`` when the placement is made) evenly, at least one
 each, so concurrent stages do not oversubscribe the cores.
-
-[Note: weight homes]
-A stage uses a parameter where it lives: on the same device, the user's own
-``Parameter`` object (one home for the weights). A stage on another device
-uses a copy that ``Weights`` keeps in step: gradients are gathered on the
-host parameter before the optimizer step, and copies are refreshed after it.
-Replicas beyond the first keep their own buffers when
-``broadcastBuffers(False)``.
 """
 
 from __future__ import annotations
@@ -296,87 +288,3 @@ class Placement:
 def _close_all(streams: list, wait: bool = True) -> None:
     for s in streams:
         s.close(wait)
-
-
-class Weights:
-    """The tensors each stage computes with ([Note: weight homes]).
-
-    Args:
-        model: the user's model (its parameters and buffers are the host copy).
-        replicas: R.
-        separate_buffers: replicas r > 0 keep their own buffers.
-    """
-
-    def __init__(self, model: torch.nn.Module, replicas: int, separate_buffers: bool):
-        self.params = dict(model.named_parameters())
-        self.buffers = dict(model.named_buffers())
-        self.replicas = replicas
-        self.separate_buffers = separate_buffers and replicas > 1
-        self._param_copies: dict = {}
-        self._buffer_copies: dict = {}
-        self._replica_buffers: list = []
-        self.to_device()
-
-    def param(self, name: str, device: torch.device) -> torch.Tensor:
-        p = self.params[name]
-        if p.device == device:
-            return p
-        key = (name, device)
-        if key not in self._param_copies:
-            self._param_copies[key] = p.detach().to(device).requires_grad_(p.requires_grad)
-        return self._param_copies[key]
-
-    def buffer(self, name: str, replica: int, device: torch.device) -> torch.Tensor:
-        b = self._replica_buffers[replica - 1][name] if self.separate_buffers and replica else \
-            self.buffers[name]
-        if b.device == device:
-            return b
-        key = (name, replica, device)
-        if key not in self._buffer_copies:
-            self._buffer_copies[key] = b.detach().to(device)
-        return self._buffer_copies[key]
-
-    def to_device(self) -> None:
-        """Refresh every copy from the host model (``copyWeightsToDevice``)."""
-        with torch.no_grad():
-            self._replica_buffers = [{n: b.detach().clone() for n, b in self.buffers.items()}
-                                     for _ in range(self.replicas - 1)] if self.separate_buffers else []
-            for (name, device), c in self._param_copies.items():
-                c.copy_(self.params[name])
-            self._buffer_copies.clear()
-
-    def to_host(self) -> None:
-        """Copy device-side buffers of replica 0 back to the host model (``copyWeightsToHost``)."""
-        with torch.no_grad():
-            for (name, replica, device), c in self._buffer_copies.items():
-                if replica == 0:
-                    self.buffers[name].copy_(c)
-
-    def storages(self) -> set:
-        """The storages of every parameter and buffer and their copies (not activations)."""
-        tensors = (*self.params.values(), *self.buffers.values(), *self._param_copies.values(),
-                   *self._buffer_copies.values(),
-                   *(b for bufs in self._replica_buffers for b in bufs.values()))
-        return {t.untyped_storage().data_ptr() for t in tensors}
-
-    def zero_grads(self) -> None:
-        for p in self.params.values():
-            p.grad = None
-        for c in self._param_copies.values():
-            c.grad = None
-
-    def gather_grad(self, name: str) -> Optional[torch.Tensor]:
-        """Sum the gradient of parameter ``name`` over its device copies onto the host parameter."""
-        p = self.params[name]
-        for (n, device), c in self._param_copies.items():
-            if n == name and c.grad is not None:
-                g = c.grad.to(p.device)
-                p.grad = g if p.grad is None else p.grad + g
-                c.grad = None
-        return p.grad
-
-    def after_step(self) -> None:
-        """The optimizer changed the host parameters: refresh their device copies."""
-        with torch.no_grad():
-            for (name, device), c in self._param_copies.items():
-                c.copy_(self.params[name])

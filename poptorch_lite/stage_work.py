@@ -46,7 +46,8 @@ import torch
 from . import rng
 from .errors import Error
 from .partition import Partition
-from .placement import Placement, Weights
+from .placement import Placement
+from .weights import Weights
 from .schedule import Action
 
 

@@ -33,7 +33,8 @@ from .errors import DeviceError, OptionsError, PoptorchLiteWarning, WrapError, w
 from .executor import Executor, StepArithmetic
 from .options import Options, batch_factor
 from .partition import Partition, check_pipeline_minimums, partition
-from .placement import Placement, Weights
+from .placement import Placement
+from .weights import Weights
 from .schedule import build
 from .timeline import Recorder, Timeline
 

@@ -6,8 +6,8 @@ import time
 import pytest
 import torch
 
-from poptorch_lite.placement import (ActionFailed, ActionStuck, Placement, Weights,
-                                     resolve_devices)
+from poptorch_lite.placement import ActionFailed, ActionStuck, Placement, resolve_devices
+from poptorch_lite.weights import Weights
 
 from models import exited, workers
 
