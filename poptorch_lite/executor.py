@@ -31,6 +31,7 @@ import torch
 
 from . import rng
 from .errors import ExecutionError
+from .loss_scaling import LossScale
 from .partition import Partition
 from .placement import ActionFailed, ActionStuck, Placement
 from .weights import Weights
@@ -45,7 +46,8 @@ class StepArithmetic:
 
     Attributes:
         optimizer: the optimizer to step.
-        loss_scaling: the factor the loss is multiplied by before backward.
+        loss_scale: the loss scale ([Note: loss scaling]); the update action
+            adapts it when it is automatic, so later runs of a call use the new one.
         divisor: what the summed micro-batch gradients are divided by (besides
             the loss scaling) to give the reduced gradient.
         max_grad_norm: clip the global gradient norm to this (inf: no clipping).
@@ -53,10 +55,15 @@ class StepArithmetic:
     """
 
     optimizer: torch.optim.Optimizer
-    loss_scaling: float = 1.0
+    loss_scale: LossScale = dataclasses.field(default_factory=LossScale)
     divisor: float = 1
     max_grad_norm: float = math.inf
     accum_dtype: Optional[torch.dtype] = None
+
+    @property
+    def loss_scaling(self) -> float:
+        """The factor the loss is multiplied by before backward, now."""
+        return self.loss_scale.scale
 
 
 class Executor:
@@ -141,12 +148,16 @@ class Executor:
         try:
             self.placement.run_lists(lists, waits.__getitem__, call, watchdog)
         except ActionFailed as failure:
-            self._fail(schedule, rows[failure.action], failure.action, failure.exc)
+            if not isinstance(failure.exc, Exception):  # KeyboardInterrupt, SystemExit
+                failure.exc.add_note(f"poptorch_lite: raised by action {failure.action}")
+                raise failure.exc from None
+            self._fail(schedule, rows[failure.action], failure.action, failure.exc, run_index)
         except ActionStuck as stuck:
             a = next(iter(stuck.running.values()), None)
             self._fail(schedule, rows.get(a), a, TimeoutError(
                 f"no action finished for {stuck.seconds} s (Options.watchdogTimeout); "
-                f"still running: {', '.join(str(x) for x in stuck.running.values()) or 'none'}"))
+                f"still running: {', '.join(str(x) for x in stuck.running.values()) or 'none'}"),
+                run_index)
         out = []
         for i in range(len(microbatches)):
             out.append([self._result(run, i, o) for o in p.outputs if isinstance(o, str)])
@@ -188,9 +199,14 @@ class Executor:
                 grad.div_(divisor)
 
     def _step(self, a: Action, run: Run, step: StepArithmetic) -> None:
-        # [Note: gradient arithmetic] clip, then one optimizer update.
+        # [Note: gradient arithmetic] clip, then one optimizer update; [Note: loss scaling]
+        # skips it when automatic loss scaling finds a non-finite gradient.
+        params = [p for p in self.weights.params.values() if p.grad is not None]
+        if step.loss_scale.automatic:
+            finite = all(bool(torch.isfinite(p.grad).all()) for p in params)
+            if not step.loss_scale.update(finite):
+                return
         if math.isfinite(step.max_grad_norm):
-            params = [p for p in self.weights.params.values() if p.grad is not None]
             torch.nn.utils.clip_grad_norm_(params, step.max_grad_norm)
         step.optimizer.step()
         self.weights.after_step()
@@ -212,7 +228,7 @@ class Executor:
         return v.cpu() if v.device.type != "cpu" else v
 
     def _fail(self, schedule: Schedule, row: Optional[int], a: Optional[Action],
-              exc: BaseException) -> None:
+              exc: BaseException, run_index: int = 0) -> None:
         if a is None:
             raise ExecutionError(f"the run of schedule '{schedule.name}' failed: "
                                  f"{type(exc).__name__}: {exc}\n{schedule.render()}") from exc
@@ -221,7 +237,8 @@ class Executor:
         where = (f"stream {ipu} (IPU {ipu}, {self.placement.device(ipu)}), stage "
                  f"{'-' if stage is None else stage.index}"
                  f"{'' if stage is None else ' ' + str(list(stage.blocks))}, micro-batch "
-                 f"{'-' if a.microbatch is None else a.microbatch}")
+                 f"{'-' if a.microbatch is None else a.microbatch}"
+                 f"{f' of device iteration {run_index}' if schedule.training else ''}")
         raise ExecutionError(
             f"action {a} ({a.kind.name.lower()}) failed on {where}: {type(exc).__name__}: {exc}\n"
             f"schedule '{schedule.name}', failing row marked:\n{schedule.render(mark_row=row)}",

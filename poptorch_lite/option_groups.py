@@ -16,7 +16,7 @@ import os
 
 from . import errors
 from .enums import MeanReductionStrategy, ReductionType
-from .options_base import (OptionGroup, check_positive_int, coerce_enum, setter,
+from .options_base import (OptionGroup, check_bool, check_positive_int, coerce_enum, setter,
                            via_setter, warn_ipu_only)
 
 
@@ -44,7 +44,8 @@ class _TrainingOptions(OptionGroup):
     def __init__(self):
         super().__init__(gradient_accumulation=1, reduction_type=ReductionType.Mean,
                          mean_reduction_strategy=MeanReductionStrategy.Post,
-                         automatic_loss_scaling=False, convolution_dithering=False)
+                         automatic_loss_scaling=False, loss_scaling_growth_interval=2000,
+                         convolution_dithering=False)
 
     @property
     def accumulation_and_replication_reduction_type(self) -> ReductionType:
@@ -105,15 +106,24 @@ class _TrainingOptions(OptionGroup):
         warn_ipu_only(f"{self._PATH}.setMeanAccumulationAndReplicationReductionStrategy")
 
     @setter
-    def setAutomaticLossScaling(self, enabled: bool):
-        """IPU float16 automatic loss scaling (IPU-only).
+    def setAutomaticLossScaling(self, enabled: bool, growth_interval: int = 2000):
+        """Automatic loss scaling ([Note: loss scaling] in ``loss_scaling``).
+
+        The scale starts at the optimizer's ``loss_scaling``. A step whose
+        reduced gradients hold an inf or NaN is skipped and the scale halves;
+        after ``growth_interval`` good steps in a row it doubles (the rule of
+        ``torch.amp.GradScaler``; ``growth_interval`` is poptorch_lite's own).
 
         Example:
-            >>> _TrainingOptions().setAutomaticLossScaling(True).automatic_loss_scaling
-            True
+            >>> t = _TrainingOptions().setAutomaticLossScaling(True, growth_interval=100)
+            >>> t.automatic_loss_scaling, t.loss_scaling_growth_interval
+            (True, 100)
         """
-        self._store(automatic_loss_scaling=enabled)
-        warn_ipu_only(f"{self._PATH}.setAutomaticLossScaling")
+        enabled = check_bool(enabled, f"{self._PATH}.setAutomaticLossScaling")
+        interval = check_positive_int(
+            growth_interval, "Training.setAutomaticLossScaling growth_interval",
+            "opts.Training.setAutomaticLossScaling(True, growth_interval=2000)")
+        self._store(automatic_loss_scaling=enabled, loss_scaling_growth_interval=interval)
 
     @setter
     def setConvolutionDithering(self, enabled: bool):

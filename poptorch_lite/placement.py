@@ -230,10 +230,14 @@ class Placement:
                         progress.failure = ActionStuck(dict(progress.running), watchdog)
                 progress.stop = progress.failure is not None
                 progress.cond.notify_all()
-        except BaseException:  # KeyboardInterrupt while waiting: stop the workers, then re-raise
+        except BaseException as exc:  # KeyboardInterrupt while waiting: stop the workers, re-raise
             with progress.cond:
+                running = dict(progress.running)
                 progress.stop = True
                 progress.cond.notify_all()
+            exc.add_note("poptorch_lite: interrupted while running " + (", ".join(
+                f"{a} on stream {ipu}" for ipu, a in sorted(running.items())) or "no action")
+                + "; every stream stopped before its next action")
             concurrent.futures.wait(futures.values())
             raise
         if isinstance(progress.failure, ActionStuck):

@@ -127,6 +127,9 @@ class StageWork:
                                  and n.split(":", 1)[1] in partition.mutated_buffers]
                                 for st in partition.stages]
         self.wanted = {o for o in partition.outputs if isinstance(o, str)}
+        # Per stage, where the loss is among its outputs (None: elsewhere).
+        self.loss_at = [st.outputs.index(partition.loss) if partition.loss in st.outputs
+                        else None for st in partition.stages]
         # Per stage, the values that cross a checkpoint cut inside it: what recompute starts from.
         self.cuts = []
         for st in partition.stages:
@@ -205,6 +208,8 @@ class StageWork:
                     self._count(t, counted, run.excluded)
                 self._entry_bytes[s] = sum(counted.values())
             entry.nbytes = self._entry_bytes[s]
+        if self.loss_at[s] is not None and not step.loss_scale.automatic:
+            _check_loss(outs[self.loss_at[s]], i)
         self._keep_outputs(st, run, i, outs)
         stash = run.stash[s]
         stash.append(entry)
@@ -307,6 +312,16 @@ class StageWork:
             g = p.grad.to(dtype)
             run.accum[name] = (p, g if held is None else held[1].add_(g))
             p.grad = None
+
+
+def _check_loss(loss: torch.Tensor, i: int) -> None:
+    """[Note: loss scaling]: without automatic loss scaling a non-finite loss stops the call."""
+    if not bool(torch.isfinite(loss).all()):
+        value = loss.item() if loss.numel() == 1 else loss.detach().cpu().tolist()
+        raise FloatingPointError(
+            f"the loss of micro-batch {i} is {value}, not finite, so its gradients would be "
+            f"too; check that micro-batch's inputs and the learning rate, or, for float16, "
+            f"turn on opts.Training.setAutomaticLossScaling(True), which skips such steps")
 
 
 def _identity(t):

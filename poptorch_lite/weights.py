@@ -102,16 +102,17 @@ class Weights:
             for (name, device), c in self._param_copies.items():
                 c.copy_(self.params[name])
 
-    def snapshot(self) -> Callable[[], None]:
+    def snapshot(self, params: bool = True) -> Callable[[], None]:
         """Capture every tensor a call may change; the returned function puts them back.
 
-        Parameters, buffers, replica buffers and device copies keep their
+        ``params=False`` leaves out the parameters (an inference call only
+        changes buffers). Parameters, buffers, replica buffers and device copies keep their
         identity (values are copied back in place); parameter ``.grad`` is
         re-bound to the tensor it held; copies made after the snapshot are dropped.
         """
         with torch.no_grad():
             saved = [(t, t.detach().clone()) for t in (
-                *self.params.values(), *self.buffers.values(),
+                *(self.params.values() if params else ()), *self.buffers.values(),
                 *(b for bufs in self._replica_buffers for b in bufs.values()),
                 *self._buffer_copies.values())]
         grads = [(p, p.grad) for p in self.params.values()]

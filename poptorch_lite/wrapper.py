@@ -31,12 +31,14 @@ from .batch import MicroBatches, merge, resolve_output_mode, selected_microbatch
 from .enums import ConnectionType, ReductionType
 from .errors import DeviceError, OptionsError, PoptorchLiteWarning, WrapError, warn_once
 from .executor import Executor, StepArithmetic
+from .loss_scaling import LossScale
 from .options import Options, batch_factor
 from .partition import Partition, check_pipeline_minimums, partition
 from .placement import Placement
 from .weights import Weights
 from .schedule import build
 from .timeline import Recorder, Timeline
+from .undo import capture
 
 # Models currently wrapped by a training wrapper (refused a second time until destroy()).
 # Both sides are weak: the wrapper holds its model, so a strong value would keep the key
@@ -112,6 +114,10 @@ class PoplarExecutor:
         self._compiled = False
         self._versions: tuple = ()
         self._statistics: Optional[RunStatistics] = None
+        self._steps = 0  # optimizer steps taken (skipped ones included)
+        self._loss_scale = LossScale(
+            poptorch_optim.loss_scaling(optimizer), options.Training.automatic_loss_scaling,
+            options.Training.loss_scaling_growth_interval) if training else None
 
     # -- PopTorch's API -------------------------------------------------------------------
 
@@ -131,7 +137,9 @@ class PoplarExecutor:
         Raises:
             BatchSizeError, InputError, BlockError, LossError, PipelineError,
             OptionsError: refused before any state changes.
-            ExecutionError: an action failed while running.
+            ExecutionError: an action failed while running (or a loss was not finite); the
+                call was undone ([Note: all-or-nothing calls] in ``undo``), as it is for
+                ``KeyboardInterrupt``.
         """
         opts = self._options
         if opts.connection_type == ConnectionType.Never:
@@ -142,8 +150,27 @@ class PoplarExecutor:
         if not self._attached:
             self._attach()
         self._follow_host_edits()
+        # [Note: all-or-nothing calls]: from here on, a failure puts everything back.
+        restore = capture(self._weights, self._optimizer, self._loss_scale, self._training)
+        try:
+            result = self._run(program, mbs)
+        except BaseException as exc:
+            restore()
+            self._remember_versions()
+            exc.add_note("poptorch_lite: the call was undone: parameters, buffers, optimizer "
+                         "state, loss scale and random state are as they were before it")
+            raise
+        if self._training:
+            self._steps += opts.device_iterations
+            if isinstance(self._optimizer, poptorch_optim._PopTorchOptimizer):
+                self._optimizer.loss_scaling = self._loss_scale.scale  # [Note: loss scaling]
+        return result
+
+    def _run(self, program: _Program, mbs: MicroBatches):
+        """The runs of one call, then the merged outputs."""
         # R: the replicas run in turn, one per input slice ([Note: batch layout]); G is 1
         # for inference models (refused otherwise at wrap time).
+        opts = self._options
         D, R, G = opts.device_iterations, self._replicas(), opts.Training.gradient_accumulation
         ex = program.executor
         if self._training:  # D runs of G·R micro-batches, one optimizer step each
@@ -151,7 +178,7 @@ class PoplarExecutor:
             # [Note: gradient arithmetic]: each micro-batch run stands for input_group_size replicas
             mean = opts.Training.reduction_type == ReductionType.Mean
             step = StepArithmetic(
-                self._optimizer, poptorch_optim.loss_scaling(self._optimizer),
+                self._optimizer, self._loss_scale,
                 G * R if mean else 1 / opts.input_group_size,
                 poptorch_optim.max_grad_norm(self._optimizer),
                 poptorch_optim.accum_dtype(self._optimizer))
@@ -230,6 +257,7 @@ class PoplarExecutor:
             self._optimizer = optimizer
         else:
             poptorch_optim.copy_hyperparameters(optimizer, self._optimizer)
+        self._loss_scale.scale = poptorch_optim.loss_scaling(self._optimizer)
 
     def detachFromDevice(self) -> None:
         """Copy weights to the host and release the device's workers."""

@@ -1,9 +1,11 @@
-"""Shared fixtures: the devices the transparency tests run on, warning resets."""
+"""Shared fixtures: the devices the transparency tests run on, warning and probe resets."""
 
 import pytest
 import torch
 
 from poptorch_lite import errors
+
+import probes
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -23,3 +25,11 @@ def fresh_warnings():
     yield
     errors._warned.clear()
     errors._warned.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def no_probe():
+    """No test leaves a probe callback behind (``probes.PROBE``)."""
+    probes.PROBE["fn"] = None
+    yield
+    probes.PROBE["fn"] = None

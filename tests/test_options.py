@@ -376,8 +376,6 @@ IPU_ONLY = [
     ("Options.Training.setMeanAccumulationAndReplicationReductionStrategy",
      lambda o: o.Training.setMeanAccumulationAndReplicationReductionStrategy(
          enums.MeanReductionStrategy.Running), None, None),
-    ("Options.Training.setAutomaticLossScaling",
-     lambda o: o.Training.setAutomaticLossScaling(True), None, None),
     ("Options.Training.setConvolutionDithering",
      lambda o: o.Training.setConvolutionDithering(True), None, None),
 ]

@@ -1,0 +1,102 @@
+"""All-or-nothing calls: capture what a call may change, and put it back if it fails.
+
+[Note: all-or-nothing calls]
+Before a call runs, the wrapper captures every parameter, buffer and device
+copy (:meth:`~poptorch_lite.weights.Weights.snapshot`), the optimizer's state
+and hyper-parameters, the loss scale and torch's random number generators.
+If anything in the call raises (an action failing on any stream, the
+watchdog, ``KeyboardInterrupt``, a non-finite loss), all of it is put back
+before the exception reaches the caller: parameters and buffers keep their
+identity (values are copied back in place), so the user's model, optimizer
+and any other wrapper of the model see exactly the state from before the
+call, and the next call starts from it. Copying costs one extra copy of the
+weights and optimizer state per call (see docs/PERFORMANCE.md); an inference
+call captures only the buffers and the generators.
+
+Example:
+    >>> import torch
+    >>> from poptorch_lite.weights import Weights
+    >>> net = torch.nn.Linear(2, 1)
+    >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    >>> before = net.weight.detach().clone()
+    >>> restore = capture(Weights(net, 1, False), opt, None)
+    >>> with torch.no_grad():
+    ...     net.weight.add_(1.0)
+    >>> restore()
+    >>> torch.equal(net.weight, before)
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+import torch
+
+from .loss_scaling import LossScale
+from .weights import Weights
+
+
+def capture(weights: Weights, optimizer: Optional[torch.optim.Optimizer],
+            loss_scale: Optional[LossScale], params: bool = True) -> Callable[[], None]:
+    """Capture the state a call may change; return the function that puts it back.
+
+    Args:
+        weights: the wrapper's weights (parameters, buffers, device copies).
+        optimizer: the optimizer a training call steps (None: inference).
+        loss_scale: the wrapper's loss scale (None: inference).
+        params: capture parameters too (False for inference: only buffers change).
+    """
+    restore_weights = weights.snapshot(params=params)
+    restore_optimizer = _optimizer_snapshot(optimizer) if optimizer is not None else None
+    scale = dataclasses.replace(loss_scale) if loss_scale is not None else None
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    def restore() -> None:
+        restore_weights()
+        if restore_optimizer is not None:
+            restore_optimizer()
+        if scale is not None:
+            for field in dataclasses.fields(scale):
+                setattr(loss_scale, field.name, getattr(scale, field.name))
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+    return restore
+
+
+def _clone(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_clone(v) for v in value)
+    return value
+
+
+def _optimizer_snapshot(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+    # The state's tensors are put back in place, so references to them stay valid.
+    state = {p: (s, dict(s), _clone(s)) for p, s in optimizer.state.items()}
+    groups = [{k: _clone(v) for k, v in g.items() if k != "params"}
+              for g in optimizer.param_groups]
+    defaults = _clone(optimizer.defaults)
+
+    def restore() -> None:
+        optimizer.state.clear()
+        with torch.no_grad():
+            for p, (entry, items, values) in state.items():
+                entry.clear()
+                for k, v in items.items():
+                    if isinstance(v, torch.Tensor):
+                        v.copy_(values[k])
+                        entry[k] = v
+                    else:
+                        entry[k] = values[k]
+                optimizer.state[p] = entry
+        optimizer.defaults.update(defaults)
+        for group, saved in zip(optimizer.param_groups, groups):
+            group.update(saved)
+    return restore
