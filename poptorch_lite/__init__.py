@@ -7,12 +7,13 @@ schedule -> executor -> wrapper (see the modules of the same names).
 
 from . import optim
 from .annotations import BeginBlock, Block, BlockFunction, recomputationCheckpoint, removeBlocks
+from .checkpoint import CheckpointInfo, load_checkpoint, save_checkpoint
 from .dataloader import AsynchronousDataAccessor, DataLoader
 from .enums import (AnchorMode, AutoStage, CommGroupType, ConnectionType, DataLoaderMode,
                     HalfFloatCastingBehavior, MultiConvPlanType,
                     Liveness, MatMulSerializationMode, MeanReductionStrategy, OutputMode,
                     OverlapMode, PipelineSchedule, ReductionType, SharingStrategy, SyncPattern)
-from .errors import (BatchSizeError, BlockError, ConfigFileError, DataLoaderError, DeviceError,
+from .errors import (BatchSizeError, BlockError, CheckpointError, ConfigFileError, DataLoaderError, DeviceError,
                      Error, ExecutionError, FrozenOptionsError, InputError, IpuOnlyWarning,
                      LossError, OptimizerError, OptionsError, PipelineError, PoptorchLiteWarning,
                      RecoverableError, TraceError, UnrecoverableError, WrapError)
@@ -31,7 +32,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AnchorMode", "AsynchronousDataAccessor", "AutoStage", "BatchSizeError", "BeginBlock",
-    "Block", "BlockError", "BlockFunction", "CommGroupType", "ConfigFileError",
+    "Block", "BlockError", "BlockFunction", "CheckpointError", "CheckpointInfo", "CommGroupType", "ConfigFileError",
     "ConnectionType", "DataLoader", "DataLoaderError", "DataLoaderMode", "DeviceError", "Error",
     "ExecutionError", "ExecutionStrategy", "FrozenOptionsError", "HalfFloatCastingBehavior",
     "InputError", "IpuOnlyWarning", "MultiConvPlanType",
@@ -42,9 +43,9 @@ __all__ = [
     "ReductionType", "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage",
     "SyncPattern", "TensorLocationSettings", "TraceError", "UnrecoverableError", "WrapError",
     "combined_batch_size", "identity_loss", "inferenceModel", "ipuHardwareIsAvailable",
-    "ipuHardwareVersion", "ipu_print_tensor", "isRunningOnIpu", "nop", "optim",
+    "ipuHardwareVersion", "ipu_print_tensor", "isRunningOnIpu", "load_checkpoint", "nop", "optim",
     "print_pipeline_stage_assignment_summary", "recomputationCheckpoint", "removeBlocks",
-    "serializedMatMul", "setLogLevel", "set_available_memory", "set_overlap_for_input",
+    "save_checkpoint", "serializedMatMul", "setLogLevel", "set_available_memory", "set_overlap_for_input",
     "set_overlap_for_output", "set_pipeline_stage_assignment", "split_at", "stage_summary",
     "trainingModel",
 ]

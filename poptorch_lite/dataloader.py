@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from typing import Any, Iterable, Iterator, Optional
 
@@ -207,6 +208,10 @@ class DataLoader(torch.utils.data.DataLoader):
                          **args, **kwargs)
         self._options = options
         self._next_epoch = 0
+        # [Note: loader position]: the epoch being read, its batches handed out, the random
+        # state its sampler started from, and a pending resume from load_state_dict().
+        self._epoch, self._consumed, self._epoch_rng = 0, 0, None
+        self._resume: Optional[tuple] = None
         if mode != DataLoaderMode.Sync:
             self._accessor = AsynchronousDataAccessor(self, **async_options,
                                                       rebatched_size=self._rebatched_size)
@@ -254,14 +259,118 @@ class DataLoader(torch.utils.data.DataLoader):
         return full + int(rest > 0 and not self._rebatched_drop_last)
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self._accessor) if self._accessor is not None else self._sync_iter()
+        if self._accessor is not None:
+            return iter(self._accessor)
+        return self._counted(self._sync_iter())
 
     def _sync_iter(self) -> Iterator[Any]:
         """One epoch of the torch loader (the Async worker thread calls this)."""
         if self._epoch_sampler is not None:
             self._epoch_sampler.epoch = self._next_epoch
+        self._epoch, self._consumed = self._next_epoch, 0
+        if self._resume is not None:  # [Note: loader position]: restore after the skip
+            self._resume = (*self._resume[:2], torch.get_rng_state())
         self._next_epoch += 1
         return super().__iter__()
+
+    def _counted(self, batches: Iterator[Any]) -> Iterator[Any]:
+        for batch in batches:
+            self._consumed += 1
+            yield batch
+
+    @property
+    def _index_sampler(self):
+        # torch's iterators read their indices from here at the start of every epoch.
+        return _EpochIndices(super()._index_sampler, self)
+
+    def state_dict(self) -> dict:
+        """The loader's position: the epoch, the batches of it handed out, and the random
+        state its shuffle started from ([Note: loader position]; saved in checkpoints).
+
+        Raises:
+            errors.DataLoaderError: the loader is not in Sync mode.
+
+        Example:
+            >>> opts = Options()
+            >>> loader = DataLoader(opts, torch.utils.data.TensorDataset(torch.arange(6.0)), 2)
+            >>> batches = iter(loader)
+            >>> _ = next(batches)
+            >>> {k: v for k, v in loader.state_dict().items() if k != "rng"}
+            {'epoch': 0, 'batches': 1}
+        """
+        if self._accessor is not None:
+            raise errors.DataLoaderError(
+                "the position of an Async-mode DataLoader cannot be saved: it reads ahead in a "
+                "thread, so its position is not the training's; use mode=DataLoaderMode.Sync")
+        return {"epoch": self._epoch, "batches": self._consumed, "rng": self._epoch_rng}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state`` (:meth:`state_dict`): the next iteration reads the rest of
+        that epoch, in the same order, without loading the batches it skips.
+
+        Raises:
+            errors.DataLoaderError: the state is not a loader position, the loader is not
+                in Sync mode, or an IterableDataset would have to skip batches.
+        """
+        self.state_dict()  # refuses Async mode
+        try:
+            epoch, batches, rng = int(state["epoch"]), int(state["batches"]), state["rng"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise errors.DataLoaderError(
+                f"not a DataLoader position: {state!r} ({type(e).__name__}: {e}); pass what "
+                f"DataLoader.state_dict() returned") from None
+        total = len(self)
+        if not 0 <= batches <= total or (0 < batches < total and rng is None):
+            raise errors.DataLoaderError(
+                f"the position {batches} of epoch {epoch} does not fit this loader of {total} "
+                f"batches per epoch; load a position saved from a loader of the same dataset, "
+                f"batch size and options")
+        if batches and isinstance(self.dataset, torch.utils.data.IterableDataset):
+            raise errors.DataLoaderError(
+                f"an IterableDataset cannot skip to batch {batches} of epoch {epoch}; save "
+                f"checkpoints at epoch ends (or make the dataset resumable yourself)")
+        self.set_epoch(epoch + 1 if batches == total else epoch)
+        self._epoch, self._consumed, self._epoch_rng = epoch, batches, rng
+        self._resume = (rng, batches) if 0 < batches < total else None
+
+
+class _EpochIndices(torch.utils.data.Sampler):
+    """One epoch of a loader's index sampler, recording where its random order came from.
+
+    [Note: loader position]
+    A loader's position is (epoch, batches handed out, random state). The random
+    state is torch's default generator's state just before the sampler's first
+    index, when a shuffling sampler draws its seed, so one epoch's order follows
+    from it. Resuming sets that state, skips the batches already handed out
+    (indices only: nothing is loaded), and then puts back the state the caller
+    had when the iteration began, so the random numbers drawn after a resume
+    (dropout, say) are those of the uninterrupted run. Transforms that draw
+    random numbers in worker processes are seeded per iteration and are not
+    replayed.
+    """
+
+    def __init__(self, inner: Iterable, loader: "DataLoader"):
+        self.inner, self.loader = inner, loader
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self) -> Iterator[Any]:
+        loader, resume = self.loader, self.loader._resume
+        loader._resume = None
+        if resume is not None:
+            torch.set_rng_state(resume[0])
+        loader._epoch_rng = torch.get_rng_state()
+        indices = itertools.islice(iter(self.inner), resume[1] if resume else 0, None)
+        first = next(indices, _END)
+        if resume is not None and len(resume) > 2:
+            torch.set_rng_state(resume[2])
+        if first is not _END:
+            yield first
+            yield from indices
+
+
+_END = object()
 
 
 def _check_mode(mode: Any, async_options: Optional[dict]) -> tuple[DataLoaderMode, dict]:

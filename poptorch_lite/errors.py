@@ -99,6 +99,10 @@ class DataLoaderError(Error, ValueError):
     """A DataLoader or AsynchronousDataAccessor argument is invalid."""
 
 
+class CheckpointError(Error):
+    """A checkpoint file is missing, truncated, foreign, or does not fit the model."""
+
+
 class ExecutionError(Error):
     """An action failed while running: names its stream, stage, micro-batch and schedule row."""
 

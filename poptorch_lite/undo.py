@@ -21,7 +21,7 @@ Example:
     >>> before = net.weight.detach().clone()
     >>> restore = capture(Weights(net, 1, False), opt, None)
     >>> with torch.no_grad():
-    ...     net.weight.add_(1.0)
+    ...     _ = net.weight.add_(1.0)
     >>> restore()
     >>> torch.equal(net.weight, before)
     True

@@ -8,10 +8,11 @@ import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import poptorch_lite as poptorch
 
-from models import workers
+from models import BlockMLP, data, twin, workers
 from probes import PROBE, SCHEDULES, Probed, options, probed_batch
 
 G, D = 5, 2  # two runs of five micro-batches: a failure in the second follows a step
@@ -211,3 +212,218 @@ def test_an_inference_call_that_fails_leaves_buffers_and_random_state():
     assert all(torch.equal(before[0][k], after[0][k]) for k in before[0])
     assert torch.equal(before[1], after[1])
     model.destroy()
+
+
+# -- loss scaling -------------------------------------------------------------------------
+
+
+def als_model(schedule="grouped", interval=2, scale=4.0, automatic=True):
+    torch.manual_seed(3)
+    net = BlockMLP(2)
+    opt = poptorch.optim.SGD(net.parameters(), lr=0.1, loss_scaling=scale)
+    opts = options(schedule, 4)
+    opts.Training.setAutomaticLossScaling(automatic, growth_interval=interval)
+    return net, opt, poptorch.trainingModel(net, opts, opt)
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "interleaved"])
+def test_automatic_loss_scaling_skips_non_finite_steps_as_grad_scaler_does(schedule):
+    net, opt, model = als_model(schedule)
+    ref_net = twin(net)
+    ref_opt = torch.optim.SGD(ref_net.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0, growth_factor=2.0, backoff_factor=0.5,
+                                  growth_interval=2)
+    scales = []
+    for step in range(7):
+        x, y = data(16, seed=step)
+        if step in (2, 5):
+            x[9, 3] = float("inf")  # micro-batch 2's loss and every gradient are not finite
+        weights = [p.detach().clone() for p in net.parameters()]
+        _, loss = model(x, y)
+        ref_opt.zero_grad()
+        for xs, ys in zip(x.split(4), y.split(4)):
+            scaler.scale(F.cross_entropy(ref_net(xs, ys)[0], ys) / 4).backward()
+        scaler.step(ref_opt)
+        scaler.update()
+        scales.append(opt.loss_scaling)
+        assert opt.loss_scaling == scaler.get_scale()
+        if step in (2, 5):  # skipped: the weights did not move
+            assert all(torch.equal(a, b) for a, b in zip(weights, net.parameters()))
+        for p, q in zip(net.parameters(), ref_net.parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+    assert scales == [4.0, 8.0, 4.0, 4.0, 8.0, 4.0, 4.0]
+    assert model._loss_scale.skipped_steps == 2
+    model.destroy()
+
+
+def test_without_automatic_loss_scaling_a_non_finite_loss_names_its_micro_batch():
+    net, opt, model = als_model(automatic=False)
+    x, y = data(16)
+    model(x, y)
+    before = state(net, opt)
+    x[13, 0] = float("nan")
+    with pytest.raises(poptorch.ExecutionError, match=(
+            r"^action 1F3 \(forward\) failed on .* micro-batch 3 of device iteration 0: "
+            r"FloatingPointError: the loss of micro-batch 3 is nan, not finite.*"
+            r"setAutomaticLossScaling\(True\)")):
+        model(x, y)
+    assert_same_state(state(net, opt), before)
+    assert opt.loss_scaling == 4.0
+    model.destroy()
+
+
+def test_set_optimizer_restarts_the_scale_from_the_new_loss_scaling():
+    net, opt, model = als_model()
+    x, y = data(16)
+    model(x, y)
+    model(x, y)
+    assert opt.loss_scaling == 8.0  # grew after two good steps
+    model.setOptimizer(poptorch.optim.SGD(net.parameters(), lr=0.1, loss_scaling=2.0))
+    model(x, y)
+    assert opt.loss_scaling == 2.0 and model._loss_scale.good_steps == 1
+    model.destroy()
+
+
+@pytest.mark.parametrize("bad", [0, 1.5, True])
+def test_growth_interval_is_checked(bad):
+    with pytest.raises(poptorch.OptionsError, match="growth_interval must be a positive int"):
+        poptorch.Options().Training.setAutomaticLossScaling(True, growth_interval=bad)
+    with pytest.raises(poptorch.OptionsError, match="needs a bool, got 1"):
+        poptorch.Options().Training.setAutomaticLossScaling(1)
+
+
+# -- checkpoints --------------------------------------------------------------------------
+
+
+def resumable(seed, workers=0):
+    torch.manual_seed(seed)
+    net = BlockMLP(2, dropout=0.2)
+    opt = poptorch.optim.Adam(net.parameters(), lr=0.01, loss_scaling=8.0)
+    opts = options("grouped", 4, D=2).randomSeed(seed)
+    opts.Training.setAutomaticLossScaling(True, growth_interval=3)
+    x, y = data(100, seed=7)
+    loader = poptorch.DataLoader(opts, torch.utils.data.TensorDataset(x, y), batch_size=2,
+                                 shuffle=True, num_workers=workers)
+    return net, opt, poptorch.trainingModel(net, opts, opt), loader
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_resumed_run_continues_bit_identically(tmp_path, workers):
+    """Dropout, accumulation 4, two steps per call, Adam, automatic loss scaling, shuffle;
+    saved in the middle of the second epoch (6 combined batches of 16 per epoch, 100 % 16
+    leftover samples dropped)."""
+    path = tmp_path / "ckpt.pt"
+    net, opt, model, loader = resumable(0, workers)
+    losses, calls = [], 0
+    for epoch in range(3):
+        for x, y in loader:
+            _, loss = model(x, y)
+            calls += 1
+            if calls > 8:
+                losses.append(loss)
+            if calls == 8:
+                poptorch.save_checkpoint(path, model, loader, extra={"note": "mid-epoch"})
+    final = state(net, opt)
+    model.destroy()
+
+    net, opt, model, loader = resumable(1, workers)  # other weights, other random state
+    info = poptorch.load_checkpoint(path, model, loader)
+    assert (info.steps, info.epoch, info.extra) == (16, 1, {"note": "mid-epoch"})
+    resumed = []
+    for epoch in range(info.epoch, 3):
+        for x, y in loader:
+            resumed.append(model(x, y)[1])
+    assert len(resumed) == len(losses) == 10
+    assert all(torch.equal(a, b) for a, b in zip(resumed, losses))
+    assert_same_state(state(net, opt), final)
+    model.destroy()
+
+
+def test_a_checkpoint_is_written_atomically(tmp_path, monkeypatch):
+    net, opt, model = als_model()
+    model(*data(16))
+    path = tmp_path / "ckpt.pt"
+    poptorch.save_checkpoint(path, model)
+    good = path.read_bytes()
+
+    def broken(obj, f, *args, **kwargs):
+        f.write(b"half a checkpoint")
+        raise OSError("disk full")
+    monkeypatch.setattr(torch, "save", broken)
+    with pytest.raises(OSError, match="disk full"):
+        poptorch.save_checkpoint(path, model)
+    assert path.read_bytes() == good
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
+    model.destroy()
+
+
+def test_unreadable_foreign_and_unfitting_files_are_refused_before_loading(tmp_path):
+    net, opt, model = als_model()
+    model(*data(16))
+    path = tmp_path / "ckpt.pt"
+    poptorch.save_checkpoint(path, model)
+    model(*data(16))
+    before = state(net, opt)
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(path.read_bytes()[:200])
+    foreign = tmp_path / "weights.pt"
+    torch.save(net.state_dict(), foreign)
+    text = tmp_path / "notes.txt"
+    text.write_text("not a checkpoint")
+    cases = [
+        (tmp_path / "missing.pt", r"no checkpoint at '.*missing.pt'; check the path"),
+        (truncated, r"'.*truncated.pt' cannot be read as a checkpoint: it is truncated, corrupt "
+                    r"or not a torch file \(.*\); use a file written by "
+                    r"poptorch_lite.save_checkpoint"),
+        (text, r"'.*notes.txt' cannot be read as a checkpoint"),
+        (foreign, r"'.*weights.pt' is not a poptorch_lite checkpoint \(found \['head.bias', "
+                  r".*for a plain state_dict use model.load_state_dict"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(poptorch.CheckpointError, match=message):
+            poptorch.load_checkpoint(bad, model)
+    assert_same_state(state(net, opt), before)
+
+    other = BlockMLP(2, width=6)
+    wrong = poptorch.trainingModel(other, options("grouped", 4),
+                                   poptorch.optim.SGD(other.parameters(), lr=0.1))
+    with pytest.raises(poptorch.CheckpointError, match=r"has layers.0.weight of shape \(8, 8\), "
+                       r"the model \(6, 6\); wrap the same architecture"):
+        poptorch.load_checkpoint(path, wrong)
+    copied = twin(net)
+    adam = poptorch.trainingModel(copied, options("grouped", 4),
+                                  poptorch.optim.Adam(copied.parameters()))
+    with pytest.raises(poptorch.CheckpointError, match="holds the state of a SGD optimizer, the "
+                       "model's is a Adam"):
+        poptorch.load_checkpoint(path, adam)
+    with pytest.raises(poptorch.CheckpointError, match="holds no DataLoader position"):
+        poptorch.load_checkpoint(path, model, poptorch.DataLoader(
+            poptorch.Options(), torch.utils.data.TensorDataset(torch.ones(4)), batch_size=2))
+    with pytest.raises(poptorch.CheckpointError, match="pass the model returned by "
+                       "poptorch.trainingModel"):
+        poptorch.save_checkpoint(path, poptorch.inferenceModel(twin(net)))
+    assert_same_state(state(net, opt)[:2] + before[2:], before)  # building models drew numbers
+    for m in (model, wrong, adam):
+        m.destroy()
+
+
+def test_a_loader_position_is_checked():
+    loader = poptorch.DataLoader(poptorch.Options(),
+                                 torch.utils.data.TensorDataset(torch.arange(8.0)), batch_size=2)
+    with pytest.raises(poptorch.DataLoaderError, match="not a DataLoader position"):
+        loader.load_state_dict({"epoch": 0})
+    with pytest.raises(poptorch.DataLoaderError, match=r"the position 5 of epoch 0 does not fit "
+                       r"this loader of 4 batches per epoch"):
+        loader.load_state_dict({"epoch": 0, "batches": 5, "rng": torch.get_rng_state()})
+    loader.load_state_dict({"epoch": 3, "batches": 4, "rng": None})  # a finished epoch
+    assert [b[0].tolist() for b in loader][0] == [0.0, 1.0]
+    assert loader.state_dict()["epoch"] == 4
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from poptorch_lite import checkpoint, loss_scaling, undo
+    for module in (checkpoint, loss_scaling, undo):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0

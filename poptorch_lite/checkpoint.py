@@ -1,0 +1,199 @@
+"""Checkpoints: the whole training state of a wrapped model, saved atomically, resumed exactly.
+
+[Note: checkpoints]
+A checkpoint holds everything the next step depends on: the model's
+``state_dict`` (parameters and buffers), the optimizer's ``state_dict``
+(its state and every group's hyper-parameters, PopTorch's attributes such as
+``loss_scaling``, ``accum_type`` and ``velocity_scaling`` included), the loss
+scale and its counters, torch's CPU and CUDA generators and Python's
+``random`` state, the optimizer steps taken, and, when given, the
+DataLoader's position (epoch, batches handed out, the random state its shuffle
+came from). ``load_checkpoint`` puts all of it back, so training continues
+bit-identically to a run that never stopped.
+
+The file is written to a temporary file in the same folder, flushed to disk
+and renamed over the target, so a crash leaves either the old checkpoint or
+the new one, never half of one. It is read with ``torch.load(weights_only=True)``
+(no code runs on load), and everything is checked before anything is loaded.
+
+Example:
+    >>> import os, tempfile, torch
+    >>> import poptorch_lite as poptorch
+    >>> class Net(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.fc = torch.nn.Linear(2, 1)
+    ...     def forward(self, x, y):
+    ...         out = self.fc(x)
+    ...         return out, torch.nn.functional.mse_loss(out, y)
+    >>> model = poptorch.trainingModel(Net())
+    >>> _ = model(torch.ones(4, 2), torch.zeros(4, 1))
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt.pt")
+    >>> save_checkpoint(path, model)
+    >>> load_checkpoint(path, model).steps
+    1
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import random
+import tempfile
+from typing import Any, Optional
+
+import torch
+
+from .errors import CheckpointError
+from .wrapper import PoplarExecutor
+
+FORMAT = "poptorch_lite checkpoint"
+VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    """What :func:`load_checkpoint` restored besides the state itself.
+
+    Attributes:
+        steps: optimizer steps the model had taken (skipped ones included).
+        epoch: the DataLoader's epoch at saving (None: no loader was saved); the
+            next iteration of the loader continues it.
+        extra: the ``extra`` given to :func:`save_checkpoint`.
+    """
+
+    steps: int
+    epoch: Optional[int]
+    extra: Any
+
+
+def save_checkpoint(path, model: PoplarExecutor, dataloader=None, extra: Any = None) -> None:
+    """Write the complete training state of ``model`` to ``path``, atomically.
+
+    Args:
+        path: the file to write (replaced if it exists).
+        model: a model wrapped by ``trainingModel``.
+        dataloader: a ``poptorch_lite.DataLoader`` (Sync mode) whose position to save.
+        extra: anything else to keep (tensors, numbers, strings, lists, dicts).
+
+    Raises:
+        CheckpointError: ``model`` is not a training wrapper.
+        DataLoaderError: the loader's position cannot be saved (Async mode).
+    """
+    _check_model(model)
+    state = {
+        "format": FORMAT, "version": VERSION,
+        "model": model.model.state_dict(),
+        "optimizer": model._optimizer.state_dict(),
+        "optimizer_class": type(model._optimizer).__name__,
+        "loss_scale": model._loss_scale.state_dict(),
+        "steps": model._steps,
+        "rng": {"torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
+                "python": random.getstate()},
+        "dataloader": dataloader.state_dict() if dataloader is not None else None,
+        "extra": extra,
+    }
+    path = pathlib.Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def load_checkpoint(path, model: PoplarExecutor, dataloader=None) -> CheckpointInfo:
+    """Restore the training state saved by :func:`save_checkpoint` into ``model``.
+
+    Everything is checked first; on any error nothing has been loaded.
+
+    Args:
+        path: the checkpoint file.
+        model: a model wrapped by ``trainingModel`` around a model of the same
+            architecture, with an optimizer of the same kind and parameter groups.
+        dataloader: the loader to position (its next iteration resumes the saved epoch).
+
+    Raises:
+        CheckpointError: the file is missing, truncated, not a checkpoint, or does not
+            fit the model, optimizer or loader.
+    """
+    _check_model(model)
+    path = pathlib.Path(path)
+    try:
+        state = torch.load(path, weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"no checkpoint at {str(path)!r}; check the path") from None
+    except Exception as e:
+        raise CheckpointError(
+            f"{str(path)!r} cannot be read as a checkpoint: it is truncated, corrupt or not "
+            f"a torch file ({type(e).__name__}: {str(e).splitlines()[0][:200]}); use a file "
+            f"written by poptorch_lite.save_checkpoint") from e
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        keys = sorted(state)[:8] if isinstance(state, dict) else type(state).__name__
+        raise CheckpointError(
+            f"{str(path)!r} is not a poptorch_lite checkpoint (found {keys}); for a plain "
+            f"state_dict use model.load_state_dict(torch.load(path, weights_only=True))")
+    if state.get("version") != VERSION:
+        raise CheckpointError(f"{str(path)!r} has checkpoint version {state.get('version')!r}; "
+                              f"this poptorch_lite reads version {VERSION}")
+    _check_fits(path, state, model, dataloader)
+    model.load_state_dict(state["model"])
+    model._optimizer.load_state_dict(state["optimizer"])
+    model._loss_scale.load_state_dict(state["loss_scale"])
+    model._steps = int(state["steps"])
+    torch.set_rng_state(state["rng"]["torch"])
+    if state["rng"]["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    version, internal, gauss = state["rng"]["python"]
+    random.setstate((version, tuple(internal), gauss))
+    loader = state["dataloader"]
+    if dataloader is not None and loader is not None:
+        dataloader.load_state_dict(loader)
+    return CheckpointInfo(model._steps, None if loader is None else int(loader["epoch"]),
+                          state["extra"])
+
+
+def _check_model(model) -> None:
+    if not isinstance(model, PoplarExecutor) or model._optimizer is None:
+        raise CheckpointError(
+            f"checkpoints hold a training state: pass the model returned by "
+            f"poptorch.trainingModel(...), not {type(model).__name__}")
+
+
+def _check_fits(path, state: dict, model: PoplarExecutor, dataloader) -> None:
+    """Refuse a checkpoint that would load only partly."""
+    where = f"the checkpoint {str(path)!r}"
+    own = model.model.state_dict()
+    saved = state["model"]
+    if own.keys() != saved.keys():
+        raise CheckpointError(
+            f"{where} is of another model: missing {sorted(own.keys() - saved.keys())[:5]}, "
+            f"unexpected {sorted(saved.keys() - own.keys())[:5]}; wrap the same architecture")
+    for k, v in own.items():
+        if tuple(v.shape) != tuple(saved[k].shape):
+            raise CheckpointError(f"{where} has {k} of shape {tuple(saved[k].shape)}, the "
+                                  f"model {tuple(v.shape)}; wrap the same architecture")
+    kind = type(model._optimizer).__name__
+    if state.get("optimizer_class") != kind:
+        raise CheckpointError(f"{where} holds the state of a {state.get('optimizer_class')} "
+                              f"optimizer, the model's is a {kind}; use the same optimizer class")
+    groups = [len(g["params"]) for g in state["optimizer"]["param_groups"]]
+    ours = [len(g["params"]) for g in model._optimizer.param_groups]
+    if groups != ours:
+        raise CheckpointError(f"{where} has optimizer groups of {groups} parameters, the "
+                              f"model's optimizer {ours}; build the optimizer the same way")
+    if dataloader is not None and state["dataloader"] is None:
+        raise CheckpointError(f"{where} holds no DataLoader position; save it with "
+                              f"save_checkpoint(path, model, dataloader)")
+    if dataloader is not None:
+        batches, total = int(state["dataloader"]["batches"]), len(dataloader)
+        if batches > total:
+            raise CheckpointError(f"{where} stopped after batch {batches} of an epoch, but "
+                                  f"this loader has {total} batches per epoch; use the same "
+                                  f"dataset, batch size and options")
