@@ -2,7 +2,11 @@
 micro-batch; KeyboardInterrupt; the watchdog), loss scaling, and the lifecycle of models."""
 
 import copy
+import json
+import pathlib
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -427,3 +431,18 @@ def test_docstring_examples_run():
     for module in (checkpoint, loss_scaling, undo):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0
+
+
+# -- lifecycle ----------------------------------------------------------------------------
+
+
+def test_a_hundred_models_leave_no_threads_and_no_memory_behind():
+    """Half released by destroy(), half by garbage collection, in a fresh process."""
+    script = pathlib.Path(__file__).with_name("lifecycle_script.py")
+    result = subprocess.run([sys.executable, str(script), "100"], capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["threads"] == []
+    assert report["rss_ratio"] <= 1.05, report
+    assert report["cuda_bytes"] == 0
