@@ -13,10 +13,11 @@ from .enums import (AnchorMode, AutoStage, CommGroupType, ConnectionType, DataLo
                     HalfFloatCastingBehavior, MultiConvPlanType,
                     Liveness, MatMulSerializationMode, MeanReductionStrategy, OutputMode,
                     OverlapMode, PipelineSchedule, ReductionType, SharingStrategy, SyncPattern)
-from .errors import (BatchSizeError, BlockError, CheckpointError, ConfigFileError, DataLoaderError, DeviceError,
-                     Error, ExecutionError, FrozenOptionsError, InputError, IpuOnlyWarning,
+from .errors import (BatchSizeError, BlockError, CheckpointError, ConfigFileError,
+                     DataLoaderError, DeviceError, Error, ExecutionError, FrozenOptionsError, InputError, IpuOnlyWarning,
                      LossError, OptimizerError, OptionsError, PipelineError, PoptorchLiteWarning,
-                     RecoverableError, TraceError, UnrecoverableError, WrapError)
+                     RecoverableError, ScheduleError, TraceError, UnknownAttributeError,
+                     UnrecoverableError, WrapError)
 from .frontends import (print_pipeline_stage_assignment_summary, set_pipeline_stage_assignment,
                         split_at, stage_summary)
 from .ops import (NameScope, identity_loss, ipuHardwareIsAvailable, ipuHardwareVersion,
@@ -40,10 +41,12 @@ __all__ = [
     "OptimizerError", "Options", "OptionsError", "OutputMode", "OverlapMode",
     "ParallelPhasedExecution", "Phase", "PipelineError", "PipelineSchedule",
     "PipelinedExecution", "PoplarExecutor", "PoptorchLiteWarning", "RecoverableError",
-    "ReductionType", "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage",
-    "SyncPattern", "TensorLocationSettings", "TraceError", "UnrecoverableError", "WrapError",
+    "ReductionType", "ScheduleError", "SerialPhasedExecution", "ShardedExecution",
+    "SharingStrategy", "Stage", "SyncPattern", "TensorLocationSettings", "TraceError", "UnknownAttributeError",
+    "UnrecoverableError", "WrapError",
     "combined_batch_size", "identity_loss", "inferenceModel", "ipuHardwareIsAvailable",
-    "ipuHardwareVersion", "ipu_print_tensor", "isRunningOnIpu", "load_checkpoint", "nop", "optim",
+    "ipuHardwareVersion", "ipu_print_tensor", "isRunningOnIpu", "load_checkpoint", "nop",
+    "optim",
     "print_pipeline_stage_assignment_summary", "recomputationCheckpoint", "removeBlocks",
     "save_checkpoint", "serializedMatMul", "setLogLevel", "set_available_memory", "set_overlap_for_input",
     "set_overlap_for_output", "set_pipeline_stage_assignment", "split_at", "stage_summary",

@@ -79,7 +79,8 @@ def _check_ids(user_id: Any, ipu_id: Any) -> None:
         raise BlockError(f"a block's user_id must be a str, got {user_id!r}; "
                          f"write user_id=\"{user_id}\"")
     if ipu_id is not None and (isinstance(ipu_id, bool) or not isinstance(ipu_id, int) or ipu_id < 0):
-        raise BlockError(f"a block's ipu_id must be a non-negative int, got {ipu_id!r}")
+        raise BlockError(f"a block's ipu_id must be a non-negative int, got {ipu_id!r}; "
+                         f"write e.g. ipu_id=0, or leave it None")
 
 
 class _BlockHook:

@@ -163,7 +163,8 @@ class AsynchronousDataAccessor:
                 "DataLoader itself, or build it with mode=DataLoaderMode.Sync to wrap it")
         for name, value in (("buffer_size", buffer_size), ("rebatched_size", rebatched_size or 1)):
             if not isinstance(value, int) or value < 1:
-                raise errors.DataLoaderError(f"{name} must be an int >= 1, got {value!r}")
+                raise errors.DataLoaderError(f"{name} must be an int >= 1, got {value!r}; "
+                                             f"pass e.g. {name}=1")
         if sharing_strategy is not None or miss_sleep_time_in_ms != 0.1:
             errors.warn_once("AsynchronousDataAccessor.sharing_strategy",
                              "sharing_strategy and miss_sleep_time_in_ms tune PopTorch's loader "

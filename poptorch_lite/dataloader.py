@@ -124,7 +124,6 @@ class DataLoader(torch.utils.data.DataLoader):
         if not isinstance(options, Options):
             raise errors.DataLoaderError(f"DataLoader's first argument must be poptorch_lite.Options, "
                                          f"got {type(options).__name__}; call DataLoader(opts, dataset, ...)")
-        options._freeze()
         mode, async_options = _check_mode(mode, async_options)
         shuffle = bool(shuffle)
         is_iterable = isinstance(dataset, torch.utils.data.IterableDataset)
@@ -202,6 +201,7 @@ class DataLoader(torch.utils.data.DataLoader):
             self._rebatched_size = self._combined
             args.update(batch_size=rebatched_worker_size or self._combined, drop_last=False)
 
+        options._freeze()  # only once every argument is accepted
         if persistent_workers is None:
             persistent_workers = num_workers > 0
         super().__init__(dataset, num_workers=num_workers, persistent_workers=persistent_workers,

@@ -103,6 +103,15 @@ class CheckpointError(Error):
     """A checkpoint file is missing, truncated, foreign, or does not fit the model."""
 
 
+class UnknownAttributeError(Error, AttributeError):
+    """An options group or an optimizer has no attribute of that name (a typo, usually)."""
+
+
+class ScheduleError(Error, ValueError):
+    """A schedule grid, an action's text form or a timeline is invalid (``schedule``,
+    ``schedule_kinds`` and ``timeline``, which take no torch objects)."""
+
+
 class ExecutionError(Error):
     """An action failed while running: names its stream, stage, micro-batch and schedule row."""
 

@@ -77,7 +77,7 @@ def split_at(model: torch.nn.Module, names: Sequence[str]):
             known = [k for k in layers if k]
             raise BlockError(f"split_at: no layer named {n!r}; the layers are {known}")
     if len(set(names)) != len(names):
-        raise BlockError(f"split_at: {list(names)} names a layer twice")
+        raise BlockError(f"split_at: {list(names)} names a layer twice; name each layer once")
     removeBlocks(model)
     for k, n in enumerate(names):
         BeginBlock(layers[n], n, ipu_id=k + 1)

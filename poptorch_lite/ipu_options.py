@@ -236,7 +236,8 @@ class TensorLocationSettings:
     def _int(self, key: str, value: Any) -> TensorLocationSettings:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise errors.OptionsError(
-                f"TensorLocationSettings.{key} needs a non-negative int, got {value!r}")
+                f"TensorLocationSettings.{key} needs a non-negative int, got {value!r}; "
+                f"call e.g. TensorLocationSettings().{key}(0)")
         self._values[key] = value
         return self
 

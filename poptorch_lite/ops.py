@@ -67,7 +67,8 @@ def ipu_print_tensor(tensor: torch.Tensor, title: str = "", print_gradient: bool
         x=tensor([1.])
     """
     if not isinstance(tensor, torch.Tensor):
-        raise InputError(f"ipu_print_tensor needs a tensor, got {type(tensor).__name__}")
+        raise InputError(f"ipu_print_tensor needs a tensor, got {type(tensor).__name__}; pass the "
+                         f"tensor to print (torch.as_tensor(...) for other values)")
     if print_gradient and tensor.requires_grad:
         warn_once("ipu_print_tensor.print_gradient",
                   "ipu_print_tensor prints values only; gradients are not printed")

@@ -76,8 +76,9 @@ class _Global:
 
     def _owned(self, opt: Any) -> str:
         if self.name not in type(opt)._GLOBALS:
-            raise AttributeError(f"{type(opt).__name__} has no {self.name} (PopTorch gives it "
-                                 f"only {list(type(opt)._GLOBALS)})")
+            raise errors.UnknownAttributeError(
+                f"{type(opt).__name__} has no {self.name} (PopTorch gives it only "
+                f"{list(type(opt)._GLOBALS)}); set {self.name} only on an optimizer that has it")
         return self.name
 
 

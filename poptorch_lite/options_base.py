@@ -87,7 +87,7 @@ class OptionGroup:
             return values[name]
         if name.startswith("__") or values is None:
             raise AttributeError(name)
-        raise AttributeError(f"{self._PATH} has no option '{name}'{self._suggest(name)}")
+        raise errors.UnknownAttributeError(f"{self._PATH} has no option '{name}'{self._suggest(name)}")
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name.startswith("_"):

@@ -40,6 +40,8 @@ import enum
 import functools
 from typing import Optional, Sequence
 
+from .errors import ScheduleError
+
 
 
 class Kind(enum.Enum):
@@ -82,7 +84,8 @@ class Action:
             head, sep, tail = text.partition(kind.value)
             if sep and (head == "" or head.isdigit()) and (tail == "" or tail.isdigit()):
                 return cls(kind, int(head) if head else None, int(tail) if tail else None)
-        raise ValueError(f"not an action: {text!r}")
+        raise ScheduleError(f"not an action: {text!r}; write stage, kind letter and micro-batch, "
+                            f"e.g. '1F0', '0B3', '1G' or 'U'")
 
 
 Row = tuple  # tuple[Optional[Action], ...], one cell per stream
@@ -232,30 +235,30 @@ def validate(schedule: Schedule) -> None:
     """
     S, m, training = schedule.num_stages, schedule.num_microbatches, schedule.training
     if len(schedule.recompute) not in (0, S):
-        raise ValueError(f"recompute={schedule.recompute} needs one flag per stage ({S})")
+        raise ScheduleError(f"recompute={schedule.recompute} needs one flag per stage ({S})")
     required = _required(S, m, training, schedule.recompute)
     done: dict = {}
     for t, row in enumerate(schedule.rows):
         if len(row) != schedule.num_streams:
-            raise ValueError(f"row {t} has {len(row)} cells for {schedule.num_streams} streams")
+            raise ScheduleError(f"row {t} has {len(row)} cells for {schedule.num_streams} streams")
         for k, a in enumerate(row):
             if a is None:
                 continue
             if a not in required:
-                raise ValueError(f"{a} at row {t} is not an action of this schedule (S={S}, m={m}, "
-                                 f"training={training}, recompute={schedule.recompute})")
+                raise ScheduleError(f"{a} at row {t} is not an action of this schedule (S={S}, m={m}, "
+                                    f"training={training}, recompute={schedule.recompute})")
             if a in done:
-                raise ValueError(f"{a} appears twice (rows {done[a]} and {t})")
+                raise ScheduleError(f"{a} appears twice (rows {done[a]} and {t})")
             stream = _stream(a, schedule.stage_streams)
             if stream != k:
-                raise ValueError(f"{a} is on stream {k}; its stage runs on stream {stream}")
+                raise ScheduleError(f"{a} is on stream {k}; its stage runs on stream {stream}")
             for d in _dependencies(a, S, m, training, schedule.recompute):  # all required
                 if done.get(d, t) >= t:
-                    raise ValueError(f"{a} at row {t} runs before {d}, which it needs")
+                    raise ScheduleError(f"{a} at row {t} runs before {d}, which it needs")
             done[a] = t
     missing = sorted(str(a) for a in required - set(done))
     if missing:
-        raise ValueError(f"actions never scheduled: {', '.join(missing)}")
+        raise ScheduleError(f"actions never scheduled: {', '.join(missing)}")
 
 
 # -- building blocks shared by every builder ------------------------------------------------

@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 from .enums import PipelineSchedule
+from .errors import ScheduleError
 from .schedule import Action, Kind, Schedule, _dependencies, _stream, validate
 
 
@@ -109,8 +110,8 @@ def _list_schedule(orders: list, S: int, m: int, training: bool) -> list:
                  if pos[s] < len(o) and all(d in done for d in needs[s])]
         if not ready:
             waiting = ", ".join(str(o[p]) for p, o in zip(pos, orders) if p < len(o))
-            raise ValueError(f"the stage orders deadlock at row {len(rows)}: {waiting} each "
-                             f"wait for an action that is not done")
+            raise ScheduleError(f"the stage orders deadlock at row {len(rows)}: {waiting} each "
+                                f"wait for an action that is not done")
         rows.append([orders[s][pos[s]] for s in ready])
         done.update(rows[-1])
         for s in ready:
@@ -296,9 +297,9 @@ def build(kind: PipelineSchedule, S: int, m: int, training: bool,
     streams = tuple(range(S)) if stage_streams is None else tuple(stage_streams)
     rec = () if recompute is None else tuple(recompute)
     if S < 1 or m < 1 or len(streams) != S or len(rec) not in (0, S):
-        raise ValueError(f"a schedule needs S >= 1 stages, m >= 1 micro-batches and one stream "
-                         f"(and optionally one recompute flag) per stage; got S={S}, m={m}, "
-                         f"stage_streams={streams}, recompute={rec}")
+        raise ScheduleError(f"a schedule needs S >= 1 stages, m >= 1 micro-batches and one stream "
+                            f"(and optionally one recompute flag) per stage; got S={S}, m={m}, "
+                            f"stage_streams={streams}, recompute={rec}")
     schedule = _BUILDERS[kind](S, m, training, streams, rec)
     validate(schedule)
     return schedule

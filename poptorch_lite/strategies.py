@@ -100,7 +100,8 @@ class Stage:
         """
         if not isinstance(enabled, bool):
             raise errors.OptionsError(
-                f"Stage{tuple(self._blocks)!r}.recompute() needs a bool, got {enabled!r}")
+                f"Stage{tuple(self._blocks)!r}.recompute() needs a bool, got {enabled!r}; "
+                f"call .recompute(True) or .recompute(False)")
         self._recompute = enabled
         return self
 
@@ -176,6 +177,8 @@ class Phase:
                 f"Phase contains {len(self.stages)} stages but you provided "
                 f"{len(ipus)} ipus {ipus}; pass exactly one IPU per stage, "
                 f"e.g. .ipus({', '.join(str(i) for i in range(len(self.stages)))})")
+        for stage, ipu in zip(self.stages, ipus):
+            Stage(*stage.blocks).ipu(ipu)  # check every id before any stage changes
         for stage, ipu in zip(self.stages, ipus):
             stage.ipu(ipu)
         return self

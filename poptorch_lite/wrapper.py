@@ -249,7 +249,8 @@ class PoplarExecutor:
         (a loaded state dict), as in PopTorch.
         """
         if not self._training:
-            raise WrapError("setOptimizer() needs a model wrapped with trainingModel")
+            raise WrapError("setOptimizer() needs a model wrapped with trainingModel; this one was "
+                            "wrapped with inferenceModel, which has no optimizer")
         poptorch_optim.check_optimizer(optimizer)
         if optimizer is self._optimizer:
             return
@@ -272,7 +273,8 @@ class PoplarExecutor:
         """Attach again after ``detachFromDevice()`` (a call attaches automatically)."""
         self._require_compiled()
         if self._attached:
-            raise DeviceError("Device is already attached")
+            raise DeviceError("Device is already attached: call detachFromDevice() before "
+                              "attachToDevice()")
         self._attach()
 
     def isAttachedToDevice(self) -> bool:

@@ -1,0 +1,546 @@
+"""docs/ERRORS.md, row by row: every documented refusal, failure and warning is triggered here.
+
+The tables are parsed out of the document (id, class, message); ``TRIGGERS`` maps each id
+to a function that provokes it. A documented message becomes a regex: ``<placeholder>``
+matches anything, the rest is literal. Where the contract is "refused before any state
+changes", the trigger checks the options object or the model's weights afterwards.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import copy
+import pathlib
+import re
+import time
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import poptorch_lite as poptorch
+from poptorch_lite import errors, optim
+from poptorch_lite.schedule import Action, Schedule, build, validate
+from poptorch_lite.timeline import Span, Timeline
+
+DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "ERRORS.md"
+P = poptorch.PipelineSchedule
+
+
+# -- the document --------------------------------------------------------------------------
+
+
+def _cells(line: str) -> list:
+    return [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+
+
+def doc_rows() -> dict:
+    """``{id: (class name, message)}`` for every table row whose id is E-... or W-...."""
+    rows = {}
+    for line in DOC.read_text(encoding="utf-8").splitlines():
+        if re.match(r"\|\s*[EW]-[A-Z]+-\d+\s*\|", line):
+            cells = _cells(line)
+            assert cells[0] not in rows, f"{cells[0]} appears twice in {DOC.name}"
+            message = re.fullmatch(r"`(.*?)`.*", cells[3])
+            assert message, f"{cells[0]}: the message column must start with `text`"
+            rows[cells[0]] = (cells[1], message.group(1))
+    return rows
+
+
+def pattern(message: str) -> str:
+    """The documented text as a regex: ``<placeholder>`` matches anything."""
+    return ".*?".join(re.escape(part) for part in re.split(r"<[^<>]*>", message))
+
+
+def documented_class(name: str) -> type:
+    return getattr(errors, name, None) or getattr(builtins, name)
+
+
+ROWS = doc_rows()
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def options_unchanged(o: poptorch.Options):
+    """The refusal must leave ``o`` exactly as it was (values and frozen state)."""
+    before, frozen = repr(o.toDict()), o.is_frozen
+    try:
+        yield o
+    finally:
+        assert repr(o.toDict()) == before and o.is_frozen == frozen, "the options changed"
+
+
+def refuse(setter):
+    """Call ``setter(Options())`` and check the options are unchanged after it raises."""
+    o = poptorch.Options()
+    with options_unchanged(o):
+        setter(o)
+
+
+@contextlib.contextmanager
+def weights_unchanged(model: torch.nn.Module):
+    before = copy.deepcopy(model.state_dict())
+    rng = torch.get_rng_state()
+    try:
+        yield
+    finally:
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, before[k]), f"{k} changed"
+        assert torch.equal(torch.get_rng_state(), rng), "the CPU RNG state changed"
+
+
+class Two(torch.nn.Module):
+    """Two Linear layers in blocks ``ids`` on IPUs ``ipus``; ``tail`` says what follows."""
+
+    def __init__(self, ids=("a", "b"), ipus=(0, 1), tail="mse", bn=False):
+        super().__init__()
+        self.l1, self.l2 = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.bn = torch.nn.BatchNorm1d(4) if bn else None
+        self.ids, self.ipus, self.tail = ids, ipus, tail
+
+    def forward(self, x, y):
+        with poptorch.Block(self.ids[0], ipu_id=self.ipus[0]):
+            h = self.l1(x)
+            if self.tail == "trace":
+                h = h @ torch.ones(3, 3)
+        if self.tail == "outside":
+            return F.mse_loss(self.l2(h), y)  # after the Block scope closed
+        with poptorch.Block(self.ids[1], ipu_id=self.ipus[1]):
+            out = self.l2(h if self.bn is None else self.bn(h))
+            if self.tail == "none":
+                return out
+            if self.tail == "two":
+                return F.mse_loss(out, y), F.l1_loss(out, y)
+            return out, F.mse_loss(out, y)
+
+
+def opts(strategy=None, G=1, D=1, R=1):
+    o = poptorch.Options().deviceIterations(D).replicationFactor(R)
+    o.Training.gradientAccumulation(G)
+    return o.setExecutionStrategy(strategy or poptorch.ShardedExecution())
+
+
+def first_call(model, o, rows=None, training=True):
+    """Wrap and call once; the refusal must leave weights (and RNG) untouched."""
+    n = rows or poptorch.combined_batch_size(o, 2)
+    x, y = torch.randn(n, 4), torch.randn(n, 4)
+    with weights_unchanged(model):
+        wrapped = (poptorch.trainingModel(model, o, optim.SGD(model.parameters(), lr=0.1))
+                   if training else poptorch.inferenceModel(model, o))
+        wrapped(x, y)
+
+
+def call_with(*inputs):
+    model = Two()
+    wrapped = poptorch.trainingModel(model, opts(), optim.SGD(model.parameters(), lr=0.1))
+    with weights_unchanged(model):
+        wrapped(*inputs)
+
+
+def ds(n=20):
+    return torch.utils.data.TensorDataset(torch.arange(float(n)).reshape(n, 1))
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(torch.arange(8.0))
+
+
+def loader_refuses(o=None, dataset=None, **kwargs):
+    """A refused DataLoader leaves its options unfrozen and unchanged."""
+    o = o or poptorch.Options()
+    with options_unchanged(o):
+        poptorch.DataLoader(o, ds() if dataset is None else dataset, **kwargs)
+
+
+def two_processes():
+    o = poptorch.Options()
+    o.Distributed.configureProcessId(0, 2)
+    return o
+
+
+def config_line(tmp_path, line):
+    path = tmp_path / "bad.conf"
+    path.write_text(line + "\n")
+    poptorch.Options().loadFromFile(path)
+
+
+def params():
+    return [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))]
+
+
+def train_with(optimizer_of):
+    model = Two()
+    o = opts()
+    with options_unchanged(o), weights_unchanged(model):
+        poptorch.trainingModel(model, o, optimizer_of(model))
+
+
+class Failing(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        if i == 5:
+            raise KeyError("bad item")
+        return torch.tensor([float(i)])
+
+
+def failing_epoch():
+    loader = poptorch.DataLoader(poptorch.Options(), Failing(), batch_size=2,
+                                 mode=poptorch.DataLoaderMode.Async)
+    try:
+        list(loader)
+    finally:
+        loader.terminate()
+
+
+def terminated():
+    accessor = poptorch.AsynchronousDataAccessor([1, 2, 3])
+    accessor.terminate()
+    list(accessor)
+
+
+def compiled_model():
+    model = Two()
+    wrapped = poptorch.trainingModel(model, opts(), optim.SGD(model.parameters(), lr=0.1))
+    wrapped(torch.randn(2, 4), torch.randn(2, 4))
+    return wrapped
+
+
+def action_fails():
+    model = Two(tail="mse")
+    wrapped = poptorch.trainingModel(model, opts(G=2), optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(4, 4)
+    wrapped(x, torch.randn(4, 4))  # compiles
+    model.l2.weight.data = torch.randn(4, 5)  # the next forward of stage 1 fails
+    wrapped(x, torch.randn(4, 4))
+
+
+STALL = {"seconds": 0.0}
+
+
+@torch.library.custom_op("poptorch_lite_catalogue::stall", mutates_args=())
+def stall(x: torch.Tensor) -> torch.Tensor:
+    """Sleeps ``STALL["seconds"]`` while the action runs (a stuck op for the watchdog)."""
+    time.sleep(STALL["seconds"])
+    return x.clone()
+
+
+@stall.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class Stalling(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        with poptorch.Block("a", ipu_id=0):
+            h = self.l1(x)
+        with poptorch.Block("b", ipu_id=1):
+            return self.l2(stall(h))
+
+
+def watchdog_fires():
+    wrapped = poptorch.inferenceModel(Stalling(), opts().watchdogTimeout(0.2))
+    x = torch.randn(2, 4)
+    wrapped(x)
+    STALL["seconds"] = 0.6
+    try:
+        wrapped(x)
+    finally:
+        STALL["seconds"] = 0.0
+        wrapped.destroy()
+
+
+def one_span(**kw):
+    return Span(**(dict(stream=0, stage=0, microbatch=0, kind="F", start=0.0, end=1.0) | kw))
+
+
+GOOD = build(P.Sequential, 1, 1, True)
+
+
+def grid(rows, **kw):
+    fields = dict(name="bad", num_stages=1, num_microbatches=1, training=True,
+                  stage_streams=(0,), rows=rows) | kw
+    validate(Schedule(**fields))
+
+
+def a(text):
+    return Action.parse(text)
+
+
+# -- the triggers --------------------------------------------------------------------------
+
+T = {
+    # options
+    "E-OPT-01": lambda: refuse(lambda o: o.deviceIterations(0)),
+    "E-OPT-02": lambda: refuse(lambda o: o.broadcastBuffers(1)),
+    "E-OPT-03": lambda: refuse(lambda o: o.outputMode("bogus")),
+    "E-OPT-04": lambda: refuse(lambda o: setattr(o, "foo", 1)),
+    "E-OPT-05": lambda: refuse(lambda o: o.deviceIteration(2)),
+    "E-OPT-06": lambda: (lambda o: (poptorch.inferenceModel(Two(), o),
+                                    o.deviceIterations(2)))(poptorch.Options()),
+    "E-OPT-07": lambda: refuse(lambda o: o.inputReplicaGrouping(2, poptorch.CommGroupType.All)),
+    "E-OPT-08": lambda: poptorch.combined_batch_size(
+        poptorch.Options().replicationFactor(2).inputReplicaGrouping(3), 1),
+    "E-OPT-09": lambda: refuse(lambda o: o.randomSeed(-1)),
+    "E-OPT-10": lambda: refuse(lambda o: o.setExecutionStrategy("pipelined")),
+    "E-OPT-11": lambda: refuse(lambda o: o.watchdogTimeout(-1)),
+    "E-OPT-12": lambda: refuse(lambda o: o.set_ipu_devices([])),
+    "E-OPT-13": lambda: refuse(lambda o: o.set_ipu_devices({-1: "cpu"})),
+    "E-OPT-14": lambda: refuse(lambda o: o.set_ipu_devices({0: 3.5})),
+    "E-OPT-15": lambda: refuse(lambda o: o.Training.accumulationAndReplicationReductionType(
+        poptorch.ReductionType.NoReduction)),
+    "E-OPT-16": lambda: refuse(lambda o: o.Distributed.configureProcessId(2, 2)),
+    "E-OPT-17": lambda: refuse(lambda o: o.Distributed.setEnvVarNames("PATH", "HOME")),
+    "E-OPT-18": lambda: refuse(lambda o: o.useIpuId(-1)),
+    "E-OPT-19": lambda: refuse(lambda o: o.setAvailableMemoryProportion(0.5)),
+    "E-OPT-20": lambda: refuse(lambda o: o.setAvailableMemoryProportion({"GPU0": 0.5})),
+    "E-OPT-21": lambda: refuse(lambda o: o.setAvailableMemoryProportion({"IPU0": "half"})),
+    "E-OPT-22": lambda: refuse(lambda o: o.Precision.setPartialsType(torch.int32)),
+    "E-OPT-23": lambda: refuse(lambda o: o.Jit.traceModel(True)),
+    "E-OPT-24": lambda: refuse(lambda o: o._Popart.set(3, 1)),
+    "E-OPT-25": lambda: refuse(lambda o: o._Popart.set("autoRecomputation", -1)),
+    "E-OPT-26": lambda: refuse(lambda o: o._Popart.setEngineOptions(["x"])),
+    "E-OPT-27": lambda: refuse(lambda o: o._Popart.setPatterns({"X": True}, "2")),
+    "E-OPT-28": lambda: poptorch.TensorLocationSettings().minElementsForOffChip(-1),
+    "E-OPT-29": lambda: refuse(lambda o: o.TensorLocations.numIOTiles(33)),
+    "E-OPT-30": lambda: refuse(lambda o: o.TensorLocations.setWeightLocation({"x": 1})),
+    # options files and JSON
+    "E-CFG-01": lambda tmp_path: poptorch.Options().loadFromFile(tmp_path / "missing.conf"),
+    "E-CFG-02": lambda tmp_path: config_line(tmp_path, "deviceIterations(4"),
+    "E-CFG-03": lambda tmp_path: config_line(tmp_path, "deviceIterations"),
+    "E-CFG-04": lambda tmp_path: config_line(tmp_path, "__import__('os').system('true')"),
+    "E-CFG-05": lambda tmp_path: config_line(tmp_path, "Nope.deviceIterations(2)"),
+    "E-CFG-06": lambda tmp_path: config_line(tmp_path, "nope(2)"),
+    "E-CFG-07": lambda tmp_path: config_line(tmp_path, "deviceIterations(*[2])"),
+    "E-CFG-08": lambda tmp_path: config_line(tmp_path, "setAvailableMemoryProportion({**{}})"),
+    "E-CFG-09": lambda tmp_path: config_line(tmp_path, "deviceIterations(1 + 1)"),
+    "E-CFG-10": lambda tmp_path: config_line(tmp_path, "outputMode(os.sep)"),
+    "E-CFG-11": lambda tmp_path: config_line(tmp_path, "outputMode(poptorch.OutputMode.Nope)"),
+    "E-CFG-12": lambda tmp_path: config_line(tmp_path, "outputMode((1).real)"),
+    "E-CFG-13": lambda tmp_path: config_line(tmp_path, "outputMode(poptorch.OutputMode())"),
+    "E-CFG-14": lambda tmp_path: config_line(
+        tmp_path, "setExecutionStrategy(poptorch.ShardedExecution(poptorch.Stage('A').nope()))"),
+    "E-CFG-15": lambda tmp_path: config_line(tmp_path, "deviceIterations(0)"),
+    "E-CFG-16": lambda: refuse(lambda o: o.from_json("{nope")),
+    "E-CFG-17": lambda: refuse(lambda o: o.from_json("[1]")),
+    "E-CFG-18": lambda: refuse(lambda o: o.from_json('{"Nope.x": 1}')),
+    # annotations and front ends
+    "E-BLK-01": lambda: poptorch.BeginBlock(torch.nn.Linear(2, 2), 3),
+    "E-BLK-02": lambda: poptorch.BeginBlock(torch.nn.Linear(2, 2), "a", ipu_id=-1),
+    "E-BLK-03": lambda: poptorch.BeginBlock(poptorch.BeginBlock(torch.nn.Linear(2, 2), "a"), "b"),
+    "E-BLK-04": lambda: poptorch.BeginBlock(3, "a"),
+    "E-BLK-05": lambda: poptorch.recomputationCheckpoint(1.0),
+    "E-BLK-06": lambda: poptorch.set_pipeline_stage_assignment(torch.nn.Linear(2, 2), [0]),
+    "E-BLK-07": lambda: poptorch.set_pipeline_stage_assignment(
+        torch.nn.Sequential(torch.nn.ReLU(), torch.nn.ReLU()), [0]),
+    "E-BLK-08": lambda: poptorch.set_pipeline_stage_assignment(
+        torch.nn.Sequential(torch.nn.ReLU(), torch.nn.ReLU()), [0, -1]),
+    "E-BLK-09": lambda: poptorch.set_pipeline_stage_assignment(
+        torch.nn.Sequential(torch.nn.ReLU(), torch.nn.ReLU()), [1, 0]),
+    "E-BLK-10": lambda: poptorch.split_at(torch.nn.Sequential(torch.nn.ReLU()), ["ghost"]),
+    "E-BLK-11": lambda: poptorch.split_at(
+        torch.nn.Sequential(torch.nn.ReLU(), torch.nn.ReLU()), ["1", "1"]),
+    # execution strategies
+    "E-STR-01": lambda: poptorch.Stage(),
+    "E-STR-02": lambda: poptorch.Stage("a", 1),
+    "E-STR-03": lambda: poptorch.Stage("a").ipu(-1),
+    "E-STR-04": lambda: poptorch.Stage("a").recompute(1),
+    "E-STR-05": lambda: poptorch.ShardedExecution(3),
+    "E-STR-06": lambda: poptorch.Phase("a", poptorch.Stage("b")),
+    "E-STR-07": lambda: (lambda ph: [ph.ipus(0), None][1])(
+        poptorch.Phase(poptorch.Stage("a"), poptorch.Stage("b"))),
+    "E-STR-08": lambda: poptorch.ShardedExecution("a", "a"),
+    "E-STR-09": lambda: poptorch.PipelinedExecution().stage("a"),
+    "E-STR-10": lambda: poptorch.ShardedExecution("a").stage("b"),
+    "E-STR-11": lambda: poptorch.PipelinedExecution(poptorch.AutoStage.AutoIncrement, "b"),
+    "E-STR-12": lambda: poptorch.SerialPhasedExecution(3),
+    "E-STR-13": lambda: poptorch.SerialPhasedExecution(),
+    "E-STR-14": lambda: poptorch.SerialPhasedExecution(["a"]).phase(1),
+    "E-STR-15": lambda: poptorch.SerialPhasedExecution(["a"]).useSeparateBackwardPhase(1),
+    "E-STR-16": lambda: poptorch.SerialPhasedExecution(["a"]).setTensorsLiveness(1),
+    "E-STR-17": lambda: poptorch.ParallelPhasedExecution(["a"]).sendTensorsOffChipAfterFwd(1),
+    "E-STR-18": lambda: first_call(Two(ipus=(0, 0)), opts(poptorch.ParallelPhasedExecution(
+        ["a"], ["b"]))),
+    "E-STR-19": lambda: poptorch.PipelinedExecution("a", schedule="zigzag"),
+    # first call
+    "E-PART-01": lambda: first_call(Two(), opts(poptorch.ShardedExecution("a", "b", "ghost"))),
+    "E-PART-02": lambda: first_call(Two(), opts(poptorch.ShardedExecution("a"))),
+    "E-PART-03": lambda: first_call(Two(ipus=(None, None)), opts(poptorch.PipelinedExecution(
+        poptorch.AutoStage.SameAsIpu), G=3)),
+    "E-PART-04": lambda: first_call(Two(ids=("a", "a")), opts()),
+    "E-PART-05": lambda: first_call(Two(tail="outside"), opts()),
+    "E-PART-06": lambda: first_call(Two(ipus=(1, 0)), opts(poptorch.PipelinedExecution(), G=3)),
+    "E-PART-07": lambda: first_call(Two(tail="none"), opts()),
+    "E-PART-08": lambda: first_call(Two(tail="two"), opts()),
+    "E-PART-09": lambda: first_call(Two(tail="trace"), opts()),
+    "E-PART-10": lambda: first_call(Two(bn=True), opts(R=2)),
+    # pipelining
+    "E-PIPE-01": lambda: first_call(Two(), opts(poptorch.PipelinedExecution(), G=2)),
+    "E-PIPE-02": lambda: first_call(Two(tail="none"), opts(poptorch.PipelinedExecution()),
+                                    training=False),
+    # wrapping and calling
+    "E-WRAP-01": lambda: poptorch.trainingModel(Two(), {"deviceIterations": 2}),
+    "E-WRAP-02": lambda: (lambda m: (poptorch.trainingModel(m), poptorch.trainingModel(m)))(Two()),
+    "E-WRAP-03": lambda: (lambda o: [poptorch.inferenceModel(Two(), o)])(opts(G=2)),
+    "E-WRAP-04": lambda: poptorch.inferenceModel(Two()).to("cpu"),
+    "E-WRAP-05": lambda: poptorch.inferenceModel(Two()).setOptimizer(
+        optim.SGD(Two().parameters(), lr=0.1)),
+    "E-WRAP-06": lambda: poptorch.inferenceModel(
+        Two(tail="none"), opts().connectionType(poptorch.ConnectionType.Never))(
+        torch.randn(2, 4), torch.randn(2, 4)),
+    "E-WRAP-07": lambda: poptorch.inferenceModel(Two()).runStatistics(),
+    "E-WRAP-08": lambda: poptorch.inferenceModel(Two()).detachFromDevice(),
+    "E-WRAP-09": lambda: compiled_model().attachToDevice(),
+    "E-WRAP-10": lambda: poptorch.inferenceModel(Two()).attachToDevice(),
+    # batch sizes and inputs
+    "E-BAT-01": lambda: first_call(Two(), opts(G=2), rows=3),
+    "E-BAT-02": lambda: poptorch.combined_batch_size(poptorch.Options(), 0),
+    "E-BAT-03": lambda: call_with(np.zeros((2, 4), np.float32), torch.randn(2, 4)),
+    "E-BAT-04": lambda: call_with(torch.randn(2, 4), object()),
+    "E-BAT-05": lambda: call_with(torch.randn(2, 4), [0.0, 1.0]),
+    # optimizers
+    "E-OPTIM-01": lambda: optim.SGD(params(), lr=0.1).variable_attrs.isConstant("nope"),
+    "E-OPTIM-02": lambda: optim.SGD(params(), lr=-1),
+    "E-OPTIM-03": lambda: train_with(lambda m: torch.optim.Adagrad(m.parameters())),
+    "E-OPTIM-04": lambda: train_with(lambda m: torch.optim.RMSprop(
+        [{"params": m.l1.parameters(), "centered": True}, {"params": m.l2.parameters()}])),
+    "E-OPTIM-05": lambda: optim.copy_hyperparameters(optim.SGD(params(), lr=0.1),
+                                                     optim.Adam(params())),
+    "E-OPTIM-06": lambda: (lambda p: optim.copy_hyperparameters(
+        optim.SGD(p, lr=0.1), optim.SGD([{"params": p[:1]}, {"params": p[1:]}], lr=0.1)))(params()),
+    "E-OPTIM-07": lambda: optim.SGD(params(), lr=0.1, loss_scaling=0),
+    "E-OPTIM-08": lambda: optim.SGD(params(), lr=0.1, accum_type=torch.int32),
+    "E-OPTIM-09": lambda: optim.SGD(params(), lr=0.1, use_combined_accum=1),
+    "E-OPTIM-10": lambda: optim.RMSprop(params()).max_grad_norm,
+    "E-OPTIM-11": lambda: (lambda p: optim.SGD(
+        [{"params": p[:1], "loss_scaling": 2.0}, {"params": p[1:]}], lr=0.1))(params()),
+    "E-OPTIM-12": lambda: optim.Adam(params(), amsgrad=True),
+    # DataLoader and AsynchronousDataAccessor
+    "E-DL-01": lambda: poptorch.DataLoader(ds(), ds()),
+    "E-DL-02": lambda: loader_refuses(batch_size=2, batch_sampler=[[0, 1]]),
+    "E-DL-03": lambda: loader_refuses(two_processes(), batch_sampler=[[0, 1]]),
+    "E-DL-04": lambda: loader_refuses(batch_size=0),
+    "E-DL-05": lambda: loader_refuses(two_processes(), Stream()),
+    "E-DL-06": lambda: loader_refuses(batch_size=32),
+    "E-DL-07": lambda: loader_refuses(two_processes(), shuffle=True),
+    "E-DL-08": lambda: loader_refuses(two_processes(),
+                                      sampler=torch.utils.data.SequentialSampler(range(20))),
+    "E-DL-09": lambda: loader_refuses(two_processes(), batch_size=None),
+    "E-DL-10": lambda: loader_refuses(rebatched_worker_size=1),
+    "E-DL-11": lambda: loader_refuses(mode="bogus"),
+    "E-DL-12": lambda: loader_refuses(mode=poptorch.DataLoaderMode.Async,
+                                      async_options={"nope": 1}),
+    "E-DL-13": lambda: list(poptorch.AsynchronousDataAccessor(["ab", "cd"], rebatched_size=2)),
+    "E-DL-14": lambda: poptorch.AsynchronousDataAccessor(poptorch.DataLoader(
+        poptorch.Options(), ds(), mode=poptorch.DataLoaderMode.Async)),
+    "E-DL-15": lambda: poptorch.AsynchronousDataAccessor([1], buffer_size=0),
+    "E-DL-16": failing_epoch,
+    "E-DL-17": terminated,
+    # ops
+    "E-OPS-01": lambda: poptorch.identity_loss(3.0, "mean"),
+    "E-OPS-02": lambda: poptorch.identity_loss(torch.ones(2), "max"),
+    "E-OPS-03": lambda: poptorch.ipu_print_tensor([1.0]),
+    "E-OPS-04": lambda: poptorch.setLogLevel("LOUD"),
+    # schedules and timelines
+    "E-SCH-01": lambda: Action.parse("1X0"),
+    "E-SCH-02": lambda: build(P.Grouped, 0, 2, True),
+    "E-SCH-03": lambda: grid(GOOD.rows, recompute=(True, False)),
+    "E-SCH-04": lambda: grid(((a("0F0"), None),) + GOOD.rows[1:]),
+    "E-SCH-05": lambda: grid(GOOD.rows + ((a("0F1"),),)),
+    "E-SCH-06": lambda: grid(GOOD.rows[:1] + GOOD.rows),
+    "E-SCH-07": lambda: grid(((None, a("0F0")), (a("1F0"), None)), num_stages=2, training=False,
+                             stage_streams=(0, 1)),
+    "E-SCH-08": lambda: grid(GOOD.rows[1:2] + GOOD.rows[:1] + GOOD.rows[2:]),
+    "E-SCH-09": lambda: grid(GOOD.rows[:-1]),
+    "E-TL-01": lambda: one_span(kind="X"),
+    "E-TL-02": lambda: one_span(start=2.0, end=1.0),
+    "E-TL-03": lambda: Timeline([one_span(stream=2)], ["s0", "s1"], "x"),
+    "E-TL-04": lambda: Timeline.concat([]),
+    "E-TL-05": lambda: Timeline.concat([Timeline([], ["s0"], "x"), Timeline([], ["s0"], "y")]),
+    "E-TL-06": lambda: Timeline([one_span()], ["s0"], "x").render(width=0),
+    "E-TL-07": lambda: Timeline.from_chrome_trace({"traceEvents": [
+        {"ph": "X", "pid": 0, "tid": 0, "name": "conv", "cat": "kernel", "ts": 0, "dur": 1}]}),
+    # runtime failures
+    "E-RUN-01": action_fails,
+    "E-RUN-02": watchdog_fires,
+    # warnings
+    "W-IPU-01": lambda: poptorch.Options().Precision.enableStochasticRounding(True),
+    "W-IPU-02": lambda: poptorch.SerialPhasedExecution(["a"]).useSeparateBackwardPhase(),
+    "W-IPU-03": lambda: poptorch.set_available_memory(torch.ones(1), 0.5),
+    "W-IPU-04": lambda: poptorch.serializedMatMul(torch.ones(2, 2), torch.ones(2, 2)),
+    "W-IPU-05": lambda: poptorch.set_overlap_for_input(torch.ones(1)),
+    "W-IPU-06": lambda: poptorch.set_overlap_for_output(torch.ones(1)),
+    "W-IPU-07": lambda: poptorch.ipu_print_tensor(torch.ones(1, requires_grad=True),
+                                                  print_gradient=True),
+    "W-IPU-08": lambda: poptorch.AsynchronousDataAccessor([1], sharing_strategy="x").terminate(),
+    "W-IPU-09": lambda: optim.Adam(params(), first_order_momentum_accum_type=torch.float16),
+    "W-LITE-01": lambda: poptorch.inferenceModel(Two(tail="none"), opts())(
+        torch.randn(2, 4, requires_grad=True), torch.randn(2, 4)),
+    "W-LITE-02": lambda: poptorch.DataLoader(poptorch.Options(), Stream(), num_workers=2),
+    "W-LITE-03": lambda: poptorch.DataLoader(poptorch.Options(), ds(), batch_size=3,
+                                             drop_last=False),
+    "W-LITE-04": lambda: poptorch.Options().outputMode(poptorch.OutputMode.All, 2),
+    "W-LITE-05": lambda: optim.SGD(params(), lr=0.1, velocity_scaling=2.0),
+    "W-LITE-06": lambda: optim.check_optimizer(type("MySGD", (torch.optim.SGD,), {})(
+        params(), lr=0.1)),
+    "W-LITE-07": lambda: (lambda w: (w.compile(torch.randn(2, 4), torch.randn(2, 4)),
+                                     w.compile(torch.randn(2, 4), torch.randn(2, 4))))(
+        poptorch.inferenceModel(Two(tail="none"), opts())),
+}
+
+
+def _run(trigger, tmp_path):
+    return trigger(tmp_path) if trigger.__code__.co_argcount else trigger()
+
+
+def test_every_documented_id_has_a_trigger_and_every_trigger_a_row():
+    assert set(ROWS) == set(T), (sorted(set(ROWS) - set(T)), sorted(set(T) - set(ROWS)))
+    for row_id, (cls_name, message) in ROWS.items():  # a row must pin real text and a class
+        assert len(re.sub(r"<[^<>]*>", "", message)) >= 15, row_id
+        assert isinstance(documented_class(cls_name), type), row_id
+
+
+@pytest.mark.parametrize("row_id", sorted(i for i in ROWS if i.startswith("E-")))
+def test_refusal_is_raised_as_documented(row_id, tmp_path):
+    cls_name, message = ROWS[row_id]
+    cls = documented_class(cls_name)
+    with pytest.raises(cls) as info:
+        _run(T[row_id], tmp_path)
+    assert type(info.value) is cls, f"{row_id}: raised {type(info.value).__name__}"
+    assert re.search(pattern(message), str(info.value), re.DOTALL), \
+        f"{row_id}: documented\n  {message}\nbut got\n  {info.value}"
+    if cls_name != "ValueError":  # timeline's plain ValueErrors are documented as such
+        assert isinstance(info.value, poptorch.Error)
+
+
+@pytest.mark.parametrize("row_id", sorted(i for i in ROWS if i.startswith("W-")))
+def test_warning_is_issued_as_documented(row_id, tmp_path):
+    cls_name, message = ROWS[row_id]
+    cls = documented_class(cls_name)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _run(T[row_id], tmp_path)
+    ours = [w for w in caught if issubclass(w.category, poptorch.PoptorchLiteWarning)]
+    hits = [w for w in ours if w.category is cls and re.search(pattern(message), str(w.message))]
+    assert hits, f"{row_id}: documented {cls_name} `{message}`, got " \
+                 f"{[(w.category.__name__, str(w.message)) for w in ours]}"
+
+
+def test_a_runtime_failure_names_its_place_and_the_model_works_again():
+    with pytest.raises(poptorch.ExecutionError) as info:
+        action_fails()
+    text = str(info.value)
+    assert re.search(r"^action 1F\d \(forward\) failed on stream 1", text)
+    assert [line for line in text.splitlines() if line.startswith(">>")]
+    assert isinstance(info.value.__cause__, RuntimeError)
