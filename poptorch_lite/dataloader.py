@@ -319,17 +319,17 @@ class DataLoader(torch.utils.data.DataLoader):
             raise errors.DataLoaderError(
                 f"not a DataLoader position: {state!r} ({type(e).__name__}: {e}); pass what "
                 f"DataLoader.state_dict() returned") from None
-        total = len(self)
+        if batches and isinstance(self.dataset, torch.utils.data.IterableDataset):
+            raise errors.DataLoaderError(
+                f"an IterableDataset cannot skip to batch {batches} of epoch {epoch}; save "
+                f"checkpoints at epoch ends (or make the dataset resumable yourself)")
+        total = len(self) if batches else 0  # an IterableDataset may have no len()
         if not 0 <= batches <= total or (0 < batches < total and rng is None):
             raise errors.DataLoaderError(
                 f"the position {batches} of epoch {epoch} does not fit this loader of {total} "
                 f"batches per epoch; load a position saved from a loader of the same dataset, "
                 f"batch size and options")
-        if batches and isinstance(self.dataset, torch.utils.data.IterableDataset):
-            raise errors.DataLoaderError(
-                f"an IterableDataset cannot skip to batch {batches} of epoch {epoch}; save "
-                f"checkpoints at epoch ends (or make the dataset resumable yourself)")
-        self.set_epoch(epoch + 1 if batches == total else epoch)
+        self.set_epoch(epoch + 1 if 0 < batches == total else epoch)  # a finished epoch
         self._epoch, self._consumed, self._epoch_rng = epoch, batches, rng
         self._resume = (rng, batches) if 0 < batches < total else None
 

@@ -122,8 +122,8 @@ class Weights:
             with torch.no_grad():
                 for t, value in saved:
                     t.copy_(value)
-            for p, g in grads:
-                p.grad = g
+            for p, g in grads:  # (a grad whose parameter was given new data cannot return)
+                p.grad = g if g is None or g.shape == p.shape else None
             for key in set(self._param_copies) - param_keys:
                 del self._param_copies[key]
             for key in set(self._buffer_copies) - buffer_keys:

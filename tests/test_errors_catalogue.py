@@ -13,6 +13,8 @@ import contextlib
 import copy
 import pathlib
 import re
+import signal
+import threading
 import time
 import warnings
 
@@ -222,12 +224,88 @@ def action_fails():
     wrapped(x, torch.randn(4, 4))
 
 
-STALL = {"seconds": 0.0}
+def non_finite_loss():
+    model = Two(tail="mse")
+    wrapped = poptorch.trainingModel(model, opts(G=2), optim.SGD(model.parameters(), lr=0.1))
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    x[3, 0] = float("inf")
+    with weights_unchanged(model):
+        wrapped(x, y)
+
+
+class StallingTrained(torch.nn.Module):
+    """``Stalling`` with a loss: stage b's forward passes through the stall op."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        with poptorch.Block("a", ipu_id=0):
+            h = self.l1(x)
+        with poptorch.Block("b", ipu_id=1):
+            out = self.l2(stall(h))
+            return out, F.mse_loss(out, y)
+
+
+def interrupted():
+    model = StallingTrained()
+    wrapped = poptorch.trainingModel(model, opts(G=2), optim.SGD(model.parameters(), lr=0.1))
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    wrapped(x, y)
+    STALL["interrupt"] = True
+    try:
+        with weights_unchanged(model):
+            wrapped(x, y)
+    finally:
+        STALL["interrupt"] = False
+
+
+def saved(tmp_path, model=None, loader=None):
+    model = model or compiled_model()
+    path = tmp_path / "ckpt.pt"
+    poptorch.save_checkpoint(path, model, loader)
+    return model, path
+
+
+def refuse_checkpoint(tmp_path, edit=None, model=None, loader=None, save_loader=None):
+    """Save a checkpoint, ``edit`` it, then load it, checking nothing moved."""
+    model, path = saved(tmp_path, model or compiled_model(), save_loader)
+    if edit is not None:
+        state = torch.load(path, weights_only=True)
+        edit(state)
+        torch.save(state, path)
+    with weights_unchanged(model.model):
+        poptorch.load_checkpoint(path, model, loader)
+
+
+def other_model(tmp_path, **kwargs):
+    """A checkpoint of ``Two()`` loaded into a model built with ``kwargs``."""
+    _, path = saved(tmp_path)
+    model = Two(**kwargs)
+    wrapped = poptorch.trainingModel(model, opts(), optim.SGD(model.parameters(), lr=0.1))
+    with weights_unchanged(model):
+        poptorch.load_checkpoint(path, wrapped)
+
+
+def loader_position(state, mode=poptorch.DataLoaderMode.Sync, dataset=None):
+    loader = poptorch.DataLoader(poptorch.Options(), dataset or ds(8), batch_size=2, mode=mode)
+    try:
+        loader.load_state_dict(state)
+    finally:
+        loader.terminate()
+
+
+STALL = {"seconds": 0.0, "interrupt": False}
 
 
 @torch.library.custom_op("poptorch_lite_catalogue::stall", mutates_args=())
 def stall(x: torch.Tensor) -> torch.Tensor:
-    """Sleeps ``STALL["seconds"]`` while the action runs (a stuck op for the watchdog)."""
+    """Sleeps ``STALL["seconds"]`` while the action runs (a stuck op for the watchdog), or
+    sends the caller's thread a SIGINT (Ctrl-C) and waits for it to arrive."""
+    if STALL["interrupt"]:
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        time.sleep(0.3)
     time.sleep(STALL["seconds"])
     return x.clone()
 
@@ -235,6 +313,9 @@ def stall(x: torch.Tensor) -> torch.Tensor:
 @stall.register_fake
 def _(x):
     return torch.empty_like(x)
+
+
+stall.register_autograd(lambda ctx, grad: grad)
 
 
 class Stalling(torch.nn.Module):
@@ -315,6 +396,8 @@ T = {
     "E-OPT-28": lambda: poptorch.TensorLocationSettings().minElementsForOffChip(-1),
     "E-OPT-29": lambda: refuse(lambda o: o.TensorLocations.numIOTiles(33)),
     "E-OPT-30": lambda: refuse(lambda o: o.TensorLocations.setWeightLocation({"x": 1})),
+    "E-OPT-31": lambda: refuse(lambda o: o.Training.setAutomaticLossScaling(
+        True, growth_interval=0)),
     # options files and JSON
     "E-CFG-01": lambda tmp_path: poptorch.Options().loadFromFile(tmp_path / "missing.conf"),
     "E-CFG-02": lambda tmp_path: config_line(tmp_path, "deviceIterations(4"),
@@ -447,6 +530,11 @@ T = {
     "E-DL-15": lambda: poptorch.AsynchronousDataAccessor([1], buffer_size=0),
     "E-DL-16": failing_epoch,
     "E-DL-17": terminated,
+    "E-DL-18": lambda: loader_position({}, mode=poptorch.DataLoaderMode.Async),
+    "E-DL-19": lambda: loader_position({"epoch": "one"}),
+    "E-DL-20": lambda: loader_position({"epoch": 0, "batches": 7, "rng": None}),
+    "E-DL-21": lambda: loader_position({"epoch": 0, "batches": 1, "rng": torch.get_rng_state()},
+                                       dataset=Stream()),
     # ops
     "E-OPS-01": lambda: poptorch.identity_loss(3.0, "mean"),
     "E-OPS-02": lambda: poptorch.identity_loss(torch.ones(2), "max"),
@@ -474,6 +562,29 @@ T = {
     # runtime failures
     "E-RUN-01": action_fails,
     "E-RUN-02": watchdog_fires,
+    "E-RUN-03": non_finite_loss,
+    "E-RUN-04": interrupted,
+    # checkpoints
+    "E-CKP-01": lambda tmp_path: poptorch.save_checkpoint(
+        tmp_path / "x.pt", poptorch.inferenceModel(Two())),
+    "E-CKP-02": lambda tmp_path: poptorch.load_checkpoint(tmp_path / "none.pt", compiled_model()),
+    "E-CKP-03": lambda tmp_path: (tmp_path / "bad.pt").write_bytes(b"PK\x03\x04 cut") and
+    poptorch.load_checkpoint(tmp_path / "bad.pt", compiled_model()),
+    "E-CKP-04": lambda tmp_path: torch.save(Two().state_dict(), tmp_path / "w.pt") or
+    poptorch.load_checkpoint(tmp_path / "w.pt", compiled_model()),
+    "E-CKP-05": lambda tmp_path: refuse_checkpoint(tmp_path, lambda s: s.update(version=7)),
+    "E-CKP-06": lambda tmp_path: other_model(tmp_path, bn=True),
+    "E-CKP-07": lambda tmp_path: refuse_checkpoint(tmp_path, lambda s: s["model"].update(
+        {"l1.weight": torch.zeros(3, 3)})),
+    "E-CKP-08": lambda tmp_path: refuse_checkpoint(tmp_path, lambda s: s.update(
+        optimizer_class="Adam")),
+    "E-CKP-09": lambda tmp_path: refuse_checkpoint(tmp_path, lambda s: s["optimizer"][
+        "param_groups"][0].update(params=[0])),
+    "E-CKP-10": lambda tmp_path: refuse_checkpoint(tmp_path, loader=poptorch.DataLoader(
+        poptorch.Options(), ds(8), batch_size=2)),
+    "E-CKP-11": lambda tmp_path: refuse_checkpoint(
+        tmp_path, lambda s: s.update(dataloader={"epoch": 0, "batches": 9, "rng": None}),
+        loader=poptorch.DataLoader(poptorch.Options(), ds(8), batch_size=2)),
     # warnings
     "W-IPU-01": lambda: poptorch.Options().Precision.enableStochasticRounding(True),
     "W-IPU-02": lambda: poptorch.SerialPhasedExecution(["a"]).useSeparateBackwardPhase(),
@@ -518,9 +629,10 @@ def test_refusal_is_raised_as_documented(row_id, tmp_path):
     with pytest.raises(cls) as info:
         _run(T[row_id], tmp_path)
     assert type(info.value) is cls, f"{row_id}: raised {type(info.value).__name__}"
-    assert re.search(pattern(message), str(info.value), re.DOTALL), \
-        f"{row_id}: documented\n  {message}\nbut got\n  {info.value}"
-    if cls_name != "ValueError":  # timeline's plain ValueErrors are documented as such
+    text = "\n".join([str(info.value), *getattr(info.value, "__notes__", [])])
+    assert re.search(pattern(message), text, re.DOTALL), \
+        f"{row_id}: documented\n  {message}\nbut got\n  {text}"
+    if hasattr(errors, cls_name):  # builtins (timeline's ValueError, Ctrl-C) are documented
         assert isinstance(info.value, poptorch.Error)
 
 
