@@ -8,6 +8,7 @@ schedule -> executor -> wrapper (see the modules of the same names).
 from . import optim
 from .annotations import BeginBlock, Block, BlockFunction, recomputationCheckpoint, removeBlocks
 from .dataloader import AsynchronousDataAccessor, DataLoader
+from .distributed import is_main_process
 from .enums import (AnchorMode, AutoStage, CommGroupType, ConnectionType, DataLoaderMode,
                     HalfFloatCastingBehavior, MultiConvPlanType,
                     Liveness, MatMulSerializationMode, MeanReductionStrategy, OutputMode,
@@ -42,7 +43,7 @@ __all__ = [
     "ReductionType", "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage",
     "SyncPattern", "TensorLocationSettings", "TraceError", "UnrecoverableError", "WrapError",
     "combined_batch_size", "identity_loss", "inferenceModel", "ipuHardwareIsAvailable",
-    "ipuHardwareVersion", "ipu_print_tensor", "isRunningOnIpu", "nop", "optim",
+    "ipuHardwareVersion", "ipu_print_tensor", "isRunningOnIpu", "is_main_process", "nop", "optim",
     "print_pipeline_stage_assignment_summary", "recomputationCheckpoint", "removeBlocks",
     "serializedMatMul", "setLogLevel", "set_available_memory", "set_overlap_for_input",
     "set_overlap_for_output", "set_pipeline_stage_assignment", "split_at", "stage_summary",
