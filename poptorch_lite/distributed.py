@@ -184,9 +184,9 @@ class ProcessReplicas:
                     f"{'is' if len(missing) == 1 else 'are'} not set; launch with torchrun "
                     f"(torchrun --nproc_per_node {self.size} script.py) or set MASTER_ADDR and "
                     f"MASTER_PORT to process 0's address and a free port")
-            cuda = any(p.is_cuda for p in model.parameters())
-            if cuda and "LOCAL_RANK" in os.environ:
-                torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:  # this process's GPU
+                torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+            cuda = any(p.is_cuda for p in model.parameters())  # where the gradients meet
             try:
                 dist.init_process_group("nccl" if cuda else "gloo", init_method="env://",
                                         rank=self.rank, world_size=self.size,

@@ -9,6 +9,7 @@ agree to rounding (atol 1e-5, the house tolerance); the two processes agree
 with each other exactly (every rank receives the same reduced bytes).
 """
 
+import doctest
 import os
 import pathlib
 import re
@@ -197,3 +198,9 @@ def test_mnist_distributed_example_runs_under_torchrun():
     assert re.fullmatch(r"trained on 640 images in [0-9.]+ s \([0-9]+ images/s\)", lines[-2])
     assert re.fullmatch(r"Accuracy on test set: [0-9]+\.[0-9]{2}%", lines[-1])
     assert len(lines) == 3
+
+
+def test_distributed_docstring_examples_run():
+    from poptorch_lite import distributed
+    result = doctest.testmod(distributed, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted >= 4
