@@ -51,6 +51,7 @@ from .errors import ExecutionError, OptionsError
 TIMEOUT_ENV = "POPTORCH_LITE_DIST_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
+ALONE_BYTES = 1024 * 1024  # tensors this large are reduced in place, unflattened
 
 _owned_group = False  # whether poptorch_lite initialised the default group (and destroys it)
 
@@ -206,11 +207,9 @@ class ProcessReplicas:
         tensors = [t.data for t in (*model.parameters(), *model.buffers())]
         with torch.no_grad():
             for bucket in _buckets(tensors):
-                flat = _flatten_dense_tensors(bucket)
+                flat = _flat(bucket)
                 self._collective("broadcasting process 0's weights", dist.broadcast, flat, 0)
-                if self.rank != 0:
-                    for t, v in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                        t.copy_(v)
+                _unflat(flat, bucket)
         self._broadcast = True
 
     def all_reduce_grads(self, params: dict) -> None:
@@ -230,12 +229,11 @@ class ProcessReplicas:
                 if p.grad is None:  # unused here, used elsewhere: contributes zeros
                     p.grad = torch.zeros_like(p)
             for bucket in _buckets([p.grad for p in used]):
-                flat = _flatten_dense_tensors(bucket)
+                flat = _flat(bucket)
                 self._collective("the gradient all-reduce", dist.all_reduce, flat)
                 if self.mean:
                     flat.div_(self.size)
-                for g, v in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                    g.copy_(v)
+                _unflat(flat, bucket)
 
     # -- internals ------------------------------------------------------------------------
 
@@ -266,20 +264,44 @@ class ProcessReplicas:
             f"{TIMEOUT_ENV}=seconds)")
 
 
+def _flat(bucket: list) -> torch.Tensor:
+    """One tensor to communicate: a lone contiguous tensor itself, else a flat copy."""
+    if len(bucket) == 1 and bucket[0].is_contiguous():
+        return bucket[0]
+    return _flatten_dense_tensors(bucket)
+
+
+def _unflat(flat: torch.Tensor, bucket: list) -> None:
+    """Copy a communicated flat tensor back into its bucket (nothing to do if it is one)."""
+    if flat is not bucket[0]:
+        for t, v in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            t.copy_(v)
+
+
 def _buckets(tensors: list) -> list:
-    """Group tensors by (dtype, device) into lists of at most BUCKET_BYTES (one if larger).
+    """Group tensors by (dtype, device) into lists of at most BUCKET_BYTES.
+
+    A tensor of ALONE_BYTES or more is a bucket of its own: it is reduced in
+    place, without the two copies that flattening costs (measured in
+    docs/PERFORMANCE.md); buckets amortise the per-collective latency of the
+    small ones.
 
     Example:
-        >>> [len(b) for b in _buckets([torch.zeros(2), torch.zeros(2, dtype=torch.int64)])]
-        [1, 1]
+        >>> [len(b) for b in _buckets([torch.zeros(2), torch.zeros(2, dtype=torch.int64),
+        ...                            torch.zeros(3)])]
+        [2, 1]
     """
     out, open_ = [], {}
     for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if nbytes >= ALONE_BYTES:
+            out.append([t])
+            continue
         key = (t.dtype, t.device)
         bucket, size = open_.get(key, ([], 0))
-        if bucket and size + t.numel() * t.element_size() > BUCKET_BYTES:
+        if bucket and size + nbytes > BUCKET_BYTES:
             out.append(bucket)
             bucket, size = [], 0
         bucket.append(t)
-        open_[key] = (bucket, size + t.numel() * t.element_size())
+        open_[key] = (bucket, size + nbytes)
     return out + [b for b, _ in open_.values() if b]
