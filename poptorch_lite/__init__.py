@@ -9,6 +9,7 @@ from . import optim
 from .annotations import BeginBlock, Block, BlockFunction, recomputationCheckpoint, removeBlocks
 from .checkpoint import CheckpointInfo, load_checkpoint, save_checkpoint
 from .dataloader import AsynchronousDataAccessor, DataLoader
+from .distributed import is_main_process
 from .enums import (AnchorMode, AutoStage, CommGroupType, ConnectionType, DataLoaderMode,
                     HalfFloatCastingBehavior, MultiConvPlanType,
                     Liveness, MatMulSerializationMode, MeanReductionStrategy, OutputMode,
@@ -45,6 +46,7 @@ __all__ = [
     "TensorLocationSettings", "TraceError", "UnknownAttributeError", "UnrecoverableError",
     "WrapError", "combined_batch_size", "identity_loss", "inferenceModel",
     "ipuHardwareIsAvailable", "ipuHardwareVersion", "ipu_print_tensor", "isRunningOnIpu",
+    "is_main_process",
     "load_checkpoint", "nop", "optim", "print_pipeline_stage_assignment_summary",
     "recomputationCheckpoint", "removeBlocks", "save_checkpoint", "serializedMatMul",
     "setLogLevel", "set_available_memory", "set_overlap_for_input", "set_overlap_for_output",

@@ -14,7 +14,8 @@ accumulator of that dtype after each backward. The reduction of stage s
 and by ``StepArithmetic.divisor``: for ``ReductionType.Mean`` the number of
 micro-batches ``G·R``; for ``Sum`` 1. With ``inputReplicaGrouping(g)`` the g
 replicas of a group share one input, so each micro-batch run stands for g of
-them: Mean divides by ``G·R/g`` and Sum by ``1/g``. The update (``U``) clips
+them: Mean divides by ``G·R/g`` and Sum by ``1/g``. With P processes the
+update first all-reduces over them (Mean: /P; ``distributed``). It then clips
 to ``max_grad_norm`` if finite, then calls ``optimizer.step()``. After a
 training call, each parameter's ``.grad`` holds the gradient its last step
 used.
@@ -75,14 +76,17 @@ class Executor:
         weights: the tensors the stages compute with.
         recompute: per stage, whether it is recomputed ([Note: recomputation] in
             ``stage_work``).
+        processes: the replicas in other processes, whose gradients the step
+            all-reduces with this one's (None: one process; ``distributed``).
 
     Example:
         See ``wrapper.PoplarExecutor``, which builds one per traced input signature.
     """
 
     def __init__(self, partition: Partition, placement: Placement, weights: Weights,
-                 recompute: Optional[Sequence[bool]] = None):
+                 recompute: Optional[Sequence[bool]] = None, processes=None):
         self.partition = partition
+        self.processes = processes
         self.placement = placement
         self.weights = weights
         self.work = StageWork(partition, placement, weights, recompute)
@@ -201,6 +205,8 @@ class Executor:
     def _step(self, a: Action, run: Run, step: StepArithmetic) -> None:
         # [Note: gradient arithmetic] clip, then one optimizer update; [Note: loss scaling]
         # skips it when automatic loss scaling finds a non-finite gradient.
+        if self.processes is not None:  # [Note: replicas across processes] global gradient first
+            self.processes.all_reduce_grads(self.weights.params)
         params = [p for p in self.weights.params.values() if p.grad is not None]
         if step.loss_scale.automatic:
             finite = all(bool(torch.isfinite(p.grad).all()) for p in params)

@@ -140,9 +140,12 @@ class _TrainingOptions(OptionGroup):
 class _DistributedOptions(OptionGroup):
     """``Options.Distributed``: this process's rank among several instances.
 
+    [Note: process ids]
     At construction it reads ``OMPI_COMM_WORLD_SIZE`` / ``OMPI_COMM_WORLD_RANK``
-    as PopTorch does (``setEnvVarNames`` picks other variables, e.g. torchrun's
-    ``"WORLD_SIZE", "RANK"``).
+    as PopTorch does (mpirun, poprun) or, when those are unset, torchrun's
+    ``WORLD_SIZE`` / ``RANK``; ``setEnvVarNames`` picks other variables. With
+    more than one process a training model replicates across them
+    ([Note: replicas across processes] in ``distributed``).
 
     Example:
         >>> d = _DistributedOptions().configureProcessId(1, 4)
@@ -158,7 +161,10 @@ class _DistributedOptions(OptionGroup):
 
     def __init__(self):
         super().__init__(process_id=0, num_processes=1)
-        self.setEnvVarNames("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")
+        if "OMPI_COMM_WORLD_SIZE" not in os.environ and "WORLD_SIZE" in os.environ:
+            self.setEnvVarNames("WORLD_SIZE", "RANK")  # torchrun
+        else:
+            self.setEnvVarNames("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")
 
     @property
     def processId(self) -> int:

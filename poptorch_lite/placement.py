@@ -35,9 +35,14 @@ import torch
 
 
 def default_device(ipu: int) -> torch.device:
-    """IPU ``ipu``'s device when no mapping is given: CUDA round-robin, else CPU."""
+    """IPU ``ipu``'s device when no mapping is given: CUDA round-robin, else CPU.
+
+    The round starts at the current CUDA device (cuda:LOCAL_RANK in a process
+    that torchrun started; ``distributed``), so processes on one host use
+    different GPUs.
+    """
     if torch.cuda.is_available():
-        return torch.device("cuda", ipu % torch.cuda.device_count())
+        return torch.device("cuda", (torch.cuda.current_device() + ipu) % torch.cuda.device_count())
     return torch.device("cpu")
 
 

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 from torch.utils import _pytree as pytree
 
+from . import distributed
 from . import optim as poptorch_optim
 from .batch import MicroBatches, merge, resolve_output_mode, selected_microbatches
 from .enums import ConnectionType, ReductionType
@@ -118,6 +119,7 @@ class PoplarExecutor:
         self._loss_scale = LossScale(
             poptorch_optim.loss_scaling(optimizer), options.Training.automatic_loss_scaling,
             options.Training.loss_scaling_growth_interval) if training else None
+        self._processes = distributed.ProcessReplicas.for_options(options, training)
 
     # -- PopTorch's API -------------------------------------------------------------------
 
@@ -332,18 +334,21 @@ class PoplarExecutor:
         if key in self._programs:
             return self._programs[key]
         o = self._options
+        if self._processes is not None:  # first compile: join the group, compare options
+            self._processes.join(self._user_model, self._optimizer)
         a, kw = mbs.args_kwargs(0)
         part = partition(self._user_model, self._modes, a, kw, o.execution_strategy,
                          self._training)
         check_pipeline_minimums(part.num_stages, o.execution_strategy, self._training,
                                 o.Training.gradient_accumulation, o.device_iterations)
-        if self._replicas() > 1 and part.mutated_buffers and o.broadcast_buffers:
+        P = o.Distributed.num_processes if self._processes is not None else 1  # processes
+        if self._replicas() * P > 1 and part.mutated_buffers and o.broadcast_buffers:
             raise OptionsError(
                 f"PopTorch does not support broadcasting buffers: the model changes buffers "
                 f"{sorted(part.mutated_buffers)} and replicationFactor is "
-                f"{o.replication_factor}. If your model is able to tolerate buffers becoming out "
-                f"of sync between replicas, you can disable buffer broadcasting using "
-                f"poptorch.Options.broadcastBuffers(False)")
+                f"{o.replication_factor}{f' in each of {P} processes' if P > 1 else ''}. If "
+                f"your model is able to tolerate buffers becoming out of sync between replicas, you "
+                f"can disable buffer broadcasting using poptorch.Options.broadcastBuffers(False)")
         if self._weights is None:
             self._weights = Weights(self._user_model, self._replicas(),
                                     separate_buffers=not o.broadcast_buffers)
@@ -353,7 +358,8 @@ class PoplarExecutor:
                 self._placement.close()
             self._placement = Placement(sorted(ipus), o.ipu_devices)
         recompute = tuple(self._recomputed(st) for st in part.stages) if self._training else ()
-        program = _Program(part, Executor(part, self._placement, self._weights, recompute),
+        program = _Program(part, Executor(part, self._placement, self._weights, recompute,
+                                          self._processes),
                            o.execution_strategy.schedule, recompute)
         self._programs[key] = program
         self._compiled = True
@@ -370,6 +376,8 @@ class PoplarExecutor:
         return self._options.auto_recomputation >= 3  # PopART's RecomputationType.Pipeline
 
     def _attach(self) -> None:
+        if self._processes is not None:  # every process starts from process 0's weights
+            self._processes.broadcast_from_main(self._user_model)
         self._attached = True
         self._weights.to_device()
         self._remember_versions()

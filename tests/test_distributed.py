@@ -1,0 +1,206 @@
+"""Replication across processes: 2 processes on loopback with gloo against one plain run.
+
+The processes are started by the test with torchrun's variables (RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and run tests/_distributed_worker.py.
+Tolerance: the plain reference sums all G·R·P micro-batch gradients and divides
+once; the processes divide their own sums by G·R, add them in the all-reduce
+and divide by P. Both are fp32 sums of the same terms in another order, so they
+agree to rounding (atol 1e-5, the house tolerance); the two processes agree
+with each other exactly (every rank receives the same reduced bytes).
+"""
+
+import doctest
+import os
+import pathlib
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import poptorch_lite as poptorch
+
+from _distributed_worker import B, CALLS, CONFIGS, call_data, optimizer
+from models import BlockMLP
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "_distributed_worker.py"
+DATA = pathlib.Path(os.environ.get("MNIST_DATA", ROOT.parent / "shared" / "data"))
+P = 2
+ATOL = 1e-5
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(scenario, out, timeout=120):
+    """Run the worker in P processes; returns their CompletedProcess-like results."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "WORLD_SIZE": str(P), "POPTORCH_LITE_DIST_TIMEOUT": "30", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    procs = [subprocess.Popen([sys.executable, str(WORKER), scenario, str(out)],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(P)]
+    results = []
+    for p in procs:
+        try:
+            stdout, stderr = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"the {scenario} processes hung for {timeout} s")
+        results.append((p.returncode, stdout, stderr))
+    return results
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("distributed")
+    for code, _, stderr in spawn("train", out):
+        assert code == 0, stderr[-3000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(P)]
+
+
+def reference(name):
+    """Plain PyTorch on the global batch: per step, every process's G·R micro-batches."""
+    blocks, G, R, D, _, reduction, opt_kind = CONFIGS[name]
+    torch.manual_seed(100)  # process 0's initial weights, which the broadcast gives everyone
+    model = BlockMLP(blocks)
+    opt = optimizer(opt_kind, model.parameters())
+    losses = [[[] for _ in range(CALLS)] for _ in range(P)]
+    for c in range(CALLS):
+        batches = [call_data(name, c, p, P) for p in range(P)]
+        for d in range(D):
+            opt.zero_grad(set_to_none=True)
+            for p, (x, y) in enumerate(batches):
+                for j in range(G * R):
+                    k = (d * G * R + j) * B
+                    _, loss = model(x[k:k + B], y[k:k + B])
+                    loss.backward()
+                    losses[p][c].append(loss.detach())
+            if reduction == "mean":
+                for q in model.parameters():
+                    q.grad.div_(G * R * P)
+            opt.step()
+    return losses, model.state_dict(), opt.state_dict()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_two_processes_match_one_plain_run_with_the_same_global_batch(trained, name):
+    """Losses of every call, parameters and optimizer state after 3 calls (pipelined too)."""
+    losses, params, opt_state = reference(name)
+    for r, result in enumerate(trained):
+        got = result[name]
+        for c in range(CALLS):
+            assert_close(got["losses"][c], torch.stack(losses[r][c]), atol=ATOL, rtol=0)
+        for k, v in params.items():
+            assert_close(got["params"][k], v, atol=ATOL, rtol=0)
+        for i, state in opt_state["state"].items():
+            for k, v in state.items():
+                assert_close(got["opt"]["state"][i][k], v, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_processes_hold_identical_parameters_and_optimizer_state(trained, name):
+    a, b = trained[0][name], trained[1][name]
+    assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+    for i, state in a["opt"]["state"].items():
+        assert all(torch.equal(v, b["opt"]["state"][i][k]) if torch.is_tensor(v) else
+                   v == b["opt"]["state"][i][k] for k, v in state.items())
+
+
+def test_mismatched_options_are_refused_on_every_process_before_any_change(trained):
+    for r, result in enumerate(trained):
+        mine, theirs = (2, 4) if r == 0 else (4, 2)
+        assert result["mismatch"] == (
+            f"Options.Training.gradientAccumulation differs between processes: {mine} in this "
+            f"process (rank {r}) but {theirs} in rank {1 - r}; every process must use the same "
+            f"options, optimizer and model")
+        assert result["mismatch_unchanged"]
+
+
+def test_one_process_raising_ends_both_with_a_clear_error(tmp_path):
+    """Rank 1 passes a bad batch on its 2nd call; rank 0's all-reduce fails, no hang."""
+    results = spawn("fail", tmp_path, timeout=90)
+    assert [code for code, _, _ in results] == [1, 1], [e[-2000:] for _, _, e in results]
+    rank0, rank1 = ((tmp_path / f"rank{r}.txt").read_text() for r in range(P))
+    assert rank1.startswith("BatchSizeError: Invalid batch dimension")
+    assert rank0.startswith("ExecutionError: action U (step) failed on stream 0")
+    assert "the gradient all-reduce across 2 processes failed in process 0" in rank0
+    assert "POPTORCH_LITE_DIST_TIMEOUT" in rank0
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_dataloader_shards_like_distributed_sampler(shuffle):
+    """Disjoint shards covering the dataset each epoch; set_epoch(e) repeats epoch e's order."""
+    n, epochs = 48, {}
+    for p in range(P):
+        opts = poptorch.Options().randomSeed(5)
+        opts.Distributed.configureProcessId(p, P)
+        opts.Training.gradientAccumulation(2)
+        loader = poptorch.DataLoader(opts, torch.utils.data.TensorDataset(torch.arange(n)),
+                                     batch_size=3, shuffle=shuffle)
+        for e in (0, 1, 0):
+            loader.set_epoch(e)
+            epochs.setdefault(e, [[] for _ in range(P)])[p] = [
+                int(i) for (batch,) in loader for i in batch]
+    for e in (0, 1):
+        first, second = epochs[e]
+        assert sorted(first + second) == list(range(n)) and not set(first) & set(second)
+    assert (epochs[0] != epochs[1]) == shuffle
+
+
+def test_options_pick_up_torchrun_environment(monkeypatch):
+    for var in ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    d = poptorch.Options().Distributed
+    assert (d.processId, d.numProcesses) == (3, 4)
+    assert not poptorch.is_main_process()
+
+
+def test_several_processes_without_a_rendezvous_address_are_refused(monkeypatch):
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    opts = poptorch.Options()
+    opts.Distributed.configureProcessId(0, 2)
+    torch.manual_seed(0)
+    model = BlockMLP(1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    wrapped = poptorch.trainingModel(model, opts)
+    with pytest.raises(poptorch.OptionsError, match="MASTER_ADDR and MASTER_PORT are not set; "
+                                                    "launch with torchrun"):
+        wrapped(torch.randn(2, 8), torch.zeros(2, dtype=torch.long))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.skipif(not (DATA / "MNIST" / "raw").is_dir(),
+                    reason=f"MNIST not found under {DATA} (set MNIST_DATA)")
+def test_mnist_distributed_example_runs_under_torchrun():
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(P),
+         "--master_port", str(free_port()), str(ROOT / "examples" / "mnist_distributed.py"),
+         "--data-dir", str(DATA), "--limit", "640", "--device-iterations", "2"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.strip().splitlines()  # rank 0 alone prints
+    assert lines[0] == ("effective batch: 8 x 4 accumulation x 1 replica x 2 processes = 64 "
+                        "per step, 128 per call (2 steps)")
+    assert re.fullmatch(r"trained on 640 images in [0-9.]+ s \([0-9]+ images/s\)", lines[-2])
+    assert re.fullmatch(r"Accuracy on test set: [0-9]+\.[0-9]{2}%", lines[-1])
+    assert len(lines) == 3
+
+
+def test_distributed_docstring_examples_run():
+    from poptorch_lite import distributed
+    result = doctest.testmod(distributed, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted >= 4
