@@ -33,7 +33,7 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--data-dir", default=os.environ.get("MNIST_DATA", "data"),
                     help="folder holding MNIST/ (downloaded there if missing)")
 parser.add_argument("--epochs", type=int, default=2, help="passes over the training set")
-parser.add_argument("--batch-size", type=int, default=16, help="micro-batch size")
+parser.add_argument("--batch-size", type=int, default=8, help="micro-batch size")
 parser.add_argument("--gradient-accumulation", type=int, default=8,
                     help="micro-batches per optimizer step (>= 3 for 2 stages)")
 parser.add_argument("--device-iterations", type=int, default=10,

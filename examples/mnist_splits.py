@@ -28,7 +28,7 @@ parser.add_argument("--splits", nargs="*", default=["dense128", "dense64"],
                     help="layers that start a new pipeline stage")
 parser.add_argument("--epochs", type=int, default=2, help="passes over the training set")
 parser.add_argument("--batch-size", type=int, default=8, help="micro-batch size")
-parser.add_argument("--gradient-accumulation", type=int, default=8,
+parser.add_argument("--gradient-accumulation", type=int, default=5,
                     help="micro-batches per optimizer step (a pipeline of S stages needs >= 2S-1)")
 parser.add_argument("--device-iterations", type=int, default=10,
                     help="optimizer steps per call of the model (steps per execution)")

@@ -1,0 +1,122 @@
+"""Accuracy of every MNIST example with its defaults, and mnist.py's wall time against plain PyTorch.
+
+Run (takes a while: every example trains on all of MNIST):
+    python benchmarks/mnist_accuracy.py --data-dir ../shared/data
+
+Each example runs in its own process with its default options and epochs
+(the bars: >= 97.5% test accuracy within 2 epochs; the conv-net examples
+>= 98.5% within 3). In the same run, the training of examples/mnist.py is
+written again in plain PyTorch (``--plain``: the same model, initial weights,
+batch, optimizer, data order and test loop, with no poptorch_lite) and both
+processes are timed, alternating, ``--repeats`` times each. The figures go to
+docs/PERFORMANCE.md.
+"""
+
+import argparse
+import os
+import pathlib
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLES = {  # example: (epochs of its defaults, the bar in %)
+    "mnist.py": (3, 98.5),
+    "mnist_replicated.py": (3, 98.5),
+    "mnist_pipelined.py": (3, 98.5),
+    "mnist_splits.py": (2, 97.5),
+    "mnist_mlp_pipeline.py": (2, 97.5),
+}
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--data-dir", default=os.environ.get("MNIST_DATA", str(ROOT.parent / "shared" / "data")))
+parser.add_argument("--repeats", type=int, default=1, help="timed runs of mnist.py and of plain PyTorch")
+parser.add_argument("--only", nargs="*", default=list(EXAMPLES), help="examples to run")
+parser.add_argument("--plain", action="store_true", help="(internal) run the plain-PyTorch mnist.py")
+
+
+def plain_mnist(data_dir):
+    """examples/mnist.py's defaults, as a plain PyTorch script (prints the same lines)."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import torch
+    from tqdm import tqdm
+
+    import mnist  # the example's model, data and argument defaults; its loops are not used
+    args = mnist.parser.parse_args(["--data-dir", data_dir])
+    torch.manual_seed(args.seed)
+    train_set, test_set = mnist.datasets(args.data_dir, args.limit)
+    model = mnist.Network()
+    model.train()
+    train_data = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, shuffle=True,
+                                             drop_last=True,
+                                             generator=torch.Generator().manual_seed(args.seed))
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    start, seen = time.perf_counter(), 0
+    for epoch in range(1, args.epochs + 1):
+        bar = tqdm(train_data, desc=f"epoch {epoch}/{args.epochs}")
+        for data, labels in bar:
+            optimizer.zero_grad()
+            output, loss = model(data, labels)
+            loss.backward()
+            optimizer.step()
+            seen += data.shape[0]
+            bar.set_postfix(loss=f"{loss.item():.4f}", accuracy=f"{mnist.accuracy(output, labels):.1f}%")
+    elapsed = time.perf_counter() - start
+    print(f"trained on {seen} images in {elapsed:.1f} s ({seen / elapsed:.0f} samples/s)")
+    model.eval()
+    correct, total = 0.0, 0
+    with torch.no_grad():
+        for data, labels in tqdm(torch.utils.data.DataLoader(test_set, batch_size=args.test_batch_size,
+                                                             drop_last=True), desc="test"):
+            correct += mnist.accuracy(model(data), labels) * labels.shape[0] / 100.0
+            total += labels.shape[0]
+    print(f"Accuracy on test set: {100.0 * correct / total:.2f}%")
+
+
+def run(command, data_dir):
+    """Run ``command`` with the data folder; return (seconds, training seconds, accuracy, stdout)."""
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, *command, "--data-dir", data_dir], capture_output=True,
+                            text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    wall = time.perf_counter() - start
+    if result.returncode:
+        sys.exit(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
+    trained = re.search(r"trained on \d+ images in ([0-9.]+) s", result.stdout)
+    accuracy = re.search(r"Accuracy on test set: ([0-9.]+)%", result.stdout)
+    return wall, float(trained.group(1)), float(accuracy.group(1)), result.stdout
+
+
+def main():
+    args = parser.parse_args()
+    if args.plain:
+        return plain_mnist(args.data_dir)
+    print(f"{'example':24} {'epochs':>6} {'accuracy':>9} {'bar':>6} {'wall s':>7}")
+    walls = {"mnist.py": [], "plain": []}
+    trains = {"mnist.py": [], "plain": []}
+    for name in args.only:
+        epochs, bar = EXAMPLES[name]
+        repeats = args.repeats if name == "mnist.py" else 1
+        for r in range(repeats):
+            variants = [("plain", [__file__, "--plain"]), (name, [f"examples/{name}"])]
+            if name != "mnist.py":
+                variants = variants[1:]
+            for key, command in (variants if r % 2 == 0 else variants[::-1]):
+                wall, train, accuracy, _ = run(command, args.data_dir)
+                ok = "met" if accuracy >= bar else "MISSED"
+                label = "plain PyTorch mnist.py" if key == "plain" else name
+                print(f"{label:24} {epochs:>6} {accuracy:>8.2f}% {bar:>5}% {wall:>7.1f}"
+                      f"  (training {train:.1f} s){'' if key == 'plain' else '  ' + ok}", flush=True)
+                if key in walls:
+                    walls[key].append(wall)
+                    trains[key].append(train)
+    if walls["plain"]:
+        wall = statistics.median(w / p for w, p in zip(walls["mnist.py"], walls["plain"]))
+        train = statistics.median(w / p for w, p in zip(trains["mnist.py"], trains["plain"]))
+        print(f"mnist.py / plain PyTorch: wall time {wall:.3f}x, training loop {train:.3f}x "
+              f"(median of {len(walls['plain'])} paired runs; the bar is <= 1.10x)")
+
+
+if __name__ == "__main__":
+    main()
