@@ -112,7 +112,7 @@ def main(argv=None):
     training_model.detachFromDevice()
 
     # Inference needs deviceIterations >= stages to fill the pipeline.
-    test_opts = poptorch.Options().deviceIterations(max(args.stages, 10))
+    test_opts = poptorch.Options().deviceIterations(max(args.stages, args.device_iterations))
     test_opts.setExecutionStrategy(strategy(args))
     return test(model, test_set, args.test_batch_size, test_opts)
 
