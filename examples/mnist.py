@@ -86,20 +86,26 @@ def datasets(data_dir, limit):
     return train, test
 
 
-def images_per_second(model, args, device_iterations, batches):
-    """Train ``model`` on ``batches`` with ``device_iterations`` steps per call; images/s."""
+def images_per_second(model, args, device_iterations, warm_up, batches):
+    """Train ``model`` with ``device_iterations`` steps per call: untimed on ``warm_up``
+    (the first call traces the model), then timed on ``batches``; return images/s."""
     opts = poptorch.Options().deviceIterations(device_iterations)
     optimizer = poptorch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     training_model = poptorch.trainingModel(model, opts, optimizer)
-    groups = [batches[k:k + device_iterations] for k in range(0, len(batches), device_iterations)]
-    calls = [(torch.cat([d for d, _ in g]), torch.cat([t for _, t in g])) for g in groups]
-    training_model(*calls[0])  # the first call traces the model: not timed
+
+    def calls(steps):  # device_iterations steps of (data, labels) per call
+        for k in range(0, len(steps), device_iterations):
+            group = steps[k:k + device_iterations]
+            yield torch.cat([d for d, _ in group]), torch.cat([t for _, t in group])
+
+    for data, labels in calls(warm_up):
+        training_model(data, labels)
     start = time.perf_counter()
-    for data, labels in calls[1:]:
+    for data, labels in calls(batches):
         training_model(data, labels)
     elapsed = time.perf_counter() - start
     training_model.destroy()
-    return sum(data.shape[0] for data, _ in calls[1:]) / elapsed
+    return sum(data.shape[0] for data, _ in batches) / elapsed
 
 
 def report_speed_gained(model, train_set, args):
@@ -108,11 +114,12 @@ def report_speed_gained(model, train_set, args):
     loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, drop_last=True)
     steps = n * max(2, 400 // n + 1)  # at least 2 calls of N, and about 400 steps
     batches = [batch for _, batch in zip(range(steps), loader)]
-    steps = len(batches) - len(batches) % n
-    one = images_per_second(copy.deepcopy(model), args, 1, batches[:steps])
-    many = images_per_second(copy.deepcopy(model), args, n, batches[:steps])
+    batches = batches[:len(batches) - len(batches) % n]
+    warm_up, timed = batches[:n], batches[n:]
+    one = images_per_second(copy.deepcopy(model), args, 1, warm_up, timed)
+    many = images_per_second(copy.deepcopy(model), args, n, warm_up, timed)
     print(f"device iterations {n}: {many / one:.2f}x the speed of 1 "
-          f"({many:.0f} vs {one:.0f} images/s over {steps - n} timed steps)")
+          f"({many:.0f} vs {one:.0f} images/s over {len(timed)} timed steps)")
 
 
 def train(training_model, train_data, epochs):
