@@ -8,8 +8,9 @@ Each example runs in its own process with its default options and epochs
 >= 98.5% within 3). In the same run, the training of examples/mnist.py is
 written again in plain PyTorch (``--plain``: the same model, initial weights,
 batch, optimizer, data order and test loop, with no poptorch_lite) and both
-processes are timed, alternating, ``--repeats`` times each. The figures go to
-docs/PERFORMANCE.md.
+processes are timed, alternating, ``--repeats`` times each. With ``--jobs N``
+N runs share the machine at once (mnist.py and its plain twin then run side by
+side, under the same load). The figures go to docs/PERFORMANCE.md.
 """
 
 import argparse
@@ -19,6 +20,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -34,6 +36,10 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--data-dir", default=os.environ.get("MNIST_DATA", str(ROOT.parent / "shared" / "data")))
 parser.add_argument("--repeats", type=int, default=1, help="timed runs of mnist.py and of plain PyTorch")
 parser.add_argument("--only", nargs="*", default=list(EXAMPLES), help="examples to run")
+parser.add_argument("--jobs", type=int, default=1,
+                    help="runs at a time (a pair of mnist.py and plain PyTorch then shares the machine)")
+parser.add_argument("--threads", type=int, default=0,
+                    help="OMP_NUM_THREADS for every run (0: torch's default)")
 parser.add_argument("--plain", action="store_true", help="(internal) run the plain-PyTorch mnist.py")
 
 
@@ -75,42 +81,57 @@ def plain_mnist(data_dir):
     print(f"Accuracy on test set: {100.0 * correct / total:.2f}%")
 
 
-def run(command, data_dir):
-    """Run ``command`` with the data folder; return (seconds, training seconds, accuracy, stdout)."""
-    start = time.perf_counter()
-    result = subprocess.run([sys.executable, *command, "--data-dir", data_dir], capture_output=True,
-                            text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    wall = time.perf_counter() - start
-    if result.returncode:
-        sys.exit(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
-    trained = re.search(r"trained on \d+ images in ([0-9.]+) s", result.stdout)
-    accuracy = re.search(r"Accuracy on test set: ([0-9.]+)%", result.stdout)
-    return wall, float(trained.group(1)), float(accuracy.group(1)), result.stdout
+def start(command, args):
+    """Start ``command`` on the data folder, with ``args.threads`` intra-op threads if given."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    # tqdm bars go to a file, so that a run never blocks on a full pipe while another is waited for
+    bars = tempfile.TemporaryFile()
+    return time.perf_counter(), bars, subprocess.Popen(
+        [sys.executable, *command, "--data-dir", args.data_dir], stdout=subprocess.PIPE,
+        stderr=bars, text=True, cwd=ROOT, env=env)
+
+
+def finish(label, started):
+    """Wait for a started run; return (wall s, training s, accuracy)."""
+    t0, bars, process = started
+    stdout, _ = process.communicate()
+    wall = time.perf_counter() - t0
+    if process.returncode:
+        bars.seek(0)
+        sys.exit(f"{label} failed:\n{bars.read()[-3000:].decode()}")
+    trained = re.search(r"trained on \d+ images in ([0-9.]+) s", stdout)
+    accuracy = re.search(r"Accuracy on test set: ([0-9.]+)%", stdout)
+    return wall, float(trained.group(1)), float(accuracy.group(1))
 
 
 def main():
     args = parser.parse_args()
     if args.plain:
         return plain_mnist(args.data_dir)
-    print(f"{'example':24} {'epochs':>6} {'accuracy':>9} {'bar':>6} {'wall s':>7}")
-    walls = {"mnist.py": [], "plain": []}
-    trains = {"mnist.py": [], "plain": []}
-    for name in args.only:
-        epochs, bar = EXAMPLES[name]
-        repeats = args.repeats if name == "mnist.py" else 1
-        for r in range(repeats):
-            variants = [("plain", [__file__, "--plain"]), (name, [f"examples/{name}"])]
-            if name != "mnist.py":
-                variants = variants[1:]
-            for key, command in (variants if r % 2 == 0 else variants[::-1]):
-                wall, train, accuracy, _ = run(command, args.data_dir)
-                ok = "met" if accuracy >= bar else "MISSED"
-                label = "plain PyTorch mnist.py" if key == "plain" else name
-                print(f"{label:24} {epochs:>6} {accuracy:>8.2f}% {bar:>5}% {wall:>7.1f}"
-                      f"  (training {train:.1f} s){'' if key == 'plain' else '  ' + ok}", flush=True)
-                if key in walls:
-                    walls[key].append(wall)
-                    trains[key].append(train)
+    runs = []  # (label, key, command): mnist.py and its plain twin alternate, repeats times
+    for r in range(args.repeats):
+        pair = [("plain PyTorch mnist.py", "plain", [__file__, "--plain"]),
+                ("mnist.py", "mnist.py", ["examples/mnist.py"])]
+        runs += pair if r % 2 == 0 else pair[::-1]
+    runs += [(name, name, [f"examples/{name}"]) for name in args.only if name != "mnist.py"]
+    if "mnist.py" not in args.only:
+        runs = runs[2 * args.repeats:]
+    results = []
+    for k in range(0, len(runs), args.jobs):  # args.jobs runs at a time, finished together
+        batch = [(label, key, start(command, args)) for label, key, command in runs[k:k + args.jobs]]
+        results += [(label, key, *finish(label, started)) for label, key, started in batch]
+
+    print(f"{'example':24} {'epochs':>6} {'accuracy':>9} {'bar':>6} {'wall s':>7} {'training s':>10}")
+    walls, trains = {"mnist.py": [], "plain": []}, {"mnist.py": [], "plain": []}
+    for label, key, wall, train, accuracy in results:
+        epochs, bar = EXAMPLES["mnist.py" if key == "plain" else key]
+        verdict = "" if key == "plain" else ("met" if accuracy >= bar else "MISSED")
+        print(f"{label:24} {epochs:>6} {accuracy:>8.2f}% {bar:>5}% {wall:>7.1f} {train:>10.1f}  {verdict}")
+        if key in walls:
+            walls[key].append(wall)
+            trains[key].append(train)
     if walls["plain"]:
         wall = statistics.median(w / p for w, p in zip(walls["mnist.py"], walls["plain"]))
         train = statistics.median(w / p for w, p in zip(trains["mnist.py"], trains["plain"]))

@@ -122,10 +122,17 @@ def report_speed_gained(model, train_set, args):
           f"({many:.0f} vs {one:.0f} images/s over {len(timed)} timed steps)")
 
 
-def train(training_model, train_data, epochs):
-    """Run ``epochs`` passes with a tqdm bar of loss and accuracy; return (images, seconds)."""
+def train(training_model, train_data, epochs, scheduler=None):
+    """Run ``epochs`` passes with a tqdm bar of loss and accuracy; return (images, seconds).
+
+    A torch ``scheduler`` steps after each epoch; ``setOptimizer`` hands the new
+    learning rate to the model, as in PopTorch.
+    """
     start, seen = time.perf_counter(), 0
     for epoch in range(1, epochs + 1):
+        if scheduler is not None and epoch > 1:
+            scheduler.step()
+            training_model.setOptimizer(scheduler.optimizer)
         bar = tqdm(train_data, desc=f"epoch {epoch}/{epochs}")
         for data, labels in bar:
             output, loss = training_model(data, labels)

@@ -43,7 +43,8 @@ parser.add_argument("--schedule", default="interleaved",
 parser.add_argument("--recompute", action="store_true",
                     help="keep only stage inputs and recompute activations in the backward")
 parser.add_argument("--test-batch-size", type=int, default=100, help="inference micro-batch size")
-parser.add_argument("--lr", type=float, default=0.001, help="Adam learning rate")
+parser.add_argument("--lr", type=float, default=0.001, help="Adam learning rate of the first epoch")
+parser.add_argument("--lr-decay", type=float, default=0.1, help="learning rate factor after each epoch")
 parser.add_argument("--limit", type=int, default=0,
                     help="use only the first N training and test images (0: all); for smoke runs")
 parser.add_argument("--seed", type=int, default=42, help="random seed")
@@ -91,7 +92,8 @@ def main(argv=None):
     model.train()
     optimizer = poptorch.optim.Adam(model.parameters(), lr=args.lr)
     training_model = poptorch.trainingModel(model, opts, optimizer)
-    train(training_model, train_data, args.epochs)  # prints the training samples/s
+    scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=args.lr_decay)
+    train(training_model, train_data, args.epochs, scheduler)  # prints the training samples/s
     training_model.detachFromDevice()
     # Prints the inference samples/s; inference needs deviceIterations >= 2 stages.
     return test(model, test_set, args.test_batch_size, options(args, max(2, args.device_iterations)))

@@ -35,7 +35,9 @@ parser.add_argument("--device-iterations", type=int, default=10,
 parser.add_argument("--schedule", default="grouped",
                     choices=("grouped", "interleaved", "sequential", "gpipe"), help="pipeline schedule")
 parser.add_argument("--test-batch-size", type=int, default=100, help="inference micro-batch size")
-parser.add_argument("--lr", type=float, default=0.001, help="Adam learning rate")
+parser.add_argument("--lr", type=float, default=0.02,
+                    help="SGD learning rate of the first epoch (momentum 0.9)")
+parser.add_argument("--lr-decay", type=float, default=0.3, help="learning rate factor after each epoch")
 parser.add_argument("--limit", type=int, default=0,
                     help="use only the first N training and test images (0: all); for smoke runs")
 parser.add_argument("--seed", type=int, default=42, help="random seed")
@@ -85,13 +87,14 @@ def main(argv=None):
     print(f"effective batch: {args.batch_size} x {args.gradient_accumulation} accumulation = "
           f"{args.batch_size * args.gradient_accumulation} per step")
     model.train()
-    optimizer = poptorch.optim.Adam(model.parameters(), lr=args.lr)
+    optimizer = poptorch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     training_model = poptorch.trainingModel(model, opts, optimizer)
     data, labels = next(iter(train_data))
     training_model.compile(data, labels)
     print(f"stages ({len(args.splits) + 1}):")
     print(poptorch.stage_summary(training_model))
-    train(training_model, train_data, args.epochs)
+    scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=args.lr_decay)
+    train(training_model, train_data, args.epochs, scheduler)
     training_model.detachFromDevice()
     # Inference needs deviceIterations >= stages to fill the pipeline.
     return test(model, test_set, args.test_batch_size,

@@ -107,9 +107,9 @@ def test_mnist_splits_lists_the_layers_then_the_stages():
     assert_trained_and_tested(lines, 600, 600)  # 640 images make 5 calls of 8 x 5 x 3 = 120
 
 
-def test_mnist_mlp_pipeline_trains_with_recomputation():
+def test_mnist_mlp_pipeline_trains_with_recomputation_and_a_decaying_learning_rate():
     lines = run_example("mnist_mlp_pipeline.py", "--limit", "640", "--device-iterations", "2",
-                        "--recompute")
+                        "--recompute", "--epochs", "2")  # the second epoch runs at lr / 10
     assert lines[0] == "effective batch: 8 x 8 accumulation = 64 per step"
     assert len(lines) == 4
-    assert_trained_and_tested(lines, 640, 600)
+    assert_trained_and_tested(lines, 1280, 600)
