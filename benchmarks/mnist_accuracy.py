@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -59,8 +60,11 @@ def plain_mnist(data_dir):
                                              drop_last=True,
                                              generator=torch.Generator().manual_seed(args.seed))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=args.lr_decay)
     start, seen = time.perf_counter(), 0
     for epoch in range(1, args.epochs + 1):
+        if epoch > 1:
+            scheduler.step()
         bar = tqdm(train_data, desc=f"epoch {epoch}/{args.epochs}")
         for data, labels in bar:
             optimizer.zero_grad()
@@ -82,28 +86,33 @@ def plain_mnist(data_dir):
 
 
 def start(command, args):
-    """Start ``command`` on the data folder, with ``args.threads`` intra-op threads if given."""
+    """Start ``command`` on the data folder (``args.threads`` intra-op threads if given) and
+    a thread that waits for it, so that its wall time ends when it does."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
-    # tqdm bars go to a file, so that a run never blocks on a full pipe while another is waited for
-    bars = tempfile.TemporaryFile()
-    return time.perf_counter(), bars, subprocess.Popen(
-        [sys.executable, *command, "--data-dir", args.data_dir], stdout=subprocess.PIPE,
-        stderr=bars, text=True, cwd=ROOT, env=env)
+    run = {"bars": tempfile.TemporaryFile(), "start": time.perf_counter()}
+    # tqdm bars go to a file, so that a run never blocks on a full pipe
+    process = subprocess.Popen([sys.executable, *command, "--data-dir", args.data_dir],
+                               stdout=subprocess.PIPE, stderr=run["bars"], text=True, cwd=ROOT, env=env)
+
+    def wait():
+        run["stdout"] = process.communicate()[0]
+        run["end"], run["returncode"] = time.perf_counter(), process.returncode
+    run["waiter"] = threading.Thread(target=wait)
+    run["waiter"].start()
+    return run
 
 
-def finish(label, started):
+def finish(label, run):
     """Wait for a started run; return (wall s, training s, accuracy)."""
-    t0, bars, process = started
-    stdout, _ = process.communicate()
-    wall = time.perf_counter() - t0
-    if process.returncode:
-        bars.seek(0)
-        sys.exit(f"{label} failed:\n{bars.read()[-3000:].decode()}")
-    trained = re.search(r"trained on \d+ images in ([0-9.]+) s", stdout)
-    accuracy = re.search(r"Accuracy on test set: ([0-9.]+)%", stdout)
-    return wall, float(trained.group(1)), float(accuracy.group(1))
+    run["waiter"].join()
+    if run["returncode"]:
+        run["bars"].seek(0)
+        sys.exit(f"{label} failed:\n{run['bars'].read()[-3000:].decode()}")
+    trained = re.search(r"trained on \d+ images in ([0-9.]+) s", run["stdout"])
+    accuracy = re.search(r"Accuracy on test set: ([0-9.]+)%", run["stdout"])
+    return run["end"] - run["start"], float(trained.group(1)), float(accuracy.group(1))
 
 
 def main():

@@ -34,7 +34,9 @@ parser.add_argument("--batch-size", type=int, default=16, help="batch size of on
 parser.add_argument("--device-iterations", type=int, default=1,
                     help="optimizer steps per call of the model (steps per execution)")
 parser.add_argument("--test-batch-size", type=int, default=100, help="inference batch size")
-parser.add_argument("--lr", type=float, default=0.02, help="SGD learning rate (momentum 0.9)")
+parser.add_argument("--lr", type=float, default=0.01,
+                    help="SGD learning rate of the first epoch (momentum 0.9)")
+parser.add_argument("--lr-decay", type=float, default=0.3, help="learning rate factor after each epoch")
 parser.add_argument("--limit", type=int, default=0,
                     help="use only the first N training and test images (0: all); for smoke runs")
 parser.add_argument("--seed", type=int, default=42, help="random seed")
@@ -176,7 +178,8 @@ def main(argv=None):
                                      generator=torch.Generator().manual_seed(args.seed))
     optimizer = poptorch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     training_model = poptorch.trainingModel(model, opts, optimizer)
-    train(training_model, train_data, args.epochs)
+    scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=args.lr_decay)
+    train(training_model, train_data, args.epochs, scheduler)
     training_model.detachFromDevice()
     return test(model, test_set, args.test_batch_size, poptorch.Options())
 

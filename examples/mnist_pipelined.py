@@ -42,7 +42,9 @@ parser.add_argument("--recompute", action="store_true",
 parser.add_argument("--replicas", type=int, default=1, help="copies of the whole pipeline")
 parser.add_argument("--trace", default="", help="write the last call's timeline to this JSON file")
 parser.add_argument("--test-batch-size", type=int, default=100, help="inference micro-batch size")
-parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (momentum 0.9)")
+parser.add_argument("--lr", type=float, default=0.05,
+                    help="SGD learning rate of the first epoch (momentum 0.9)")
+parser.add_argument("--lr-decay", type=float, default=0.3, help="learning rate factor after each epoch")
 parser.add_argument("--limit", type=int, default=0,
                     help="use only the first N training and test images (0: all); for smoke runs")
 parser.add_argument("--seed", type=int, default=42, help="random seed")
@@ -102,7 +104,8 @@ def main(argv=None):
     model.train()
     optimizer = poptorch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     training_model = poptorch.trainingModel(model, opts, optimizer)
-    train(training_model, train_data, args.epochs)
+    scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=args.lr_decay)
+    train(training_model, train_data, args.epochs, scheduler)
     if args.trace:
         timeline = training_model.runStatistics().timeline
         timeline.write_chrome_trace(args.trace)

@@ -30,7 +30,9 @@ parser.add_argument("--replicas", type=int, default=2, help="replicationFactor")
 parser.add_argument("--device-iterations", type=int, default=1,
                     help="optimizer steps per call of the model (steps per execution)")
 parser.add_argument("--test-batch-size", type=int, default=100, help="inference batch size")
-parser.add_argument("--lr", type=float, default=0.03, help="SGD learning rate (momentum 0.9)")
+parser.add_argument("--lr", type=float, default=0.015,
+                    help="SGD learning rate of the first epoch (momentum 0.9)")
+parser.add_argument("--lr-decay", type=float, default=0.3, help="learning rate factor after each epoch")
 parser.add_argument("--limit", type=int, default=0,
                     help="use only the first N training and test images (0: all); for smoke runs")
 parser.add_argument("--seed", type=int, default=42, help="random seed")
@@ -53,7 +55,8 @@ def main(argv=None):
     model.train()
     optimizer = poptorch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     training_model = poptorch.trainingModel(model, opts, optimizer)
-    train(training_model, train_data, args.epochs)
+    scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=args.lr_decay)
+    train(training_model, train_data, args.epochs, scheduler)
     training_model.detachFromDevice()
     # The replicas hold the same weights after every step: test one copy.
     return test(model, test_set, args.test_batch_size, poptorch.Options())
