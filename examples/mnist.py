@@ -1,16 +1,21 @@
-"""MNIST with a pipelined conv net, written as a PopTorch script.
+"""MNIST on one device, written as Graphcore's PopTorch MNIST tutorial writes it.
 
 Run (offline, with the shared data):
     python examples/mnist.py --data-dir ../shared/data
 Run (with internet; torchvision downloads MNIST into ./data):
     python examples/mnist.py
+Compare steps per execution (trains a copy for a short stretch with 1 and with N first):
+    python examples/mnist.py --data-dir ../shared/data --device-iterations 50
 
-The network is the conv net of Graphcore's PopTorch MNIST tutorial, annotated
-with four blocks: B1 and B2 (the conv layers) on IPU 0, B3 and B4 (the dense
-layers and the loss) on IPU 1, so it trains as a 2-stage pipeline.
+The conv net of the tutorial, unannotated, so the whole model is one stage on
+one device. With ``--device-iterations N`` one call of the model runs N
+optimizer steps (the tutorials' "steps per execution"); the script first times
+a short stretch of training with 1 and with N on a copy of the model and
+prints how much faster N is.
 """
 
 import argparse
+import copy
 import os
 import time
 
@@ -24,14 +29,14 @@ import poptorch_lite as poptorch
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--data-dir", default=os.environ.get("MNIST_DATA", "data"),
                     help="folder holding MNIST/ (downloaded there if missing)")
-parser.add_argument("--epochs", type=int, default=1, help="passes over the training set")
-parser.add_argument("--batch-size", type=int, default=8, help="micro-batch size")
-parser.add_argument("--gradient-accumulation", type=int, default=8,
-                    help="micro-batches per optimizer step (>= 3 for a 2-stage pipeline)")
-parser.add_argument("--device-iterations", type=int, default=10,
+parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
+parser.add_argument("--batch-size", type=int, default=16, help="batch size of one step")
+parser.add_argument("--device-iterations", type=int, default=1,
                     help="optimizer steps per call of the model (steps per execution)")
-parser.add_argument("--test-batch-size", type=int, default=100, help="inference micro-batch size")
-parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
+parser.add_argument("--test-batch-size", type=int, default=100, help="inference batch size")
+parser.add_argument("--lr", type=float, default=0.01,
+                    help="SGD learning rate of the first epoch (momentum 0.9)")
+parser.add_argument("--lr-decay", type=float, default=0.3, help="learning rate factor after each epoch")
 parser.add_argument("--limit", type=int, default=0,
                     help="use only the first N training and test images (0: all); for smoke runs")
 parser.add_argument("--seed", type=int, default=42, help="random seed")
@@ -60,24 +65,12 @@ class Network(nn.Module):
         self.loss = nn.NLLLoss(reduction="mean")
 
     def forward(self, x, target=None):
-        with poptorch.Block("B1"):
-            x = self.layer1(x)
-        with poptorch.Block("B2"):
-            x = self.layer2(x)
-        with poptorch.Block("B3"):
-            x = x.view(-1, 320)
-            x = self.layer3_act(self.layer3(x))
-        with poptorch.Block("B4"):
-            x = self.softmax(self.layer4(x))
-            if target is None:
-                return x
-            return x, self.loss(x, target)
-
-
-def strategy():
-    """Blocks B1, B2 on IPU 0 and B3, B4 on IPU 1: a 2-stage pipeline."""
-    return poptorch.PipelinedExecution(poptorch.Stage("B1", "B2").ipu(0),
-                                       poptorch.Stage("B3", "B4").ipu(1))
+        x = self.layer2(self.layer1(x))
+        x = self.layer3_act(self.layer3(x.view(-1, 320)))
+        x = self.softmax(self.layer4(x))
+        if target is None:
+            return x
+        return x, self.loss(x, target)
 
 
 def accuracy(predictions, labels):
@@ -95,48 +88,100 @@ def datasets(data_dir, limit):
     return train, test
 
 
-def main(argv=None):
-    args = parser.parse_args(argv)
-    train_set, test_set = datasets(args.data_dir, args.limit)
-
-    opts = poptorch.Options().deviceIterations(args.device_iterations).randomSeed(args.seed)
-    opts.Training.gradientAccumulation(args.gradient_accumulation)
-    opts.setExecutionStrategy(strategy())
-    train_data = poptorch.DataLoader(opts, train_set, batch_size=args.batch_size, shuffle=True)
-    print(f"effective batch: {args.batch_size} x {args.gradient_accumulation} accumulation = "
-          f"{args.batch_size * args.gradient_accumulation} per step, "
-          f"{train_data.combinedBatchSize} per call ({args.device_iterations} steps)")
-
-    model = Network()
-    model.train()
+def images_per_second(model, args, device_iterations, warm_up, batches):
+    """Train ``model`` with ``device_iterations`` steps per call: untimed on ``warm_up``
+    (the first call traces the model), then timed on ``batches``; return images/s."""
+    opts = poptorch.Options().deviceIterations(device_iterations)
     optimizer = poptorch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     training_model = poptorch.trainingModel(model, opts, optimizer)
 
+    def calls(steps):  # device_iterations steps of (data, labels) per call
+        for k in range(0, len(steps), device_iterations):
+            group = steps[k:k + device_iterations]
+            yield torch.cat([d for d, _ in group]), torch.cat([t for _, t in group])
+
+    for data, labels in calls(warm_up):
+        training_model(data, labels)
+    start = time.perf_counter()
+    for data, labels in calls(batches):
+        training_model(data, labels)
+    elapsed = time.perf_counter() - start
+    training_model.destroy()
+    return sum(data.shape[0] for data, _ in batches) / elapsed
+
+
+def report_speed_gained(model, train_set, args):
+    """Time the same stretch of training with 1 and N steps per call, on copies of ``model``."""
+    n = args.device_iterations
+    loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, drop_last=True)
+    steps = n * max(2, 400 // n + 1)  # at least 2 calls of N, and about 400 steps
+    batches = [batch for _, batch in zip(range(steps), loader)]
+    batches = batches[:len(batches) - len(batches) % n]
+    warm_up, timed = batches[:n], batches[n:]
+    one = images_per_second(copy.deepcopy(model), args, 1, warm_up, timed)
+    many = images_per_second(copy.deepcopy(model), args, n, warm_up, timed)
+    print(f"device iterations {n}: {many / one:.2f}x the speed of 1 "
+          f"({many:.0f} vs {one:.0f} images/s over {len(timed)} timed steps)")
+
+
+def train(training_model, train_data, epochs, scheduler=None):
+    """Run ``epochs`` passes with a tqdm bar of loss and accuracy; return (images, seconds).
+
+    A torch ``scheduler`` steps after each epoch; ``setOptimizer`` hands the new
+    learning rate to the model, as in PopTorch.
+    """
     start, seen = time.perf_counter(), 0
-    for epoch in range(1, args.epochs + 1):
-        bar = tqdm(train_data, desc=f"epoch {epoch}/{args.epochs}")
+    for epoch in range(1, epochs + 1):
+        if scheduler is not None and epoch > 1:
+            scheduler.step()
+            training_model.setOptimizer(scheduler.optimizer)
+        bar = tqdm(train_data, desc=f"epoch {epoch}/{epochs}")
         for data, labels in bar:
             output, loss = training_model(data, labels)
             seen += data.shape[0]
-            bar.set_postfix(loss=f"{loss.item():.4f}",
+            # Default output mode: the last step's outputs (and a loss per replica).
+            bar.set_postfix(loss=f"{loss.mean().item():.4f}",
                             accuracy=f"{accuracy(output, labels[-output.shape[0]:]):.1f}%")
     elapsed = time.perf_counter() - start
-    print(f"trained on {seen} images in {elapsed:.1f} s ({seen / max(elapsed, 1e-9):.0f} images/s)")
-    training_model.detachFromDevice()
+    print(f"trained on {seen} images in {elapsed:.1f} s ({seen / max(elapsed, 1e-9):.0f} samples/s)")
+    return seen, elapsed
 
-    test_opts = poptorch.Options().deviceIterations(max(2, args.device_iterations))
-    test_opts.setExecutionStrategy(strategy())
-    test_data = poptorch.DataLoader(test_opts, test_set, batch_size=args.test_batch_size)
+
+def test(model, test_set, batch_size, opts):
+    """Print and return the accuracy of ``model`` on ``test_set``, run as inferenceModel."""
+    test_data = poptorch.DataLoader(opts, test_set, batch_size=batch_size)
     model.eval()
-    inference_model = poptorch.inferenceModel(model, test_opts)
-    correct, total = 0.0, 0
+    inference_model = poptorch.inferenceModel(model, opts)
+    correct, total, start = 0.0, 0, time.perf_counter()
     for data, labels in tqdm(test_data, desc="test"):
         output = inference_model(data)
         correct += accuracy(output, labels) * labels.shape[0] / 100.0
         total += labels.shape[0]
+    elapsed = time.perf_counter() - start
     inference_model.detachFromDevice()
+    print(f"tested on {total} images in {elapsed:.1f} s ({total / max(elapsed, 1e-9):.0f} samples/s)")
     print(f"Accuracy on test set: {100.0 * correct / total:.2f}%")
     return 100.0 * correct / total
+
+
+def main(argv=None):
+    args = parser.parse_args(argv)
+    torch.manual_seed(args.seed)
+    train_set, test_set = datasets(args.data_dir, args.limit)
+    model = Network()
+    model.train()
+    if args.device_iterations > 1:
+        report_speed_gained(model, train_set, args)
+
+    opts = poptorch.Options().deviceIterations(args.device_iterations).randomSeed(args.seed)
+    train_data = poptorch.DataLoader(opts, train_set, batch_size=args.batch_size, shuffle=True,
+                                     generator=torch.Generator().manual_seed(args.seed))
+    optimizer = poptorch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    training_model = poptorch.trainingModel(model, opts, optimizer)
+    scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=args.lr_decay)
+    train(training_model, train_data, args.epochs, scheduler)
+    training_model.detachFromDevice()
+    return test(model, test_set, args.test_batch_size, poptorch.Options())
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ Run on 2 hosts (the same command on each, --node_rank 0 and 1):
     torchrun --nnodes 2 --node_rank 0 --nproc_per_node 1 --master_addr HOST0 \
         --master_port 29500 examples/mnist_distributed.py
 
-The network and its 2-stage pipeline are examples/mnist.py's. Every process
+The network is examples/mnist_pipelined.py's, in its 2-stage pipeline. Every process
 runs the pipeline on its own shard of the data (poptorch.DataLoader splits the
 dataset); gradients are averaged over all processes before each optimizer
 step, so one step sees batch x accumulation x replicas x processes images.
@@ -20,7 +20,14 @@ import time
 from tqdm import tqdm
 
 import poptorch_lite as poptorch
-from mnist import Network, accuracy, datasets, strategy
+from mnist import accuracy, datasets
+from mnist_pipelined import Network
+
+
+def strategy():
+    """Blocks B1, B2 on IPU 0 and B3, B4 on IPU 1: a 2-stage pipeline."""
+    return poptorch.PipelinedExecution(poptorch.Stage("B1", "B2").ipu(0),
+                                       poptorch.Stage("B3", "B4").ipu(1))
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--data-dir", default=os.environ.get("MNIST_DATA", "data"),

@@ -1,0 +1,72 @@
+"""Running an unmodified PopTorch script: ``import poptorch`` resolves to poptorch_lite.
+
+``python -m poptorch_lite run script.py [args]`` (or the console entry point
+``poptorch-lite run script.py [args]``) makes ``poptorch`` and its submodules
+(``poptorch.optim``, ``poptorch.enums``, ...) the same module objects as
+``poptorch_lite`` and its submodules, then runs the script as ``__main__``,
+the way ``python script.py [args]`` would: ``sys.argv`` is the script and its
+arguments, and the script's folder comes first on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import pkgutil
+import runpy
+import sys
+from typing import Optional, Sequence
+
+_NOT_ALIASED = {"__main__", "cli"}  # the runner itself is no part of PopTorch's API
+
+
+def alias_poptorch() -> None:
+    """Make ``import poptorch`` and ``import poptorch.X`` give poptorch_lite and its modules.
+
+    Example:
+        >>> alias_poptorch()
+        >>> import poptorch, poptorch_lite
+        >>> poptorch is poptorch_lite and poptorch.optim is poptorch_lite.optim
+        True
+    """
+    package = importlib.import_module("poptorch_lite")
+    sys.modules["poptorch"] = package
+    for info in pkgutil.iter_modules(package.__path__):
+        if info.name not in _NOT_ALIASED:
+            sys.modules[f"poptorch.{info.name}"] = importlib.import_module(f"poptorch_lite.{info.name}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="poptorch-lite", description="Run a PopTorch script on poptorch_lite, unmodified.",
+        epilog="example: python -m poptorch_lite run mnist_poptorch.py --epochs 1")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    run = commands.add_parser("run", help="run SCRIPT with `import poptorch` resolved to poptorch_lite",
+                              description="Run SCRIPT as __main__ with `import poptorch` resolved "
+                                          "to poptorch_lite; ARGS are passed to it as sys.argv[1:].")
+    run.add_argument("script", metavar="SCRIPT", help="path of the Python script")
+    run.add_argument("args", metavar="ARGS", nargs=argparse.REMAINDER, help="the script's arguments")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The ``poptorch-lite`` command: parse ``argv`` and run the script it names.
+
+    Returns the exit status (0 when the script ends normally; a script's own
+    ``sys.exit`` passes through). Usage errors (no or an unknown command, a
+    missing script) print the usage and exit with status 2.
+
+    Example:
+        >>> main(["run", "train.py", "--epochs", "1"])  # doctest: +SKIP
+        0
+    """
+    parser = _parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    if not os.path.isfile(args.script):
+        parser.error(f"run: no such script: {args.script!r} (give the path of a .py file)")
+    alias_poptorch()
+    sys.argv = [args.script, *args.args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
+    runpy.run_path(args.script, run_name="__main__")
+    return 0

@@ -1,0 +1,102 @@
+"""`python -m poptorch_lite run script.py` runs a PopTorch script whose `import poptorch` is unchanged."""
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# A PopTorch-style script, as written for IPUs: nothing in it names poptorch_lite.
+SCRIPT = textwrap.dedent('''
+    import sys
+    import torch
+    import poptorch
+    import poptorch.optim
+    from poptorch.enums import ReductionType
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = torch.nn.Linear(4, 8)
+            self.fc2 = torch.nn.Linear(8, 3)
+            self.loss = torch.nn.CrossEntropyLoss()
+
+        def forward(self, x, labels=None):
+            with poptorch.Block("first", ipu_id=0):
+                x = torch.relu(self.fc1(x))
+            with poptorch.Block("second", ipu_id=1):
+                x = self.fc2(x)
+                return x if labels is None else (x, self.loss(x, labels))
+
+    torch.manual_seed(0)
+    steps = int(sys.argv[sys.argv.index("--steps") + 1])
+    dataset = torch.utils.data.TensorDataset(torch.randn(8 * 3 * steps, 4), torch.randint(0, 3, (8 * 3 * steps,)))
+    opts = poptorch.Options().deviceIterations(1)
+    opts.Training.gradientAccumulation(3).accumulationAndReplicationReductionType(ReductionType.Mean)
+    loader = poptorch.DataLoader(opts, dataset, batch_size=8)
+    model = Model()
+    training_model = poptorch.trainingModel(model, opts, poptorch.optim.SGD(model.parameters(), lr=0.1))
+    losses = [float(training_model(x, y)[1]) for x, y in loader]
+    training_model.detachFromDevice()
+    print(__name__, sys.argv[1:], poptorch.__name__, type(training_model).__name__, len(losses))
+''')
+
+
+def run_cli(*args, cwd):
+    return subprocess.run([sys.executable, "-W", "ignore", "-m", "poptorch_lite", *args],
+                          capture_output=True, text=True, timeout=300, cwd=cwd,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_run_resolves_import_poptorch_and_passes_the_arguments(tmp_path):
+    (tmp_path / "train.py").write_text(SCRIPT)
+    result = run_cli("run", "train.py", "--steps", "4", "-h", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == [
+        "__main__ ['--steps', '4', '-h'] poptorch_lite PoplarExecutor 4"]
+
+
+def test_the_script_alone_has_no_poptorch(tmp_path):
+    (tmp_path / "train.py").write_text(SCRIPT)
+    result = subprocess.run([sys.executable, "train.py", "--steps", "1"], capture_output=True,
+                            text=True, timeout=300, cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 1 and "No module named 'poptorch'" in result.stderr
+
+
+def test_the_script_sees_its_own_folder_and_exit_status(tmp_path):
+    (tmp_path / "helper.py").write_text("VALUE = 7\n")
+    (tmp_path / "fails.py").write_text("import helper, sys\nprint(helper.VALUE)\nsys.exit(3)\n")
+    result = run_cli("run", str(tmp_path / "fails.py"), cwd=ROOT)
+    assert (result.returncode, result.stdout) == (3, "7\n")
+
+
+def test_usage_errors_exit_2_with_the_usage(tmp_path):
+    for args, message in [((), "the following arguments are required: COMMAND"),
+                          (("train", "x.py"), "invalid choice: 'train'"),
+                          (("run",), "the following arguments are required: SCRIPT"),
+                          (("run", "missing.py"), "run: no such script: 'missing.py'")]:
+        result = run_cli(*args, cwd=tmp_path)
+        assert result.returncode == 2, args
+        assert result.stderr.startswith("usage: poptorch-lite"), result.stderr
+        assert message in result.stderr, result.stderr
+
+
+def test_alias_gives_the_same_module_objects():
+    from poptorch_lite import cli
+    saved = {k: v for k, v in sys.modules.items() if k == "poptorch" or k.startswith("poptorch.")}
+    try:
+        cli.alias_poptorch()
+        import poptorch
+        import poptorch.enums
+        import poptorch.optim
+        import poptorch_lite
+        assert poptorch is poptorch_lite
+        assert poptorch.optim is poptorch_lite.optim and poptorch.enums is poptorch_lite.enums
+        assert "poptorch.cli" not in sys.modules
+    finally:
+        for k in [k for k in sys.modules if k == "poptorch" or k.startswith("poptorch.")]:
+            del sys.modules[k]
+        sys.modules.update(saved)
