@@ -21,13 +21,7 @@ from tqdm import tqdm
 
 import poptorch_lite as poptorch
 from mnist import accuracy, datasets
-from mnist_pipelined import Network
-
-
-def strategy():
-    """Blocks B1, B2 on IPU 0 and B3, B4 on IPU 1: a 2-stage pipeline."""
-    return poptorch.PipelinedExecution(poptorch.Stage("B1", "B2").ipu(0),
-                                       poptorch.Stage("B3", "B4").ipu(1))
+from mnist_pipelined import Network, strategy
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--data-dir", default=os.environ.get("MNIST_DATA", "data"),
@@ -37,6 +31,11 @@ parser.add_argument("--batch-size", type=int, default=8, help="micro-batch size"
 parser.add_argument("--gradient-accumulation", type=int, default=4,
                     help="micro-batches per optimizer step (>= 3 for a 2-stage pipeline)")
 parser.add_argument("--replicas", type=int, default=1, help="replicas in each process")
+parser.add_argument("--stages", type=int, default=2, choices=(2, 4), help="pipeline stages")
+parser.add_argument("--schedule", default="grouped",
+                    choices=("grouped", "interleaved", "sequential", "gpipe"),
+                    help="pipeline schedule (see docs/TUTORIAL.md)")
+parser.add_argument("--recompute", action="store_true", help="recompute every stage")
 parser.add_argument("--device-iterations", type=int, default=10,
                     help="optimizer steps per call of the model (steps per execution)")
 parser.add_argument("--test-batch-size", type=int, default=100, help="inference micro-batch size")
@@ -56,7 +55,7 @@ def main(argv=None):
     opts = poptorch.Options().deviceIterations(args.device_iterations).randomSeed(args.seed)
     opts.replicationFactor(args.replicas)
     opts.Training.gradientAccumulation(args.gradient_accumulation)
-    opts.setExecutionStrategy(strategy())
+    opts.setExecutionStrategy(strategy(args))
     train_data = poptorch.DataLoader(opts, train_set, batch_size=args.batch_size, shuffle=True)
     P = opts.Distributed.numProcesses
     if main_process:
@@ -87,7 +86,7 @@ def main(argv=None):
 
     test_opts = poptorch.Options().deviceIterations(max(2, args.device_iterations))
     test_opts.Distributed.disable()  # process 0 evaluates the whole test set alone
-    test_opts.setExecutionStrategy(strategy())
+    test_opts.setExecutionStrategy(strategy(args))
     test_data = poptorch.DataLoader(test_opts, test_set, batch_size=args.test_batch_size)
     model.eval()
     inference_model = poptorch.inferenceModel(model, test_opts)

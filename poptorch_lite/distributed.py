@@ -24,7 +24,8 @@ A training wrapper whose options name more than one process
    as DDP does, so that every process starts identical;
 4. in every optimizer step (the U action, one thread per process), after every
    stage's reduction and before clipping, all-reduces (sums) the gradients over
-   the processes in buckets of at most 25 MB per dtype and device, and divides
+   the processes (tensors of 1 MB or more in place, smaller ones flattened in
+   buckets of at most 25 MB per dtype and device; see :func:`_buckets`), and divides
    by P for ``ReductionType.Mean``: with the local division by G·R
    ([Note: gradient arithmetic] in ``executor``) that divides by G·R·P in all.
    A gradient that is None in one process counts as zeros there; it stays None

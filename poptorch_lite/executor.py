@@ -209,7 +209,8 @@ class Executor:
             self.processes.all_reduce_grads(self.weights.params)
         params = [p for p in self.weights.params.values() if p.grad is not None]
         if step.loss_scale.automatic:
-            finite = all(bool(torch.isfinite(p.grad).all()) for p in params)
+            finite = bool(torch.stack([torch.isfinite(p.grad).all().to(params[0].device)
+                                       for p in params]).all()) if params else True
             if not step.loss_scale.update(finite):
                 return
         if math.isfinite(step.max_grad_norm):

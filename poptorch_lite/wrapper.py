@@ -164,7 +164,8 @@ class PoplarExecutor:
             raise
         if self._training:
             self._steps += opts.device_iterations
-            if isinstance(self._optimizer, poptorch_optim._PopTorchOptimizer):
+            if self._loss_scale.automatic and isinstance(
+                    self._optimizer, poptorch_optim._PopTorchOptimizer):
                 self._optimizer.loss_scaling = self._loss_scale.scale  # [Note: loss scaling]
         return result
 
