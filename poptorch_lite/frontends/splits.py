@@ -17,8 +17,8 @@ from typing import Sequence
 
 import torch
 
-from .annotations import BeginBlock, removeBlocks
-from .errors import BlockError
+from ..annotations import BeginBlock, removeBlocks
+from ..errors import BlockError
 
 
 def set_pipeline_stage_assignment(model: torch.nn.Sequential, assignment: Sequence[int]):
