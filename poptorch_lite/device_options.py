@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 from . import errors
 from .enums import ConnectionType, OutputMode, SyncPattern
-from .options_base import coerce_enum, setter, via_setter, warn_ipu_only
+from .options_base import check_bool, coerce_enum, setter, via_setter, warn_ipu_only
 
 #: Defaults of the values the setters below store on ``Options``.
 DEVICE_DEFAULTS: dict[str, Any] = dict(
@@ -82,14 +82,22 @@ class DeviceOptions:
 
     @setter
     def useIpuModel(self, use_model: bool):
-        """Run on the IPU Model simulator.
+        """Give every IPU id a memory of its own, even on one device (PopTorch's IPU Model).
+
+        PopTorch's IPU Model simulates the hardware on the host. Here every IPU
+        keeps its own copies of its parameters, gradients, optimizer state and
+        buffers, and values crossing stages are copied, even where several IPUs
+        map to the same CPU ([Note: weight homes] in ``weights``): the path that
+        separate GPUs take runs, and is tested, on a machine without one. The
+        numbers are the same; the host model is brought up to date as on a GPU
+        ([Note: weight sync] in ``wrapper``).
 
         Example:
             >>> from poptorch_lite.options import Options
             >>> Options().useIpuModel(True).use_model
             True
         """
-        self._ipu_only("useIpuModel", use_model=use_model)
+        self._store(use_model=check_bool(use_model, "useIpuModel"))
 
     @setter
     def enableExecutableCaching(self, path: Optional[str]):

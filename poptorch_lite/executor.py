@@ -16,9 +16,19 @@ micro-batches ``G·R``; for ``Sum`` 1. With ``inputReplicaGrouping(g)`` the g
 replicas of a group share one input, so each micro-batch run stands for g of
 them: Mean divides by ``G·R/g`` and Sum by ``1/g``. With P processes the
 update first all-reduces over them (Mean: /P; ``distributed``). It then clips
-to ``max_grad_norm`` if finite, then calls ``optimizer.step()``. After a
-training call, each parameter's ``.grad`` holds the gradient its last step
-used.
+to ``max_grad_norm`` if finite, then calls ``optimizer.step()`` on the
+parameters' homes ([Note: weight homes] in ``weights``). After a training
+call, each parameter's ``.grad`` holds the gradient its last step used (read
+back with the weights on a separate home).
+
+[Note: commit point]
+Parameters and optimizer state change only in the update action (``U``), the
+last action of a run. A run that fails before it changes neither; the
+executor counts the updates that completed (``steps_applied``), so the wrapper
+knows how far a failed call got. An optimizer step that raises part-way
+leaves parameters or optimizer state half-updated: that is an
+``UnrecoverableError`` (reload a checkpoint), unless the wrapper took a full
+snapshot (``Options.allOrNothingCalls(True)``) and can undo the whole call.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from . import rng
-from .errors import ExecutionError
+from .errors import ExecutionError, UnrecoverableError
 from .loss_scaling import LossScale
 from .partition import Partition
 from .placement import ActionFailed, ActionStuck, Placement
@@ -53,6 +63,7 @@ class StepArithmetic:
             the loss scaling) to give the reduced gradient.
         max_grad_norm: clip the global gradient norm to this (inf: no clipping).
         accum_dtype: accumulate gradients in this dtype (None: the parameter's).
+        check_loss: stop at a non-finite loss (``Training.stopOnNonFiniteLoss``).
     """
 
     optimizer: torch.optim.Optimizer
@@ -60,11 +71,20 @@ class StepArithmetic:
     divisor: float = 1
     max_grad_norm: float = math.inf
     accum_dtype: Optional[torch.dtype] = None
+    check_loss: bool = False
 
     @property
     def loss_scaling(self) -> float:
         """The factor the loss is multiplied by before backward, now."""
         return self.loss_scale.scale
+
+
+class PartialUpdate(Exception):
+    """The optimizer's step raised part-way ([Note: commit point]); ``.exc`` is what it raised."""
+
+    def __init__(self, exc: BaseException):
+        super().__init__(f"{type(exc).__name__}: {exc}")
+        self.exc = exc
 
 
 class Executor:
@@ -99,6 +119,14 @@ class Executor:
                 if name not in seen:
                     seen.add(name)
                     self.owned[st.index].append(name)
+        # Where a buffer that the model returns is read: the IPU of its first user.
+        self.buffer_ipu = {}
+        for st in partition.stages:
+            for name in st.inputs:
+                if name.startswith("buffer:"):
+                    self.buffer_ipu.setdefault(name.split(":", 1)[1], st.ipu)
+        self.steps_applied = 0  # updates completed ([Note: commit point])
+        self.undoable = False   # the caller snapshots whole calls (allOrNothingCalls)
         self.handlers = {Kind.FORWARD: self.work.forward, Kind.BACKWARD: self.work.backward,
                          Kind.RECOMPUTE: self.work.recompute_action, Kind.REDUCE: self._reduce,
                          Kind.STEP: self._step}
@@ -204,19 +232,27 @@ class Executor:
 
     def _step(self, a: Action, run: Run, step: StepArithmetic) -> None:
         # [Note: gradient arithmetic] clip, then one optimizer update; [Note: loss scaling]
-        # skips it when automatic loss scaling finds a non-finite gradient.
-        if self.processes is not None:  # [Note: replicas across processes] global gradient first
-            self.processes.all_reduce_grads(self.weights.params)
-        params = [p for p in self.weights.params.values() if p.grad is not None]
-        if step.loss_scale.automatic:
-            finite = bool(torch.stack([torch.isfinite(p.grad).all().to(params[0].device)
-                                       for p in params]).all()) if params else True
-            if not step.loss_scale.update(finite):
-                return
-        if math.isfinite(step.max_grad_norm):
-            torch.nn.utils.clip_grad_norm_(params, step.max_grad_norm)
-        step.optimizer.step()
-        self.weights.after_step()
+        # skips it when automatic loss scaling finds a non-finite gradient. Inside
+        # stepping(), the host parameters stand for their homes ([Note: weight homes]).
+        weights = self.weights
+        with weights.stepping():
+            if self.processes is not None:  # [Note: replicas across processes] global gradient first
+                self.processes.all_reduce_grads(weights.params)
+            params = [p for p in weights.params.values() if p.grad is not None]
+            if step.loss_scale.automatic:  # one sync per step
+                finite = bool(torch.stack([torch.isfinite(p.grad).all().to(params[0].device)
+                                           for p in params]).all()) if params else True
+                if not step.loss_scale.update(finite):
+                    self.steps_applied += 1  # a skipped step counts as taken
+                    return
+            if math.isfinite(step.max_grad_norm):
+                torch.nn.utils.clip_grad_norm_(params, step.max_grad_norm)
+            try:  # [Note: commit point]: from here parameters and optimizer state change
+                step.optimizer.step()
+            except Exception as exc:
+                raise PartialUpdate(exc) from exc
+        weights.after_step()
+        self.steps_applied += 1
 
     # -- results and failures -------------------------------------------------------------
 
@@ -228,10 +264,11 @@ class Executor:
             if kind == "input":
                 v = run.inputs[i][int(key)]
             elif kind == "param":
-                v = self.weights.params[key].detach().clone()
+                v = self.weights.home(key).detach().clone()
+            elif key in self.buffer_ipu:
+                v = self.weights.buffer(key, run.replica_of(i), self.buffer_ipu[key]).detach().clone()
             else:
-                v = self.weights.buffer(key, run.replica_of(i), self.weights.buffers[key].device)
-                v = v.detach().clone()
+                v = self.weights.buffers[key].detach().clone()
         return v.cpu() if v.device.type != "cpu" else v
 
     def _fail(self, schedule: Schedule, row: Optional[int], a: Optional[Action],
@@ -246,6 +283,16 @@ class Executor:
                  f"{'' if stage is None else ' ' + str(list(stage.blocks))}, micro-batch "
                  f"{'-' if a.microbatch is None else a.microbatch}"
                  f"{f' of device iteration {run_index}' if schedule.training else ''}")
+        if isinstance(exc, PartialUpdate) and not self.undoable:  # [Note: commit point]
+            raise UnrecoverableError(
+                f"action {a} ({a.kind.name.lower()}) failed on {where}: the optimizer's step "
+                f"raised part-way ({exc}), so parameters and optimizer state may be half "
+                f"updated and cannot be put back; reload the last checkpoint "
+                f"(poptorch_lite.load_checkpoint) or the weights you saved, and fix the optimizer. "
+                f"Options.allOrNothingCalls(True) snapshots every call so that even this can "
+                f"be undone") from exc.exc
+        if isinstance(exc, PartialUpdate):
+            exc = exc.exc
         raise ExecutionError(
             f"action {a} ({a.kind.name.lower()}) failed on {where}: {type(exc).__name__}: {exc}\n"
             f"schedule '{schedule.name}', failing row marked:\n{schedule.render(mark_row=row)}",

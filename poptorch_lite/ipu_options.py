@@ -349,7 +349,7 @@ class _TensorLocationOptions(OptionGroup):
         self._store(num_io_tiles=num_tiles)
         warn_ipu_only(f"{self._PATH}.numIOTiles")
 
-    def _location(self, kind: str, location: TensorLocationSettings) -> None:
+    def _location(self, kind: str, location: TensorLocationSettings, ipu_only=True) -> None:
         method = f"set{kind.capitalize()}Location"
         if not isinstance(location, TensorLocationSettings):
             raise errors.OptionsError(
@@ -357,7 +357,8 @@ class _TensorLocationOptions(OptionGroup):
                 f"{location!r}; call e.g. opts.TensorLocations.{method}("
                 f"poptorch.TensorLocationSettings().useOnChipStorage(False))")
         self._store(**{f"location_{kind}": location.toDict()})
-        warn_ipu_only(f"{self._PATH}.{method}")
+        if ipu_only:
+            warn_ipu_only(f"{self._PATH}.{method}")
 
     @setter
     def setActivationLocation(self, location: TensorLocationSettings):
@@ -381,13 +382,25 @@ class _TensorLocationOptions(OptionGroup):
 
     @setter
     def setOptimizerLocation(self, location: TensorLocationSettings):
-        """Where optimizer state lives (IPU-only).
+        """Where optimizer state lives: ``useOnChipStorage(False)`` offloads it to the host.
+
+        Offloaded, the optimizer state and the update live in host memory: each
+        step gathers the gradients onto the host parameters, steps there, and
+        refreshes the stages' copies ([Note: weight homes] in ``weights``), which
+        saves the devices the optimizer state's memory. The other settings only
+        tune an IPU (accepted and ignored with one warning).
 
         Example:
-            >>> _TensorLocationOptions().setOptimizerLocation(TensorLocationSettings().useOnChipStorage(False)).location_optimizer
-            {'onChip': 0}
+            >>> t = _TensorLocationOptions().setOptimizerLocation(TensorLocationSettings().useOnChipStorage(False))
+            >>> t.location_optimizer, t.offload_optimizer
+            ({'onChip': 0}, True)
         """
-        self._location("optimizer", location)
+        self._location("optimizer", location, ipu_only=set(location.toDict()) - {"onChip"})
+
+    @property
+    def offload_optimizer(self) -> bool:
+        """Whether ``setOptimizerLocation`` put the optimizer state in host memory."""
+        return (self.location_optimizer or {}).get("onChip", 1) == 0
 
     @setter
     def setAccumulatorLocation(self, location: TensorLocationSettings):

@@ -38,6 +38,7 @@ class _TrainingOptions(OptionGroup):
         "mean_reduction_strategy":
             via_setter("setMeanAccumulationAndReplicationReductionStrategy"),
         "automatic_loss_scaling": via_setter("setAutomaticLossScaling"),
+        "stop_on_non_finite_loss": via_setter("stopOnNonFiniteLoss"),
         "convolution_dithering": via_setter("setConvolutionDithering"),
     }
 
@@ -45,7 +46,7 @@ class _TrainingOptions(OptionGroup):
         super().__init__(gradient_accumulation=1, reduction_type=ReductionType.Mean,
                          mean_reduction_strategy=MeanReductionStrategy.Post,
                          automatic_loss_scaling=False, loss_scaling_growth_interval=2000,
-                         convolution_dithering=False)
+                         stop_on_non_finite_loss=False, convolution_dithering=False)
 
     @property
     def accumulation_and_replication_reduction_type(self) -> ReductionType:
@@ -124,6 +125,24 @@ class _TrainingOptions(OptionGroup):
             growth_interval, "Training.setAutomaticLossScaling growth_interval",
             "opts.Training.setAutomaticLossScaling(True, growth_interval=2000)")
         self._store(automatic_loss_scaling=enabled, loss_scaling_growth_interval=interval)
+
+    @setter
+    def stopOnNonFiniteLoss(self, enabled: bool = True):
+        """Stop a call at the first non-finite loss (a debugging aid; poptorch_lite's own).
+
+        By default a NaN or inf loss passes through, as in PopTorch and plain
+        PyTorch: it is returned, and its gradients reach the step (automatic loss
+        scaling skips such steps). With this on, every micro-batch's loss is checked
+        on the host (a device sync per micro-batch) and the first non-finite one
+        raises ``ExecutionError`` naming the micro-batch; the call is undone to its
+        last completed step (docs/ERRORS.md).
+
+        Example:
+            >>> _TrainingOptions().stopOnNonFiniteLoss().stop_on_non_finite_loss
+            True
+        """
+        self._store(stop_on_non_finite_loss=check_bool(enabled,
+                                                       f"{self._PATH}.stopOnNonFiniteLoss"))
 
     @setter
     def setConvolutionDithering(self, enabled: bool):

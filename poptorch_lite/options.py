@@ -54,6 +54,7 @@ def _options_attributes() -> dict:
         "auto_recomputation": lambda g, v: g._Popart.set("autoRecomputation", v),
         "ipu_devices": via_setter("set_ipu_devices"),
         "watchdog_timeout": via_setter("watchdogTimeout"),
+        "all_or_nothing_calls": via_setter("allOrNothingCalls"),
     })
     return attributes
 
@@ -69,7 +70,7 @@ class Options(DeviceOptions, OptionGroup):
         device_iterations, replication_factor, input_group_size, output_mode,
         output_return_period, random_seed (None until ``randomSeed``),
         execution_strategy, broadcast_buffers, auto_recomputation, ipu_devices,
-        watchdog_timeout: see their setters.
+        watchdog_timeout, all_or_nothing_calls, use_model: see their setters.
 
     Example:
         >>> opts = Options().deviceIterations(20).replicationFactor(2).randomSeed(123)
@@ -87,7 +88,8 @@ class Options(DeviceOptions, OptionGroup):
             input_group_type=CommGroupType.Consecutive, output_mode=OutputMode.Default,
             output_return_period=1, random_seed=None,
             execution_strategy=PipelinedExecution(), broadcast_buffers=True,
-            ipu_devices=None, watchdog_timeout=600.0, **copy.deepcopy(DEVICE_DEFAULTS))
+            ipu_devices=None, watchdog_timeout=600.0, all_or_nothing_calls=False,
+            **copy.deepcopy(DEVICE_DEFAULTS))
         self._popart = _PopartOptions()
         self._training = _TrainingOptions()
         self._distributed = _DistributedOptions()
@@ -258,6 +260,24 @@ class Options(DeviceOptions, OptionGroup):
             raise errors.OptionsError(f"watchdogTimeout needs a number of seconds >= 0 or None, got "
                                f"{seconds!r}; call e.g. opts.watchdogTimeout(60)")
         self._store(watchdog_timeout=None if not seconds else float(seconds))
+
+    @setter
+    def allOrNothingCalls(self, enabled: bool = True):
+        """Undo a whole failed call, not just back to its last step (poptorch_lite's own).
+
+        By default parameters and optimizer state change only in a step's update
+        ([Note: commit point] in ``executor``), so a failed call leaves them as
+        after its last completed step, at no cost on the success path. With this
+        on, every training call first copies every parameter and the optimizer
+        state (one extra copy of each, per call), so that a failure in any of its
+        ``deviceIterations`` steps, even inside the optimizer's step, puts back the
+        state from before the call.
+
+        Example:
+            >>> Options().allOrNothingCalls().all_or_nothing_calls
+            True
+        """
+        self._store(all_or_nothing_calls=check_bool(enabled, "allOrNothingCalls"))
 
     @setter
     def set_ipu_devices(self, mapping: Union[DeviceLike, Sequence[DeviceLike],

@@ -127,6 +127,12 @@ class StageWork:
                                  and n.split(":", 1)[1] in partition.mutated_buffers]
                                 for st in partition.stages]
         self.wanted = {o for o in partition.outputs if isinstance(o, str)}
+        # The IPU that produces each stage output (values crossing IPUs are copied under
+        # useIpuModel, gradients too).
+        self.producer = {n: st.ipu for st in partition.stages for n in st.outputs}
+        self.crossing = [{n for n in st.outputs
+                          if any(n in t.inputs and t.ipu != st.ipu for t in partition.stages)}
+                         for st in partition.stages]
         # Per stage, where the loss is among its outputs (None: elsewhere).
         self.loss_at = [st.outputs.index(partition.loss) if partition.loss in st.outputs
                         else None for st in partition.stages]
@@ -144,18 +150,22 @@ class StageWork:
     def args(self, s: int, run: Run, i: int, device: torch.device) -> tuple:
         """Stage s's arguments for micro-batch i, and its boundary leaves ([Note: autograd boundary])."""
         st = self.partition.stages[s]
+        ipu, weights, separate = st.ipu, self.weights, self.weights.separate_memories
         args, boundary = [], {}
         for name, kind, key in self.sources[s]:
             if kind == "param":
-                v = self.weights.param(key, device)
+                v = weights.param(key, ipu)
             elif kind == "buffer":
-                v = self.weights.buffer(key, run.replica_of(i), device)
+                v = weights.buffer(key, run.replica_of(i), ipu)
             elif kind == "input":
-                v = run.inputs[i][int(key)].to(device)
+                v = run.inputs[i][int(key)]
+                v = v.clone() if separate and v.device == device else v.to(device)
             else:  # computed by an earlier stage: [Note: autograd boundary]
                 produced = run.values[i][name]
                 v = produced.detach().to(device)
-                if device.type == "cuda" and produced.device == device:
+                if separate and self.producer[name] != ipu and v.device == produced.device:
+                    v = v.clone()  # useIpuModel: the value crosses into another IPU's memory
+                elif device.type == "cuda" and produced.device == device:
                     v.record_stream(torch.cuda.current_stream(device))  # used on this stream too
                 if torch.is_grad_enabled() and produced.requires_grad:
                     v.requires_grad_(True)
@@ -208,7 +218,7 @@ class StageWork:
                     self._count(t, counted, run.excluded)
                 self._entry_bytes[s] = sum(counted.values())
             entry.nbytes = self._entry_bytes[s]
-        if self.loss_at[s] is not None and not step.loss_scale.automatic:
+        if self.loss_at[s] is not None and step.check_loss:  # opt-in: a sync per micro-batch
             _check_loss(outs[self.loss_at[s]], i)
         self._keep_outputs(st, run, i, outs)
         stash = run.stash[s]
@@ -278,11 +288,14 @@ class StageWork:
         run.stash[a.stage].popleft()
         i = entry.i
         grads_in = run.grads[i]
+        crossing = self.crossing[a.stage] if self.weights.separate_memories else ()
         pending: dict = {}  # value name -> gradient from a later segment's leaf
         for outs, names, leaves in reversed(entry.segments):
             tensors, grads = [], []
             for name, o in zip(names, outs):
                 g = grads_in.pop(name, None)
+                if g is not None and name in crossing:
+                    g = g.clone()  # useIpuModel: the gradient crosses back into this IPU's memory
                 if name == self.partition.loss:
                     seed = torch.full_like(o, step.loss_scaling)  # loss scaling: the one place
                     g = seed if g is None else g + seed
@@ -303,9 +316,9 @@ class StageWork:
 
     def _accumulate(self, s: int, run: Run, dtype: torch.dtype) -> None:
         """Move this backward's gradients into accumulators of ``dtype`` ([Note: gradient arithmetic])."""
-        device = self.placement.device(self.partition.stages[s].ipu)
+        ipu = self.partition.stages[s].ipu
         for name in self.exclusive[s]:
-            p = self.weights.param(name, device)
+            p = self.weights.param(name, ipu)
             if p.grad is None or p.grad.dtype == dtype:
                 continue
             held = run.accum.get(name)
@@ -315,13 +328,14 @@ class StageWork:
 
 
 def _check_loss(loss: torch.Tensor, i: int) -> None:
-    """[Note: loss scaling]: without automatic loss scaling a non-finite loss stops the call."""
+    """``Training.stopOnNonFiniteLoss(True)``: a non-finite loss stops the call (a debugging aid)."""
     if not bool(torch.isfinite(loss).all()):
         value = loss.item() if loss.numel() == 1 else loss.detach().cpu().tolist()
         raise FloatingPointError(
             f"the loss of micro-batch {i} is {value}, not finite, so its gradients would be "
             f"too; check that micro-batch's inputs and the learning rate, or, for float16, "
-            f"turn on opts.Training.setAutomaticLossScaling(True), which skips such steps")
+            f"turn on opts.Training.setAutomaticLossScaling(True), which skips such steps "
+            f"(opts.Training.stopOnNonFiniteLoss(False) lets such losses through, as PopTorch does)")
 
 
 def _identity(t):

@@ -1,17 +1,20 @@
-"""All-or-nothing calls: capture what a call may change, and put it back if it fails.
+"""Undoing a failed call: capture what a call may change, and put it back if it fails.
 
 [Note: all-or-nothing calls]
-Before a call runs, the wrapper captures every parameter, buffer and device
-copy (:meth:`~poptorch_lite.weights.Weights.snapshot`), the optimizer's state
-and hyper-parameters, the loss scale and torch's random number generators.
-If anything in the call raises (an action failing on any stream, the
-watchdog, ``KeyboardInterrupt``, a non-finite loss), all of it is put back
-before the exception reaches the caller: parameters and buffers keep their
-identity (values are copied back in place), so the user's model, optimizer
-and any other wrapper of the model see exactly the state from before the
-call, and the next call starts from it. Copying costs one extra copy of the
-weights and optimizer state per call (see docs/PERFORMANCE.md); an inference
-call captures only the buffers and the generators.
+Parameters and optimizer state change only in a step's update action
+([Note: commit point] in ``executor``), so a failed call needs no copy of them
+to be left consistent: it leaves the model as after its last completed
+optimizer step (as before the call, for ``deviceIterations(1)``). What the
+update does not commit is captured before each run (one step's micro-batches)
+and put back if that run fails before its update: buffers (BatchNorm
+statistics move in forwards), the loss scale and torch's random number
+generators. That copy is small, and the success path pays nothing else.
+``Options.allOrNothingCalls(True)`` also captures every parameter and the
+optimizer's state and hyper-parameters before the call (one extra copy of
+each, per call; docs/PERFORMANCE.md), so that a failure in any step, even inside
+the optimizer's step, puts back the state from before the call. Tensors keep
+their identity (values are copied back in place), so the user's model,
+optimizer and any other wrapper of the model see exactly the restored state.
 
 Example:
     >>> import torch
@@ -19,7 +22,7 @@ Example:
     >>> net = torch.nn.Linear(2, 1)
     >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
     >>> before = net.weight.detach().clone()
-    >>> restore = capture(Weights(net, 1, False), opt, None)
+    >>> restore = capture(Weights(net, 1, False), opt, None, params=True)
     >>> with torch.no_grad():
     ...     _ = net.weight.add_(1.0)
     >>> restore()
@@ -39,14 +42,15 @@ from .weights import Weights
 
 
 def capture(weights: Weights, optimizer: Optional[torch.optim.Optimizer],
-            loss_scale: Optional[LossScale], params: bool = True) -> Callable[[], None]:
+            loss_scale: Optional[LossScale], params: bool = False) -> Callable[[], None]:
     """Capture the state a call may change; return the function that puts it back.
 
     Args:
         weights: the wrapper's weights (parameters, buffers, device copies).
-        optimizer: the optimizer a training call steps (None: inference).
+        optimizer: the optimizer whose state to capture (None: not captured).
         loss_scale: the wrapper's loss scale (None: inference).
-        params: capture parameters too (False for inference: only buffers change).
+        params: capture parameters too (``allOrNothingCalls``); else only what a
+            step does not commit.
     """
     restore_weights = weights.snapshot(params=params)
     restore_optimizer = _optimizer_snapshot(optimizer) if optimizer is not None else None

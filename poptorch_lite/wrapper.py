@@ -7,13 +7,19 @@ per the output mode. Every refusal happens before any parameter, optimizer
 state, buffer or RNG state changes.
 
 [Note: weight sync]
-Stages on the host model's device compute with the user's own ``Parameter``
-objects, so after a training call the model holds the trained values, an
-``inferenceModel`` of the same model sees them, and host edits take effect at
-once (POPTORCH_REFERENCE §11: an emulation need not copy PopTorch's stale-copy
-artifacts). Stages on other devices use copies ([Note: weight homes]) that
-follow host edits before every call; ``copyWeightsToHost``/``copyWeightsToDevice``
-force the copies either way.
+Where a stage's memory is the host model's (the CPU, without ``useIpuModel``),
+the stage computes with the user's own ``Parameter`` objects: after a call the
+model holds the trained values, an ``inferenceModel`` of the same model sees
+them, and host edits take effect at once. Elsewhere the weights live on their
+stage's device ([Note: weight homes] in ``weights``) and the host copy is
+brought up to date when something reads it, as PopTorch does with an implicit
+``copyWeightsToHost()``: while wrapped, each module's parameter and buffer
+tables are a :class:`~poptorch_lite.weights.HostView`, so any read of the
+user's model (``model.fc.weight``, ``parameters()``, ``state_dict()``, calling
+it) syncs first; so do attribute access through the wrapper, a call of another
+wrapper of the same model, ``copyWeightsToHost``, ``detachFromDevice`` and
+``destroy``. Host edits (tensors whose version moved) reach the devices before
+the next call; ``copyWeightsToHost``/``copyWeightsToDevice`` force the copies.
 """
 
 from __future__ import annotations
@@ -30,13 +36,14 @@ from . import distributed
 from . import optim as poptorch_optim
 from .batch import MicroBatches, merge, resolve_output_mode, selected_microbatches
 from .enums import ConnectionType, ReductionType
-from .errors import DeviceError, OptionsError, PoptorchLiteWarning, WrapError, warn_once
+from .errors import (DeviceError, OptionsError, PoptorchLiteWarning, UnrecoverableError,
+                     WrapError, warn_once)
 from .executor import Executor, StepArithmetic
 from .loss_scaling import LossScale
 from .options import Options, batch_factor
 from .partition import Partition, check_pipeline_minimums, partition
 from .placement import Placement
-from .weights import Weights
+from .weights import Weights, unwatch, watch
 from .schedule import build
 from .timeline import Recorder, Timeline
 from .undo import capture
@@ -113,7 +120,7 @@ class PoplarExecutor:
         self._weights: Optional[Weights] = None
         self._attached = False
         self._compiled = False
-        self._versions: tuple = ()
+        self._hooks: list = []
         self._statistics: Optional[RunStatistics] = None
         self._steps = 0  # optimizer steps taken (skipped ones included)
         self._loss_scale = LossScale(
@@ -151,16 +158,31 @@ class PoplarExecutor:
         program = self._program(mbs)
         if not self._attached:
             self._attach()
-        self._follow_host_edits()
-        # [Note: all-or-nothing calls]: from here on, a failure puts everything back.
-        restore = capture(self._weights, self._optimizer, self._loss_scale, self._training)
+        trainer = _training_wrapper(self._user_model)
+        if trainer is not None and trainer is not self and trainer._weights is not None:
+            trainer._weights.to_host()  # [Note: weight sync]: follow the training model
+        weights = self._weights
+        if weights.edited():  # host edits reach the devices
+            weights.to_device(everything=False)
+        ex = program.executor
+        # [Note: commit point]: a failure leaves the state of the last completed step;
+        # allOrNothingCalls also undoes the steps of a failed call.
+        full = self._training and opts.all_or_nothing_calls
+        restore = capture(weights, self._optimizer, self._loss_scale, True) if full else None
+        ex.undoable = full
+        applied = ex.steps_applied
+        if self._training:
+            weights.optimizer_state_to_homes(self._optimizer)
         try:
-            result = self._run(program, mbs)
+            result = self._run(program, mbs, per_run=not full)
         except BaseException as exc:
-            restore()
-            self._remember_versions()
-            exc.add_note("poptorch_lite: the call was undone: parameters, buffers, optimizer "
-                         "state, loss scale and random state are as they were before it")
+            applied = ex.steps_applied - applied
+            if restore is not None:
+                restore()
+                applied = 0
+            self._steps += applied
+            exc.add_note(_undo_note(applied, opts.device_iterations if self._training else 0,
+                                    isinstance(exc, UnrecoverableError)))
             raise
         if self._training:
             self._steps += opts.device_iterations
@@ -169,8 +191,13 @@ class PoplarExecutor:
                 self._optimizer.loss_scaling = self._loss_scale.scale  # [Note: loss scaling]
         return result
 
-    def _run(self, program: _Program, mbs: MicroBatches):
-        """The runs of one call, then the merged outputs."""
+    def _run(self, program: _Program, mbs: MicroBatches, per_run: bool = True):
+        """The runs of one call, then the merged outputs.
+
+        With ``per_run``, each run first captures what its step does not commit
+        (buffers, random state, loss scale) and puts it back if the run fails
+        before its update ([Note: commit point]).
+        """
         # R: the replicas run in turn, one per input slice ([Note: batch layout]); G is 1
         # for inference models (refused otherwise at wrap time).
         opts = self._options
@@ -184,15 +211,27 @@ class PoplarExecutor:
                 self._optimizer, self._loss_scale,
                 G * R if mean else 1 / opts.input_group_size,
                 poptorch_optim.max_grad_norm(self._optimizer),
-                poptorch_optim.accum_dtype(self._optimizer))
+                poptorch_optim.accum_dtype(self._optimizer),
+                opts.Training.stop_on_non_finite_loss)
             runs = [range(d * G * R, (d + 1) * G * R) for d in range(D)]
         else:  # one run of every micro-batch
             schedule, step, runs = program.schedule(D * R, False), None, [range(D * R)]
         recorder = Recorder(time.perf_counter())
         outputs, stats = [], []
+        weights, loss_scale = self._weights, self._loss_scale
         for d, ks in enumerate(runs):
-            out, run_stats = ex.run(schedule, [mbs.tensors(k) for k in ks], lambda j: j % R,
-                                    step, recorder, d, opts.watchdog_timeout)
+            undo = capture(weights, None, loss_scale, False) if per_run else None
+            before = ex.steps_applied
+            weights.buffers_move()
+            try:
+                out, run_stats = ex.run(schedule, [mbs.tensors(k) for k in ks], lambda j: j % R,
+                                        step, recorder, d, opts.watchdog_timeout)
+            except BaseException:
+                if undo is not None and ex.steps_applied == before:
+                    undo()
+                raise
+            finally:
+                weights.buffers_move()
             outputs += out
             stats.append(run_stats)
         names = [f"ipu{k} ({self._placement.devices[k]})" if k in self._placement.devices
@@ -201,8 +240,6 @@ class PoplarExecutor:
             schedule.name, tuple(max(v) for v in zip(*(r.peak_stash_depth for r in stats))),
             tuple(max(v) for v in zip(*(r.peak_stash_bytes for r in stats))),
             recorder.timeline(names, schedule.name))
-        self._weights.to_host()
-        self._remember_versions()
         return self._merge(program.partition, outputs)
 
     def runStatistics(self) -> RunStatistics:
@@ -242,8 +279,8 @@ class PoplarExecutor:
     def copyWeightsToDevice(self) -> None:
         """Make the device side use the user's model's current weights and buffers."""
         self._require_compiled()
+        self._weights.to_host()  # values trained since the last sync are kept
         self._weights.to_device()
-        self._remember_versions()
 
     def setOptimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Use ``optimizer``'s hyper-parameters from the next call on.
@@ -271,6 +308,7 @@ class PoplarExecutor:
         self._weights.to_host()
         self._placement.close()
         self._attached = False
+        self._remove_hooks()
 
     def attachToDevice(self) -> None:
         """Attach again after ``detachFromDevice()`` (a call attaches automatically)."""
@@ -287,6 +325,7 @@ class PoplarExecutor:
         """Copy weights back, release workers and unwrap (the model can be wrapped again)."""
         if self._weights is not None:
             self._weights.to_host()
+        self._remove_hooks()
         if self._placement is not None:
             self._placement.close()
         self._programs.clear()
@@ -297,6 +336,8 @@ class PoplarExecutor:
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """Load into the user's model, then into the device side."""
+        if self._weights is not None:
+            self._weights.to_host()  # what the state dict leaves out keeps its trained value
         result = self._user_model.load_state_dict(state_dict, strict)
         if self._compiled:
             self.copyWeightsToDevice()
@@ -311,6 +352,9 @@ class PoplarExecutor:
     def __getattr__(self, name: str):
         if name.startswith("_"):
             raise AttributeError(name)
+        weights = self.__dict__.get("_weights")
+        if weights is not None:
+            weights.to_host()  # [Note: weight sync]
         return getattr(self._user_model, name)
 
     def __repr__(self) -> str:
@@ -337,6 +381,8 @@ class PoplarExecutor:
         o = self._options
         if self._processes is not None:  # first compile: join the group, compare options
             self._processes.join(self._user_model, self._optimizer)
+        if self._weights is not None:
+            self._weights.to_host()  # trace with the trained values, outside the trace
         a, kw = mbs.args_kwargs(0)
         part = partition(self._user_model, self._modes, a, kw, o.execution_strategy,
                          self._training)
@@ -352,12 +398,19 @@ class PoplarExecutor:
                 f"can disable buffer broadcasting using poptorch.Options.broadcastBuffers(False)")
         if self._weights is None:
             self._weights = Weights(self._user_model, self._replicas(),
-                                    separate_buffers=not o.broadcast_buffers)
+                                    separate_buffers=not o.broadcast_buffers,
+                                    separate_memories=o.use_model,
+                                    offload=self._training and o.TensorLocations.offload_optimizer)
         ipus = set(part.stage_ipus())
         if self._placement is None or not ipus <= set(self._placement.devices):
             if self._placement is not None:
                 self._placement.close()
             self._placement = Placement(sorted(ipus), o.ipu_devices)
+        self._weights.place(self._placement.devices,
+                            [(st.ipu, st.param_names) for st in part.stages])
+        self._weights.place_buffers([(st.ipu, [n.split(":", 1)[1] for n in st.inputs
+                                               if n.startswith("buffer:")])
+                                     for st in part.stages])
         recompute = tuple(self._recomputed(st) for st in part.stages) if self._training else ()
         program = _Program(part, Executor(part, self._placement, self._weights, recompute,
                                           self._processes),
@@ -381,26 +434,24 @@ class PoplarExecutor:
             self._processes.broadcast_from_main(self._user_model)
         self._attached = True
         self._weights.to_device()
-        self._remember_versions()
+        self._add_hooks()
 
     def _require_compiled(self) -> None:
         if not self._compiled:
             raise DeviceError("Model has not been compiled or has been destroyed: call the "
                               "model (or model.compile(...)) first")
 
-    def _host_versions(self) -> tuple:
-        w = self._weights
-        return tuple(t._version for t in (*w.params.values(), *w.buffers.values()))
+    def _add_hooks(self) -> None:
+        """Reading the user's model brings it up to date ([Note: weight sync]); so does this
+        wrapper being garbage collected without ``destroy()``."""
+        if not self._hooks:
+            watch(self._user_model, self._weights)
+            self._hooks = [weakref.finalize(self, _release, self._user_model, self._weights)]
 
-    def _remember_versions(self) -> None:
-        self._versions = self._host_versions()
-
-    def _follow_host_edits(self) -> None:
-        """Host tensors changed since the last sync (an edit, another wrapper's training)."""
-        now = self._host_versions()
-        if now != self._versions:
-            self._weights.to_device()
-            self._versions = now
+    def _remove_hooks(self) -> None:
+        for release in self._hooks:
+            release()
+        self._hooks = []
 
     def _merge(self, part: Partition, per_microbatch: list):
         o = self._options
@@ -410,6 +461,26 @@ class PoplarExecutor:
         merged = iter(merge(per_microbatch, groups))
         leaves = [next(merged) if isinstance(v, str) else v[1] for v in part.outputs]
         return pytree.tree_unflatten(leaves, part.out_spec)
+
+
+def _release(model: torch.nn.Module, weights: Weights) -> None:
+    """The wrapper is done with ``model``: its last trained values go to the host copy."""
+    weights.to_host()
+    unwatch(model, weights)
+
+
+def _undo_note(applied: int, steps: int, partial: bool = False) -> str:
+    """What a failed call left ([Note: commit point] in ``executor``)."""
+    if partial:
+        return (f"poptorch_lite: {applied} of the call's {steps} steps completed before the "
+                f"failing one; buffers, loss scale and random state were put back to the start "
+                f"of its run, parameters and optimizer state could not be")
+    if applied == 0:
+        return ("poptorch_lite: the call was undone: parameters, buffers, optimizer state, "
+                "loss scale and random state are as they were before it")
+    return (f"poptorch_lite: the call was undone to its last completed optimizer step: "
+            f"{applied} of its {steps} steps were applied, and parameters, optimizer state, "
+            f"buffers, loss scale and random state are as right after step {applied}")
 
 
 def _check_options(options) -> Options:

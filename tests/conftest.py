@@ -7,11 +7,14 @@ from poptorch_lite import errors
 
 import probes
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# "ipu_model": every IPU on the CPU with a memory of its own (Options.useIpuModel(True)), the
+# path that separate GPUs take, so that it runs on machines without one.
+DEVICES = ["cpu", "ipu_model"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def pytest_generate_tests(metafunc):
-    # Every test taking `device` runs on the CPU, and on CUDA when one is present.
+    # Every test taking `device` runs on the CPU, through the IPU Model, and on CUDA when one
+    # is present (models.on_device puts the options there).
     if "device" in metafunc.fixturenames:
         marks = {"cuda": [pytest.mark.cuda]}
         metafunc.parametrize("device", [pytest.param(d, marks=marks.get(d, [])) for d in DEVICES])

@@ -106,3 +106,12 @@ def exited(timeout: float = 5.0) -> bool:
     while workers() and time.monotonic() < deadline:
         time.sleep(0.01)
     return workers() == []
+
+
+def on_device(opts, device):
+    """Put every IPU of ``opts`` on the test's ``device``: "cpu", "cuda", or "ipu_model" (the
+    CPU, with a memory per IPU: ``Options.useIpuModel(True)``)."""
+    opts.set_ipu_devices("cpu" if device == "ipu_model" else device)
+    if device == "ipu_model":
+        opts.useIpuModel(True)
+    return opts

@@ -226,7 +226,9 @@ def action_fails():
 
 def non_finite_loss():
     model = Two(tail="mse")
-    wrapped = poptorch.trainingModel(model, opts(G=2), optim.SGD(model.parameters(), lr=0.1))
+    o = opts(G=2)
+    o.Training.stopOnNonFiniteLoss(True)
+    wrapped = poptorch.trainingModel(model, o, optim.SGD(model.parameters(), lr=0.1))
     x, y = torch.randn(4, 4), torch.randn(4, 4)
     x[3, 0] = float("inf")
     with weights_unchanged(model):
@@ -246,6 +248,14 @@ class StallingTrained(torch.nn.Module):
         with poptorch.Block("b", ipu_id=1):
             out = self.l2(stall(h))
             return out, F.mse_loss(out, y)
+
+
+def optimizer_fails_part_way():
+    model = Two(tail="mse")
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    wrapped = poptorch.trainingModel(model, opts(G=2), opt)
+    opt.register_step_pre_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("broken")))
+    wrapped(torch.randn(4, 4), torch.randn(4, 4))
 
 
 def interrupted():
@@ -564,6 +574,7 @@ T = {
     "E-RUN-02": watchdog_fires,
     "E-RUN-03": non_finite_loss,
     "E-RUN-04": interrupted,
+    "E-RUN-05": optimizer_fails_part_way,
     # checkpoints
     "E-CKP-01": lambda tmp_path: poptorch.save_checkpoint(
         tmp_path / "x.pt", poptorch.inferenceModel(Two())),

@@ -101,8 +101,9 @@ def test_sub_group_setters_chain_on_their_group():
 
 
 def test_walkthrough_chain():
-    # ex:tutorials/.../walkthrough.py
-    with pytest.warns(errors.IpuOnlyWarning):
+    # ex:tutorials/.../walkthrough.py; useIpuModel means separate memories here: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         o = Options().deviceIterations(20).replicationFactor(2).randomSeed(123).useIpuModel(True)
     assert (o.device_iterations, o.replication_factor, o.random_seed, o.use_model) == (
         20, 2, 123, True)
@@ -312,7 +313,6 @@ def test_to_dict_and_repr():
 
 IPU_ONLY = [
     ("Options.autoRoundNumIPUs", lambda o: o.autoRoundNumIPUs(True), "auto_round_num_ipus", True),
-    ("Options.useIpuModel", lambda o: o.useIpuModel(True), "use_model", True),
     ("Options.enableExecutableCaching", lambda o: o.enableExecutableCaching("/tmp/c"),
      "executable_cache_dir", "/tmp/c"),
     ("Options.connectionType", lambda o: o.connectionType(ConnectionType.Never),
@@ -369,7 +369,8 @@ IPU_ONLY = [
     ("Options.TensorLocations.setWeightLocation",
      lambda o: o.TensorLocations.setWeightLocation(TensorLocationSettings()), None, None),
     ("Options.TensorLocations.setOptimizerLocation",
-     lambda o: o.TensorLocations.setOptimizerLocation(TensorLocationSettings()), None, None),
+     lambda o: o.TensorLocations.setOptimizerLocation(
+         TensorLocationSettings().minElementsForOffChip(10)), None, None),
     ("Options.TensorLocations.setAccumulatorLocation",
      lambda o: o.TensorLocations.setAccumulatorLocation(TensorLocationSettings()), None, None),
     ("Options.Jit.traceModel", lambda o: o.Jit.traceModel(False), None, None),
@@ -398,6 +399,22 @@ def test_ipu_only_option_is_stored_and_warns_exactly_once(name, call, attribute,
         warnings.simplefilter("always")
         call(Options())
     assert again == []
+
+
+def test_offloading_the_optimizer_and_the_ipu_model_have_a_meaning_and_do_not_warn():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        o = Options().useIpuModel(True)
+        o.TensorLocations.setOptimizerLocation(TensorLocationSettings().useOnChipStorage(False))
+        o.Training.stopOnNonFiniteLoss(True)
+        o.allOrNothingCalls(True)
+    assert (o.use_model, o.TensorLocations.offload_optimizer, o.Training.stop_on_non_finite_loss,
+            o.all_or_nothing_calls) == (True, True, True, True)
+    assert Options().TensorLocations.offload_optimizer is False
+    for setter in (lambda: Options().useIpuModel(1), lambda: Options().allOrNothingCalls("yes"),
+                   lambda: Options().Training.stopOnNonFiniteLoss(None)):
+        with pytest.raises(errors.OptionsError, match="needs a bool"):
+            setter()
 
 
 def test_ipu_only_values_in_groups_read_back():

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from poptorch_lite.placement import ActionFailed, ActionStuck, Placement, resolve_devices
-from poptorch_lite.weights import Weights
 
 from models import exited, workers
 
@@ -104,30 +103,6 @@ def test_garbage_collection_releases_the_workers():
     del placement
     gc.collect()
     assert exited()
-
-
-def test_stages_on_the_models_device_use_the_users_parameter_objects():
-    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
-    weights = Weights(model, replicas=2, separate_buffers=True)
-    assert weights.param("0.weight", torch.device("cpu")) is model[0].weight
-    assert weights.buffer("1.running_mean", 0, torch.device("cpu")) is model[1].running_mean
-    replica1 = weights.buffer("1.running_mean", 1, torch.device("cpu"))
-    assert replica1 is not model[1].running_mean and torch.equal(replica1, model[1].running_mean)
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_stage_on_another_device_uses_a_copy_that_follows_the_host():
-    model = torch.nn.Linear(2, 2)
-    weights = Weights(model, replicas=1, separate_buffers=False)
-    copy = weights.param("weight", torch.device("cuda"))
-    assert copy.device.type == "cuda" and copy.requires_grad
-    with torch.no_grad():
-        model.weight.add_(1.0)
-    weights.after_step()
-    assert torch.equal(copy.cpu(), model.weight.detach())
-    copy.grad = torch.ones_like(copy)
-    assert torch.equal(weights.gather_grad("weight"), torch.ones(2, 2))
 
 
 def test_closing_again_after_reuse_releases_the_new_workers():

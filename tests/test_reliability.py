@@ -32,7 +32,7 @@ def state(model, optimizer):
 
 def assert_same_state(a, b):
     (wa, oa, ra), (wb, ob, rb) = a, b
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert wa.keys() == wb.keys() and [k for k in wa if not torch.equal(wa[k], wb[k])] == []
     assert oa["param_groups"] == ob["param_groups"]
     assert oa["state"].keys() == ob["state"].keys()
     for k in oa["state"]:
@@ -42,11 +42,11 @@ def assert_same_state(a, b):
     assert torch.equal(ra, rb)
 
 
-def stateful_model(schedule, recompute=False, **kwargs):
+def stateful_model(schedule, recompute=False, ipu_model=False, **kwargs):
     torch.manual_seed(0)
     net = Probed(2, stateful=True)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    opts = options(schedule, G, D, recompute)
+    opts = options(schedule, G, D, recompute).useIpuModel(ipu_model)
     for name, value in kwargs.items():
         getattr(opts, name)(value)
     return net, opt, poptorch.trainingModel(net, opts, opt)
@@ -72,52 +72,96 @@ def warm_up(model, net):
     return probed_batch(G * D)
 
 
-# -- all-or-nothing calls -----------------------------------------------------------------
+def after_each_step(net, opt):
+    """Record the state right after every optimizer step (a post-step hook)."""
+    states = []
+    handle = opt.register_step_post_hook(lambda *_: states.append(state(net, opt)))
+    return states, handle
 
 
-_UNDISTURBED: dict = {}
+def resumed_from(saved, schedule, ipu_model, x, y):
+    """A fresh model put in ``saved``'s state, then called on (x, y): what the next call of a
+    model left in that state must return and leave."""
+    net, opt, model = stateful_model(schedule, ipu_model=ipu_model)
+    warm_up(model, net)  # compiled and attached
+    weights, optim_state, rng = saved
+    model.load_state_dict(weights)
+    opt.load_state_dict(optim_state)
+    torch.set_rng_state(rng)
+    out = model(x, y)
+    result = (out, state(net, opt))
+    model.destroy()
+    torch.set_rng_state(rng)  # the caller's model goes on from the same random state
+    return result
 
 
-def undisturbed(schedule):
-    """The second call's outputs and the state after it, in a run without failures."""
-    if schedule not in _UNDISTURBED:
-        net, opt, model = stateful_model(schedule)
-        x, y = warm_up(model, net)
-        _UNDISTURBED[schedule] = (model(x, y), state(net, opt))
-        model.destroy()
-    return _UNDISTURBED[schedule]
+# -- failed calls -------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("ipu_model", [False, True], ids=["shared", "ipu_model"])
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("kind", ["F", "B", "R"])
 @pytest.mark.parametrize("stage", [0, 1])
 @pytest.mark.parametrize("index", [0, 5, 9])  # first, middle (second run), last micro-batch
-def test_a_failing_call_changes_nothing_and_the_next_call_is_exact(schedule, kind, stage, index):
-    (expected_out, expected_loss), expected_state = undisturbed(schedule)
-    net, opt, model = stateful_model(schedule, recompute=kind == "R")
+def test_a_failing_call_leaves_its_last_step_and_the_next_call_is_exact(
+        schedule, kind, stage, index, ipu_model):
+    """[Note: commit point]: a failure in run d leaves the state right after step d-1
+    (before the call for d = 0): weights, optimizer state, buffers and random state."""
+    net, opt, model = stateful_model(schedule, recompute=kind == "R", ipu_model=ipu_model)
     x, y = warm_up(model, net)
     before = state(net, opt)
+    steps, handle = after_each_step(net, opt)
     PROBE["fn"] = fail_at(kind, stage, index)
     start = time.perf_counter()
     with pytest.raises(poptorch.ExecutionError) as info:
         model(x, y)
     assert time.perf_counter() - start < 1.0
+    handle.remove()
     run, local = divmod(index, G)
     assert str(info.value).startswith(f"action {stage}{kind}{local} (")
     assert f"stage {stage} ['b{stage}'], micro-batch {local} of device iteration {run}" \
         in str(info.value)
-    assert any("the call was undone" in note for note in info.value.__notes__)
-    assert_same_state(state(net, opt), before)
+    assert len(steps) == run
+    if run == 0:
+        assert any("the call was undone: parameters, buffers, optimizer state, loss scale and "
+                   "random state are as they were before it" in n for n in info.value.__notes__)
+        assert_same_state(state(net, opt), before)
+    else:
+        assert any(f"the call was undone to its last completed optimizer step: {run} of its "
+                   f"{D} steps were applied" in n for n in info.value.__notes__)
+        assert_same_state(state(net, opt), steps[-1])
+    assert model._steps == D + run
     PROBE["fn"] = None
-    out, loss = model(x, y)  # as if the failed call never happened (recomputation is exact)
+    (expected_out, expected_loss), expected_state = resumed_from(
+        state(net, opt), schedule, ipu_model, x, y)
+    out, loss = model(x, y)  # exactly what a model in that state computes
     assert torch.equal(out, expected_out) and torch.equal(loss, expected_loss)
     assert_same_state(state(net, opt), expected_state)
     model.destroy()
     assert workers() == []
 
 
-def test_a_failing_optimizer_step_changes_nothing():
-    net, opt, model = stateful_model("grouped")
+@pytest.mark.parametrize("ipu_model", [False, True], ids=["shared", "ipu_model"])
+def test_a_failing_optimizer_step_is_unrecoverable(ipu_model):
+    """The optimizer's own step failing part-way cannot be put back without a snapshot."""
+    net, opt, model = stateful_model("grouped", ipu_model=ipu_model)
+    x, y = warm_up(model, net)
+
+    def hook(optimizer, args, kwargs):
+        raise RuntimeError("injected optimizer fault")
+    handle = opt.register_step_pre_hook(hook)
+    with pytest.raises(poptorch.UnrecoverableError, match=(
+            r"^action U \(step\) failed .*device iteration 0: the optimizer's step raised "
+            r"part-way \(RuntimeError: injected optimizer fault\), so parameters and optimizer "
+            r"state may be half updated and cannot be put back; reload the last checkpoint")):
+        model(x, y)
+    handle.remove()
+    model.destroy()
+
+
+@pytest.mark.parametrize("ipu_model", [False, True], ids=["shared", "ipu_model"])
+def test_all_or_nothing_calls_undo_every_step_even_a_failing_optimizer_step(ipu_model):
+    net, opt, model = stateful_model("grouped", ipu_model=ipu_model, allOrNothingCalls=True)
     x, y = warm_up(model, net)
     calls = []
 
@@ -128,11 +172,17 @@ def test_a_failing_optimizer_step_changes_nothing():
     handle = opt.register_step_pre_hook(hook)
     before = state(net, opt)
     with pytest.raises(poptorch.ExecutionError, match=r"^action U \(step\) failed .*device "
-                       r"iteration 1: RuntimeError: injected optimizer fault"):
+                       r"iteration 1: RuntimeError: injected optimizer fault") as info:
         model(x, y)
+    assert any("as they were before it" in n for n in info.value.__notes__)
     assert_same_state(state(net, opt), before)
+    assert model._steps == D
     handle.remove()
-    model(x, y)
+    (expected_out, expected_loss), expected_state = resumed_from(
+        before, "grouped", ipu_model, x, y)
+    out, loss = model(x, y)
+    assert torch.equal(out, expected_out) and torch.equal(loss, expected_loss)
+    assert_same_state(state(net, opt), expected_state)
     model.destroy()
 
 
@@ -142,10 +192,10 @@ def interrupt_main():
 
 
 @pytest.mark.parametrize("schedule", ["sequential", "grouped"])
-def test_keyboard_interrupt_undoes_the_call_and_stops_every_stream(schedule):
+def test_keyboard_interrupt_undoes_the_call_to_its_last_step_and_stops_every_stream(schedule):
     net, opt, model = stateful_model(schedule)
     x, y = warm_up(model, net)
-    before = state(net, opt)
+    steps, handle = after_each_step(net, opt)  # the failure is in the second run
 
     def fn(k, s, i):
         if (k, s, i) == ("B", 1, 7):
@@ -156,7 +206,9 @@ def test_keyboard_interrupt_undoes_the_call_and_stops_every_stream(schedule):
     notes = "\n".join(info.value.__notes__)
     assert re.search(r"interrupted while running (\S+ on stream 0, )?1B2 on stream 1;", notes)
     assert "the call was undone" in notes
-    assert_same_state(state(net, opt), before)
+    handle.remove()
+    assert len(steps) == 1
+    assert_same_state(state(net, opt), steps[0])
     PROBE["fn"] = None
     model(x, y)
     model.destroy()
@@ -166,22 +218,24 @@ def test_keyboard_interrupt_undoes_the_call_and_stops_every_stream(schedule):
 def test_keyboard_interrupt_raised_inside_an_action_stays_a_keyboard_interrupt():
     net, opt, model = stateful_model("interleaved")
     x, y = warm_up(model, net)
-    before = state(net, opt)
+    steps, handle = after_each_step(net, opt)  # the failure is in the second run
     PROBE["fn"] = fail_at("F", 0, 6, KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt) as info:
         model(x, y)
     assert "poptorch_lite: raised by action 0F1" in info.value.__notes__
-    assert_same_state(state(net, opt), before)
+    handle.remove()
+    assert len(steps) == 1
+    assert_same_state(state(net, opt), steps[0])
     PROBE["fn"] = None
     model(x, y)
     model.destroy()
 
 
-def test_the_watchdog_firing_undoes_the_call():
+def test_the_watchdog_firing_undoes_the_call_to_its_last_step():
     release = threading.Event()
     net, opt, model = stateful_model("grouped", watchdogTimeout=0.3)
     x, y = warm_up(model, net)
-    before = state(net, opt)
+    steps, handle = after_each_step(net, opt)  # the failure is in the second run
 
     def fn(k, s, i):
         if (k, s, i) == ("B", 0, 8):
@@ -192,7 +246,9 @@ def test_the_watchdog_firing_undoes_the_call():
                        r"device iteration 1: TimeoutError: no action finished for 0.3 s"):
         model(x, y)
     assert time.perf_counter() - start < 2.0
-    assert_same_state(state(net, opt), before)
+    handle.remove()
+    assert len(steps) == 1
+    assert_same_state(state(net, opt), steps[0])
     stuck = [t for t in workers() if t.name.startswith("poptorch_lite-ipu0")]
     release.set()
     for t in stuck:
@@ -261,8 +317,35 @@ def test_automatic_loss_scaling_skips_non_finite_steps_as_grad_scaler_does(sched
     model.destroy()
 
 
-def test_without_automatic_loss_scaling_a_non_finite_loss_names_its_micro_batch():
+def test_a_non_finite_loss_passes_through_as_in_plain_pytorch():
+    """PopTorch returns the NaN and trains on; so does plain PyTorch. No check by default."""
+    net, opt, model = als_model(automatic=False, scale=1.0)
+    ref_net = twin(net)
+    ref_opt = torch.optim.SGD(ref_net.parameters(), lr=0.1)
+    x, y = data(16)
+    x[13, 0] = float("nan")  # micro-batch 3
+    out, loss = model(x, y)
+    ref_opt.zero_grad()
+    ref_losses = []
+    for xs, ys in zip(x.split(4), y.split(4)):
+        ref_loss = F.cross_entropy(ref_net(xs, ys)[0], ys)
+        ref_losses.append(ref_loss.detach())
+        (ref_loss / 4).backward()
+    ref_opt.step()
+    assert torch.isnan(loss).any() and torch.isnan(ref_losses[3])
+    for p, q in zip(net.parameters(), ref_net.parameters()):  # NaN where plain PyTorch has it
+        assert torch.equal(torch.isnan(p), torch.isnan(q))
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6, equal_nan=True)
+    assert torch.isnan(net.layers[0].weight).all()
+    model.destroy()
+
+
+def test_stop_on_non_finite_loss_names_its_micro_batch():
     net, opt, model = als_model(automatic=False)
+    model.destroy()
+    opts = options("grouped", 4)
+    opts.Training.stopOnNonFiniteLoss(True)
+    model = poptorch.trainingModel(net, opts, opt)
     x, y = data(16)
     model(x, y)
     before = state(net, opt)

@@ -8,7 +8,7 @@ from torch.testing import assert_close
 
 import poptorch_lite as poptorch
 
-from models import BlockMLP, data, microbatch_seeds, reference_training, twin
+from models import BlockMLP, data, microbatch_seeds, reference_training, twin, on_device
 
 ATOL = 1e-5
 
@@ -32,7 +32,7 @@ def sharded(G, device):
     """Options for G accumulated micro-batches through ShardedExecution on ``device``."""
     opts = poptorch.Options().setExecutionStrategy(poptorch.ShardedExecution())
     opts.Training.gradientAccumulation(G)
-    opts.set_ipu_devices(device)
+    on_device(opts, device)
     return opts
 
 
@@ -47,7 +47,7 @@ def pipelined(schedule, recompute, G, device):
     opts = poptorch.Options().setExecutionStrategy(
         poptorch.PipelinedExecution(schedule=schedule))
     opts.Training.gradientAccumulation(G)
-    opts.set_ipu_devices(device)
+    on_device(opts, device)
     if recompute:
         opts._Popart.set("autoRecomputation", 3)
     return opts
@@ -163,7 +163,7 @@ def test_inference_matches_plain_pytorch(R, device):
     D = 4
     x, y = data(3 * D * R)
     opts = poptorch.Options().deviceIterations(D).replicationFactor(R)
-    opts.set_ipu_devices(device)
+    on_device(opts, device)
     out, loss = poptorch.inferenceModel(model, opts)(x, y)
     b = 3
     refs = [model(x[k * b:(k + 1) * b], y[k * b:(k + 1) * b]) for k in range(D * R)]

@@ -11,7 +11,7 @@ from torch.testing import assert_close
 
 import poptorch_lite as poptorch
 
-from models import BlockMLP, data, microbatch_seeds, reference_training, twin
+from models import BlockMLP, data, microbatch_seeds, reference_training, twin, on_device
 
 ATOL = 1e-5
 All, Final, Sum, EveryN, Default = (poptorch.OutputMode.All, poptorch.OutputMode.Final,
@@ -26,7 +26,7 @@ def options(device, D=1, R=1, G=1, mode=None, period=None, strategy=None):
     if mode is not None:
         opts.outputMode(mode, period)
     opts.setExecutionStrategy(strategy if strategy is not None else poptorch.ShardedExecution())
-    opts.set_ipu_devices(device)
+    on_device(opts, device)
     return opts
 
 

@@ -1,0 +1,222 @@
+"""Weight homes: where parameters, gradients and optimizer state live, and the host copy."""
+
+import copy
+import io
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import poptorch_lite as poptorch
+from poptorch_lite.weights import HostView, Weights
+
+from models import BlockMLP, data, reference_training, twin
+
+CPU = torch.device("cpu")
+
+
+def placed(model, separate, offload=False, replicas=1, separate_buffers=False, users=None):
+    w = Weights(model, replicas, separate_buffers, separate_memories=separate, offload=offload)
+    names = [n for n, _ in model.named_parameters()]
+    w.place({0: CPU, 1: CPU}, users or [(0, names)])
+    return w
+
+
+def test_a_shared_home_is_the_users_own_parameter():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    w = placed(model, separate=False, replicas=2, separate_buffers=True)
+    assert w.param("0.weight", 0) is model[0].weight and w.home("0.weight") is model[0].weight
+    assert w.buffer("1.running_mean", 0, 0) is model[1].running_mean
+    replica1 = w.buffer("1.running_mean", 1, 0)
+    assert replica1 is not model[1].running_mean and torch.equal(replica1, model[1].running_mean)
+    with w.stepping():  # nothing to bind
+        assert model[0].weight.data.data_ptr() == w.param("0.weight", 0).data_ptr()
+    assert not w.host_stale
+
+
+def test_a_separate_home_is_stepped_in_place_of_the_host_parameter():
+    model = torch.nn.Linear(2, 2)
+    w = placed(model, separate=True)
+    home = w.param("weight", 0)
+    assert home is not model.weight and torch.equal(home, model.weight) and home.requires_grad
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    home.grad = torch.ones(2, 2)
+    host_before = model.weight.detach().clone()
+    with w.stepping():
+        assert model.weight.data_ptr() == home.data_ptr() and model.weight.grad is home.grad
+        opt.step()
+    # the home moved, the host copy did not (no round trip), the optimizer state is the home's
+    assert torch.equal(home.detach(), host_before - 0.5)
+    assert torch.equal(dict.__getitem__(model._parameters, "weight").detach(), host_before)
+    momentum = opt.state[model.weight]["momentum_buffer"]
+    assert momentum.data_ptr() not in {model.weight.data_ptr(), home.data_ptr()}
+    assert w.host_stale and w.edited() == []  # the step is not a host edit
+    w.to_host()
+    assert torch.equal(model.weight.detach(), home.detach()) and not w.host_stale
+    assert torch.equal(model.weight.grad, torch.ones(2, 2))
+
+
+def test_host_edits_are_pushed_and_never_overwritten_by_a_sync():
+    model = torch.nn.Linear(2, 2)
+    w = placed(model, separate=True)
+    home_w, home_b = w.param("weight", 0), w.param("bias", 0)
+    with torch.no_grad():
+        home_w.add_(1.0)
+        home_b.add_(1.0)
+    w.host_stale = True
+    with torch.no_grad():
+        model.bias.fill_(7.0)  # an edit on the host while the devices are newer
+    assert w.edited() == [model.bias]
+    w.to_host()  # the weight comes back, the edited bias keeps its edit
+    assert torch.equal(model.weight, home_w) and torch.equal(model.bias, torch.full((2,), 7.0))
+    w.to_device(everything=False)
+    assert torch.equal(home_b, torch.full((2,), 7.0))
+
+
+def test_offloaded_weights_step_on_the_host_and_refresh_the_stage_copies():
+    model = torch.nn.Linear(2, 2)
+    w = placed(model, separate=True, offload=True)
+    copy_w = w.param("weight", 0)
+    assert w.home("weight") is model.weight and copy_w is not model.weight
+    copy_w.grad = torch.ones(2, 2)
+    assert torch.equal(w.gather_grad("weight"), torch.ones(2, 2)) and copy_w.grad is None
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with w.stepping():
+        opt.step()
+    w.after_step()
+    assert torch.equal(copy_w, model.weight) and not w.host_stale
+
+
+def test_a_tied_weight_has_a_visitor_copy_whose_gradient_joins_the_homes():
+    model = torch.nn.Linear(2, 2)
+    w = placed(model, separate=True, users=[(0, ["weight", "bias"]), (1, ["weight"])])
+    home, visitor = w.param("weight", 0), w.param("weight", 1)
+    assert home is not visitor and w.home_of["weight"] == 0
+    home.grad, visitor.grad = torch.ones(2, 2), torch.full((2, 2), 2.0)
+    assert torch.equal(w.gather_grad("weight"), torch.full((2, 2), 3.0))
+    with torch.no_grad():
+        home.sub_(1.0)
+    w.after_step()
+    assert torch.equal(visitor, home)
+
+
+def test_host_view_syncs_on_read_and_pickles_as_a_plain_dict():
+    torch.manual_seed(0)
+    model = BlockMLP(2)
+    ref = twin(model)
+    opts = poptorch.Options().useIpuModel(True)
+    opts.Training.gradientAccumulation(4)
+    train = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = data(8)
+    train(x, y)
+    reference_training(ref, torch.optim.SGD(ref.parameters(), lr=0.1), x, y, 1, 4, 1)
+    assert isinstance(model.layers[0]._parameters, HostView)
+    assert train._weights.host_stale
+    assert_close(model.layers[0].weight, ref.layers[0].weight, atol=1e-6, rtol=0)  # a read syncs
+    assert not train._weights.host_stale
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    assert type(copy.deepcopy(model).layers[0]._parameters) is dict
+    buffer.seek(0)
+    assert type(torch.load(buffer, weights_only=False).layers[0]._parameters) is dict
+    train.destroy()
+    assert type(model.layers[0]._parameters) is dict
+
+
+@pytest.mark.parametrize("read", ["attribute", "parameters", "state_dict", "call", "wrapper",
+                                  "inference", "collected"])
+def test_every_read_of_the_model_sees_the_trained_values(read):
+    torch.manual_seed(0)
+    model = BlockMLP(2, batchnorm=True)
+    ref = twin(model)
+    opts = poptorch.Options().useIpuModel(True)
+    opts.Training.gradientAccumulation(4)
+    train = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = data(8)
+    train(x, y)
+    reference_training(ref, torch.optim.SGD(ref.parameters(), lr=0.1), x, y, 1, 4, 1)
+    if read == "attribute":
+        got = {"head.weight": model.head.weight, "bn.running_mean": model.bn.running_mean}
+    elif read == "parameters":
+        got = dict(model.named_parameters())
+    elif read == "state_dict":
+        got = model.state_dict()
+    elif read == "call":
+        model.eval()
+        assert_close(model(x, y)[0], ref.eval()(x, y)[0], atol=1e-6, rtol=0)
+        got = {"head.weight": dict.__getitem__(model.head._parameters, "weight")}
+    elif read == "wrapper":
+        got = {"head.weight": train.head.weight}
+    elif read == "inference":
+        opts = poptorch.Options().useIpuModel(True).setExecutionStrategy(
+            poptorch.ShardedExecution())
+        out, _ = poptorch.inferenceModel(model.eval(), opts)(x, y)
+        assert_close(out, ref.eval()(x, y)[0], atol=1e-6, rtol=0)
+        got = {"head.weight": dict.__getitem__(model.head._parameters, "weight")}
+    else:  # a wrapper dropped without destroy() leaves its values in the model
+        del train
+        import gc
+        gc.collect()
+        got = {"head.weight": dict.__getitem__(model.head._parameters, "weight")}
+    expected = ref.state_dict()
+    for name, value in got.items():
+        assert_close(value.detach(), expected[name], atol=1e-6, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "grouped", "interleaved"])
+@pytest.mark.parametrize("offload", [False, True], ids=["on_chip", "offloaded"])
+def test_ipu_model_and_offloading_match_plain_pytorch_over_calls(schedule, offload):
+    torch.manual_seed(0)
+    model, G, D = BlockMLP(2, batchnorm=True), 3, 2
+    ref = twin(model)
+    opts = poptorch.Options().useIpuModel(True).deviceIterations(D).setExecutionStrategy(
+        poptorch.PipelinedExecution(schedule=schedule))
+    opts.Training.gradientAccumulation(G)
+    if offload:
+        opts.TensorLocations.setOptimizerLocation(
+            poptorch.TensorLocationSettings().useOnChipStorage(False))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    train = poptorch.trainingModel(model, opts, opt)
+    for call in range(3):
+        x, y = data(2 * G * D, seed=call)
+        _, loss = train(x, y)
+        _, ref_losses, _ = reference_training(ref, ref_opt, x, y, D, G, 1)
+        assert_close(loss, ref_losses[-1], atol=1e-5, rtol=0)
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert_close(a, b, atol=1e-5, rtol=0, msg=name)
+    sa, sb = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+    for k in sb:
+        for key in sb[k]:
+            assert_close(sa[k][key], sb[k][key], atol=1e-5, rtol=0)
+    assert train._weights.offload is offload
+    homes = {train._weights.home(n).data_ptr() for n, _ in model.named_parameters()}
+    hosts = {dict.__getitem__(m._parameters, n).data_ptr() for m in model.modules()
+             for n in m._parameters}
+    assert (homes == hosts) is offload  # on chip: every parameter has its own memory
+    train.destroy()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("offload", [False, True], ids=["on_chip", "offloaded"])
+def test_on_a_gpu_the_optimizer_state_lives_where_its_stage_runs(offload):
+    torch.manual_seed(0)
+    model = BlockMLP(2)
+    ref = twin(model)
+    opts = poptorch.Options().set_ipu_devices("cuda:0")
+    opts.Training.gradientAccumulation(4)
+    if offload:
+        opts.TensorLocations.setOptimizerLocation(
+            poptorch.TensorLocationSettings().useOnChipStorage(False))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    train = poptorch.trainingModel(model, opts, opt)
+    x, y = data(8)
+    train(x, y)
+    reference_training(ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9), x, y, 1, 4, 1)
+    kind = {s["momentum_buffer"].device.type for s in opt.state.values()}
+    assert kind == ({"cpu"} if offload else {"cuda"})
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert a.device.type == "cpu"
+        assert_close(a, b, atol=1e-5, rtol=0, msg=name)
+    train.destroy()
