@@ -282,7 +282,7 @@ def pipeline(computational_stages: Sequence, gradient_accumulation_count: int,
 
     Raises:
         OptionsError, InputError, PipelineError, OptimizerError: refused before
-            anything is wrapped or changed (docs/ERRORS.md, E-TF1-*).
+            anything is wrapped or changed (docs/ERRORS.md, E-TF-*).
 
     Example:
         >>> import torch
