@@ -109,6 +109,26 @@ def test_mnist_splits_lists_the_layers_then_the_stages():
     assert_trained_and_tested(lines, 600, 600, above=0.0)
 
 
+def test_mnist_splits_functional_builds_the_stages_through_pipeline():
+    lines = run_example("mnist_splits.py", "--limit", "640", "--device-iterations", "3",
+                        "--splits", "dense128", "--functional")
+    assert lines[:5] == [
+        "layers: flatten, dense256, dense128, dense64, dense32, logits",
+        "effective batch: 8 x 5 accumulation = 40 per step",
+        "stages (2):",
+        "layer           | block  | stage | device | parameters",
+        "----------------+--------+-------+--------+-----------",
+    ]
+    assert [line.split(" | ")[:3] for line in lines[5:16]] == [
+        ["stage0.flatten ", "stage0", "0    "], ["stage0.dense256", "stage0", "0    "],
+        ["stage0.relu256 ", "stage0", "0    "], ["stage1.dense128", "stage1", "1    "],
+        ["stage1.relu128 ", "stage1", "1    "], ["stage1.dense64 ", "stage1", "1    "],
+        ["stage1.relu64  ", "stage1", "1    "], ["stage1.dense32 ", "stage1", "1    "],
+        ["stage1.relu32  ", "stage1", "1    "], ["stage1.logits  ", "stage1", "1    "],
+        ["loss           ", "stage1", "1    "],
+    ]
+    assert_trained_and_tested(lines, 600, 600, above=0.0)
+
 def test_mnist_mlp_pipeline_trains_with_recomputation_and_a_decaying_learning_rate():
     lines = run_example("mnist_mlp_pipeline.py", "--limit", "640", "--device-iterations", "2",
                         "--recompute", "--epochs", "2")  # the second epoch runs at lr / 10

@@ -125,7 +125,10 @@ class _StageModel(torch.nn.Module):
         super().__init__()
         for name, module in owned.items():
             self.add_module(name, module)
-        self._stages, self._mapping, self._loss, self._with_loss = stages, mapping, loss, training
+        if isinstance(loss, torch.nn.Module):  # a loss module (nn.CrossEntropyLoss()) is a layer
+            self.add_module("loss", loss)
+        self._stages, self._mapping, self._with_loss = stages, mapping, training
+        object.__setattr__(self, "_loss", loss)  # not registered a second time
 
     def forward(self, *inputs):
         labels = None
