@@ -85,6 +85,20 @@ def test_mnist_pipelined_four_stages_1f1b_recompute_replicas_and_trace(tmp_path)
     assert_trained_and_tested(lines, 640, 400, above=0.0, trained_at=1)
 
 
+def test_mnist_pipelined_trace_svg_draws_the_last_call(tmp_path):
+    import xml.etree.ElementTree as ET
+    picture = tmp_path / "pipeline.svg"
+    lines = run_example("mnist_pipelined.py", "--limit", "640", "--device-iterations", "1",
+                        "--schedule", "gpipe", "--trace", str(picture))
+    assert lines[-3] == f"timeline of the last call written to {picture}"
+    root = ET.parse(picture).getroot()
+    rows = [e for e in root.iter() if e.get("class") == "row"]
+    assert [r.get("data-name") for r in rows] == ["ipu0 (cpu)", "ipu1 (cpu)"]
+    labels = [e.get("data-label") for e in root.iter() if e.get("class") == "span"]
+    # one step of 8 micro-batches through 2 stages: 16 F, 16 B, 2 G, 1 U
+    assert sorted(labels) == sorted([f"{s}{k}{i}" for s in (0, 1) for k in "FB" for i in range(8)]
+                                    + ["0G", "1G", "U"])
+
 def test_mnist_splits_lists_the_layers_then_the_stages():
     lines = run_example("mnist_splits.py", "--limit", "640", "--device-iterations", "3",
                         "--splits", "dense128", "dense64")
