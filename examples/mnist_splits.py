@@ -50,7 +50,7 @@ parser.add_argument("--limit", type=int, default=0,
                     help="use only the first N training and test images (0: all); for smoke runs")
 parser.add_argument("--seed", type=int, default=42, help="random seed")
 parser.add_argument("--functional", action="store_true",
-                    help="build the stages as TF1's pipeline of stage functions (poptorch.pipeline)")
+                    help="build the stages as TF1's stage functions (poptorch.pipeline)")
 
 
 class MLP(nn.Module):

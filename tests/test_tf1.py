@@ -1,4 +1,4 @@
-"""The TF1 face (``poptorch_lite.pipeline``): the same numbers as the PopTorch face and plain PyTorch."""
+"""The TF1 face (``poptorch_lite.pipeline``): the PopTorch face's numbers, and plain PyTorch's."""
 
 import copy
 import itertools
