@@ -310,6 +310,49 @@ def test_stages_that_share_a_parameter_must_share_an_ipu():
                       optimizer=sgd, device_mapping=[0, 1, 0, 1])
 
 
+SHARED = torch.nn.ModuleDict({"body": torch.nn.Linear(WIDTH, WIDTH),
+                               "head": torch.nn.Linear(WIDTH, CLASSES)})
+
+
+def shared_body(x, labels):  # reaches the whole global SHARED, uses its body
+    return torch.relu(SHARED["body"](x)), labels
+
+
+def shared_head(h, labels):
+    return F.cross_entropy(SHARED["head"](h), labels)
+
+
+def test_functions_sharing_out_one_models_layers_over_ipus():
+    plain = copy.deepcopy(SHARED)
+    pipe = poptorch.pipeline([shared_body, shared_head], gradient_accumulation_count=3,
+                             optimizer=sgd(SHARED.parameters()))
+    assert [n for n, _ in pipe.model.named_children()] == ["stage0_0"]  # registered once
+    x, y = data(12, WIDTH, CLASSES)
+    pipe(x, y)
+    optimizer = sgd(plain.parameters())
+    for k in range(0, 12, 4):
+        F.cross_entropy(plain["head"](torch.relu(plain["body"](x[k:k + 4]))), y[k:k + 4]).backward()
+    for p in plain.parameters():
+        p.grad.div_(3)
+    optimizer.step()
+    for p, q in zip(SHARED.parameters(), plain.parameters()):
+        assert torch.equal(p, q)
+    assert pipe.training_model.runStatistics().timeline.stream_names == ["ipu0 (cpu)",
+                                                                         "ipu1 (cpu)"]
+
+
+def test_base_options_are_cloned_and_their_accumulation_does_not_reach_inference():
+    base = poptorch.Options().randomSeed(7)
+    base.Training.gradientAccumulation(4)
+    pipe = poptorch.pipeline(stages(2), gradient_accumulation_count=3, repeat_count=2,
+                             optimizer=sgd, options=base)
+    assert not base.is_frozen and base.Training.gradient_accumulation == 4
+    assert (pipe.options.device_iterations, pipe.options.Training.gradient_accumulation) == (2, 3)
+    x, y = data(4 * 6, WIDTH, CLASSES)
+    logits, losses = pipe.inference(x, y)
+    assert logits.shape == (24, CLASSES) and losses.shape == (6,)
+
+
 def test_no_optimizer_and_too_few_micro_batches_for_inference():
     pipe = poptorch.pipeline(stages(3), gradient_accumulation_count=1, repeat_count=2)
     x, y = data(8, WIDTH, CLASSES)

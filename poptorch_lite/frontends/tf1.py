@@ -94,13 +94,18 @@ def _runs(mapping: Sequence[int]) -> int:
     return sum(1 for k, ipu in enumerate(mapping) if k == 0 or ipu != mapping[k - 1])
 
 
-def _modules_of(stage) -> list:
-    """The modules a stage computes with: itself, its bound ``self``, or its closure's."""
+def _modules_of(stage) -> tuple:
+    """The modules a stage computes with, and whether exactly those (not merely reachable).
+
+    A module stage or a bound method of a module computes with that module; a
+    function may use only part of the modules its closure and globals reach (a
+    global ``model`` whose layers several stages share out).
+    """
     if isinstance(stage, torch.nn.Module):
-        return [stage]
+        return [stage], True
     owner = getattr(stage, "__self__", None)
     if isinstance(owner, torch.nn.Module):
-        return [owner]
+        return [owner], True
     found = []
     try:
         refs = inspect.getclosurevars(stage)
@@ -111,7 +116,7 @@ def _modules_of(stage) -> list:
         items = list(v.values()) if isinstance(v, dict) else (
             list(v) if isinstance(v, (list, tuple)) else [v])
         found += [m for m in items if isinstance(m, torch.nn.Module)]
-    return found
+    return found, False
 
 
 class _StageModel(torch.nn.Module):
@@ -197,6 +202,7 @@ class Pipeline:
         self.training_model = None if optimizer is None else trainingModel(
             self.model, self.options, optimizer)
         infer = base.clone().deviceIterations(repeat_count * G).setExecutionStrategy(strategy)
+        infer.Training.gradientAccumulation(1)  # an inference model accumulates nothing
         self.inference_model = inferenceModel(self._predictor, infer.outputMode(OutputMode.All))
 
     def __call__(self, *inputs):
@@ -208,7 +214,8 @@ class Pipeline:
 
         Returns:
             The outfeed: with ``outfeed_loss`` the loss of every micro-batch, shape
-            ``(repeat_count * G,)`` in order (``.view(repeat_count, G)`` per step);
+            ``(repeat_count * G,)`` in order (``.view(repeat_count, G)`` per step;
+            ``× replicas`` with a base ``options.replicationFactor``);
             otherwise the last stage's outputs, every micro-batch's concatenated
             along dim 0 (scalars stacked), as PopTorch's ``OutputMode.All``.
 
@@ -355,13 +362,14 @@ def _owned_modules(stages, mapping) -> dict:
 
     Raises:
         OptionsError: two stages on different IPUs share a parameter (TF1: stages
-            that share variables must be placed on the same IPU).
+            that share variables must be placed on the same IPU); checked for
+            module stages and bound methods, whose modules are known to be used.
     """
     owned, seen, home = {}, set(), {}
     for k, stage in enumerate(stages):
-        modules = _modules_of(stage)
+        modules, exact = _modules_of(stage)
         for j, m in enumerate(modules):
-            for p in m.parameters():
+            for p in (m.parameters() if exact else ()):
                 s = home.setdefault(id(p), k)
                 if mapping[s] != mapping[k]:
                     raise OptionsError(
