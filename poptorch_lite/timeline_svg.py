@@ -30,6 +30,7 @@ from .timeline import KIND_NAMES, _unit
 COLOURS = {"F": "#4c78a8", "B": "#f58518", "R": "#54a24b", "G": "#b279a2", "U": "#e45756"}
 PHASE_COLOURS = {"ramp_up": "#fdf1cf", "main": "#dcefd6", "ramp_down": "#f7dada"}
 ROW, GAP, TITLE, BAND, AXIS, LEGEND, PAD = 28, 6, 28, 20, 40, 28, 10
+RIGHT = 3 * PAD  # room for the last tick's label
 CHAR = 7.0  # px per character of the 12 px sans-serif labels, for widths
 
 
@@ -73,10 +74,10 @@ def render(timeline, width: int = 1200) -> str:
     """
     names = timeline.stream_names
     left = PAD + CHAR * max([6] + [len(n) for n in names]) + PAD
-    plot = width - left - PAD
+    plot = width - left - RIGHT
     if plot < 100:
         raise ValueError(f"write_svg(width={width}) leaves {plot:.0f} px for the chart after the "
-                         f"stream names; pass width >= {math.ceil(left + PAD + 100)}")
+                         f"stream names; pass width >= {math.ceil(left + RIGHT + 100)}")
     rows_top = TITLE + BAND + GAP
     rows_bottom = rows_top + len(names) * (ROW + GAP)
     height = rows_bottom + AXIS + LEGEND + PAD
@@ -162,14 +163,18 @@ def _axis(makespan: float, factor: float, unit: str, x, top: float, t0: float) -
 
 
 def _legend(timeline, y: float) -> list:
-    """A swatch and name for every action kind in the timeline, in schedule order."""
+    """A swatch and name for every action kind in the timeline, then for the phases."""
     kinds = [k for k in KIND_NAMES if any(p.kind == k for p in timeline.spans)]
+    entries = [("swatch", f'data-kind="{k}"', COLOURS[k], f"{k} {KIND_NAMES[k]}", "legend-label")
+               for k in kinds]
+    entries += [("phase-swatch", f'data-phase="{p.replace("_", "-")}"', colour,
+                 p.replace("_", "-"), "phase-legend-label")
+                for p, colour in PHASE_COLOURS.items()] if timeline.spans else []
     out, cx = ['<g class="legend">'], float(PAD)
-    for k in kinds:
-        out.append(f'<rect class="swatch" data-kind="{k}" x="{cx:.1f}" y="{y - 11:.1f}" '
-                   f'width="14" height="14" fill="{COLOURS[k]}"/>')
-        text = f"{k} {KIND_NAMES[k]}"
-        out.append(_text(cx + 20, y, text, cls="legend-label"))
+    for cls, data, colour, text, label_cls in entries:
+        out.append(f'<rect class="{cls}" {data} x="{cx:.1f}" y="{y - 11:.1f}" width="14" '
+                   f'height="14" fill="{colour}"/>')
+        out.append(_text(cx + 20, y, text, cls=label_cls))
         cx += 20 + CHAR * len(text) + 16
     out.append("</g>")
     return out

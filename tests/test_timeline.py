@@ -415,6 +415,8 @@ def test_svg_marks_the_phases_and_has_an_axis_and_a_legend(tmp_path):
     assert [e.get("data-kind") for e in by_class(root, "swatch")] == ["F", "B", "G", "U"]
     assert [e.text for e in by_class(root, "legend-label")] == [
         "F forward", "B backward", "G reduce", "U update"]
+    assert [e.text for e in by_class(root, "phase-legend-label")] == [
+        "ramp-up", "main", "ramp-down"]
     assert by_class(root, "title")[0].text == (
         "schedule 1f1b: 2 streams, 11 actions, makespan 8.000 s, bubble 31.2%")
 
