@@ -407,3 +407,11 @@ def test_mnist_splits_functional_route_equals_the_annotated_route():
         assert torch.equal(out_a, out_f[-8:]) and torch.equal(loss_a, loss_f[-1])
     assert weights.keys() == tf1_weights.keys()
     assert all(torch.equal(weights[k], tf1_weights[k]) for k in weights)
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from poptorch_lite.frontends import tf1
+    result = doctest.testmod(tf1)
+    assert result.attempted > 0 and result.failed == 0

@@ -453,3 +453,12 @@ def test_svg_escapes_names():
 ])
 def test_nice_ticks(length, target, ticks):
     assert nice_ticks(length, target) == pytest.approx(ticks)
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from poptorch_lite import timeline, timeline_svg
+    for module in (timeline, timeline_svg):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0
