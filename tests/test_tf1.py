@@ -214,6 +214,19 @@ def test_dict_outputs_give_keywords_and_a_bound_method_is_a_stage():
     assert torch.equal(pipe(x, y), expected)
 
 
+def test_the_loss_is_the_last_of_a_list_too():
+    torch.manual_seed(0)
+    fc = torch.nn.Linear(WIDTH, CLASSES)
+    pipe = poptorch.pipeline([lambda x, y: [fc(x), F.cross_entropy(fc(x), y)]],
+                             gradient_accumulation_count=2, optimizer=sgd(fc.parameters()),
+                             outfeed_loss=False)
+    x, y = data(8, WIDTH, CLASSES)
+    with torch.no_grad():
+        expected = [F.cross_entropy(fc(x[k:k + 4]), y[k:k + 4]) for k in (0, 4)]
+    logits, losses = pipe(x, y)
+    assert logits.shape == (8, CLASSES) and torch.equal(losses, torch.stack(expected))
+
+
 def test_outfeed_of_outputs_and_inference_equal_plain_pytorch():
     tf1 = stages(2)
     plain = Plain(copy.deepcopy(tf1))

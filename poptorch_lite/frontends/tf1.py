@@ -16,7 +16,7 @@ Two ways, decided by ``loss``:
 
 * ``loss=None`` (TF1's way): the labels travel through the stages like any
   other value (``def stage1(x, labels): return h, labels``) and the last stage
-  computes the loss: it returns the loss alone, or last in a tuple
+  computes the loss: it returns the loss alone, or last in a tuple or list
   (``return logits, loss``), as TF1's ``optimizer_function`` receives it.
 * ``loss=fn``: ``fn(outputs, labels)`` computes the loss from the last stage's
   outputs, on the last stage's IPU. A training call is then ``pipe(*inputs,
@@ -148,8 +148,8 @@ class _StageModel(torch.nn.Module):
             with Block(f"stage{k}", ipu_id=self._mapping[k]):
                 values = _call(stage, values)
                 if k == last and self._with_loss:
-                    return values, _mark_loss(self._loss(values, labels) if self._loss else
-                                              (values[-1] if isinstance(values, tuple) else values))
+                    return values, _mark_loss(self._loss(values, labels) if self._loss else (
+                        values[-1] if isinstance(values, (tuple, list)) and values else values))
         return values
 
 
