@@ -5,14 +5,18 @@ Run (offline, with the shared data):
 Four stages, 1F1B, recomputation, two replicas, and a timeline to look at:
     python examples/mnist_pipelined.py --data-dir ../shared/data --stages 4 \\
         --schedule interleaved --recompute --replicas 2 --trace trace.json
+A picture of the pipeline (an SVG Gantt chart) of one step:
+    python examples/mnist_pipelined.py --data-dir ../shared/data --device-iterations 1 \\
+        --trace pipeline.svg
 
 The network of examples/mnist.py, annotated with four blocks: B1 and B2 (the
 conv layers), B3 (the hidden dense layer) and B4 (the output layer and the
 loss). With ``--stages 2`` B1, B2 run on IPU 0 and B3, B4 on IPU 1; with
 ``--stages 4`` each block is a stage. Each stage runs on its own stream (a
 worker thread on the CPU), and the stages work on different micro-batches at
-the same time. ``--trace`` writes the timeline of the last call for
-chrome://tracing or ui.perfetto.dev and prints it as ASCII.
+the same time. ``--trace`` writes the timeline of the last call, as a picture
+(``.svg``) or for chrome://tracing and ui.perfetto.dev (``.json``), and prints
+it as ASCII.
 """
 
 import argparse
@@ -40,7 +44,8 @@ parser.add_argument("--schedule", default="grouped",
 parser.add_argument("--recompute", action="store_true",
                     help="keep only stage inputs and recompute activations in the backward")
 parser.add_argument("--replicas", type=int, default=1, help="copies of the whole pipeline")
-parser.add_argument("--trace", default="", help="write the last call's timeline to this JSON file")
+parser.add_argument("--trace", default="",
+                    help="write the last call's timeline to this file: .svg a picture, else JSON")
 parser.add_argument("--test-batch-size", type=int, default=100, help="inference micro-batch size")
 parser.add_argument("--lr", type=float, default=0.05,
                     help="SGD learning rate of the first epoch (momentum 0.9)")
@@ -108,7 +113,10 @@ def main(argv=None):
     train(training_model, train_data, args.epochs, scheduler)
     if args.trace:
         timeline = training_model.runStatistics().timeline
-        timeline.write_chrome_trace(args.trace)
+        if args.trace.endswith(".svg"):
+            timeline.write_svg(args.trace)
+        else:
+            timeline.write_chrome_trace(args.trace)
         print(timeline.render(width=96))
         print(timeline.summary())
         print(f"timeline of the last call written to {args.trace}")

@@ -19,8 +19,8 @@ from .errors import (BatchSizeError, BlockError, CheckpointError, ConfigFileErro
                      InputError, IpuOnlyWarning, LossError, OptimizerError, OptionsError,
                      PipelineError, PoptorchLiteWarning, RecoverableError, ScheduleError,
                      TraceError, UnknownAttributeError, UnrecoverableError, WrapError)
-from .frontends import (print_pipeline_stage_assignment_summary, set_pipeline_stage_assignment,
-                        split_at, stage_summary)
+from .frontends import (pipeline, print_pipeline_stage_assignment_summary,
+                        set_pipeline_stage_assignment, split_at, stage_summary)
 from .ops import (NameScope, identity_loss, ipuHardwareIsAvailable, ipuHardwareVersion,
                   ipu_print_tensor, isRunningOnIpu, nop, serializedMatMul, setLogLevel,
                   set_available_memory, set_overlap_for_input, set_overlap_for_output)
@@ -47,7 +47,7 @@ __all__ = [
     "WrapError", "combined_batch_size", "identity_loss", "inferenceModel",
     "ipuHardwareIsAvailable", "ipuHardwareVersion", "ipu_print_tensor", "isRunningOnIpu",
     "is_main_process",
-    "load_checkpoint", "nop", "optim", "print_pipeline_stage_assignment_summary",
+    "load_checkpoint", "nop", "optim", "pipeline", "print_pipeline_stage_assignment_summary",
     "recomputationCheckpoint", "removeBlocks", "save_checkpoint", "serializedMatMul",
     "setLogLevel", "set_available_memory", "set_overlap_for_input", "set_overlap_for_output",
     "set_pipeline_stage_assignment", "split_at", "stage_summary", "trainingModel",

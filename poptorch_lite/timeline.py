@@ -5,8 +5,9 @@ A schedule ([Note: schedule grid]) says what runs in which order; a
 its stream, stage s, micro-batch i, kind letter and start/end in seconds from
 the start of the run. The executor fills a :class:`Recorder` around every
 action; the timeline then gives utilisation, the pipeline bubble, the
-ramp-up/main/ramp-down phases, an ASCII Gantt chart and a Chrome/Perfetto
-trace. This module imports only the standard library.
+ramp-up/main/ramp-down phases, an ASCII Gantt chart, a Chrome/Perfetto
+trace and an SVG picture (``timeline_svg``). This module imports only the
+standard library.
 
 [Note: timeline phases]
 Over the window ``[t0, t3]`` from the first start to the last end:
@@ -344,6 +345,19 @@ class Timeline:
         """
         with open(path, "w") as f:
             json.dump(self.to_chrome_trace(), f)
+
+    def write_svg(self, path, width: int = 1200) -> None:
+        """Write the timeline as an SVG Gantt chart (``timeline_svg.render``) to ``path``.
+
+        Example:
+            >>> import os, tempfile
+            >>> with tempfile.TemporaryDirectory() as d:
+            ...     Timeline([Span(0, 0, 0, "F", 0, 1)], ["ipu0"], "seq").write_svg(
+            ...         os.path.join(d, "t.svg"))
+        """
+        from .timeline_svg import render  # it draws with this module's kinds and phases
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(render(self, width))
 
     @classmethod
     def from_chrome_trace(cls, data) -> "Timeline":

@@ -148,6 +148,27 @@ def ds(n=20):
     return torch.utils.data.TensorDataset(torch.arange(float(n)).reshape(n, 1))
 
 
+def tf1_stages():
+    """Two TF1-style stages: a dense layer passing the labels on, then the loss."""
+    dense, head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+    return [lambda x, y: (dense(x), y), lambda h, y: F.cross_entropy(head(h), y)]
+
+
+def tf1_refuses(**kwargs):
+    """``poptorch.pipeline`` refused: its base options stay unfrozen and unchanged."""
+    args = dict(computational_stages=tf1_stages(), gradient_accumulation_count=3,
+                optimizer=lambda params: optim.SGD(params, lr=0.1)) | kwargs
+    o = poptorch.Options()
+    with options_unchanged(o):
+        poptorch.pipeline(**args, options=o)
+
+
+def tf1_first_call(pipe, *inputs):
+    """A pipeline's first call refused: no weight of its stages changes."""
+    with weights_unchanged(pipe.model):
+        pipe(*inputs)
+
+
 class Stream(torch.utils.data.IterableDataset):
     def __iter__(self):
         return iter(torch.arange(8.0))
@@ -497,6 +518,30 @@ T = {
     "E-WRAP-09": lambda: compiled_model().attachToDevice(),
     "E-WRAP-10": lambda: poptorch.inferenceModel(Two()).attachToDevice(),
     # batch sizes and inputs
+    "E-TF-01": lambda: tf1_refuses(computational_stages=[]),
+    "E-TF-02": lambda: tf1_refuses(computational_stages=[torch.nn.Linear(4, 4), 3]),
+    "E-TF-03": lambda: tf1_refuses(repeat_count=0),
+    "E-TF-04": lambda: tf1_refuses(device_mapping=[0, 1, 2]),
+    "E-TF-05": lambda: tf1_refuses(device_mapping=[0, "ipu1"]),
+    "E-TF-06": lambda: tf1_refuses(gradient_accumulation_count=2),
+    "E-TF-07": lambda: tf1_refuses(recomputation_mode="sometimes"),
+    "E-TF-08": lambda: tf1_refuses(outfeed_loss="yes"),
+    "E-TF-09": lambda: tf1_refuses(loss="sparse_categorical_crossentropy"),
+    "E-TF-10": lambda: tf1_refuses(optimizer="sgd"),
+    "E-TF-11": lambda: tf1_refuses(optimizer=optim.SGD(params(), lr=0.1)),
+    "E-TF-12": lambda: (lambda layer: tf1_refuses(
+        computational_stages=[layer, torch.nn.ReLU(), layer], gradient_accumulation_count=5))(
+        torch.nn.Linear(4, 4)),
+    "E-TF-13": lambda: poptorch.pipeline(tf1_stages(), gradient_accumulation_count=3)(
+        torch.randn(12, 4), torch.randint(0, 2, (12,))),
+    "E-TF-14": lambda: poptorch.pipeline(tf1_stages(), gradient_accumulation_count=1).inference(
+        torch.randn(4, 4), torch.randint(0, 2, (4,))),
+    "E-TF-15": lambda: tf1_first_call(poptorch.pipeline(
+        [torch.nn.Linear(4, 4)], gradient_accumulation_count=1, optimizer=lambda p: optim.SGD(
+            p, lr=0.1)), torch.randn(4, 4)),
+    "E-TF-16": lambda: tf1_first_call(poptorch.pipeline(
+        [torch.nn.Linear(4, 2)], gradient_accumulation_count=1, loss=F.cross_entropy,
+        optimizer=lambda p: optim.SGD(p, lr=0.1)), torch.randn(4, 4)),
     "E-BAT-01": lambda: first_call(Two(), opts(G=2), rows=3),
     "E-BAT-02": lambda: poptorch.combined_batch_size(poptorch.Options(), 0),
     "E-BAT-03": lambda: call_with(np.zeros((2, 4), np.float32), torch.randn(2, 4)),

@@ -85,17 +85,25 @@ def test_mnist_pipelined_four_stages_1f1b_recompute_replicas_and_trace(tmp_path)
     assert_trained_and_tested(lines, 640, 400, above=0.0, trained_at=1)
 
 
-def test_mnist_splits_lists_the_layers_then_the_stages():
-    lines = run_example("mnist_splits.py", "--limit", "640", "--device-iterations", "3",
-                        "--splits", "dense128", "dense64")
-    assert lines[:5] == [
-        "layers: flatten, dense256, dense128, dense64, dense32, logits",
-        "effective batch: 8 x 5 accumulation = 40 per step",
-        "stages (3):",
+def test_mnist_pipelined_trace_svg_draws_the_last_call(tmp_path):
+    import xml.etree.ElementTree as ET
+    picture = tmp_path / "pipeline.svg"
+    lines = run_example("mnist_pipelined.py", "--limit", "640", "--device-iterations", "1",
+                        "--schedule", "gpipe", "--trace", str(picture))
+    assert lines[-3] == f"timeline of the last call written to {picture}"
+    root = ET.parse(picture).getroot()
+    rows = [e for e in root.iter() if e.get("class") == "row"]
+    assert [r.get("data-name") for r in rows] == ["ipu0 (cpu)", "ipu1 (cpu)"]
+    labels = [e.get("data-label") for e in root.iter() if e.get("class") == "span"]
+    # one step of 8 micro-batches through 2 stages: 16 F, 16 B, 2 G, 1 U
+    assert sorted(labels) == sorted([f"{s}{k}{i}" for s in (0, 1) for k in "FB" for i in range(8)]
+                                    + ["0G", "1G", "U"])
+
+
+SPLITS_TABLES = {  # the stage table of each route of mnist_splits.py --splits dense128 dense64
+    "split_at": [
         "layer    | block    | stage | device | parameters",
         "---------+----------+-------+--------+-----------",
-    ]
-    assert [line.rstrip() for line in lines[5:12]] == [
         "flatten  | -        | 0     | cpu    | 0",
         "dense256 | -        | 0     | cpu    | 200,960",
         "dense128 | dense128 | 1     | cpu    | 32,896",
@@ -103,7 +111,37 @@ def test_mnist_splits_lists_the_layers_then_the_stages():
         "dense32  | dense64  | 2     | cpu    | 2,080",
         "logits   | dense64  | 2     | cpu    | 330",
         "loss     | dense64  | 2     | cpu    | 0",
+    ],
+    "--functional": [  # TF1's stage functions through poptorch.pipeline
+        "layer           | block  | stage | device | parameters",
+        "----------------+--------+-------+--------+-----------",
+        "stage0.flatten  | stage0 | 0     | cpu    | 0",
+        "stage0.dense256 | stage0 | 0     | cpu    | 200,960",
+        "stage0.relu256  | stage0 | 0     | cpu    | 0",
+        "stage1.dense128 | stage1 | 1     | cpu    | 32,896",
+        "stage1.relu128  | stage1 | 1     | cpu    | 0",
+        "stage2.dense64  | stage2 | 2     | cpu    | 8,256",
+        "stage2.relu64   | stage2 | 2     | cpu    | 0",
+        "stage2.dense32  | stage2 | 2     | cpu    | 2,080",
+        "stage2.relu32   | stage2 | 2     | cpu    | 0",
+        "stage2.logits   | stage2 | 2     | cpu    | 330",
+        "loss            | stage2 | 2     | cpu    | 0",
+    ],
+}
+
+
+@pytest.mark.parametrize("route", sorted(SPLITS_TABLES))
+def test_mnist_splits_lists_the_layers_then_the_stages(route):
+    table = SPLITS_TABLES[route]
+    functional = ["--functional"] if route == "--functional" else []
+    lines = run_example("mnist_splits.py", "--limit", "640", "--device-iterations", "3",
+                        "--splits", "dense128", "dense64", *functional)
+    assert lines[:3] == [
+        "layers: flatten, dense256, dense128, dense64, dense32, logits",
+        "effective batch: 8 x 5 accumulation = 40 per step",
+        "stages (3):",
     ]
+    assert [line.rstrip() for line in lines[3:3 + len(table)]] == table
     # 640 images make 5 calls of 8 x 5 x 3 = 120; 15 SGD steps are too few for this narrow
     # MLP to leave chance, so only the format is checked
     assert_trained_and_tested(lines, 600, 600, above=0.0)

@@ -3,11 +3,13 @@
 import dataclasses
 import json
 import threading
+import xml.etree.ElementTree as ET
 
 import pytest
 
 from poptorch_lite.schedule import Action, sequential
 from poptorch_lite.timeline import Recorder, Span, Timeline
+from poptorch_lite.timeline_svg import COLOURS, nice_ticks, render
 
 NAMES = ["ipu0 (cpu)", "ipu1 (cpu)"]
 
@@ -34,15 +36,20 @@ def from_grid(schedule) -> Timeline:
     return Timeline(spans, [f"ipu{k}" for k in range(schedule.num_streams)], schedule.name)
 
 
-def test_timeline_module_does_not_import_torch():
+@pytest.mark.parametrize("module, allowed", [
+    ("timeline", {"__future__", "dataclasses", "json", "typing", "timeline_svg"}),
+    ("timeline_svg", {"__future__", "math", "xml", "timeline"}),
+])
+def test_timeline_modules_do_not_import_torch(module, allowed):
     import ast
-    import poptorch_lite.timeline
-    tree = ast.parse(open(poptorch_lite.timeline.__file__).read())
+    import importlib
+    path = importlib.import_module(f"poptorch_lite.{module}").__file__
+    tree = ast.parse(open(path).read())
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
                 for a in n.names}
     imported |= {(n.module or "").split(".")[0] for n in ast.walk(tree)
                  if isinstance(n, ast.ImportFrom)}
-    assert imported <= {"__future__", "dataclasses", "json", "typing"}
+    assert imported <= allowed
 
 
 @pytest.mark.parametrize("text", ["1F0", "0B3", "2R1", "1G", "U", "12F34"])
@@ -342,3 +349,116 @@ def test_recorder_from_several_threads():
         (k, i) for k in range(4) for i in range(1000)}
     assert [p.start for p in t.spans] == [float(n) for n in range(4000)]
     assert t.utilisation() == [0.25] * 4
+
+
+# -- the SVG picture --------------------------------------------------------------------------
+
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def svg_tree(timeline, tmp_path, **kwargs) -> ET.Element:
+    path = tmp_path / "t.svg"
+    timeline.write_svg(path, **kwargs)
+    return ET.parse(path).getroot()
+
+
+def by_class(root, cls):
+    return [e for e in root.iter() if e.get("class") == cls]
+
+
+def text_of(group, cls):
+    return [e.text for e in group.iter(f"{SVG}text") if e.get("class") == cls]
+
+
+def test_svg_has_a_row_per_stream_and_a_box_per_action(tmp_path):
+    t = one_f_one_b()
+    root = svg_tree(t, tmp_path)
+    assert root.tag == f"{SVG}svg" and root.get("width") == "1200"
+    rows = by_class(root, "row")
+    assert [(r.get("data-stream"), r.get("data-name")) for r in rows] == [
+        ("0", "ipu0 (cpu)"), ("1", "ipu1 (cpu)")]
+    assert [text_of(r, "stream") for r in rows] == [["ipu0 (cpu)"], ["ipu1 (cpu)"]]
+    for k, row in enumerate(rows):  # each stream's boxes, in start order, coloured by kind
+        boxes = by_class(row, "span")
+        assert [b.get("data-label") for b in boxes] == [p.label for p in t.spans if p.stream == k]
+        for b in boxes:
+            (rect,) = b.iter(f"{SVG}rect")
+            assert rect.get("fill") == COLOURS[b.get("data-kind")]
+            assert rect.find(f"{SVG}title").text.startswith(b.get("data-label") + " (")
+    # the micro-batch number in each F/B box, the kind letter in reductions and the update
+    assert [text_of(b, "mb") for b in by_class(rows[0], "span")] == [
+        ["0"], ["1"], ["0"], ["1"], ["G"], ["U"]]
+
+
+def test_svg_boxes_are_placed_on_the_time_scale(tmp_path):
+    root = svg_tree(one_f_one_b(), tmp_path)
+    rects = [next(b.iter(f"{SVG}rect")) for b in by_class(root, "span")]
+    xs = sorted({float(r.get("x")) for r in rects})
+    widths = {round(float(r.get("width")), 2) for r in rects}
+    assert len(xs) == 8 and len(widths) == 1  # 8 one-second steps, every action lasts 1 s
+    steps = {round(b - a, 2) for a, b in zip(xs, xs[1:])}
+    assert steps == widths
+
+
+def test_svg_marks_the_phases_and_has_an_axis_and_a_legend(tmp_path):
+    root = svg_tree(one_f_one_b(), tmp_path)
+    phases = by_class(root, "phase")
+    assert [p.get("data-phase") for p in phases] == ["ramp-up", "main", "ramp-down"]
+    assert [e.text for e in by_class(root, "phase-label")] == ["ramp-up", "main", "ramp-down"]
+    widths = [float(p.get("width")) for p in phases]  # phases (0, 1), (1, 5), (5, 8) seconds
+    assert widths[1] == pytest.approx(4 * widths[0]) and widths[2] == pytest.approx(3 * widths[0])
+    bounds = sorted(float(line.get("x1")) for line in by_class(root, "phase-bound"))
+    assert bounds == pytest.approx([float(phases[1].get("x")), float(phases[2].get("x"))])
+    assert [e.text for e in by_class(root, "tick-label")] == [str(k) for k in range(9)]
+    assert len(by_class(root, "tick")) == 9
+    assert [e.text for e in by_class(root, "axis-label")] == ["time (s)"]
+    assert [e.get("data-kind") for e in by_class(root, "swatch")] == ["F", "B", "G", "U"]
+    assert [e.text for e in by_class(root, "legend-label")] == [
+        "F forward", "B backward", "G reduce", "U update"]
+    assert [e.text for e in by_class(root, "phase-legend-label")] == [
+        "ramp-up", "main", "ramp-down"]
+    assert by_class(root, "title")[0].text == (
+        "schedule 1f1b: 2 streams, 11 actions, makespan 8.000 s, bubble 31.2%")
+
+
+def test_svg_of_a_real_grid_with_recompute_and_a_narrow_picture(tmp_path):
+    t = from_grid(sequential(3, 4, True, [0, 1, 2], (True, True, True)))
+    root = svg_tree(t, tmp_path, width=300)
+    assert len(by_class(root, "span")) == len(t.spans)
+    assert {e.get("data-kind") for e in by_class(root, "swatch")} == set("FBRGU")
+    assert len(by_class(root, "mb")) < len(t.spans)  # numbers that do not fit are left out
+    with pytest.raises(ValueError, match=r"write_svg\(width=120\) leaves"):
+        t.write_svg(tmp_path / "x.svg", width=120)
+
+
+def test_svg_of_an_empty_timeline(tmp_path):
+    root = svg_tree(Timeline([], NAMES, "x"), tmp_path)
+    assert len(by_class(root, "row")) == 2 and by_class(root, "span") == []
+    assert [e.text for e in by_class(root, "empty")] == ["no spans"]
+
+
+def test_svg_escapes_names():
+    svg = render(Timeline([Span(0, 0, 0, "F", 0, 1)], ["a<b> & 'c'"], "s&t"))
+    root = ET.fromstring(svg)
+    assert by_class(root, "row")[0].get("data-name") == "a<b> & 'c'"
+    assert by_class(root, "title")[0].text.startswith("schedule s&t:")
+
+
+@pytest.mark.parametrize("length, target, ticks", [
+    (8.0, 8, [0, 1, 2, 3, 4, 5, 6, 7, 8]),
+    (74.169, 8, [0, 10, 20, 30, 40, 50, 60, 70]),
+    (168.2, 8, [0, 50, 100, 150]),
+    (0.037, 5, [0, 0.01, 0.02, 0.03]),
+    (0.0, 8, [0.0]),
+])
+def test_nice_ticks(length, target, ticks):
+    assert nice_ticks(length, target) == pytest.approx(ticks)
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from poptorch_lite import timeline, timeline_svg
+    for module in (timeline, timeline_svg):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0

@@ -1,12 +1,13 @@
 """The tutorials' faces besides PopTorch's, built on ``trainingModel`` / ``inferenceModel``.
 
 One module per face: ``splits`` (the stage-assignment helpers of the Keras and
-TF1 tutorials). Each face only builds PopTorch-face objects: one engine, the
-same numbers.
+TF1 tutorials) and ``tf1`` (TF1's pipeline of stage functions). Each face only
+builds PopTorch-face objects: one engine, the same numbers.
 """
 
 from .splits import (print_pipeline_stage_assignment_summary, set_pipeline_stage_assignment,
                      split_at, stage_summary)
+from .tf1 import Pipeline, pipeline
 
-__all__ = ["print_pipeline_stage_assignment_summary", "set_pipeline_stage_assignment",
-           "split_at", "stage_summary"]
+__all__ = ["Pipeline", "pipeline", "print_pipeline_stage_assignment_summary",
+           "set_pipeline_stage_assignment", "split_at", "stage_summary"]
