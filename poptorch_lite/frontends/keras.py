@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 from ..annotations import removeBlocks
-from ..errors import InputError, OptionsError, WrapError
+from ..errors import InputError, OptimizerError, WrapError
 from ..options import Options
 from ..options_base import check_positive_int
 from ..strategies import ShardedExecution
@@ -152,8 +152,8 @@ class Model:
         same = self.optimizer is not None and _same_spec(optimizer, self._optimizer_spec)
         opt = self.optimizer if same else build(self.module.parameters())
         if not isinstance(opt, torch.optim.Optimizer):
-            raise OptionsError(f"the optimizer callable returned {type(opt).__name__}, not a "
-                               f"torch optimizer")
+            raise OptimizerError(f"the optimizer callable returned {type(opt).__name__}, not "
+                                 f"a torch optimizer; return e.g. torch.optim.SGD(params, lr=0.01)")
         self._release()
         self.optimizer, self._optimizer_spec, self._metrics = opt, optimizer, metric_fns
         self._step.loss_fn, self._spe, self._compiled = loss_fn, spe, True

@@ -108,9 +108,10 @@ class Data:
                                  f"{steps_name}={available} or less")
         count = available if steps is None else steps
         if count % spe:
+            fewer = f"pass {steps_name}={count - count % spe}, " if count > spe else ""
             raise BatchSizeError(
                 f"{self.what}: {count} batches per epoch is not a multiple of steps_per_execution "
-                f"({spe}); pass {steps_name}={count - count % spe}, trim the data set to a "
+                f"({spe}); {fewer}trim the data set to a "
                 f"multiple of batch_size x steps_per_execution = {b * spe} samples, or compile "
                 f"with a steps_per_execution that divides {count}")
         return count
