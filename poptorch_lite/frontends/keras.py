@@ -35,7 +35,7 @@ from ..options import Options
 from ..options_base import check_positive_int
 from ..strategies import ShardedExecution
 from ..wrapper import inferenceModel, trainingModel
-from .keras_callbacks import CallbackList, History
+from .keras_callbacks import CallbackList, History, RunningLogs, format_logs
 from .keras_data import Data
 from .keras_ipu import IpuSettings, PipelineSchedule, current_ipus
 from .keras_losses import resolve_loss, resolve_metrics, resolve_optimizer
@@ -56,28 +56,6 @@ class _TrainStep(torch.nn.Module):
     def forward(self, x, y):
         y_pred = self.net(x)
         return y_pred, self.loss_fn(y_pred, y)
-
-
-class _Running:
-    """The epoch's running means: ``loss`` over batches, each metric over samples."""
-
-    def __init__(self, metrics: list, with_loss: bool):
-        self.metrics, self.with_loss = metrics, with_loss
-        self.loss, self.batches, self.sums, self.samples = 0.0, 0, [0.0] * len(metrics), 0
-
-    def add(self, loss, y_pred, y_true) -> None:
-        self.batches += 1
-        self.samples += y_pred.shape[0]
-        if self.with_loss:
-            self.loss += float(loss)
-        for k, (_, fn) in enumerate(self.metrics):
-            v = fn(y_true, y_pred).detach().double()
-            self.sums[k] += float(v.sum() if v.dim() else v * y_pred.shape[0])
-
-    def logs(self) -> dict:
-        logs = {"loss": self.loss / self.batches} if self.with_loss else {}
-        logs.update({name: s / self.samples for (name, _), s in zip(self.metrics, self.sums)})
-        return logs
 
 
 class Model:
@@ -323,7 +301,7 @@ class Model:
                 logs.update({f"val_{k}": v for k, v in val_logs.items()})
             hooks.on_epoch_end(epoch, logs)
             if verbose == 2:
-                print(f"Epoch {epoch + 1}/{epochs} - " + _format(logs))
+                print(f"Epoch {epoch + 1}/{epochs} - " + format_logs(logs))
             if self.stop_training:
                 break
         hooks.on_train_end(logs)
@@ -432,7 +410,7 @@ class Model:
              desc: str, outputs: Optional[list] = None) -> dict:
         """Run ``count`` batches, ``steps_per_execution`` per call; return the running logs."""
         spe, b = self._spe, data.batch_size
-        running = _Running(self._metrics or [] if outputs is None else [], outputs is None)
+        running = RunningLogs(self._metrics or [] if outputs is None else [], outputs is None)
         bar = tqdm(total=count, desc=desc, unit="batch", disable=verbose != 1)
         for e, (xb, yb) in enumerate(data.executions(order, spe, b, count)):
             first = e * spe
@@ -453,7 +431,7 @@ class Model:
             if begin is not None and not self._async:
                 end(first + spe - 1, running.logs())
             bar.update(spe)
-            bar.set_postfix_str(_format(running.logs()), refresh=False)
+            bar.set_postfix_str(format_logs(running.logs()), refresh=False)
             if self.stop_training:
                 break
         bar.close()
@@ -506,10 +484,6 @@ def _pair(validation_data) -> tuple:
     if isinstance(validation_data, (tuple, list)) and len(validation_data) == 2:
         return tuple(validation_data)
     return validation_data, None
-
-
-def _format(logs: dict) -> str:
-    return " - ".join(f"{k}: {v:.4f}" for k, v in logs.items())
 
 
 def _table(header: tuple, rows: list) -> str:

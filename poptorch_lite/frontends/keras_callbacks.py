@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+import torch
+
 from ..errors import OptionsError
 
 
@@ -152,3 +154,39 @@ class CallbackList:
             for cb in self.callbacks:
                 getattr(cb, hook)(*args)
         return call
+
+
+class RunningLogs:
+    """The logs of a pass over the data: the running mean of ``loss`` over batches, and of
+    each metric over samples, as Keras' logs hold them ([Note: Keras batch hooks]).
+
+    Example:
+        >>> logs = RunningLogs([], True)
+        >>> logs.add(torch.tensor(2.0), torch.zeros(4, 1), torch.zeros(4, 1))
+        >>> logs.add(torch.tensor(1.0), torch.zeros(4, 1), torch.zeros(4, 1))
+        >>> logs.logs()
+        {'loss': 1.5}
+    """
+
+    def __init__(self, metrics: list, with_loss: bool):
+        self.metrics, self.with_loss = metrics, with_loss
+        self.loss, self.batches, self.sums, self.samples = 0.0, 0, [0.0] * len(metrics), 0
+
+    def add(self, loss, y_pred, y_true) -> None:
+        self.batches += 1
+        self.samples += y_pred.shape[0]
+        if self.with_loss:
+            self.loss += float(loss)
+        for k, (_, fn) in enumerate(self.metrics):
+            v = fn(y_true, y_pred).detach().double()
+            self.sums[k] += float(v.sum() if v.dim() else v * y_pred.shape[0])
+
+    def logs(self) -> dict:
+        logs = {"loss": self.loss / self.batches} if self.with_loss else {}
+        logs.update({name: s / self.samples for (name, _), s in zip(self.metrics, self.sums)})
+        return logs
+
+
+def format_logs(logs: dict) -> str:
+    """``"loss: 0.1234 - accuracy: 0.9876"``, as Keras' progress lines show logs."""
+    return " - ".join(f"{k}: {v:.4f}" for k, v in logs.items())
