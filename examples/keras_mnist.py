@@ -36,7 +36,8 @@ parser.add_argument("--steps-per-execution", type=int, default=24,
                     help="batches per execution (one call of the PopTorch model)")
 parser.add_argument("--replicas", type=int, default=1, help="copies of the model (or pipeline)")
 parser.add_argument("--pipeline", action="store_true", help="split the model into 2 stages")
-parser.add_argument("--schedule", default="grouped", choices=("grouped", "interleaved", "sequential"),
+parser.add_argument("--schedule", default="grouped",
+                    choices=("grouped", "interleaved", "sequential"),
                     help="pipeline schedule, with --pipeline")
 parser.add_argument("--gradient-accumulation", type=int, default=4,
                     help="batches per optimizer step and replica, with --pipeline")

@@ -633,3 +633,17 @@ def test_doctests_of_the_keras_modules():
     for module in (keras_model, keras_ipu, keras_losses, keras_callbacks, keras_data):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0 and result.attempted > 0, module.__name__
+
+
+def test_a_dataloader_that_drops_its_last_batch_and_adding_a_layer():
+    x, y = data(21)
+    model = build("sequential", 1)
+    model.compile(sgd, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  steps_per_execution=5)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4,
+                                         drop_last=True)
+    assert model.fit(loader, verbose=0).history["loss"]  # 5 whole batches, no refusal
+    model.module[-1] = torch.nn.Linear(8, 4)
+    model.add(torch.nn.Softmax(-1))
+    with pytest.raises(poptorch.WrapError):  # the optimizer does not know the new parameters
+        model.fit(loader, verbose=0)

@@ -210,7 +210,9 @@ class Model:
         print(_table(("layer", "type", "stage", "parameters"), rows))
 
     def set_asynchronous_callbacks(self, asynchronous: bool = False) -> None:
-        """True: batch hooks fire for every batch, not once per execution ([Note: Keras batch hooks]).
+        """True: batch hooks fire for every batch, not once per execution.
+
+        See [Note: Keras batch hooks].
 
         Example:
             >>> Model(torch.nn.Linear(4, 2)).set_asynchronous_callbacks(True)
@@ -274,10 +276,8 @@ class Model:
             >>> sorted(h.history)
             ['accuracy', 'loss']
         """
-        self._require_compiled(True)
-        data = Data(x, y, _batch_size(batch_size), True, "fit")
-        R = self._ipu.replicas(self._num_stages(data), self._spe, True)
-        count = data.batches(R, self._spe, steps_per_epoch, drop_remainder, "steps_per_epoch")
+        data, R, count = self._prepare("fit", x, y, batch_size, steps_per_epoch, drop_remainder,
+                                       "steps_per_epoch")
         val = None if validation_data is None else Data(*_pair(validation_data),
                                                         data.batch_size, True, "validation_data")
         val_count = None if val is None else val.batches(R, self._spe, None, drop_remainder,
@@ -324,15 +324,11 @@ class Model:
             >>> float(model.evaluate(torch.ones(32, 4), torch.zeros(32, 1), verbose=0)) >= 0
             True
         """
-        self._require_compiled(True)
-        data = Data(x, y, _batch_size(batch_size), True, "evaluate")
-        R = self._ipu.replicas(self._num_stages(data), self._spe, False)
-        count = data.batches(R, self._spe, steps, drop_remainder, "steps")
+        data, R, count = self._prepare("evaluate", x, y, batch_size, steps, drop_remainder)
         hooks = CallbackList(callbacks, self, {"steps": count, "verbose": verbose})
-        wrapper = self._wrapper("evaluate", R)
         hooks.on_test_begin()
-        logs = self._run(wrapper, data, None, count, hooks.on_test_batch_begin,
-                         hooks.on_test_batch_end, verbose, "evaluate")
+        logs = self._run(self._wrapper("evaluate", R), data, None, count,
+                         hooks.on_test_batch_begin, hooks.on_test_batch_end, verbose, "evaluate")
         hooks.on_test_end(logs)
         if return_dict:
             return logs
@@ -354,20 +350,25 @@ class Model:
             >>> model.predict(torch.ones(32, 4)).shape
             torch.Size([32, 2])
         """
-        self._require_compiled(False)
-        data = Data(x, None, _batch_size(batch_size), False, "predict")
-        R = self._ipu.replicas(self._num_stages(data), self._spe, False)
-        count = data.batches(R, self._spe, steps, drop_remainder, "steps")
+        data, R, count = self._prepare("predict", x, None, batch_size, steps, drop_remainder)
         hooks = CallbackList(callbacks, self, {"steps": count, "verbose": verbose})
-        wrapper = self._wrapper("predict", R)
         hooks.on_predict_begin()
         outputs = []
-        self._run(wrapper, data, None, count, hooks.on_predict_batch_begin,
-                  hooks.on_predict_batch_end, verbose, "predict", outputs)
+        self._run(self._wrapper("predict", R), data, None, count,
+                  hooks.on_predict_batch_begin, hooks.on_predict_batch_end, verbose, "predict",
+                  outputs)
         hooks.on_predict_end()
         return torch.cat(outputs)
 
     # -- internals ---------------------------------------------------------------------
+
+    def _prepare(self, method: str, x, y, batch_size, steps, drop_remainder: bool,
+                 steps_name: str = "steps") -> tuple:
+        """The checks every method makes first: ``(data, replicas, batches per pass)``."""
+        self._require_compiled(method != "predict")
+        data = Data(x, y, _batch_size(batch_size), method != "predict", method)
+        R = self._ipu.replicas(self._num_stages(data), self._spe, method == "fit")
+        return data, R, data.batches(R, self._spe, steps, drop_remainder, steps_name)
 
     def _require_compiled(self, needs_loss: bool) -> None:
         if not self._compiled or (needs_loss and self._step.loss_fn is None):
@@ -391,10 +392,10 @@ class Model:
             module = self.module if kind == "predict" else self._step
             modes = {m: m.training for m in self.module.modules()}
             self.module.train(kind == "train")  # Keras' training flag; traced with these modes
+            opts = self._ipu.options(kind, self._spe, R)
             try:
-                self._wrappers[kind] = (
-                    trainingModel(module, self._ipu.options(kind, self._spe, R), self.optimizer)
-                    if kind == "train" else inferenceModel(module, self._ipu.options(kind, self._spe, R)))
+                self._wrappers[kind] = (trainingModel(module, opts, self.optimizer)
+                                        if kind == "train" else inferenceModel(module, opts))
             finally:
                 for m, flag in modes.items():
                     m.training = flag
@@ -454,7 +455,8 @@ class Sequential(Model):
         super().__init__(torch.nn.Sequential(*layers), name or "Sequential")
 
     def add(self, layer: torch.nn.Module) -> None:
-        """Append a layer (the stage assignment, if any, is dropped).
+        """Append a layer. The stage assignment, if any, is dropped, and the model must be
+        compiled again (its optimizer did not know the new layer's parameters).
 
         Example:
             >>> model = Sequential()
@@ -466,6 +468,8 @@ class Sequential(Model):
         removeBlocks(self.module)
         self.module.append(layer)
         self._assignment, self._stages = None, None
+        self.optimizer = self._optimizer_spec = None
+        self._compiled = False
 
 
 def _same_spec(a, b) -> bool:

@@ -65,7 +65,8 @@ class Data:
                 if self.batch_size is None:
                     raise InputError(f"{what}: the DataLoader has batch_size=None; give it a "
                                      f"batch_size")
-                self.samples = len(x.dataset)
+                # a loader that drops its last partial batch holds whole batches only
+                self.samples = len(x) * x.batch_size if x.drop_last else len(x.dataset)
             else:
                 self.dataset, self.batch_size, self.samples = x, batch_size, len(x)
             return

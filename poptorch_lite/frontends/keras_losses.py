@@ -236,7 +236,9 @@ _FROM_LOGITS = (sparse_categorical_crossentropy, categorical_crossentropy, binar
 
 
 class losses:  # noqa: N801 - Keras' namespace ``keras.losses``
-    """Keras' loss classes and functions: ``losses.SparseCategoricalCrossentropy(from_logits=True)``.
+    """Keras' loss classes and functions (``keras.losses``).
+
+    ``losses.SparseCategoricalCrossentropy(from_logits=True)`` is a loss for logits.
 
     Example:
         >>> losses.MeanSquaredError()(torch.zeros(2, 1), torch.ones(2, 1))
@@ -311,7 +313,8 @@ def sparse_categorical_accuracy(y_true, y_pred):
     """Per-sample 1.0 where ``argmax(y_pred) == y_true``.
 
     Example:
-        >>> sparse_categorical_accuracy(torch.tensor([1, 0]), torch.tensor([[0.2, 0.8], [0.3, 0.7]]))
+        >>> p = torch.tensor([[0.2, 0.8], [0.3, 0.7]])
+        >>> sparse_categorical_accuracy(torch.tensor([1, 0]), p)
         tensor([1., 0.])
     """
     return (y_pred.argmax(-1) == _sparse_labels(y_true, y_pred)).float()
