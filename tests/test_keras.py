@@ -241,10 +241,11 @@ def test_recomputation_and_offloading_keep_the_numbers():
     assert_same_weights(model.module, ref_net)
 
 
-def test_evaluate_and_predict_equal_inference_calls():
+@pytest.mark.parametrize("S,R", [(1, 1), (2, 2)])
+def test_evaluate_and_predict_equal_inference_calls(S, R):
     B, spe = 4, 4
     x, y = data(B * spe * 3)
-    model = build("sequential", 1)
+    model = build("sequential", S, ipus=S * R)
     model.module.append(torch.nn.Dropout(0.5))  # evaluate and predict run in eval mode
     model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   ["accuracy"], steps_per_execution=spe)
@@ -253,7 +254,8 @@ def test_evaluate_and_predict_equal_inference_calls():
     assert model.module.training  # the user's flag is left as it was
 
     net = copy.deepcopy(model.module).eval()
-    opts = poptorch.Options().deviceIterations(spe).outputMode(poptorch.OutputMode.All)
+    opts = poptorch.Options().deviceIterations(spe // R).replicationFactor(R)
+    opts.outputMode(poptorch.OutputMode.All).setExecutionStrategy(poptorch.PipelinedExecution())
     infer, infer_net = poptorch.inferenceModel(Step(net), opts), poptorch.inferenceModel(
         net, opts.clone())
     outs, losses = [], []
@@ -505,6 +507,11 @@ def test_ipu_strategy_gives_ipus_over_stages_replicas():
     assert model._wrappers["predict"].options.device_iterations == 4  # 16 / 4 replicas
     outside = keras.Sequential(layers())
     assert outside._ipu.ipus is None
+    with keras.IPUStrategy(keras.IPUConfig(auto_select_ipus=6)).scope():
+        assert keras.Sequential(layers())._ipu.ipus == 6
+    with pytest.raises(poptorch.OptionsError, match="IPUConfig.auto_select_ipus must be a "
+                                                    "positive int, got 0"):
+        keras.IPUStrategy(keras.IPUConfig(0))
 
 
 def test_summary_and_stage_assignment_summary(capsys):

@@ -72,12 +72,12 @@ class IPUConfig:
 
     Example:
         >>> config = IPUConfig()
-        >>> config.auto_select_ipus = 4
+        >>> config.auto_select_ipus = 4       # as the tutorials write it; or IPUConfig(4)
         >>> config.configure_ipu_system()
     """
 
-    def __init__(self):
-        self.auto_select_ipus = 1
+    def __init__(self, auto_select_ipus: int = 1):
+        self.auto_select_ipus = auto_select_ipus
 
     def configure_ipu_system(self) -> None:
         """Check the configuration (there is no IPU system to configure)."""
