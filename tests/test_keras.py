@@ -433,6 +433,10 @@ def test_keras_name_losses_equal_keras_formulas():
     bce = keras.losses.BinaryCrossentropy(from_logits=True)(onehot, logits)
     assert torch.equal(bce, F.binary_cross_entropy_with_logits(
         logits, onehot, reduction="none").mean(-1).mean())
+    # Keras 3 renormalises p before clipping; for a softmax that is nll of the clipped log
+    soft = torch.softmax(torch.log(p + 0.1), -1)
+    torch.testing.assert_close(keras_losses.resolve_loss("sparse_categorical_crossentropy")(
+        soft, labels), F.nll_loss(torch.log(soft.clamp(EPS, 1 - EPS)), labels), atol=1e-6, rtol=0)
     # a (n, 1) label column is the same as (n,)
     assert torch.equal(keras_losses.sparse_categorical_crossentropy(labels[:, None], p),
                        keras_losses.sparse_categorical_crossentropy(labels, p))
