@@ -31,6 +31,7 @@ EXAMPLES = {  # example: (epochs of its defaults, the bar in %)
     "mnist_pipelined.py": (3, 98.5),
     "mnist_splits.py": (2, 97.5),
     "mnist_mlp_pipeline.py": (2, 97.5),
+    "keras_mnist.py": (3, 98.5),
 }
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -5,7 +5,7 @@ PopTorch. The flow of a call: annotations -> partition -> placement ->
 schedule -> executor -> wrapper (see the modules of the same names).
 """
 
-from . import optim
+from . import keras, optim
 from .annotations import BeginBlock, Block, BlockFunction, recomputationCheckpoint, removeBlocks
 from .checkpoint import CheckpointInfo, load_checkpoint, save_checkpoint
 from .dataloader import AsynchronousDataAccessor, DataLoader
@@ -46,7 +46,7 @@ __all__ = [
     "TensorLocationSettings", "TraceError", "UnknownAttributeError", "UnrecoverableError",
     "WrapError", "combined_batch_size", "identity_loss", "inferenceModel",
     "ipuHardwareIsAvailable", "ipuHardwareVersion", "ipu_print_tensor", "isRunningOnIpu",
-    "is_main_process",
+    "is_main_process", "keras",
     "load_checkpoint", "nop", "optim", "pipeline", "print_pipeline_stage_assignment_summary",
     "recomputationCheckpoint", "removeBlocks", "save_checkpoint", "serializedMatMul",
     "setLogLevel", "set_available_memory", "set_overlap_for_input", "set_overlap_for_output",

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import poptorch_lite as poptorch
-from poptorch_lite import errors, optim
+from poptorch_lite import errors, keras, optim
 from poptorch_lite.schedule import Action, Schedule, build, validate
 from poptorch_lite.timeline import Span, Timeline
 
@@ -119,6 +119,38 @@ class Two(torch.nn.Module):
             if self.tail == "two":
                 return F.mse_loss(out, y), F.l1_loss(out, y)
             return out, F.mse_loss(out, y)
+
+
+
+def keras_model(spe=4, G=1, schedule=P.Grouped, stages=1, ipus=None, loss="mse"):
+    """A compiled Keras Sequential of three layers, on ``stages`` stages, in an IPU scope."""
+    config = keras.IPUConfig()
+    config.auto_select_ipus = ipus or stages
+    with keras.IPUStrategy(config).scope():
+        model = keras.Sequential([torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)])
+    if stages == 2:
+        model.set_pipeline_stage_assignment([0, 0, 1])
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=G,
+                                 pipeline_schedule=schedule)
+    if loss is not None:
+        model.compile("sgd", loss, steps_per_execution=spe)
+    return model
+
+
+def keras_refuses(call, n=32, strict=True, **kw):
+    """``call(model, x, y)`` must raise and leave weights, optimizer, settings, wrappers and RNG
+    as they were (``strict=False``: a callback raised after fit began; the weights only)."""
+    model = keras_model(**kw)
+    x, y = torch.randn(n, 4), torch.randn(n, 2)
+    settings = (model._ipu, model._spe, dict(model._wrappers), model.optimizer)
+    before = copy.deepcopy(model.module.state_dict())
+    with weights_unchanged(model.module) if strict else contextlib.nullcontext():
+        try:
+            call(model, x, y)
+        finally:
+            assert not strict or settings == (model._ipu, model._spe, dict(model._wrappers),
+                                              model.optimizer)
+            assert all(torch.equal(v, before[k]) for k, v in model.module.state_dict().items())
 
 
 def opts(strategy=None, G=1, D=1, R=1):
@@ -465,6 +497,53 @@ T = {
     "E-BLK-10": lambda: poptorch.split_at(torch.nn.Sequential(torch.nn.ReLU()), ["ghost"]),
     "E-BLK-11": lambda: poptorch.split_at(
         torch.nn.Sequential(torch.nn.ReLU(), torch.nn.ReLU()), ["1", "1"]),
+    # the Keras face
+    "E-KER-01": lambda: keras_refuses(lambda m, x, y: m.fit(x[:30], y[:30], batch_size=4,
+                                                            verbose=0)),
+    "E-KER-02": lambda: keras_refuses(lambda m, x, y: m.fit(x[:24], y[:24], batch_size=4,
+                                                            verbose=0)),
+    "E-KER-03": lambda: keras_refuses(lambda m, x, y: m.fit(x, y, batch_size=4, verbose=0,
+                                                            steps_per_epoch=12)),
+    "E-KER-04": lambda: keras_refuses(lambda m, x, y: m.fit(x, y, batch_size=2, verbose=0),
+                                      spe=6, G=4),
+    "E-KER-05": lambda: keras_refuses(lambda m, x, y: m.fit(x, y, batch_size=2, verbose=0),
+                                      spe=8, G=2, stages=2),
+    "E-KER-06": lambda: keras_refuses(lambda m, x, y: m.fit(x, y, batch_size=2, verbose=0),
+                                      spe=6, G=3, stages=2, schedule=P.Interleaved),
+    "E-KER-07": lambda: keras_refuses(lambda m, x, y: m.fit(x, y, batch_size=2, verbose=0),
+                                      spe=8, G=4, stages=2, ipus=3),
+    "E-KER-08": lambda: keras_refuses(lambda m, x, y: m.fit(x, y, verbose=0), loss=None),
+    "E-KER-09": lambda: keras_refuses(lambda m, x, y: m.fit(x, y[:16], verbose=0)),
+    "E-KER-10": lambda: keras_refuses(lambda m, x, y: m.fit(x.tolist(), y, verbose=0)),
+    "E-KER-11": lambda: keras_refuses(lambda m, x, y: m.predict(torch.tensor(1.0))),
+    "E-KER-12": lambda: keras_refuses(lambda m, x, y: m.evaluate(x, verbose=0)),
+    "E-KER-13": lambda: keras_refuses(lambda m, x, y: m.fit(
+        torch.utils.data.TensorDataset(x, y), y, verbose=0)),
+    "E-KER-14": lambda: keras_refuses(lambda m, x, y: m.fit(torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y), batch_size=None), verbose=0)),
+    "E-KER-15": lambda: keras_refuses(lambda m, x, y: m.fit(
+        torch.utils.data.TensorDataset(x), batch_size=4, verbose=0)),
+    "E-KER-16": lambda: keras.Model([torch.nn.Linear(2, 2)]),
+    "E-KER-17": lambda: keras.Sequential([torch.nn.Linear(2, 2), torch.relu]),
+    "E-KER-18": lambda: keras.Sequential().add(torch.relu),
+    "E-KER-19": lambda: keras_refuses(lambda m, x, y: m.compile("nadam", "mse")),
+    "E-KER-20": lambda: keras_refuses(lambda m, x, y: m.compile(0.1, "mse")),
+    "E-KER-21": lambda: keras_refuses(lambda m, x, y: m.compile(lambda p: None, "mse")),
+    "E-KER-22": lambda: keras_refuses(lambda m, x, y: m.compile("sgd", "hinge")),
+    "E-KER-23": lambda: keras_refuses(lambda m, x, y: m.compile("sgd", 3)),
+    "E-KER-24": lambda: keras_refuses(lambda m, x, y: m.fit(x, y, batch_size=8, verbose=0),
+                                      loss=lambda y_true, y_pred: 1.0),
+    "E-KER-25": lambda: keras_refuses(lambda m, x, y: m.compile("sgd", "mse", ["f1"])),
+    "E-KER-26": lambda: keras_refuses(lambda m, x, y: m.compile("sgd", "mse", [3])),
+    "E-KER-27": lambda: keras_refuses(lambda m, x, y: m.set_pipelining_options(
+        pipeline_schedule="gpipe")),
+    "E-KER-28": lambda: keras_refuses(lambda m, x, y: m.set_pipelining_options(
+        recomputation_mode=True)),
+    "E-KER-29": lambda: keras.callbacks.LearningRateScheduler(0.1),
+    "E-KER-30": lambda: keras_refuses(lambda m, x, y: m.fit(x, y, 8, verbose=0, callbacks=[
+        keras.callbacks.LearningRateScheduler(lambda epoch, lr: "fast")]), strict=False),
+    "E-KER-31": lambda: keras_refuses(lambda m, x, y: m.fit(x, y, 8, verbose=0,
+                                                            callbacks=[print])),
     # execution strategies
     "E-STR-01": lambda: poptorch.Stage(),
     "E-STR-02": lambda: poptorch.Stage("a", 1),
@@ -664,6 +743,8 @@ T = {
     "W-LITE-07": lambda: (lambda w: (w.compile(torch.randn(2, 4), torch.randn(2, 4)),
                                      w.compile(torch.randn(2, 4), torch.randn(2, 4))))(
         poptorch.inferenceModel(Two(tail="none"), opts())),
+    "W-LITE-08": lambda: keras_model(spe=1).fit(torch.randn(10, 4), torch.randn(10, 2),
+                                               batch_size=4, verbose=0, drop_remainder=True),
 }
 
 

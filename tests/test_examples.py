@@ -153,3 +153,34 @@ def test_mnist_mlp_pipeline_trains_with_recomputation_and_a_decaying_learning_ra
     assert lines[0] == "effective batch: 8 x 8 accumulation = 64 per step"
     assert len(lines) == 4
     assert_trained_and_tested(lines, 1280, 600)
+
+
+def test_keras_mnist_fits_and_evaluates_with_steps_per_execution():
+    lines = run_example("keras_mnist.py", "--limit", "1536")
+    # 1536 images: 2 executions of 24 batches of 32; the test set is trimmed to 1440 (9 x 160)
+    assert lines[0] == ("effective batch: 32 x 1 accumulation x 1 replicas = 32 per step, "
+                        "768 per execution (steps_per_execution 24)")
+    assert re.fullmatch(r"loss per epoch: [0-9]+\.[0-9]{4}", lines[1])
+    assert len(lines) == 5
+    assert_trained_and_tested(lines, 1536, 1440)
+
+
+def test_keras_mnist_two_stage_pipeline_with_replicas():
+    lines = run_example("keras_mnist.py", "--limit", "768", "--pipeline", "--replicas", "2",
+                        "--schedule", "interleaved", "--steps-per-execution", "8")
+    assert lines[:9] == [
+        "layer | type      | stage | parameters",
+        "------+-----------+-------+-----------",
+        "0     | ConvLayer | 0     | 260",
+        "1     | ConvLayer | 0     | 5,020",
+        "2     | Flatten   | 0     | 0",
+        "3     | Linear    | 1     | 81,920",
+        "4     | ReLU      | 1     | 0",
+        "5     | Linear    | 1     | 2,570",
+        "6     | Softmax   | 1     | 0",
+    ]
+    assert lines[9] == ("effective batch: 32 x 4 accumulation x 2 replicas = 256 per step, "
+                        "512 per execution (steps_per_execution 8)")
+    # 768 images: 1 execution of 8 batches of 32 x 2 replicas is 512; the rest is trimmed.
+    # 2 optimizer steps: only the format is checked.
+    assert_trained_and_tested(lines, 512, 640, above=0.0)

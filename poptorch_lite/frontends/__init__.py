@@ -1,8 +1,10 @@
 """The tutorials' faces besides PopTorch's, built on ``trainingModel`` / ``inferenceModel``.
 
 One module per face: ``splits`` (the stage-assignment helpers of the Keras and
-TF1 tutorials) and ``tf1`` (TF1's pipeline of stage functions). Each face only
-builds PopTorch-face objects: one engine, the same numbers.
+TF1 tutorials), ``tf1`` (TF1's pipeline of stage functions) and ``keras`` (with
+``keras_ipu``, ``keras_data``, ``keras_losses`` and ``keras_callbacks``; public as
+``poptorch_lite.keras``). Each face only builds PopTorch-face objects: one engine, the
+same numbers.
 """
 
 from .splits import (print_pipeline_stage_assignment_summary, set_pipeline_stage_assignment,

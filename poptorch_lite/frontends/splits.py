@@ -37,7 +37,25 @@ def set_pipeline_stage_assignment(model: torch.nn.Sequential, assignment: Sequen
     if not isinstance(model, torch.nn.Sequential):
         raise BlockError(f"set_pipeline_stage_assignment needs an nn.Sequential, got "
                          f"{type(model).__name__}; annotate other models with BeginBlock or Block")
-    children = list(model.children())
+    return assign_stages(model, list(model.children()), assignment)
+
+
+def assign_stages(model: torch.nn.Module, layers: Sequence[torch.nn.Module],
+                  assignment: Sequence[int]):
+    """Put ``layers[k]`` (modules of ``model``, in the order they run) on stage ``assignment[k]``.
+
+    The blocks ``model`` had are removed first. Used by
+    :func:`set_pipeline_stage_assignment` and by the Keras face's models.
+
+    Raises:
+        BlockError: the list's length differs from the number of layers, a stage is
+            not an int >= 0, or the stages decrease.
+
+    Example:
+        >>> seq = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+        >>> _ = assign_stages(seq, list(seq.children()), [0, 1])
+    """
+    children = list(layers)
     if len(assignment) != len(children):
         raise BlockError(f"the assignment has {len(assignment)} entries for {len(children)} "
                          f"layers; give one stage per layer")
@@ -95,8 +113,7 @@ def stage_summary(poptorch_model) -> str:
         layer   | block  | stage | device | parameters
         ...
     """
-    poptorch_model._require_compiled()
-    program = next(reversed(poptorch_model._programs.values()))
+    program = _last_program(poptorch_model)
     part = program.partition
     placement = program.executor.placement
     stage_of_block = {b: st.index for st in part.stages for b in st.blocks}
@@ -114,6 +131,21 @@ def stage_summary(poptorch_model) -> str:
     lines = [" | ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
     lines.insert(1, "-+-".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def num_stages(poptorch_model) -> int:
+    """The number of stages the wrapped model's last compiled input signature has.
+
+    Example:
+        >>> num_stages(model)  # doctest: +SKIP
+        2
+    """
+    return _last_program(poptorch_model).partition.num_stages
+
+
+def _last_program(poptorch_model):
+    poptorch_model._require_compiled()
+    return next(reversed(poptorch_model._programs.values()))
 
 
 def print_pipeline_stage_assignment_summary(poptorch_model) -> None:

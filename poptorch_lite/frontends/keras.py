@@ -1,0 +1,498 @@
+"""The Keras face: ``Model``, ``Sequential``, ``compile``, ``fit``, ``evaluate``, ``predict``.
+
+[Note: Keras face]
+The workflow of Graphcore's IPU Keras tutorials on torch modules, built on the
+PopTorch face and nothing else. ``fit`` wraps the module and its loss with
+``trainingModel``; ``evaluate`` and ``predict`` with ``inferenceModel``. Their
+``Options`` say what the Keras names say:
+
+    deviceIterations     = steps_per_execution / (G × replicas)   (training)
+                         = steps_per_execution / replicas         (inference)
+    gradientAccumulation = G   (gradient_accumulation_steps_per_replica)
+    replicationFactor    = auto_select_ipus / stages              (IPUStrategy scope)
+    outputMode           = All (every batch's loss and predictions, for the logs)
+    strategy             = PipelinedExecution(schedule=pipeline_schedule)
+
+so one call of the wrapper is one execution of ``steps_per_execution`` batches,
+batch k of the execution being micro-batch k, and every number equals the
+PopTorch face's. The effective batch of an optimizer step is
+``batch_size × G × replicas``. Changing ``steps_per_execution`` (``compile``
+again) or an IPU option destroys the wrappers; the next call wraps again, and the
+module keeps its weights and the optimizer its state.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional, Sequence
+
+import torch
+from tqdm import tqdm
+
+from ..annotations import removeBlocks
+from ..errors import InputError, OptimizerError, WrapError
+from ..options import Options
+from ..options_base import check_positive_int
+from ..strategies import ShardedExecution
+from ..wrapper import inferenceModel, trainingModel
+from .keras_callbacks import CallbackList, History, RunningLogs, format_logs
+from .keras_data import Data
+from .keras_ipu import IpuSettings, PipelineSchedule, current_ipus
+from .keras_losses import resolve_loss, resolve_metrics, resolve_optimizer
+from .splits import assign_stages, num_stages
+
+_LOG = logging.getLogger("poptorch_lite")
+_HINTED: set = set()
+
+
+class _TrainStep(torch.nn.Module):
+    """The user's module followed by the compiled loss: ``forward(x, y) -> (y_pred, loss)``."""
+
+    def __init__(self, net: torch.nn.Module):
+        super().__init__()
+        self.net = net
+        self.loss_fn = None
+
+    def forward(self, x, y):
+        y_pred = self.net(x)
+        return y_pred, self.loss_fn(y_pred, y)
+
+
+class Model:
+    """A torch module with Keras' ``compile``/``fit``/``evaluate``/``predict`` ([Note: Keras face]).
+
+    Args:
+        module: an ``nn.Module`` whose forward maps inputs to predictions.
+        name: shown by ``summary()`` (default: the module's class name).
+
+    Raises:
+        InputError: ``module`` is not an ``nn.Module``.
+
+    Example:
+        >>> model = Model(torch.nn.Linear(4, 2))
+        >>> model.compile("sgd", "mse", steps_per_execution=2)
+        >>> history = model.fit(torch.ones(8, 4), torch.zeros(8, 2), batch_size=2, verbose=0)
+        >>> len(history.history["loss"])
+        1
+    """
+
+    def __init__(self, module: torch.nn.Module, name: Optional[str] = None):
+        if not isinstance(module, torch.nn.Module):
+            raise InputError(f"keras.Model wraps an nn.Module, got {type(module).__name__}; "
+                             f"for a list of layers use keras.Sequential([...])")
+        self.module, self.name = module, name or type(module).__name__
+        self._ipu = IpuSettings(ipus=current_ipus())
+        self._step = _TrainStep(module)
+        self.optimizer = self._optimizer_spec = self._metrics = None
+        self._spe, self._compiled = 1, False
+        self._async = False
+        self._assignment: Optional[list] = None
+        self._stages: Optional[int] = None  # found by tracing once ([Note: Keras face])
+        self._wrappers: dict = {}
+        self.history: Optional[History] = None
+        self.stop_training = False
+
+    # -- Keras' API --------------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @property
+    def layers(self) -> list:
+        """The module's children, in order (the layers of ``set_pipeline_stage_assignment``)."""
+        return list(self.module.children())
+
+    def compile(self, optimizer="rmsprop", loss=None, metrics=None, steps_per_execution: int = 1):
+        """Choose the optimizer, loss, metrics and batches per execution.
+
+        Args:
+            optimizer: ``"sgd"``, ``"adam"``, ``"rmsprop"`` (Keras' defaults), a
+                ``keras.optimizers`` description, a torch optimizer, or a callable from
+                parameters to one. The same name or object as the last compile keeps
+                the optimizer (and its state).
+            loss: a Keras name, a ``keras.losses`` object, a torch loss module or a
+                callable ``fn(y_true, y_pred)`` ([Note: Keras formulas]).
+            metrics: ``["accuracy"]`` or callables ``fn(y_true, y_pred)``.
+            steps_per_execution: batches per execution (per call of the PopTorch model).
+
+        Raises:
+            OptionsError, OptimizerError: an invalid argument; nothing changes.
+
+        Example:
+            >>> model = Model(torch.nn.Linear(4, 2))
+            >>> model.compile("adam", "sparse_categorical_crossentropy", ["accuracy"], 10)
+        """
+        spe = check_positive_int(steps_per_execution, "steps_per_execution",
+                                 "model.compile(..., steps_per_execution=1)")
+        build = resolve_optimizer(optimizer)
+        loss_fn = None if loss is None else resolve_loss(loss)
+        metric_fns = resolve_metrics(metrics)
+        same = self.optimizer is not None and _same_spec(optimizer, self._optimizer_spec)
+        opt = self.optimizer if same else build(self.module.parameters())
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise OptimizerError(f"the optimizer callable returned {type(opt).__name__}, not "
+                                 f"a torch optimizer; return e.g. torch.optim.SGD(params, lr=0.01)")
+        self._release()
+        self.optimizer, self._optimizer_spec, self._metrics = opt, optimizer, metric_fns
+        self._step.loss_fn, self._spe, self._compiled = loss_fn, spe, True
+        if spe == 1 and "spe" not in _HINTED:
+            _HINTED.add("spe")
+            _LOG.warning("steps_per_execution is 1: every batch is an execution of its own, "
+                         "with a round trip to the host; compile(..., steps_per_execution=N) "
+                         "runs N batches per execution and is faster")
+
+    def set_gradient_accumulation_options(self, gradient_accumulation_steps_per_replica=None):
+        """Accumulate the gradients of G batches per replica before each optimizer step.
+
+        Raises:
+            OptionsError: G is not a positive int.
+
+        Example:
+            >>> Model(torch.nn.Linear(4, 2)).set_gradient_accumulation_options(
+            ...     gradient_accumulation_steps_per_replica=4)
+        """
+        self.set_pipelining_options(gradient_accumulation_steps_per_replica)
+
+    def set_pipelining_options(self, gradient_accumulation_steps_per_replica=None,
+                               pipeline_schedule=None, recomputation_mode=None,
+                               offload_weight_update_variables=None):
+        """IPU Keras' pipelining options; None leaves an option as it is.
+
+        Args:
+            gradient_accumulation_steps_per_replica: G.
+            pipeline_schedule: ``PipelineSchedule.Grouped`` (default), ``Interleaved`` or
+                ``Sequential`` (or its name).
+            recomputation_mode: a :class:`RecomputationMode`: recompute every stage.
+            offload_weight_update_variables: keep optimizer state off the device
+                (``TensorLocations.setOptimizerLocation(useOnChipStorage(False))``).
+
+        Raises:
+            OptionsError: an invalid value; nothing changes.
+
+        Example:
+            >>> Model(torch.nn.Linear(4, 2)).set_pipelining_options(
+            ...     gradient_accumulation_steps_per_replica=8,
+            ...     pipeline_schedule=PipelineSchedule.Interleaved)
+        """
+        ipu = self._ipu.with_pipelining(gradient_accumulation_steps_per_replica,
+                                        pipeline_schedule, recomputation_mode,
+                                        offload_weight_update_variables)
+        self._release()
+        self._ipu = ipu
+
+    def set_pipeline_stage_assignment(self, assignment: Sequence[int]) -> None:
+        """Put layer k (child k of the module, in order) on stage (IPU) ``assignment[k]``.
+
+        Raises:
+            BlockError: the list's length differs from the number of layers, a stage
+                is not an int >= 0, or the stages decrease.
+
+        Example:
+            >>> model = Sequential([torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)])
+            >>> model.set_pipeline_stage_assignment([0, 1])
+        """
+        assign_stages(self.module, self.layers, assignment)
+        self._release()
+        self._assignment, self._stages = list(assignment), None
+
+    def print_pipeline_stage_assignment_summary(self) -> None:
+        """Print each layer, its type, stage and parameter count.
+
+        Example:
+            >>> Sequential([torch.nn.Linear(4, 2)]).print_pipeline_stage_assignment_summary()
+            layer | type   | stage | parameters
+            ------+--------+-------+-----------
+            0     | Linear | 0     | 10
+        """
+        stages = self._assignment or [0] * len(self.layers)
+        rows = [(name, type(m).__name__, str(s), f"{sum(p.numel() for p in m.parameters()):,}")
+                for (name, m), s in zip(self.module.named_children(), stages)]
+        print(_table(("layer", "type", "stage", "parameters"), rows))
+
+    def set_asynchronous_callbacks(self, asynchronous: bool = False) -> None:
+        """True: batch hooks fire for every batch, not once per execution.
+
+        See [Note: Keras batch hooks].
+
+        Example:
+            >>> Model(torch.nn.Linear(4, 2)).set_asynchronous_callbacks(True)
+        """
+        self._async = bool(asynchronous)
+
+    def summary(self) -> None:
+        """Print the layers and their parameter counts, then the totals.
+
+        Example:
+            >>> Sequential([torch.nn.Linear(4, 2)]).summary()
+            Model: "Sequential"
+            layer | type   | parameters
+            ------+--------+-----------
+            0     | Linear | 10
+            Total params: 10
+            Trainable params: 10
+            Non-trainable params: 0
+        """
+        rows = [(name, type(m).__name__, f"{sum(p.numel() for p in m.parameters()):,}")
+                for name, m in self.module.named_children()]
+        trainable = sum(p.numel() for p in self.module.parameters() if p.requires_grad)
+        frozen = sum(p.numel() for p in self.module.parameters() if not p.requires_grad) + sum(
+            b.numel() for b in self.module.buffers() if b.is_floating_point())
+        print(f'Model: "{self.name}"')
+        print(_table(("layer", "type", "parameters"), rows))
+        print(f"Total params: {trainable + frozen:,}\nTrainable params: {trainable:,}\n"
+              f"Non-trainable params: {frozen:,}")
+
+    def fit(self, x=None, y=None, batch_size=None, epochs: int = 1, verbose: int = 1,
+            callbacks=None, validation_data=None, shuffle: bool = True, initial_epoch: int = 0,
+            steps_per_epoch: Optional[int] = None, drop_remainder: bool = False) -> History:
+        """Train for ``epochs - initial_epoch`` epochs; return the ``History``.
+
+        Each execution runs ``steps_per_execution`` batches through the training
+        model ([Note: Keras face]). With ``shuffle``, each epoch's order is
+        ``torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))``
+        with ``seed`` drawn once per ``fit`` from torch's default generator.
+
+        Args:
+            x, y: tensors or NumPy arrays, a ``Dataset`` of ``(x, y)``, or a
+                ``DataLoader`` of ``(x, y)`` batches (``y`` None then).
+            batch_size: samples per batch (default 32).
+            epochs, initial_epoch: train epochs ``initial_epoch .. epochs - 1``.
+            verbose: 1 a tqdm bar per epoch, 2 one line per epoch, 0 silent.
+            callbacks: ``keras.callbacks.Callback`` objects ([Note: Keras batch hooks]).
+            validation_data: ``(x_val, y_val)`` evaluated at each epoch's end (``val_`` logs).
+            shuffle: shuffle tensors and Datasets each epoch (a DataLoader keeps its order).
+            steps_per_epoch: batches per epoch (default: all).
+            drop_remainder: drop the samples beyond a multiple of ``batch_size × replicas``.
+
+        Raises:
+            WrapError: not compiled with a loss.
+            InputError, BatchSizeError, OptionsError, PipelineError: the tutorials'
+                rules; refused before anything changes.
+
+        Example:
+            >>> model = Sequential([torch.nn.Linear(4, 3)])
+            >>> model.compile("sgd", "sparse_categorical_crossentropy", ["accuracy"])
+            >>> h = model.fit(torch.randn(64, 4), torch.randint(0, 3, (64,)), verbose=0)
+            >>> sorted(h.history)
+            ['accuracy', 'loss']
+        """
+        data, R, count = self._prepare("fit", x, y, batch_size, steps_per_epoch, drop_remainder,
+                                       "steps_per_epoch")
+        val = None if validation_data is None else Data(*_pair(validation_data),
+                                                        data.batch_size, True, "validation_data")
+        val_count = None if val is None else val.batches(R, self._spe, None, drop_remainder,
+                                                          "validation_steps")
+        history = History()
+        hooks = CallbackList([*(callbacks or []), history], self,
+                             {"epochs": epochs, "steps": count, "verbose": verbose})
+        train = self._wrapper("train", R)
+        seed = int(torch.randint(0, 2**62, (1,))) if shuffle and data.loader is None else None
+        self.stop_training, logs = False, {}
+        hooks.on_train_begin()
+        for epoch in range(initial_epoch, epochs):
+            hooks.on_epoch_begin(epoch)
+            order = None if seed is None else torch.randperm(
+                data.samples, generator=torch.Generator().manual_seed(seed + epoch))
+            logs = self._run(train, data, order, count, hooks.on_train_batch_begin,
+                             hooks.on_train_batch_end, verbose, f"Epoch {epoch + 1}/{epochs}")
+            if val is not None:
+                val_logs = self._run(self._wrapper("evaluate", R), val, None, val_count,
+                                     None, None, 0, "")
+                logs.update({f"val_{k}": v for k, v in val_logs.items()})
+            hooks.on_epoch_end(epoch, logs)
+            if verbose == 2:
+                print(f"Epoch {epoch + 1}/{epochs} - " + format_logs(logs))
+            if self.stop_training:
+                break
+        hooks.on_train_end(logs)
+        self.history = history
+        return history
+
+    def evaluate(self, x=None, y=None, batch_size=None, verbose: int = 1, steps=None,
+                 callbacks=None, return_dict: bool = False, drop_remainder: bool = False):
+        """The loss (and metrics) over the data: ``loss``, or ``[loss, *metrics]``, as Keras.
+
+        Runs the module in eval mode through ``inferenceModel``, ``steps_per_execution``
+        batches per execution. ``return_dict=True`` returns the logs instead.
+
+        Raises:
+            as :meth:`fit`.
+
+        Example:
+            >>> model = Sequential([torch.nn.Linear(4, 1)])
+            >>> model.compile("sgd", "mse")
+            >>> float(model.evaluate(torch.ones(32, 4), torch.zeros(32, 1), verbose=0)) >= 0
+            True
+        """
+        data, R, count = self._prepare("evaluate", x, y, batch_size, steps, drop_remainder)
+        hooks = CallbackList(callbacks, self, {"steps": count, "verbose": verbose})
+        hooks.on_test_begin()
+        logs = self._run(self._wrapper("evaluate", R), data, None, count,
+                         hooks.on_test_batch_begin, hooks.on_test_batch_end, verbose, "evaluate")
+        hooks.on_test_end(logs)
+        if return_dict:
+            return logs
+        values = list(logs.values())
+        return values[0] if len(values) == 1 else values
+
+    def predict(self, x, batch_size=None, verbose: int = 0, steps=None, callbacks=None,
+                drop_remainder: bool = False) -> torch.Tensor:
+        """The module's outputs for every sample (eval mode, through ``inferenceModel``).
+
+        Returns a tensor (Keras returns a NumPy array; ``.numpy()`` gives one).
+
+        Raises:
+            as :meth:`fit` (no loss is needed).
+
+        Example:
+            >>> model = Sequential([torch.nn.Linear(4, 2)])
+            >>> model.compile("sgd", "mse")
+            >>> model.predict(torch.ones(32, 4)).shape
+            torch.Size([32, 2])
+        """
+        data, R, count = self._prepare("predict", x, None, batch_size, steps, drop_remainder)
+        hooks = CallbackList(callbacks, self, {"steps": count, "verbose": verbose})
+        hooks.on_predict_begin()
+        outputs = []
+        self._run(self._wrapper("predict", R), data, None, count,
+                  hooks.on_predict_batch_begin, hooks.on_predict_batch_end, verbose, "predict",
+                  outputs)
+        hooks.on_predict_end()
+        return torch.cat(outputs)
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _prepare(self, method: str, x, y, batch_size, steps, drop_remainder: bool,
+                 steps_name: str = "steps") -> tuple:
+        """The checks every method makes first: ``(data, replicas, batches per pass)``."""
+        self._require_compiled(method != "predict")
+        data = Data(x, y, _batch_size(batch_size), method != "predict", method)
+        R = self._ipu.replicas(self._num_stages(data), self._spe, method == "fit")
+        return data, R, data.batches(R, self._spe, steps, drop_remainder, steps_name)
+
+    def _require_compiled(self, needs_loss: bool) -> None:
+        if not self._compiled or (needs_loss and self._step.loss_fn is None):
+            raise WrapError("You must compile your model with a loss before training/testing: "
+                            "call model.compile(optimizer, loss=...)")
+
+    def _num_stages(self, data: Data) -> int:
+        """The stages of the model, from one trace of its first batch (once per assignment)."""
+        if self._stages is None:
+            x, y = data.first(data.batch_size)
+            probe = inferenceModel(self._step if y is not None else self.module,
+                                   Options().setExecutionStrategy(ShardedExecution()))
+            probe.compile(*((x, y) if y is not None else (x,)))
+            self._stages = num_stages(probe)
+            probe.destroy()
+        return self._stages
+
+    def _wrapper(self, kind: str, R: int):
+        """The PopTorch model for ``kind`` (train, evaluate, predict), wrapped once."""
+        if kind not in self._wrappers:
+            module = self.module if kind == "predict" else self._step
+            modes = {m: m.training for m in self.module.modules()}
+            self.module.train(kind == "train")  # Keras' training flag; traced with these modes
+            opts = self._ipu.options(kind, self._spe, R)
+            try:
+                self._wrappers[kind] = (trainingModel(module, opts, self.optimizer)
+                                        if kind == "train" else inferenceModel(module, opts))
+            finally:
+                for m, flag in modes.items():
+                    m.training = flag
+        return self._wrappers[kind]
+
+    def _release(self) -> None:
+        """Destroy the PopTorch models; the next call wraps again ([Note: Keras face])."""
+        for wrapper in self._wrappers.values():
+            wrapper.destroy()
+        self._wrappers.clear()
+
+    def _run(self, wrapper, data: Data, order, count: int, begin, end, verbose: int,
+             desc: str, outputs: Optional[list] = None) -> dict:
+        """Run ``count`` batches, ``steps_per_execution`` per call; return the running logs."""
+        spe, b = self._spe, data.batch_size
+        running = RunningLogs(self._metrics or [] if outputs is None else [], outputs is None)
+        bar = tqdm(total=count, desc=desc, unit="batch", disable=verbose != 1)
+        for e, (xb, yb) in enumerate(data.executions(order, spe, b, count)):
+            first = e * spe
+            if begin is not None and not self._async:
+                begin(first)
+            result = wrapper(xb) if outputs is not None else wrapper(xb, yb)
+            if outputs is not None:
+                outputs.append(result)
+            else:
+                y_pred, losses = result[0], result[1].reshape(-1)
+            for j in range(spe):
+                if outputs is None:
+                    rows = slice(j * b, (j + 1) * b)
+                    running.add(losses[j], y_pred[rows], yb[rows])
+                if begin is not None and self._async:
+                    begin(first + j)
+                    end(first + j, running.logs())
+            if begin is not None and not self._async:
+                end(first + spe - 1, running.logs())
+            bar.update(spe)
+            bar.set_postfix_str(format_logs(running.logs()), refresh=False)
+            if self.stop_training:
+                break
+        bar.close()
+        return running.logs()
+
+
+class Sequential(Model):
+    """``keras.Sequential([layer, ...])`` of torch layers (an ``nn.Sequential`` inside).
+
+    Example:
+        >>> model = Sequential([torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)])
+        >>> model.set_pipeline_stage_assignment([0, 0, 1])
+    """
+
+    def __init__(self, layers: Sequence[torch.nn.Module] = (), name: Optional[str] = None):
+        for k, layer in enumerate(layers):
+            if not isinstance(layer, torch.nn.Module):
+                raise InputError(f"keras.Sequential: layer {k} is a {type(layer).__name__}, not "
+                                 f"an nn.Module")
+        super().__init__(torch.nn.Sequential(*layers), name or "Sequential")
+
+    def add(self, layer: torch.nn.Module) -> None:
+        """Append a layer. The stage assignment, if any, is dropped, and the model must be
+        compiled again (its optimizer did not know the new layer's parameters).
+
+        Example:
+            >>> model = Sequential()
+            >>> model.add(torch.nn.Linear(4, 2))
+        """
+        if not isinstance(layer, torch.nn.Module):
+            raise InputError(f"keras.Sequential.add needs an nn.Module, got {type(layer).__name__}")
+        self._release()
+        removeBlocks(self.module)
+        self.module.append(layer)
+        self._assignment, self._stages = None, None
+        self.optimizer = self._optimizer_spec = None
+        self._compiled = False
+
+
+def _same_spec(a, b) -> bool:
+    """Whether two ``optimizer`` arguments of compile describe the same optimizer."""
+    if isinstance(a, str) and isinstance(b, str):
+        return a.lower() == b.lower()
+    return a is b or (type(a) is type(b) and a == b)  # keras.optimizers descriptions
+
+
+def _batch_size(batch_size) -> int:
+    return 32 if batch_size is None else check_positive_int(batch_size, "batch_size",
+                                                             "fit(..., batch_size=32)")
+
+
+def _pair(validation_data) -> tuple:
+    if isinstance(validation_data, (tuple, list)) and len(validation_data) == 2:
+        return tuple(validation_data)
+    return validation_data, None
+
+
+def _table(header: tuple, rows: list) -> str:
+    rows = [header, *rows]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
+    lines = [" | ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,222 @@
+"""The IPU options of the Keras face: the strategy scope, pipeline stages and the rules.
+
+``IPUConfig`` / ``IPUStrategy`` choose how many IPUs a model uses,
+``PipelineStage`` places ops on a stage, and :class:`IpuSettings` holds what
+``set_pipelining_options`` sets, checks the tutorials' rules against the number
+of stages, and turns it all into the PopTorch ``Options`` of one wrapper
+([Note: Keras face] in ``keras``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+from typing import Optional
+
+from ..annotations import Block
+from ..enums import OutputMode, PipelineSchedule
+from ..errors import OptionsError, PipelineError
+from ..ipu_options import TensorLocationSettings
+from ..options import Options
+from ..options_base import check_positive_int
+from ..strategies import PipelinedExecution
+
+
+class RecomputationMode(enum.Enum):
+    """IPU Keras' recomputation modes. Each recomputes every stage's forward in its
+    backward (``_Popart.set("autoRecomputation", 3)``); the numbers are the same."""
+
+    Auto = "auto"
+    RecomputeThenBackpropagate = "recompute_then_backpropagate"
+    RecomputeAndBackpropagateInterleaved = "recompute_and_backpropagate_interleaved"
+
+
+class PipelineStage:
+    """``with PipelineStage(k):`` puts the ops that follow in ``forward`` on stage (IPU) k.
+
+    The functional-model route of the tutorials. As in IPU Keras, what runs after
+    the scope (the loss, when the last stage's scope closes) stays on stage k until
+    the next ``PipelineStage``.
+
+    Raises:
+        BlockError: k is not an int >= 0.
+
+    Example:
+        >>> import torch
+        >>> class Net(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+        ...     def forward(self, x):
+        ...         with PipelineStage(0):
+        ...             x = torch.relu(self.a(x))
+        ...         with PipelineStage(1):
+        ...             return self.b(x)
+    """
+
+    def __init__(self, stage: int):
+        Block(f"stage{stage}", ipu_id=stage)  # checks the id
+        self.stage = stage
+
+    def __enter__(self):
+        Block.start(f"stage{self.stage}", ipu_id=self.stage)
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class IPUConfig:
+    """IPU Keras' system configuration: ``auto_select_ipus`` IPUs for the strategy's models.
+
+    Example:
+        >>> config = IPUConfig()
+        >>> config.auto_select_ipus = 4       # as the tutorials write it; or IPUConfig(4)
+        >>> config.configure_ipu_system()
+    """
+
+    def __init__(self, auto_select_ipus: int = 1):
+        self.auto_select_ipus = auto_select_ipus
+
+    def configure_ipu_system(self) -> None:
+        """Check the configuration (there is no IPU system to configure)."""
+        check_positive_int(self.auto_select_ipus, "IPUConfig.auto_select_ipus",
+                           "config.auto_select_ipus = 1")
+
+
+_SCOPE: list = []  # the IPUStrategy scopes entered, innermost last
+
+
+class IPUStrategy:
+    """Models created inside ``strategy.scope()`` use ``config.auto_select_ipus`` IPUs:
+    ``auto_select_ipus / stages`` replicas of the pipeline.
+
+    Raises:
+        OptionsError: ``auto_select_ipus`` is not a positive int.
+
+    Example:
+        >>> config = IPUConfig()
+        >>> config.auto_select_ipus = 2
+        >>> import torch
+        >>> from poptorch_lite import keras
+        >>> with IPUStrategy(config).scope():
+        ...     model = keras.Sequential([torch.nn.Linear(4, 2)])
+    """
+
+    def __init__(self, config: Optional[IPUConfig] = None):
+        self.config = config or IPUConfig()
+        self.config.configure_ipu_system()
+
+    @contextlib.contextmanager
+    def scope(self):
+        _SCOPE.append(self.config.auto_select_ipus)
+        try:
+            yield self
+        finally:
+            _SCOPE.pop()
+
+
+def current_ipus() -> Optional[int]:
+    """``auto_select_ipus`` of the innermost ``IPUStrategy.scope()``; None outside any
+    (a model made outside a scope takes one IPU per stage: one replica)."""
+    return _SCOPE[-1] if _SCOPE else None
+
+
+@dataclasses.dataclass(frozen=True)
+class IpuSettings:
+    """A Keras model's IPU options: IPUs, G, schedule, recomputation, offloading.
+
+    Example:
+        >>> IpuSettings(ipus=4, G=4).replicas(stages=2, spe=8, training=True)
+        2
+    """
+
+    ipus: Optional[int] = None  # None: one per stage
+    G: int = 1
+    schedule: PipelineSchedule = PipelineSchedule.Grouped
+    recompute: Optional[RecomputationMode] = None
+    offload: bool = False
+
+    def replicas(self, stages: int, spe: int, training: bool) -> int:
+        """The tutorials' rules for ``stages`` stages; returns ``ipus / stages``.
+
+        Raises:
+            OptionsError: ``ipus`` is not a multiple of ``stages``, or ``spe`` not a
+                multiple of G × replicas.
+            PipelineError: G does not suit the schedule (training with stages > 1).
+        """
+        S = stages
+        ipus = S if self.ipus is None else self.ipus
+        if ipus % S:
+            raise OptionsError(
+                f"auto_select_ipus ({ipus}) must be a multiple of the model's {S} pipeline "
+                f"stages: select {S * max(1, ipus // S)} or another multiple of {S} IPUs "
+                f"(each replica of the pipeline takes {S})")
+        R = ipus // S
+        G = self.G if training else 1
+        if spe % (G * R):
+            raise OptionsError(
+                f"steps_per_execution ({spe}) must be a multiple of "
+                f"gradient_accumulation_steps_per_replica ({G}) x replicas ({R}) = {G * R}: "
+                f"compile(..., steps_per_execution={G * R * -(-spe // (G * R))})")
+        if training and S > 1:
+            self._check_schedule(S)
+        return R
+
+    def _check_schedule(self, S: int) -> None:
+        G = self.G
+        if self.schedule is PipelineSchedule.Grouped and G % (2 * S):
+            raise PipelineError(
+                f"the Grouped pipeline schedule needs gradient_accumulation_steps_per_replica "
+                f"to be a multiple of 2 x stages = {2 * S}, got {G}: call set_pipelining_options("
+                f"gradient_accumulation_steps_per_replica={2 * S * -(-G // (2 * S))})")
+        if self.schedule is PipelineSchedule.Interleaved and (G % S or G < 2 * S - 1):
+            fix = max(S * -(-(2 * S - 1) // S), S * -(-G // S))
+            raise PipelineError(
+                f"the Interleaved pipeline schedule needs gradient_accumulation_steps_per_replica "
+                f"to be a multiple of the {S} stages and at least 2 x stages - 1 = {2 * S - 1}, "
+                f"got {G}: call set_pipelining_options(gradient_accumulation_steps_per_replica="
+                f"{fix})")
+
+    def options(self, kind: str, spe: int, R: int) -> Options:
+        """The PopTorch Options of the ``kind`` wrapper (train, evaluate, predict).
+
+        Example:
+            >>> IpuSettings(G=2).options("train", spe=8, R=1).device_iterations
+            4
+        """
+        G = self.G if kind == "train" else 1
+        opts = Options().deviceIterations(spe // (G * R)).replicationFactor(R)
+        opts.Training.gradientAccumulation(G)
+        opts.outputMode(OutputMode.All)
+        opts.setExecutionStrategy(PipelinedExecution(schedule=self.schedule))
+        if kind == "train" and self.recompute is not None:
+            opts._Popart.set("autoRecomputation", 3)
+        if kind == "train" and self.offload:
+            opts.TensorLocations.setOptimizerLocation(
+                TensorLocationSettings().useOnChipStorage(False))
+        return opts
+
+    def with_pipelining(self, G=None, schedule=None, recompute=None, offload=None) -> IpuSettings:
+        """A copy with the given options changed (None: unchanged), each checked first.
+
+        Raises:
+            OptionsError: G is not a positive int, the schedule is unknown or not one of
+                Grouped, Interleaved, Sequential, or ``recompute`` not a RecomputationMode.
+        """
+        G = self.G if G is None else check_positive_int(
+            G, "gradient_accumulation_steps_per_replica",
+            "set_pipelining_options(gradient_accumulation_steps_per_replica=1)")
+        schedule = self.schedule if schedule is None else PipelineSchedule.parse(schedule)
+        if schedule not in (PipelineSchedule.Grouped, PipelineSchedule.Interleaved,
+                            PipelineSchedule.Sequential):
+            raise OptionsError(f"IPU Keras pipelines with the Grouped, Interleaved or Sequential "
+                               f"schedule, got {schedule.name}; pass one of them to "
+                               f"set_pipelining_options")
+        if recompute is not None and not isinstance(recompute, RecomputationMode):
+            raise OptionsError(f"recomputation_mode must be a keras.RecomputationMode, got "
+                               f"{recompute!r}; pass e.g. RecomputationMode.Auto")
+        return dataclasses.replace(
+            self, G=G, schedule=schedule, recompute=recompute or self.recompute,
+            offload=self.offload if offload is None else bool(offload))
