@@ -6,6 +6,25 @@ ops (in-place buffer updates included) land in the graph. ``make_fx`` does
 that at the dispatcher level on concrete tensors; parameters and buffers are
 passed in as graph inputs through ``functional_call``. A TorchFunctionMode
 marks the result of every torch loss function ([Note: loss provenance]).
+
+[Note: inference session]
+PopTorch compiles an ``inferenceModel`` as a PopART *inference session*, in
+which a dropout is the identity whatever the module's ``training`` flag
+(PopTorch lowers ``aten::dropout`` with ``train=True`` to a PopART Dropout,
+``poptorch/source/popart_canonicalization/DropoutOps.cpp``, and an inference
+session turns that op into an identity). Scripts rely on it: they train, then
+wrap the same model with ``inferenceModel`` without calling ``model.eval()``.
+So an inference trace runs every dropout as the identity: ``F.dropout``,
+``F.dropout1d/2d/3d``, ``F.alpha_dropout``, ``F.feature_alpha_dropout`` (hence
+``nn.Dropout*``, ``nn.AlphaDropout``, the Transformer layers) and the dropout
+inside ``F.scaled_dot_product_attention`` and ``nn.MultiheadAttention``
+(``dropout_p`` = 0). Every other op follows the module's own flag, as PopTorch's
+lowering does: BatchNorm passes ``training`` on
+(``NormalizationOps.cpp``: a training BatchNorm becomes a 5-output PopART
+BatchNormalization, which normalises with the batch statistics and updates the
+running ones, in inference sessions too: PopTorch's ``test_batchNorm3D`` compares
+an ``inferenceModel`` of a training-mode BatchNorm with the native training-mode
+output). The user's modules keep their ``training`` flags.
 """
 
 from __future__ import annotations
@@ -14,6 +33,7 @@ import contextlib
 import traceback
 
 import torch
+import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
@@ -33,6 +53,38 @@ class _LossMode(TorchFunctionMode):
         if func in LOSS_FUNCTIONS and isinstance(out, torch.Tensor):
             markers.MARK_LOSS(out)
         return out
+
+
+def _input_of(args: tuple, kwargs: dict):
+    return args[0] if args else kwargs["input"]
+
+
+def _without_dropout_p(func, args: tuple, kwargs: dict, position: int):
+    """Call ``func`` with its ``dropout_p`` argument (keyword, or at ``position``) set to 0."""
+    if len(args) > position:
+        args = (*args[:position], 0.0, *args[position + 1:])
+    else:
+        kwargs = {**kwargs, "dropout_p": 0.0}
+    return func(*args, **kwargs)
+
+
+# How an inference session runs each dropout ([Note: inference session]).
+_INFERENCE_DROPOUT = {
+    **{f: lambda f, a, k: _input_of(a, k)
+       for f in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
+                 F.feature_alpha_dropout)},
+    F.scaled_dot_product_attention: lambda f, a, k: _without_dropout_p(f, a, k, 4),
+    F.multi_head_attention_forward: lambda f, a, k: _without_dropout_p(f, a, k, 10),
+}
+
+
+class _InferenceSession(TorchFunctionMode):
+    """Runs every dropout as the identity while an inference model is traced."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        session = _INFERENCE_DROPOUT.get(func)
+        return func(*args, **kwargs) if session is None else session(func, args, kwargs)
 
 
 @contextlib.contextmanager
@@ -78,7 +130,8 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
         model: the user's model (its state is restored after the trace).
         modes: module -> train/eval flag to trace with (the wrap-time modes).
         args, kwargs: one micro-batch of the call's arguments.
-        training: trace with autograd enabled.
+        training: trace with autograd enabled; otherwise trace an inference
+            session, where dropout is the identity ([Note: inference session]).
 
     Returns:
         ``(graph_module, param_names, buffer_names, out_spec, const_outputs,
@@ -117,9 +170,10 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
 
     flat = list(params.values()) + list(buffers.values()) + [leaves[k] for k in tensor_pos]
     grad = torch.enable_grad() if training else torch.no_grad()
+    session = contextlib.nullcontext() if training else _InferenceSession()
     hook = torch.nn.modules.module.register_module_forward_hook(record_block)
     try:
-        with _preserved_state(model, modes) as before, trace_context(), grad, _LossMode():
+        with _preserved_state(model, modes) as before, trace_context(), grad, session, _LossMode():
             versions = {n: b._version for n, b in buffers.items()}
             gm = make_fx(run, tracing_mode="real", record_stack_traces=True)(*flat)
             mutated = frozenset(n for n, b in buffers.items() if b._version != versions[n]
