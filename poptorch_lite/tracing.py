@@ -5,7 +5,8 @@ inputs, so Python control flow and side effects run at trace time and tensor
 ops (in-place buffer updates included) land in the graph. ``make_fx`` does
 that at the dispatcher level on concrete tensors; parameters and buffers are
 passed in as graph inputs through ``functional_call``. A TorchFunctionMode
-marks the result of every torch loss function ([Note: loss provenance]).
+marks the result of every torch loss function ([Note: loss provenance]) and
+watches values read while tracing ([Note: values read while tracing]).
 
 [Note: inference session]
 PopTorch compiles an ``inferenceModel`` as a PopART *inference session*, in
@@ -25,6 +26,22 @@ BatchNormalization, which normalises with the batch statistics and updates the
 running ones, in inference sessions too: PopTorch's ``test_batchNorm3D`` compares
 an ``inferenceModel`` of a training-mode BatchNorm with the native training-mode
 output). The user's modules keep their ``training`` flags.
+
+[Note: values read while tracing]
+Some ops read a tensor's value to do their work: ``F.one_hot`` checks its
+classes, ``torch.bincount``, ``nonzero``, boolean-mask indexing, ``unique`` and
+``repeat_interleave`` size their outputs by the data. ``make_fx`` refuses every
+such read by default ("trying to get value out of a tracing tensor"); the trace
+here allows them (``_error_on_data_dependent_ops=False``): the op itself lands
+in the graph, so every micro-batch recomputes it from its own data, as plain
+PyTorch does. What is refused is a value read *into Python* from a traced
+tensor (``t.item()``, ``if t:``, ``int(t)``, ``float(t)``, ``t.tolist()``,
+indexing a list with ``t``): it would be fixed at the first micro-batch's
+value for every later one (PopTorch's tracer fixes it the same way, silently).
+``F.one_hot(x)`` without ``num_classes`` is refused as PopTorch refuses it: its
+width would be the first micro-batch's largest class. A tensor passed where
+torch wants a Python number (``torch.arange(t)``) is converted inside torch's
+C++ and cannot be told apart from an op's own read; it is fixed at trace time.
 """
 
 from __future__ import annotations
@@ -34,7 +51,7 @@ import traceback
 
 import torch
 import torch.nn.functional as F
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
@@ -45,11 +62,57 @@ from .errors import Error, TraceError
 from .ops import LOSS_FUNCTIONS
 
 
-class _LossMode(TorchFunctionMode):
-    """Marks the result of every torch loss function called during a trace."""
+# Reading a tensor's value into Python ([Note: values read while tracing]).
+_PYTHON_READS = {torch.Tensor.item: "t.item()", torch.Tensor.tolist: "t.tolist()",
+                 torch.Tensor.__bool__: "bool(t) (an if or while on a tensor)",
+                 torch.Tensor.__int__: "int(t)", torch.Tensor.__float__: "float(t)",
+                 torch.Tensor.__index__: "t used as an index or size",
+                 torch.Tensor.__complex__: "complex(t)"}
+
+
+def _user_line(frames) -> str:
+    """The innermost frame outside torch and poptorch_lite, for messages."""
+    for fr in reversed(frames):
+        if "/torch/" not in fr.filename and "/poptorch_lite/" not in fr.filename:
+            return f'{fr.filename}:{fr.lineno}: {fr.line}'
+    return "(no line of user code in the traceback)"
+
+
+def _read_into_python(func, args: tuple, kwargs: dict):
+    """Run a read of a tensor's value into Python: a constant's is fine, a traced one's refused."""
+    tracer = get_proxy_mode()
+    if tracer is None:
+        return func(*args, **kwargs)
+    allowed = tracer._error_on_data_dependent_ops
+    tracer._error_on_data_dependent_ops = True  # make_fx refuses traced values, computes constants
+    try:
+        return func(*args, **kwargs)
+    except RuntimeError as exc:
+        if "value out of a tracing tensor" not in str(exc):
+            raise
+        raise TraceError(
+            f"the forward reads a tensor's value into Python with {_PYTHON_READS[func]} at "
+            f"{_user_line(traceback.extract_stack()[:-1])}: the model is traced once, so that "
+            f"value would be the first micro-batch's for every micro-batch. Keep it a tensor "
+            f"(torch.where(cond, a, b) instead of an if, tensor arithmetic instead of "
+            f".item())") from None
+    finally:
+        tracer._error_on_data_dependent_ops = allowed
+
+
+class _TraceMode(TorchFunctionMode):
+    """Marks torch losses' results; refuses values read into Python and ``one_hot`` without a width."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if func in _PYTHON_READS:
+            return _read_into_python(func, args, kwargs)
+        if func is F.one_hot and (args[1] if len(args) > 1 else kwargs.get("num_classes", -1)) == -1:
+            raise TraceError(
+                f"OneHot num classes must be specified and must be constant: F.one_hot at "
+                f"{_user_line(traceback.extract_stack()[:-1])} has no num_classes, so its width "
+                f"would be the first micro-batch's largest class; pass num_classes=<classes>")
+        out = func(*args, **kwargs)
         if func in LOSS_FUNCTIONS and isinstance(out, torch.Tensor):
             markers.MARK_LOSS(out)
         return out
@@ -114,15 +177,6 @@ def _preserved_state(model: torch.nn.Module, modes: dict):
             torch.cuda.set_rng_state_all(cuda_rng)
 
 
-def _user_frame(exc: BaseException) -> str:
-    """The innermost traceback line outside torch and poptorch_lite, for messages."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    for fr in reversed(frames):
-        if "/torch/" not in fr.filename and "/poptorch_lite/" not in fr.filename:
-            return f'{fr.filename}:{fr.lineno}: {fr.line}'
-    return "(no line of user code in the traceback)"
-
-
 def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, training: bool):
     """Trace ``model(*args, **kwargs)`` into an aten-level graph.
 
@@ -173,16 +227,17 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
     session = contextlib.nullcontext() if training else _InferenceSession()
     hook = torch.nn.modules.module.register_module_forward_hook(record_block)
     try:
-        with _preserved_state(model, modes) as before, trace_context(), grad, session, _LossMode():
+        with _preserved_state(model, modes) as before, trace_context(), grad, session, _TraceMode():
             versions = {n: b._version for n, b in buffers.items()}
-            gm = make_fx(run, tracing_mode="real", record_stack_traces=True)(*flat)
+            gm = make_fx(run, tracing_mode="real", record_stack_traces=True,
+                         _error_on_data_dependent_ops=False)(*flat)
             mutated = frozenset(n for n, b in buffers.items() if b._version != versions[n]
                                 or not torch.equal(b, before[id(b)]))
     except Error:
         raise
     except Exception as exc:
         raise TraceError(
-            f"the model could not be traced at {_user_frame(exc)}: {type(exc).__name__}: {exc}. "
+            f"the model could not be traced at {_user_line(traceback.extract_tb(exc.__traceback__))}: {type(exc).__name__}: {exc}. "
             f"The forward runs once on the first call's real inputs; make it run as plain "
             f"PyTorch on one micro-batch of those inputs") from exc
     finally:

@@ -110,6 +110,10 @@ class Two(torch.nn.Module):
             h = self.l1(x)
             if self.tail == "trace":
                 h = h @ torch.ones(3, 3)
+            if self.tail == "item":
+                h = h * h.sum().item()
+            if self.tail == "one_hot":
+                h = h + F.one_hot(x.argmax(1))
         if self.tail == "outside":
             return F.mse_loss(self.l2(h), y)  # after the Block scope closed
         with poptorch.Block(self.ids[1], ipu_id=self.ipus[1]):
@@ -467,6 +471,8 @@ T = {
     "E-PART-07": lambda: first_call(Two(tail="none"), opts()),
     "E-PART-08": lambda: first_call(Two(tail="two"), opts()),
     "E-PART-09": lambda: first_call(Two(tail="trace"), opts()),
+    "E-PART-11": lambda: first_call(Two(tail="item"), opts()),
+    "E-PART-12": lambda: first_call(Two(tail="one_hot"), opts()),
     "E-PART-10": lambda: first_call(Two(bn=True), opts(R=2)),
     # pipelining
     "E-PIPE-01": lambda: first_call(Two(), opts(poptorch.PipelinedExecution(), G=2)),
