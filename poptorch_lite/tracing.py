@@ -191,7 +191,9 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
         ``(graph_module, param_names, buffer_names, out_spec, const_outputs,
         module_blocks, mutated_buffers)``; the graph takes params, buffers, then
         the tensor leaves of (args, kwargs), and returns the tensor leaves of the
-        output. ``mutated_buffers`` names the buffers the forward wrote in place:
+        output. ``const_outputs`` has one entry per output leaf: None for a
+        tensor, ``("const", value)`` for anything else (``None`` included).
+        ``mutated_buffers`` names the buffers the forward wrote in place:
         their version counter moved or their values changed (op schemas do not
         announce every write: ``native_batch_norm`` updates its running
         statistics without bumping a version).
@@ -242,7 +244,7 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
             f"PyTorch on one micro-batch of those inputs") from exc
     finally:
         hook.remove()
-    consts = [None if isinstance(v, torch.Tensor) else v for v in result["leaves"]]
+    consts = [None if isinstance(v, torch.Tensor) else ("const", v) for v in result["leaves"]]
     layer_blocks = {name: module_blocks[m] for name, m in model.named_modules()
                     if m in module_blocks and name}
     return gm, list(params), list(buffers), result["spec"], consts, layer_blocks, mutated
