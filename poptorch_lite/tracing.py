@@ -161,6 +161,9 @@ def _preserved_state(model: torch.nn.Module, modes: dict):
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    # Which tensors each module registers: a refused forward may delete or reassign one.
+    tables = {m: (list(m._buffers.items()), set(m._non_persistent_buffers_set))
+              for m in model.modules()}
     current = {m: m.training for m in model.modules()}
     for m in model.modules():
         m.training = modes.get(m, m.training)
@@ -169,12 +172,41 @@ def _preserved_state(model: torch.nn.Module, modes: dict):
     finally:
         for m, flag in current.items():
             m.training = flag
+        for m, (table, non_persistent) in tables.items():
+            if [(k, id(v)) for k, v in m._buffers.items()] != [(k, id(v)) for k, v in table]:
+                for name, _ in table:
+                    m.__dict__.pop(name, None)  # functional_call's restore of a deleted buffer
+                m._buffers.clear()
+                m._buffers.update(table)
+                m._non_persistent_buffers_set.clear()
+                m._non_persistent_buffers_set.update(non_persistent)
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def _check_buffers_kept(model: torch.nn.Module, values: dict) -> None:
+    """Refuse a forward that deleted or replaced a registered buffer, as PopTorch does.
+
+    The graph takes each buffer as an input and writes in-place updates back to
+    it; a buffer deleted or rebound to a new tensor has no such place.
+    """
+    for name, traced in values.items():
+        owner, _, local = name.rpartition(".")
+        table = model.get_submodule(owner)._buffers
+        if local not in table:
+            raise TraceError(
+                f"Buffer {name} is removed from the model when calling the forward method. "
+                f"This is not supported: keep the buffer registered (update it in place, or "
+                f"use a local variable for the value the forward needs)")
+        if table[local] is not traced:
+            raise TraceError(
+                f"Buffer {name} is reassigned within the model when calling the forward method. "
+                f"This is not supported. Consider using self.{local}.copy_(src) to copy data "
+                f"from a source tensor, where src is the name of the source tensor.")
 
 
 def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, training: bool):
@@ -199,7 +231,8 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
         statistics without bumping a version).
 
     Raises:
-        TraceError: the forward failed while tracing; names the user's line.
+        TraceError: the forward failed while tracing (names the user's line), or
+            deleted or reassigned a registered buffer (the model is left as it was).
     """
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
@@ -215,7 +248,12 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
         for k, t in zip(tensor_pos, flat[len(names):]):
             call_leaves[k] = t
         a, kw = pytree.tree_unflatten(call_leaves, in_spec)
-        out = functional_call(model, values, a, kw)
+        buffer_values = {n: values[n] for n in buffers}
+        check = model.register_forward_hook(lambda *_: _check_buffers_kept(model, buffer_values))
+        try:
+            out = functional_call(model, values, a, kw)
+        finally:
+            check.remove()
         out_leaves, result["spec"] = pytree.tree_flatten(out)
         result["leaves"] = out_leaves
         return [v for v in out_leaves if isinstance(v, torch.Tensor)]

@@ -93,3 +93,39 @@ def test_a_value_read_into_python_is_refused_with_its_line(how, fragment):
 def test_a_constant_read_into_python_is_fine():
     x = torch.randn(4, 3)
     assert_close(poptorch.inferenceModel(ReadsIntoPython("constant"))(x), x * 3)
+
+
+class DropsBuffer(torch.nn.Module):
+    """PopTorch's test_error_on_remove_buffer, and its sibling that rebinds the buffer."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.register_buffer("y", torch.tensor([2.0]))
+        self.register_buffer("z", torch.tensor([1.0]), persistent=False)
+
+    def forward(self, x):
+        x = x + self.y
+        if self.how == "delete" and "y" in self._buffers:
+            del self._buffers["y"]
+        if self.how == "del":
+            del self.y
+        if self.how == "rebind":
+            self.y = x.sum(0)
+        return x
+
+
+@pytest.mark.parametrize("how, message", [
+    ("delete", r"^Buffer y is removed from the model when calling the forward method\."),
+    ("del", r"^Buffer y is removed from the model when calling the forward method\."),
+    ("rebind", r"^Buffer y is reassigned within the model when calling the forward method\. "
+               r"This is not supported\. Consider using self\.y\.copy_\(src\)")])
+def test_a_forward_that_removes_a_buffer_is_refused_and_the_buffer_kept(how, message):
+    model = DropsBuffer(how)
+    y, z = model.y, model.z
+    with pytest.raises(poptorch.TraceError, match=message):
+        poptorch.inferenceModel(model)(torch.tensor([5.0]))
+    assert model._buffers == {"y": y, "z": z} and model.y is y and "y" not in model.__dict__
+    assert model._non_persistent_buffers_set == {"z"}
+    assert list(model.state_dict()) == ["y"] and torch.equal(y, torch.tensor([2.0]))
+    assert_close(DropsBuffer("keep")(torch.tensor([5.0])), torch.tensor([7.0]))
