@@ -117,3 +117,38 @@ def latency(perf: dict, from_event: str, from_reduce: Callable, to_event: str,
     factor = len(starts) // len(ends)
     durations = [end - min(starts[n * factor:(n + 1) * factor]) for n, end in enumerate(ends)]
     return (min(durations), max(durations), sum(durations) / len(durations))
+
+
+class Latencies:
+    """PopTorch's four latencies of a wrapped model, from its ``getPerfCounters()``.
+
+    Each is ``(min, max, avg)`` seconds over the last call's output steps
+    ([Note: performance counters]); ``(0.0, 0.0, 0.0)`` before the model has run.
+
+    Example:
+        >>> class Ran(Latencies):
+        ...     def getPerfCounters(self):
+        ...         return {"input": [[0.0]], "input_complete": [[0.0]], "output": [[2.0]],
+        ...                 "output_complete": [[3.0]]}
+        >>> Ran().getLatency(), Ran().getComputeLatency(), Ran().getIpuHostLatency()
+        ((3.0, 3.0, 3.0), (2.0, 2.0, 2.0), (1.0, 1.0, 1.0))
+    """
+
+    def getPerfCounters(self) -> dict:  # pragma: no cover (the wrapper defines it)
+        raise NotImplementedError
+
+    def getLatency(self) -> tuple:
+        """From the first input requested to the last output back on the host."""
+        return latency(self.getPerfCounters(), "input", min, "output_complete", max)
+
+    def getHostIpuLatency(self) -> tuple:
+        """From the first input requested to the last arrived (0 here: see the Note)."""
+        return latency(self.getPerfCounters(), "input", min, "input_complete", max)
+
+    def getComputeLatency(self) -> tuple:
+        """From the last input arrived to the last output ready."""
+        return latency(self.getPerfCounters(), "input_complete", max, "output", max)
+
+    def getIpuHostLatency(self) -> tuple:
+        """From the first output ready to the last one back on the host."""
+        return latency(self.getPerfCounters(), "output", min, "output_complete", max)

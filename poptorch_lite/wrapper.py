@@ -95,7 +95,7 @@ class _Program:
         return self._schedules[m, training]
 
 
-class PoplarExecutor:
+class PoplarExecutor(perf_counters.Latencies):
     """A model wrapped by ``trainingModel`` or ``inferenceModel``.
 
     Call it like the model with a combined batch. Attributes that the wrapper
@@ -228,6 +228,8 @@ class PoplarExecutor:
     def getPerfCounters(self) -> dict:
         """PopTorch's performance counters of the last call ([Note: performance counters]).
 
+        The latencies (``getLatency()``, ...) come from them (``perf_counters.Latencies``).
+
         Returns:
             ``{'input', 'input_complete', 'output', 'output_complete'}`` -> per tensor
             input (output), per micro-batch (output step): seconds from the start of the
@@ -250,47 +252,6 @@ class PoplarExecutor:
         return perf_counters.counters(
             self._statistics.timeline, num_inputs, sum(isinstance(v, str) for v in part.outputs),
             self._output_groups(), per_run * self._replicas())
-
-    def getLatency(self) -> tuple:
-        """``(min, max, avg)`` seconds from the first input requested to the last output back.
-
-        Example:
-            >>> import torch
-            >>> model = inferenceModel(torch.nn.Linear(2, 1))
-            >>> model.getLatency()
-            (0.0, 0.0, 0.0)
-        """
-        return perf_counters.latency(self.getPerfCounters(), "input", min, "output_complete", max)
-
-    def getHostIpuLatency(self) -> tuple:
-        """``(min, max, avg)`` seconds from the first input requested to the last arrived (0 here).
-
-        Example:
-            >>> import torch
-            >>> inferenceModel(torch.nn.Linear(2, 1)).getHostIpuLatency()
-            (0.0, 0.0, 0.0)
-        """
-        return perf_counters.latency(self.getPerfCounters(), "input", min, "input_complete", max)
-
-    def getComputeLatency(self) -> tuple:
-        """``(min, max, avg)`` seconds from the last input arrived to the last output ready.
-
-        Example:
-            >>> import torch
-            >>> inferenceModel(torch.nn.Linear(2, 1)).getComputeLatency()
-            (0.0, 0.0, 0.0)
-        """
-        return perf_counters.latency(self.getPerfCounters(), "input_complete", max, "output", max)
-
-    def getIpuHostLatency(self) -> tuple:
-        """``(min, max, avg)`` seconds from the first output ready to the last one back.
-
-        Example:
-            >>> import torch
-            >>> inferenceModel(torch.nn.Linear(2, 1)).getIpuHostLatency()
-            (0.0, 0.0, 0.0)
-        """
-        return perf_counters.latency(self.getPerfCounters(), "output", min, "output_complete", max)
 
     def compile(self, *args, **kwargs) -> None:
         """Trace and check the model for these inputs without running a step."""
