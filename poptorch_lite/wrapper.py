@@ -321,7 +321,7 @@ class PoplarExecutor(perf_counters.Latencies):
         if self._placement is not None:
             self._placement.close()
         self._programs.clear()
-        self._placement = self._weights = None
+        self._placement = self._weights = self._last_call = None
         self._attached = self._compiled = False
         if _training_wrapper(self._user_model) is self:
             del _TRAINING_WRAPPERS[self._user_model]

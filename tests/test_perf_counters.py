@@ -72,6 +72,8 @@ def test_empty_before_the_model_has_run():
     assert_sizes(model.getPerfCounters(), 2, 1, 1, 1)
     model.destroy()
     assert model.getPerfCounters() == empty
+    model.compile(x, x)  # a new executable has not run yet
+    assert model.getPerfCounters() == empty
 
 
 @pytest.mark.parametrize("mode, period", [(poptorch.OutputMode.Final, 1),
