@@ -1,7 +1,19 @@
-"""Asynchronous data loading: batches produced ahead in a background thread."""
+"""Asynchronous data loading: batches produced ahead in a background thread.
+
+[Note: loader threads at exit]
+A loader thread is a daemon thread, so a script that ends (or raises) without
+``terminate()`` does not wait for it. But the interpreter must not finalize
+while such a thread is still inside torch's C++ code (or parked on its queue):
+the thread is torn down mid-call and the process aborts with ``terminate called
+without an active exception`` (exit status 134). So every live epoch is
+stopped *and joined* by an ``atexit`` handler, which runs before finalization;
+a thread polls its stop flag every ``_POLL_S`` seconds, so the wait is at most
+one item's loading time.
+"""
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import weakref
@@ -61,14 +73,29 @@ def _failing(error: BaseException) -> Iterator[Any]:
     yield  # pragma: no cover (makes this a generator)
 
 
+# Every epoch whose thread may still run, for the exit handler ([Note: loader threads at exit]).
+_LIVE: "weakref.WeakSet[_Epoch]" = weakref.WeakSet()
+_exit_handler_registered = False
+
+
+def _join_live_epochs() -> None:
+    """The exit handler: stop and join every loader thread still running."""
+    _stop_all(set(_LIVE))
+
+
 class _Epoch:
     """One epoch, loaded ahead by a daemon thread into a bounded queue."""
 
     def __init__(self, source: Iterator[Any], buffer_size: int):
+        global _exit_handler_registered
+        if not _exit_handler_registered:  # registered on first use: no import-time side effect
+            atexit.register(_join_live_epochs)
+            _exit_handler_registered = True
         self.queue: queue.Queue = queue.Queue(maxsize=buffer_size)
         self.stopping = False
         self.thread = threading.Thread(target=self._run, args=(source,), daemon=True,
                                        name="poptorch_lite.AsynchronousDataAccessor")
+        _LIVE.add(self)
         self.thread.start()
 
     def _run(self, source: Iterator[Any]) -> None:
@@ -126,7 +153,8 @@ class AsynchronousDataAccessor:
     stops the thread of the one it replaces. An exception while loading is
     re-raised by the consumer's ``next()`` as ``errors.DataLoaderError`` with
     the original as ``__cause__``. ``terminate()`` stops and joins the thread;
-    it also runs when the accessor is garbage collected and at exit.
+    garbage collection stops it, and the interpreter's exit stops and joins it
+    ([Note: loader threads at exit]).
 
     Args:
         dataset: any iterable (a Sync ``DataLoader``, a Dataset, a list).

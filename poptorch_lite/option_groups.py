@@ -20,6 +20,39 @@ from .options_base import (OptionGroup, check_bool, check_positive_int, coerce_e
                            via_setter, warn_ipu_only)
 
 
+class _StrategyValue(int):
+    """PopTorch's ``Training.meanAccumulationAndReplicationReductionStrategy``: a value and a setter.
+
+    PopTorch stores the strategy under that name, so scripts read it back
+    (``... == poptorch.MeanReductionStrategy.Running``); scripts also call it
+    like the setter (``...meanAccumulationAndReplicationReductionStrategy(
+    poptorch.MeanReductionStrategy.Post)``). This int compares equal to the
+    stored ``MeanReductionStrategy`` and, called, sets a new one.
+
+    Example:
+        >>> t = _TrainingOptions()
+        >>> t.meanAccumulationAndReplicationReductionStrategy == MeanReductionStrategy.Post
+        True
+    """
+
+    def __new__(cls, group: "_TrainingOptions"):
+        value = super().__new__(cls, group.mean_reduction_strategy)
+        value._group = group
+        return value
+
+    def __call__(self, strategy: MeanReductionStrategy) -> "_TrainingOptions":
+        return self._group.setMeanAccumulationAndReplicationReductionStrategy(strategy)
+
+    def __repr__(self) -> str:
+        return repr(MeanReductionStrategy(int(self)))
+
+
+class _SetterProperty(property):
+    """A property whose value is callable as a setter (options files may call it)."""
+
+    is_setter = True
+
+
 class _TrainingOptions(OptionGroup):
     """``Options.Training``: gradient accumulation and its reduction.
 
@@ -36,6 +69,8 @@ class _TrainingOptions(OptionGroup):
         "accumulation_and_replication_reduction_type":
             via_setter("accumulationAndReplicationReductionType"),
         "mean_reduction_strategy":
+            via_setter("setMeanAccumulationAndReplicationReductionStrategy"),
+        "meanAccumulationAndReplicationReductionStrategy":
             via_setter("setMeanAccumulationAndReplicationReductionStrategy"),
         "automatic_loss_scaling": via_setter("setAutomaticLossScaling"),
         "stop_on_non_finite_loss": via_setter("stopOnNonFiniteLoss"),
@@ -105,6 +140,18 @@ class _TrainingOptions(OptionGroup):
             strategy, MeanReductionStrategy,
             "Training.setMeanAccumulationAndReplicationReductionStrategy"))
         warn_ipu_only(f"{self._PATH}.setMeanAccumulationAndReplicationReductionStrategy")
+
+    @_SetterProperty
+    def meanAccumulationAndReplicationReductionStrategy(self) -> _StrategyValue:
+        """PopTorch's stored name of the strategy: reads as its value, calls as the setter.
+
+        Example:
+            >>> t = _TrainingOptions()
+            >>> _ = t.meanAccumulationAndReplicationReductionStrategy(MeanReductionStrategy.Running)
+            >>> t.meanAccumulationAndReplicationReductionStrategy
+            <MeanReductionStrategy.Running: 0>
+        """
+        return _StrategyValue(self)
 
     @setter
     def setAutomaticLossScaling(self, enabled: bool, growth_interval: int = 2000):

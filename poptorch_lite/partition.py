@@ -391,7 +391,7 @@ def partition(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict,
     stages, loss, tensor_outputs, checkpoints, _ = split(gm, pnames, bnames, strategy,
                                                                  training)
     it = iter(tensor_outputs)
-    outputs = [next(it) if c is None else ("const", c) for c in consts]
+    outputs = [next(it) if c is None else c for c in consts]
     return Partition(stages, loss, outputs, spec, mutated, checkpoints, layer_blocks)
 
 

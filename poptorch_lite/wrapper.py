@@ -34,6 +34,7 @@ from torch.utils import _pytree as pytree
 
 from . import distributed
 from . import optim as poptorch_optim
+from . import perf_counters
 from .batch import MicroBatches, merge, resolve_output_mode, selected_microbatches
 from .enums import ConnectionType, ReductionType
 from .errors import (DeviceError, OptionsError, PoptorchLiteWarning, UnrecoverableError,
@@ -101,7 +102,7 @@ class _Program:
         return self._schedules[m, training]
 
 
-class PoplarExecutor:
+class PoplarExecutor(perf_counters.Latencies):
     """A model wrapped by ``trainingModel`` or ``inferenceModel``.
 
     Call it like the model with a combined batch. Attributes that the wrapper
@@ -122,6 +123,7 @@ class PoplarExecutor:
         self._compiled = False
         self._hooks: list = []
         self._statistics: Optional[RunStatistics] = None
+        self._last_call: Optional[tuple] = None  # (partition, tensor inputs), for perf counters
         self._steps = 0  # optimizer steps taken (skipped ones included)
         self._loss_scale = LossScale(
             poptorch_optim.loss_scaling(optimizer), options.Training.automatic_loss_scaling,
@@ -240,6 +242,7 @@ class PoplarExecutor:
             schedule.name, tuple(max(v) for v in zip(*(r.peak_stash_depth for r in stats))),
             tuple(max(v) for v in zip(*(r.peak_stash_bytes for r in stats))),
             recorder.timeline(names, schedule.name))
+        self._last_call = (program.partition, len(mbs.tensors(0)))
         return self._merge(program.partition, outputs)
 
     def runStatistics(self) -> RunStatistics:
@@ -258,6 +261,34 @@ class PoplarExecutor:
         if self._statistics is None:
             raise DeviceError("runStatistics() reports on the last call: call the model first")
         return self._statistics
+
+    def getPerfCounters(self) -> dict:
+        """PopTorch's performance counters of the last call ([Note: performance counters]).
+
+        The latencies (``getLatency()``, ...) come from them (``perf_counters.Latencies``).
+
+        Returns:
+            ``{'input', 'input_complete', 'output', 'output_complete'}`` -> per tensor
+            input (output), per micro-batch (output step): seconds from the start of the
+            call; ``[[]]`` each before the model has run.
+
+        Example:
+            >>> import torch
+            >>> model = inferenceModel(torch.nn.Linear(2, 1))
+            >>> model.getPerfCounters()["input"]
+            [[]]
+            >>> _ = model(torch.ones(3, 2))
+            >>> len(model.getPerfCounters()["input"][0])
+            1
+        """
+        if not self._compiled or self._last_call is None:
+            return perf_counters.empty()
+        part, num_inputs = self._last_call
+        o = self._options
+        per_run = (o.Training.gradient_accumulation if self._training else o.device_iterations)
+        return perf_counters.counters(
+            self._statistics.timeline, num_inputs, sum(isinstance(v, str) for v in part.outputs),
+            self._output_groups(), per_run * self._replicas())
 
     def compile(self, *args, **kwargs) -> None:
         """Trace and check the model for these inputs without running a step."""
@@ -329,7 +360,7 @@ class PoplarExecutor:
         if self._placement is not None:
             self._placement.close()
         self._programs.clear()
-        self._placement = self._weights = None
+        self._placement = self._weights = self._last_call = None
         self._attached = self._compiled = False
         if _training_wrapper(self._user_model) is self:
             del _TRAINING_WRAPPERS[self._user_model]
@@ -453,12 +484,15 @@ class PoplarExecutor:
             release()
         self._hooks = []
 
-    def _merge(self, part: Partition, per_microbatch: list):
+    def _output_groups(self) -> list:
+        """The micro-batches each returned output step holds, per the output mode."""
         o = self._options
         mode = resolve_output_mode(o.output_mode, self._training)
-        groups = selected_microbatches(mode, o.output_return_period or 1, o.device_iterations,
-                                       o.Training.gradient_accumulation, self._replicas())
-        merged = iter(merge(per_microbatch, groups))
+        return selected_microbatches(mode, o.output_return_period or 1, o.device_iterations,
+                                     o.Training.gradient_accumulation, self._replicas())
+
+    def _merge(self, part: Partition, per_microbatch: list):
+        merged = iter(merge(per_microbatch, self._output_groups()))
         leaves = [next(merged) if isinstance(v, str) else v[1] for v in part.outputs]
         return pytree.tree_unflatten(leaves, part.out_spec)
 

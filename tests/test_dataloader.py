@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import gc
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import warnings
@@ -442,3 +447,43 @@ def test_loader_exception_propagates_with_its_cause(loaders):
                 got.append(batch.tolist())
         assert got == [[0.0, 1.0], [2.0, 3.0]]
         assert isinstance(info.value.__cause__, KeyError)
+
+
+# -- a script's exit with a loader thread alive -------------------------------------------------
+
+_EXIT_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    import poptorch_lite as poptorch
+
+    class Ten(torch.utils.data.Dataset):
+        def __len__(self):
+            return 10
+        def __getitem__(self, i):
+            return torch.tensor([float(i)]), i
+
+    loader = poptorch.DataLoader(poptorch.Options(), Ten(), batch_size=1, num_workers=0,
+                                 mode=poptorch.DataLoaderMode.Async)
+    for k, (x, y) in enumerate(loader):
+        if sys.argv[1] == "exit" and k == 3:
+            sys.exit(0)
+        if sys.argv[1] == "raise" and k == 3:
+            raise RuntimeError("the script failed mid-epoch")
+    print("seen", k + 1)
+""")
+
+
+@pytest.mark.parametrize("how,code", [("end", 0), ("exit", 0), ("raise", 1)])
+def test_script_with_an_async_loader_exits_cleanly(tmp_path, how, code):
+    """[Note: loader threads at exit]: no abort (status 134) whether the epoch ended or not."""
+    script = tmp_path / "script.py"
+    script.write_text(_EXIT_SCRIPT)
+    root = str(pathlib.Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    result = subprocess.run([sys.executable, str(script), how], capture_output=True, text=True,
+                            env=env, timeout=120)
+    assert result.returncode == code, result.stderr
+    assert "terminate called" not in result.stderr
+    if how == "end":
+        assert result.stdout.strip() == "seen 10"
+    if how == "raise":
+        assert result.stderr.rstrip().endswith("RuntimeError: the script failed mid-epoch")

@@ -110,10 +110,18 @@ class Two(torch.nn.Module):
             h = self.l1(x)
             if self.tail == "trace":
                 h = h @ torch.ones(3, 3)
+            if self.tail == "item":
+                h = h * h.sum().item()
+            if self.tail == "one_hot":
+                h = h + F.one_hot(x.argmax(1))
         if self.tail == "outside":
             return F.mse_loss(self.l2(h), y)  # after the Block scope closed
         with poptorch.Block(self.ids[1], ipu_id=self.ipus[1]):
             out = self.l2(h if self.bn is None else self.bn(h))
+            if self.tail == "del_buffer":
+                del self.bn.running_mean
+            if self.tail == "reassign_buffer":
+                self.bn.running_mean = self.bn.running_mean * 2
             if self.tail == "none":
                 return out
             if self.tail == "two":
@@ -167,6 +175,16 @@ def first_call(model, o, rows=None, training=True):
         wrapped = (poptorch.trainingModel(model, o, optim.SGD(model.parameters(), lr=0.1))
                    if training else poptorch.inferenceModel(model, o))
         wrapped(x, y)
+
+
+def buffer_kept(model):
+    """A first call refused for what the forward did to a buffer: the buffer is back, unchanged."""
+    table = [(name, id(b)) for name, b in model.bn._buffers.items()]
+    try:
+        first_call(model, opts())
+    finally:
+        assert [(name, id(b)) for name, b in model.bn._buffers.items()] == table
+        assert "running_mean" not in model.bn.__dict__
 
 
 def call_with(*inputs):
@@ -577,6 +595,10 @@ T = {
     "E-PART-07": lambda: first_call(Two(tail="none"), opts()),
     "E-PART-08": lambda: first_call(Two(tail="two"), opts()),
     "E-PART-09": lambda: first_call(Two(tail="trace"), opts()),
+    "E-PART-11": lambda: first_call(Two(tail="item"), opts()),
+    "E-PART-12": lambda: first_call(Two(tail="one_hot"), opts()),
+    "E-PART-13": lambda: buffer_kept(Two(tail="del_buffer", bn=True)),
+    "E-PART-14": lambda: buffer_kept(Two(tail="reassign_buffer", bn=True)),
     "E-PART-10": lambda: first_call(Two(bn=True), opts(R=2)),
     # pipelining
     "E-PIPE-01": lambda: first_call(Two(), opts(poptorch.PipelinedExecution(), G=2)),

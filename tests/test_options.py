@@ -877,3 +877,61 @@ def test_docstring_examples_run(module):
         warnings.simplefilter("ignore")
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+# -- the mean reduction strategy under PopTorch's stored name -----------------------------
+
+
+@pytest.mark.parametrize("strategy", list(enums.MeanReductionStrategy))
+def test_mean_reduction_strategy_by_poptorchs_stored_name(strategy, tmp_path):
+    """Called as a setter (scripts do), read back as the value (PopTorch's own tests do)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", errors.IpuOnlyWarning)
+        o = Options()
+        assert o.Training.meanAccumulationAndReplicationReductionStrategy(strategy) is o.Training
+        assert o.Training.mean_reduction_strategy is strategy
+        assert o.Training.meanAccumulationAndReplicationReductionStrategy == strategy
+        assert repr(o.Training.meanAccumulationAndReplicationReductionStrategy) == repr(strategy)
+        assigned = Options()
+        assigned.Training.meanAccumulationAndReplicationReductionStrategy = strategy
+        conf = tmp_path / "poptorch.conf"
+        conf.write_text(f"Training.meanAccumulationAndReplicationReductionStrategy("
+                        f"poptorch.MeanReductionStrategy.{strategy.name})\n")
+        from_file = Options().loadFromFile(str(conf))
+    for other in (assigned, from_file, o.clone()):
+        assert other.Training.mean_reduction_strategy is strategy
+    o._freeze()
+    with pytest.raises(errors.FrozenOptionsError):
+        o.Training.meanAccumulationAndReplicationReductionStrategy(strategy)
+    with pytest.raises(errors.OptionsError, match="must be a poptorch.MeanReductionStrategy"):
+        Options().Training.meanAccumulationAndReplicationReductionStrategy("Fast")
+
+
+@pytest.mark.parametrize("strategy", list(enums.MeanReductionStrategy))
+def test_mean_reduction_strategy_trains_to_the_same_numbers(strategy):
+    """When the mean divides is an IPU detail: every strategy gives the default's numbers."""
+    def train(configure):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+        o = Options()
+        o.Training.gradientAccumulation(2)
+        configure(o)
+        from poptorch_lite import wrapper
+
+        class WithLoss(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.net = model
+
+            def forward(self, x, y):
+                return torch.nn.functional.mse_loss(self.net(x), y)
+
+        trained = wrapper.trainingModel(WithLoss(), o)
+        loss = trained(torch.arange(12.).view(4, 3), torch.ones(4, 2))
+        return loss, [p.detach().clone() for p in model.parameters()]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", errors.IpuOnlyWarning)
+        default = train(lambda o: None)
+        chosen = train(lambda o: o.Training.meanAccumulationAndReplicationReductionStrategy(strategy))
+    torch.testing.assert_close(chosen, default, rtol=0, atol=0)

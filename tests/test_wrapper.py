@@ -750,3 +750,55 @@ def test_any_multiple_of_the_batch_factor_is_accepted_and_retraced(device):
         assert_close(out, torch.cat(ref_outs), atol=ATOL, rtol=0)
         assert_close(loss, torch.stack(ref_losses), atol=ATOL, rtol=0)
         assert_same_weights(model, ref)
+
+
+# -- models without inputs or without tensor outputs ------------------------------------
+
+
+class CountsCalls(torch.nn.Module):
+    """No inputs; returns ``kind``: nothing, constants beside a tensor, or a tensor."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.w = torch.nn.Parameter(torch.ones(3))
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self):
+        self.calls += 1
+        if self.kind == "nothing":
+            return None
+        if self.kind == "constants":
+            return self.w * 2, None, "tag", 3
+        return poptorch.identity_loss((self.w ** 2).sum(), reduction="sum")
+
+
+@pytest.mark.parametrize("D", [1, 2])
+def test_a_model_without_inputs_or_tensor_outputs_runs_as_in_poptorch(D):
+    """PopTorch returns what forward returns: None for nothing, constants as they are."""
+    opts = poptorch.Options().deviceIterations(D)
+    model = CountsCalls("nothing")
+    assert poptorch.inferenceModel(model, opts)() is None
+    assert int(model.calls) == D
+    out, none, tag, three = poptorch.inferenceModel(CountsCalls("constants"), opts)()
+    assert_close(out, torch.full((3 * D,), 2.0))
+    assert (none, tag, three) == (None, "tag", 3)
+
+
+def test_a_model_without_inputs_trains_as_plain_pytorch():
+    D = 3
+    model = CountsCalls("loss")
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    losses = []
+    for _ in range(D):
+        opt.zero_grad()
+        loss = ref()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    opts = poptorch.Options().deviceIterations(D).outputMode(poptorch.OutputMode.All)
+    loss = poptorch.trainingModel(model, opts, poptorch.optim.SGD(model.parameters(), lr=0.1))()
+    assert_close(loss, torch.stack(losses))
+    assert_close(model.w, ref.w)
+    assert int(model.calls) == D

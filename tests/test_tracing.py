@@ -1,0 +1,131 @@
+"""Tracing values that ops read from the data ([Note: values read while tracing] in tracing)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+import poptorch_lite as poptorch
+from models import reference_training, twin
+
+
+class ReadsValues(torch.nn.Module):
+    """Ops that read the data to do their work: one_hot's class check, sizes set by the data."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(10, 10)
+
+    def forward(self, x, y):
+        out = self.fc(F.one_hot(y, num_classes=10).float())
+        counts = torch.bincount(y, minlength=10).float()  # width max(y)+1 if larger
+        positive = (x[x > 0].sum() + x.nonzero().shape[0]) * torch.unique(y).float().mean()
+        repeated = torch.repeat_interleave(x[:, :1], y.clamp(max=2) + 1, dim=0).sum()
+        out = out + counts[:10] + positive + repeated
+        return out, F.cross_entropy(out, y)
+
+
+def batch(rows: int):
+    torch.manual_seed(7)
+    return torch.randn(rows, 10), torch.randint(0, 10, (rows,))
+
+
+def test_ops_that_read_values_train_as_plain_pytorch():
+    D, G, b = 2, 3, 4
+    x, y = batch(D * G * b)
+    torch.manual_seed(0)
+    model = ReadsValues()
+    ref = twin(model)
+    opts = poptorch.Options().deviceIterations(D)
+    opts.Training.gradientAccumulation(G)
+    opts.outputMode(poptorch.OutputMode.All)
+    out, loss = poptorch.trainingModel(model, opts, poptorch.optim.SGD(model.parameters(),
+                                                                       lr=0.1))(x, y)
+    outs, losses, _ = reference_training(ref, torch.optim.SGD(ref.parameters(), lr=0.1), x, y,
+                                         D, G, 1)
+    assert_close(out, torch.cat(outs), atol=1e-5, rtol=0)
+    assert_close(loss, torch.stack(losses), atol=1e-5, rtol=0)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_close(p, q, atol=1e-5, rtol=0, msg=name)
+
+
+def test_ops_that_read_values_infer_as_plain_pytorch():
+    D, b = 3, 4
+    x, y = batch(D * b)
+    model = ReadsValues()
+    out, loss = poptorch.inferenceModel(model, poptorch.Options().deviceIterations(D))(x, y)
+    with torch.no_grad():
+        refs = [model(x[k * b:(k + 1) * b], y[k * b:(k + 1) * b]) for k in range(D)]
+    assert_close(out, torch.cat([o for o, _ in refs]), atol=1e-5, rtol=0)
+    assert_close(loss, torch.stack([l for _, l in refs]), atol=1e-5, rtol=0)
+
+
+class ReadsIntoPython(torch.nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+
+    def forward(self, x):
+        if self.how == "constant":
+            return x * torch.tensor(3.0).item()  # not traced: a constant, fine
+        if self.how == "item":
+            return x * x.sum().item()
+        if self.how == "if":
+            return x if x.sum() > 0 else -x
+        if self.how == "index":
+            return x * [1.0, 2.0][x.argmax() % 2]
+        return F.one_hot(x.long().abs())
+
+
+@pytest.mark.parametrize("how, fragment", [
+    ("item", "with t.item() at "), ("if", "with bool(t) (an if or while on a tensor) at "),
+    ("index", "with t used as an index or size at "),
+    ("one_hot", "OneHot num classes must be specified and must be constant: F.one_hot at ")])
+def test_a_value_read_into_python_is_refused_with_its_line(how, fragment):
+    with pytest.raises(poptorch.TraceError) as info:
+        poptorch.inferenceModel(ReadsIntoPython(how))(torch.randn(4, 3))
+    assert fragment in str(info.value)
+    assert "test_tracing.py" in str(info.value)
+
+
+def test_a_constant_read_into_python_is_fine():
+    x = torch.randn(4, 3)
+    assert_close(poptorch.inferenceModel(ReadsIntoPython("constant"))(x), x * 3)
+
+
+class DropsBuffer(torch.nn.Module):
+    """PopTorch's test_error_on_remove_buffer, and its sibling that rebinds the buffer."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.register_buffer("y", torch.tensor([2.0]))
+        self.register_buffer("z", torch.tensor([1.0]), persistent=False)
+
+    def forward(self, x):
+        x = x + self.y
+        if self.how == "delete" and "y" in self._buffers:
+            del self._buffers["y"]
+        if self.how == "del":
+            del self.y
+        if self.how == "rebind":
+            self.y = x.sum(0)
+        return x
+
+
+@pytest.mark.parametrize("how, message", [
+    ("delete", r"^Buffer y is removed from the model when calling the forward method\."),
+    ("del", r"^Buffer y is removed from the model when calling the forward method\."),
+    ("rebind", r"^Buffer y is reassigned within the model when calling the forward method\. "
+               r"This is not supported\. Consider using self\.y\.copy_\(src\)")])
+def test_a_forward_that_removes_a_buffer_is_refused_and_the_buffer_kept(how, message):
+    model = DropsBuffer(how)
+    y, z = model.y, model.z
+    with pytest.raises(poptorch.TraceError, match=message):
+        poptorch.inferenceModel(model)(torch.tensor([5.0]))
+    assert model._buffers == {"y": y, "z": z} and model.y is y and "y" not in model.__dict__
+    assert model._non_persistent_buffers_set == {"z"}
+    assert list(model.state_dict()) == ["y"] and torch.equal(y, torch.tensor([2.0]))
+    assert_close(DropsBuffer("keep")(torch.tensor([5.0])), torch.tensor([7.0]))
