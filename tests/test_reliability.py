@@ -42,6 +42,17 @@ def assert_same_state(a, b):
     assert torch.equal(ra, rb)
 
 
+_MADE: list = []
+
+
+@pytest.fixture(autouse=True)
+def destroy_models():
+    """A failing assertion must not leave workers behind for the next test to count."""
+    yield
+    while _MADE:
+        _MADE.pop().destroy()
+
+
 def stateful_model(schedule, recompute=False, ipu_model=False, **kwargs):
     torch.manual_seed(0)
     net = Probed(2, stateful=True)
@@ -49,7 +60,9 @@ def stateful_model(schedule, recompute=False, ipu_model=False, **kwargs):
     opts = options(schedule, G, D, recompute).useIpuModel(ipu_model)
     for name, value in kwargs.items():
         getattr(opts, name)(value)
-    return net, opt, poptorch.trainingModel(net, opts, opt)
+    model = poptorch.trainingModel(net, opts, opt)
+    _MADE.append(model)
+    return net, opt, model
 
 
 def fail_at(kind, stage, index, exc=RuntimeError("injected fault")):
@@ -115,7 +128,7 @@ def test_a_failing_call_leaves_its_last_step_and_the_next_call_is_exact(
     start = time.perf_counter()
     with pytest.raises(poptorch.ExecutionError) as info:
         model(x, y)
-    assert time.perf_counter() - start < 1.0
+    assert time.perf_counter() - start < 10.0  # at once, not after the 600 s watchdog
     handle.remove()
     run, local = divmod(index, G)
     assert str(info.value).startswith(f"action {stage}{kind}{local} (")

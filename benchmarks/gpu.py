@@ -1,0 +1,136 @@
+"""poptorch_lite on CUDA against plain PyTorch on the same GPU, each side in its own process.
+
+    python benchmarks/gpu.py              # every case; exits 0 with a note when no GPU is present
+    python benchmarks/gpu.py --pairs 5 --calls 50
+
+Cases (each prints plain ms/step, poptorch_lite ms/step, their ratio, and peak device
+memory per device on both sides):
+- ``mlp``: 8 x Linear(1024)+ReLU, one stage, micro-batch 32, accumulation 8, Adam;
+- ``conv``: Graphcore's MNIST tutorial conv net, micro-batch 16, SGD with momentum;
+- ``pipe1``: the MLP in 2 stages on one GPU (two CUDA streams), Grouped, accumulation 8;
+- ``pipeN``: the MLP in one stage per GPU present (needs 2 or more);
+- ``offload``: ``mlp`` with the optimizer state offloaded to the host
+  (``TensorLocations.setOptimizerLocation(useOnChipStorage(False))``): the peak device
+  memory it saves against ``mlp``.
+
+The scripts never call ``.cuda()``: like a PopTorch script, the wrapped side leaves the model
+on the host and lets the default placement put the IPUs on the GPUs. The plain side moves the
+same model to cuda:0 and runs the same arithmetic.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import tax  # noqa: E402  (the models and the plain loop)
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--case", choices=["mlp", "conv", "pipe1", "pipeN", "offload", "all"],
+                    default="all")
+parser.add_argument("--pairs", type=int, default=3, help="plain/poptorch_lite process pairs")
+parser.add_argument("--calls", type=int, default=30, help="timed calls per process")
+parser.add_argument("--side", choices=["plain", "lite"], help="run one side here, print JSON")
+
+
+def staged(model, stages):
+    """Block annotations on the MLP's layers: ``stages`` equal blocks on IPUs 0.."""
+    import poptorch_lite as poptorch
+    layers = list(model.net)
+    per = len(layers) // stages
+    for s in range(stages):
+        layers[s * per] = poptorch.BeginBlock(layers[s * per], f"s{s}", ipu_id=s)
+    model.net = torch.nn.Sequential(*layers)
+    return model
+
+
+def one_side(args):
+    case = args.case
+    kind = {"conv": "conv16"}.get(case, "mlp")
+    model, optimizer, x, y, B, D, G = tax.build(kind)
+    if args.side == "plain":
+        model.cuda()
+        optimizer = type(optimizer)(model.parameters(), **optimizer.defaults)
+        x, y = x.cuda(), y.cuda()
+
+        def call():
+            tax.plain_call(model, optimizer, x, y, B, D, G)
+    else:
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+        import poptorch_lite as poptorch
+        opts = poptorch.Options().deviceIterations(D)
+        opts.Training.gradientAccumulation(G)
+        if case in ("pipe1", "pipeN"):
+            stages = 2 if case == "pipe1" else torch.cuda.device_count()
+            staged(model, stages)
+            opts.setExecutionStrategy(poptorch.PipelinedExecution())
+            if case == "pipe1":
+                opts.set_ipu_devices("cuda:0")
+        if case == "offload":
+            opts.TensorLocations.setOptimizerLocation(
+                poptorch.TensorLocationSettings().useOnChipStorage(False))
+        wrapped = poptorch.trainingModel(model, opts, optimizer)
+
+        def call():
+            wrapped(x, y)
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    for d in range(torch.cuda.device_count()):
+        torch.cuda.reset_peak_memory_stats(d)
+    times = []
+    for _ in range(args.calls):
+        start = time.perf_counter()
+        call()
+        for d in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(d)
+        times.append((time.perf_counter() - start) / D)
+    peaks = [torch.cuda.max_memory_allocated(d) / 2**20 for d in range(torch.cuda.device_count())]
+    print(json.dumps({"step_ms": 1e3 * statistics.median(times), "peak_mib": peaks}))
+
+
+def run_side(side, case, calls):
+    cmd = [sys.executable, __file__, "--side", side, "--case", case, "--calls", str(calls)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{side} side of {case} failed:\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main():
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("benchmarks/gpu.py: no CUDA device here; nothing to measure")
+        return
+    if args.side:
+        return one_side(args)
+    gpus = torch.cuda.device_count()
+    print(f"{gpus} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+    cases = ["mlp", "conv", "pipe1", "pipeN", "offload"] if args.case == "all" else [args.case]
+    print(f"{'case':8} {'plain ms':>9} {'lite ms':>9} {'ratio':>6} {'spread':>13}  "
+          f"peak MiB per GPU (plain | lite)")
+    for case in cases:
+        if case == "pipeN" and gpus < 2:
+            print(f"{case:8} skipped: needs 2 or more GPUs")
+            continue
+        pairs = []
+        for k in range(args.pairs):
+            order = ("plain", "lite") if k % 2 == 0 else ("lite", "plain")
+            pairs.append({side: run_side(side, case, args.calls) for side in order})
+        ratios = [p["lite"]["step_ms"] / p["plain"]["step_ms"] for p in pairs]
+        plain_ms = statistics.median(p["plain"]["step_ms"] for p in pairs)
+        lite_ms = statistics.median(p["lite"]["step_ms"] for p in pairs)
+        peaks = (" ".join(f"{m:.0f}" for m in pairs[0]["plain"]["peak_mib"]) + " | "
+                 + " ".join(f"{m:.0f}" for m in pairs[0]["lite"]["peak_mib"]))
+        print(f"{case:8} {plain_ms:9.3f} {lite_ms:9.3f} {statistics.median(ratios):6.3f} "
+              f"{min(ratios):6.3f}-{max(ratios):6.3f}  {peaks}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
