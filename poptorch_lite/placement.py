@@ -13,7 +13,14 @@ after it, and the host waits for every stream before it reads results.
 The caller's thread only watches: it returns when all lists are done, and
 raises :class:`ActionFailed` as soon as an action fails (the other streams
 stop before their next action) or :class:`ActionStuck` when no action has
-finished for ``watchdog`` seconds. Workers start on first use, are reused by
+finished for ``watchdog`` seconds. One exception: when a run uses a single CPU
+stream, the caller's thread runs its list itself, as plain PyTorch would run
+the same ops. Handing every action to a worker thread cost a single-stage model
+15–100% of its step time on a 2-core machine (its intra-op threads ran a team
+of their own beside the caller's; docs/PERFORMANCE.md), and with one stream
+there is nothing to overlap. The watchdog then has no other stream to watch: a
+stuck action there hangs the call as it would hang plain PyTorch, and Ctrl-C
+stops it as usual. Workers start on first use, are reused by
 every run, and stop on ``close()`` or when the placement is garbage
 collected; a stream whose action is stuck is abandoned and gets a fresh
 worker on its next use. The CPU streams share the caller's intra-op threads
@@ -221,6 +228,9 @@ class Placement:
             ActionStuck: the watchdog fired; the stuck streams were abandoned.
             KeyboardInterrupt: on the caller's thread; the workers stopped first.
         """
+        used = [ipu for ipu, actions in lists.items() if actions]
+        if len(used) == 1 and type(self.streams[used[0]]) is CpuStream:
+            return self._run_here(used[0], lists[used[0]], call)
         progress = _Progress()
         total = sum(len(actions) for actions in lists.values())
         futures = {ipu: self.streams[ipu].submit(
@@ -256,6 +266,26 @@ class Placement:
             self.streams[ipu].synchronize()
         if progress.failure is not None:
             raise progress.failure
+
+    def _run_here(self, ipu: int, actions: list, call: Callable) -> None:
+        """A single CPU stream's list, on the caller's thread ([Note: streams])."""
+        threads = self.streams[ipu].threads
+        ours = torch.get_num_threads()
+        if threads is not None and threads != ours:
+            torch.set_num_threads(threads)
+        try:
+            for a in actions:
+                try:
+                    call(a)
+                except KeyboardInterrupt as exc:
+                    exc.add_note(f"poptorch_lite: interrupted while running {a} on stream {ipu}; "
+                                 f"every stream stopped before its next action")
+                    raise
+                except BaseException as exc:
+                    raise ActionFailed(a, exc) from None
+        finally:
+            if threads is not None and threads != ours:
+                torch.set_num_threads(ours)
 
     def _work(self, ipu: int, actions: list, waits: Callable, call: Callable,
               progress: _Progress) -> None:

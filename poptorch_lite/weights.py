@@ -88,6 +88,8 @@ class Weights:
         self._separate_homes: list = []  # (host parameter, home) pairs that are not the same
         self._versions: dict = {}
         self.host_stale = False       # the devices hold values the host copy lacks
+        self._storage_key: tuple = ()
+        self._storages: frozenset = frozenset()
         self._new_replica_buffers()
         self.remember_versions()
 
@@ -186,7 +188,12 @@ class Weights:
         to the homes, on their devices. Offloaded weights need no binding.
         """
         if self.offload or not self._separate_homes:
-            yield
+            try:
+                yield
+            finally:  # the step wrote the host parameters: not a host edit
+                versions = self._versions
+                for p in self.params.values():
+                    versions[id(p)] = p._version
             return
         saved = []
         try:
@@ -297,7 +304,11 @@ class Weights:
         tensors = (*self.params.values(), *self.buffers.values(), *self._copies.values(),
                    *self._buffer_copies.values(),
                    *(b for bufs in self._replica_buffers for b in bufs.values()))
-        return {t.untyped_storage().data_ptr() for t in tensors}
+        key = tuple(t.data_ptr() for t in tensors)  # a parameter given new data changes it
+        if key != self._storage_key:
+            self._storage_key = key
+            self._storages = frozenset(t.untyped_storage().data_ptr() for t in tensors)
+        return self._storages
 
     def snapshot(self, params: bool = False) -> Callable[[], None]:
         """Capture what a call changes outside the update; the returned function puts it back.

@@ -122,7 +122,7 @@ class PoplarExecutor(perf_counters.Latencies):
         self._attached = False
         self._compiled = False
         self._hooks: list = []
-        self._statistics: Optional[RunStatistics] = None
+        self._statistics = None  # the last call's RunStatistics, or what makes it
         self._last_call: Optional[tuple] = None  # (partition, tensor inputs), for perf counters
         self._steps = 0  # optimizer steps taken (skipped ones included)
         self._loss_scale = LossScale(
@@ -236,13 +236,9 @@ class PoplarExecutor(perf_counters.Latencies):
                 weights.buffers_move()
             outputs += out
             stats.append(run_stats)
-        names = [f"ipu{k} ({self._placement.devices[k]})" if k in self._placement.devices
-                 else f"ipu{k} (unused)" for k in range(schedule.num_streams)]
-        self._statistics = RunStatistics(  # peaks over the call's runs
-            schedule.name, tuple(max(v) for v in zip(*(r.peak_stash_depth for r in stats))),
-            tuple(max(v) for v in zip(*(r.peak_stash_bytes for r in stats))),
-            recorder.timeline(names, schedule.name))
-        self._last_call = (program.partition, len(mbs.tensors(0)))
+        # Built when asked for (runStatistics, getPerfCounters): nothing per call but the records.
+        self._statistics = (schedule, stats, recorder, dict(self._placement.devices))
+        self._last_call = (program.partition, len(mbs.tensor_positions))
         return self._merge(program.partition, outputs)
 
     def runStatistics(self) -> RunStatistics:
@@ -260,6 +256,14 @@ class PoplarExecutor(perf_counters.Latencies):
         """
         if self._statistics is None:
             raise DeviceError("runStatistics() reports on the last call: call the model first")
+        if not isinstance(self._statistics, RunStatistics):
+            schedule, stats, recorder, devices = self._statistics
+            names = [f"ipu{k} ({devices[k]})" if k in devices else f"ipu{k} (unused)"
+                     for k in range(schedule.num_streams)]
+            self._statistics = RunStatistics(  # peaks over the call's runs
+                schedule.name, tuple(max(v) for v in zip(*(r.peak_stash_depth for r in stats))),
+                tuple(max(v) for v in zip(*(r.peak_stash_bytes for r in stats))),
+                recorder.timeline(names, schedule.name))
         return self._statistics
 
     def getPerfCounters(self) -> dict:
@@ -287,7 +291,7 @@ class PoplarExecutor(perf_counters.Latencies):
         o = self._options
         per_run = (o.Training.gradient_accumulation if self._training else o.device_iterations)
         return perf_counters.counters(
-            self._statistics.timeline, num_inputs, sum(isinstance(v, str) for v in part.outputs),
+            self.runStatistics().timeline, num_inputs, sum(isinstance(v, str) for v in part.outputs),
             self._output_groups(), per_run * self._replicas())
 
     def compile(self, *args, **kwargs) -> None:
