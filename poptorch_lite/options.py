@@ -246,7 +246,10 @@ class Options(DeviceOptions, OptionGroup):
 
         A stuck action (a deadlocked data source, a hung collective) then raises
         ``ExecutionError`` naming the stuck actions instead of hanging. Default
-        600 s; ``None`` or 0 waits forever.
+        600 s; ``None`` or 0 waits forever. A run on a single CPU stream executes on
+        the caller's thread, as plain PyTorch does ([Note: streams] in ``placement``):
+        there the watchdog has nothing to watch from, and a stuck op hangs as it would
+        without poptorch_lite (Ctrl-C still stops it).
 
         Raises:
             OptionsError: a negative or non-numeric value.

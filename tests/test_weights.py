@@ -100,9 +100,10 @@ def test_a_tied_weight_has_a_visitor_copy_whose_gradient_joins_the_homes():
     assert torch.equal(visitor, home)
 
 
-def test_host_view_syncs_on_read_and_pickles_as_a_plain_dict():
+def trained_on_the_ipu_model(batchnorm=False):
+    """A 2-stage model after one call under useIpuModel, its wrapper, its plain twin, the data."""
     torch.manual_seed(0)
-    model = BlockMLP(2)
+    model = BlockMLP(2, batchnorm=batchnorm)
     ref = twin(model)
     opts = poptorch.Options().useIpuModel(True)
     opts.Training.gradientAccumulation(4)
@@ -110,6 +111,11 @@ def test_host_view_syncs_on_read_and_pickles_as_a_plain_dict():
     x, y = data(8)
     train(x, y)
     reference_training(ref, torch.optim.SGD(ref.parameters(), lr=0.1), x, y, 1, 4, 1)
+    return model, train, ref, x, y
+
+
+def test_host_view_syncs_on_read_and_pickles_as_a_plain_dict():
+    model, train, ref, _, _ = trained_on_the_ipu_model()
     assert isinstance(model.layers[0]._parameters, HostView)
     assert train._weights.host_stale
     assert_close(model.layers[0].weight, ref.layers[0].weight, atol=1e-6, rtol=0)  # a read syncs
@@ -126,15 +132,7 @@ def test_host_view_syncs_on_read_and_pickles_as_a_plain_dict():
 @pytest.mark.parametrize("read", ["attribute", "parameters", "state_dict", "call", "wrapper",
                                   "inference", "collected"])
 def test_every_read_of_the_model_sees_the_trained_values(read):
-    torch.manual_seed(0)
-    model = BlockMLP(2, batchnorm=True)
-    ref = twin(model)
-    opts = poptorch.Options().useIpuModel(True)
-    opts.Training.gradientAccumulation(4)
-    train = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
-    x, y = data(8)
-    train(x, y)
-    reference_training(ref, torch.optim.SGD(ref.parameters(), lr=0.1), x, y, 1, 4, 1)
+    model, train, ref, x, y = trained_on_the_ipu_model(batchnorm=True)
     if read == "attribute":
         got = {"head.weight": model.head.weight, "bn.running_mean": model.bn.running_mean}
     elif read == "parameters":
