@@ -165,7 +165,7 @@ class Executor:
             self.weights.zero_grads()
             run.excluded = self.weights.storages() | {
                 t.untyped_storage().data_ptr() for mb in microbatches for t in mb}
-        lists, waits, rows = self._plan(schedule)
+        lists, waits, rows, in_order = self._plan(schedule)
         training = schedule.training
         handlers = self.handlers
 
@@ -178,7 +178,7 @@ class Executor:
                              time.perf_counter(), run_index)
 
         try:
-            self.placement.run_lists(lists, waits.__getitem__, call, watchdog)
+            self.placement.run_lists(lists, waits.__getitem__, call, watchdog, in_order)
         except ActionFailed as failure:
             if not isinstance(failure.exc, Exception):  # KeyboardInterrupt, SystemExit
                 failure.exc.add_note(f"poptorch_lite: raised by action {failure.action}")
@@ -196,7 +196,8 @@ class Executor:
         return out, run.stats
 
     def _plan(self, schedule: Schedule) -> tuple:
-        """Per stream its actions; per action what it waits for on other streams; rows."""
+        """Per stream its actions; per action what it waits for on other streams; rows; and
+        every action in row order when the schedule is a total order (else None)."""
         cached = self._plans.get(id(schedule))
         if cached is None or cached[0] is not schedule:
             lists = {ipu: [] for ipu in self.placement.devices}
@@ -208,7 +209,10 @@ class Executor:
                         rows[a] = t
             waits = {a: [d for d in schedule.dependencies(a) if self._ipu(d) != self._ipu(a)]
                      for a in rows}
-            cached = self._plans[id(schedule)] = (schedule, (lists, waits, rows))
+            total_order = all(sum(a is not None for a in row) <= 1 for row in schedule.rows)
+            in_order = ([(self._ipu(a), a) for row in schedule.rows for a in row if a is not None]
+                        if total_order else None)
+            cached = self._plans[id(schedule)] = (schedule, (lists, waits, rows, in_order))
         return cached[1]
 
     def _ipu(self, a: Action) -> int:

@@ -14,8 +14,9 @@ The caller's thread only watches: it returns when all lists are done, and
 raises :class:`ActionFailed` as soon as an action fails (the other streams
 stop before their next action) or :class:`ActionStuck` when no action has
 finished for ``watchdog`` seconds. One exception: when a run uses a single CPU
-stream, the caller's thread runs its list itself, as plain PyTorch would run
-the same ops. Handing every action to a worker thread cost a single-stage model
+stream, or only CPU streams under a schedule that is a total order (Sequential,
+one action per row), the caller's thread runs the actions itself, in order, as
+plain PyTorch would run the same ops, with all of its intra-op threads. Handing every action to a worker thread cost a single-stage model
 15–100% of its step time on a 2-core machine (its intra-op threads ran a team
 of their own beside the caller's; docs/PERFORMANCE.md), and with one stream
 there is nothing to overlap. The watchdog then has no other stream to watch: a
@@ -213,7 +214,7 @@ class Placement:
         return self.devices[ipu]
 
     def run_lists(self, lists: dict, waits: Callable, call: Callable,
-                  watchdog: Optional[float] = None) -> None:
+                  watchdog: Optional[float] = None, in_order: Optional[list] = None) -> None:
         """Run every stream's action list concurrently ([Note: streams]).
 
         Args:
@@ -222,6 +223,8 @@ class Placement:
             call: runs one action (on its stream's worker thread).
             watchdog: seconds without any action finishing before giving up
                 (None or 0: wait forever).
+            in_order: ``(ipu, action)`` for every action, when the schedule is a total
+                order: with CPU streams only, the caller's thread runs them so.
 
         Raises:
             ActionFailed: the first action that raised (the others stopped).
@@ -230,7 +233,10 @@ class Placement:
         """
         used = [ipu for ipu, actions in lists.items() if actions]
         if len(used) == 1 and type(self.streams[used[0]]) is CpuStream:
-            return self._run_here(used[0], lists[used[0]], call)
+            return self._run_here([(used[0], a) for a in lists[used[0]]], call,
+                                  self.streams[used[0]].threads)
+        if in_order is not None and all(type(self.streams[k]) is CpuStream for k in used):
+            return self._run_here(in_order, call, None)
         progress = _Progress()
         total = sum(len(actions) for actions in lists.values())
         futures = {ipu: self.streams[ipu].submit(
@@ -267,14 +273,13 @@ class Placement:
         if progress.failure is not None:
             raise progress.failure
 
-    def _run_here(self, ipu: int, actions: list, call: Callable) -> None:
-        """A single CPU stream's list, on the caller's thread ([Note: streams])."""
-        threads = self.streams[ipu].threads
+    def _run_here(self, actions: list, call: Callable, threads: Optional[int]) -> None:
+        """``(ipu, action)`` pairs in order, on the caller's thread ([Note: streams])."""
         ours = torch.get_num_threads()
         if threads is not None and threads != ours:
             torch.set_num_threads(threads)
         try:
-            for a in actions:
+            for ipu, a in actions:
                 try:
                     call(a)
                 except KeyboardInterrupt as exc:

@@ -412,8 +412,10 @@ class Stalling(torch.nn.Module):
 
 
 def watchdog_fires():
-    wrapped = poptorch.inferenceModel(Stalling(), opts().watchdogTimeout(0.2))
-    x = torch.randn(2, 4)
+    # a pipelined schedule: streams run on their own threads, which the watchdog watches
+    wrapped = poptorch.inferenceModel(
+        Stalling(), opts(poptorch.PipelinedExecution(), D=2).watchdogTimeout(0.2))
+    x = torch.randn(4, 4)
     wrapped(x)
     STALL["seconds"] = 0.6
     try:
