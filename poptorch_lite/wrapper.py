@@ -123,6 +123,7 @@ class PoplarExecutor(perf_counters.Latencies):
         self._compiled = False
         self._hooks: list = []
         self._statistics = None  # the last call's RunStatistics, or what makes it
+        self._groups = None      # _output_groups()
         self._last_call: Optional[tuple] = None  # (partition, tensor inputs), for perf counters
         self._steps = 0  # optimizer steps taken (skipped ones included)
         self._loss_scale = LossScale(
@@ -490,10 +491,13 @@ class PoplarExecutor(perf_counters.Latencies):
 
     def _output_groups(self) -> list:
         """The micro-batches each returned output step holds, per the output mode."""
-        o = self._options
-        mode = resolve_output_mode(o.output_mode, self._training)
-        return selected_microbatches(mode, o.output_return_period or 1, o.device_iterations,
-                                     o.Training.gradient_accumulation, self._replicas())
+        if self._groups is None:  # the options are frozen: once per wrapper
+            o = self._options
+            mode = resolve_output_mode(o.output_mode, self._training)
+            self._groups = selected_microbatches(
+                mode, o.output_return_period or 1, o.device_iterations,
+                o.Training.gradient_accumulation, self._replicas())
+        return self._groups
 
     def _merge(self, part: Partition, per_microbatch: list):
         merged = iter(merge(per_microbatch, self._output_groups()))
