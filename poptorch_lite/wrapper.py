@@ -149,9 +149,11 @@ class PoplarExecutor(perf_counters.Latencies):
         Raises:
             BatchSizeError, InputError, BlockError, LossError, PipelineError,
             OptionsError: refused before any state changes.
-            ExecutionError: an action failed while running (or a loss was not finite); the
-                call was undone ([Note: all-or-nothing calls] in ``undo``), as it is for
-                ``KeyboardInterrupt``.
+            ExecutionError: an action failed while running (or, with
+                ``stopOnNonFiniteLoss``, a loss was not finite); the model is as after the
+                call's last completed step, or as before the call with ``allOrNothingCalls``
+                ([Note: all-or-nothing calls] in ``undo``), as it is for ``KeyboardInterrupt``.
+            UnrecoverableError: the optimizer's step raised part-way ([Note: commit point]).
         """
         opts = self._options
         if opts.connection_type == ConnectionType.Never:
