@@ -16,10 +16,11 @@ stop before their next action) or :class:`ActionStuck` when no action has
 finished for ``watchdog`` seconds. One exception: when a run uses a single CPU
 stream, or only CPU streams under a schedule that is a total order (Sequential,
 one action per row), the caller's thread runs the actions itself, in order, as
-plain PyTorch would run the same ops, with all of its intra-op threads. Handing every action to a worker thread cost a single-stage model
-15–100% of its step time on a 2-core machine (its intra-op threads ran a team
-of their own beside the caller's; docs/PERFORMANCE.md), and with one stream
-there is nothing to overlap. The watchdog then has no other stream to watch: a
+plain PyTorch would run the same ops, with all of its intra-op threads.
+Handing every action to a worker thread cost a single-stage model 15–100% of
+its step time on a 2-core machine (its intra-op threads ran a team of their own
+beside the caller's; docs/PERFORMANCE.md (g)), and with one stream, or one
+action at a time, there is nothing to overlap. The watchdog then has no other stream to watch: a
 stuck action there hangs the call as it would hang plain PyTorch, and Ctrl-C
 stops it as usual. Workers start on first use, are reused by
 every run, and stop on ``close()`` or when the placement is garbage
