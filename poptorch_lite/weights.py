@@ -86,10 +86,9 @@ class Weights:
         self._buffer_copies: dict = {}
         self._replica_buffers: list = []
         self._separate_homes: list = []  # (host parameter, home) pairs that are not the same
+        self._others: dict = {}       # name -> its users' tensors besides the stepped one
         self._versions: dict = {}
         self.host_stale = False       # the devices hold values the host copy lacks
-        self._storage_key: tuple = ()
-        self._storages: frozenset = frozenset()
         self._new_replica_buffers()
         self.remember_versions()
 
@@ -112,6 +111,10 @@ class Weights:
                         self._use[name, ipu] = self._tensor_for(name, ipu)
         self._separate_homes = [(p, self._use[n, self.home_of[n]]) for n, p in self.params.items()
                                 if n in self.home_of and self._use[n, self.home_of[n]] is not p]
+        self._others = {}  # visitors, and the stage copies of offloaded weights
+        for (name, ipu), t in self._use.items():
+            if t is not self.home(name):
+                self._others.setdefault(name, []).append(t)
 
     def _shares(self, host: torch.Tensor, ipu: int) -> bool:
         return not self.separate_memories and host.device == self.devices[ipu]
@@ -163,15 +166,13 @@ class Weights:
             c.grad = None
 
     def gather_grad(self, name: str) -> Optional[torch.Tensor]:
-        """Add the gradients of ``name``'s other copies into the one the optimizer steps."""
+        """Add the gradients of ``name``'s other users into the one the optimizer steps."""
         target = self.home(name)
-        for ipu in self.devices:
-            c = self._copies.get((name, ipu))
-            if c is None or c is target or c.grad is None:
-                continue
-            g = c.grad.to(target.device)
-            target.grad = g if target.grad is None else target.grad + g
-            c.grad = None
+        for c in self._others.get(name, ()):
+            if c.grad is not None:
+                g = c.grad.to(target.device)
+                target.grad = g if target.grad is None else target.grad + g
+                c.grad = None
         return target.grad
 
     def buffers_move(self) -> None:
@@ -211,12 +212,18 @@ class Weights:
                 self.host_stale = True
 
     def after_step(self) -> None:
-        """The optimizer changed the weights: refresh the copies that are not what it stepped."""
+        """The optimizer changed the weights: refresh every other user's tensor from it.
+
+        That may be the host parameter itself (a visitor stage on the host device of a
+        weight whose home is elsewhere); refreshing it is not a host edit.
+        """
         with torch.no_grad():
-            for (name, ipu), c in self._copies.items():
+            for name, others in self._others.items():
                 home = self.home(name)
-                if c is not home:
+                for c in others:
                     c.copy_(home)
+                    if c is self.params[name]:
+                        self._versions[id(c)] = c._version
 
     def optimizer_state_to_homes(self, optimizer: torch.optim.Optimizer) -> None:
         """Move optimizer state made elsewhere (a checkpoint, host training) to the homes."""
@@ -304,11 +311,7 @@ class Weights:
         tensors = (*self.params.values(), *self.buffers.values(), *self._copies.values(),
                    *self._buffer_copies.values(),
                    *(b for bufs in self._replica_buffers for b in bufs.values()))
-        key = tuple(t.data_ptr() for t in tensors)  # a parameter given new data changes it
-        if key != self._storage_key:
-            self._storage_key = key
-            self._storages = frozenset(t.untyped_storage().data_ptr() for t in tensors)
-        return self._storages
+        return {t.untyped_storage().data_ptr() for t in tensors}
 
     def snapshot(self, params: bool = False) -> Callable[[], None]:
         """Capture what a call changes outside the update; the returned function puts it back.

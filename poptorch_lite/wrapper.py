@@ -121,8 +121,9 @@ class PoplarExecutor(perf_counters.Latencies):
         self._weights: Optional[Weights] = None
         self._attached = False
         self._compiled = False
-        self._hooks: list = []
-        self._statistics = None  # the last call's RunStatistics, or what makes it
+        self._release: Optional[weakref.finalize] = None  # syncs and unwatches the model
+        self._statistics: Optional[RunStatistics] = None  # built from _last_run when asked for
+        self._last_run = None
         self._groups = None      # _output_groups()
         self._last_call: Optional[tuple] = None  # (partition, tensor inputs), for perf counters
         self._steps = 0  # optimizer steps taken (skipped ones included)
@@ -239,8 +240,9 @@ class PoplarExecutor(perf_counters.Latencies):
                 weights.buffers_move()
             outputs += out
             stats.append(run_stats)
-        # Built when asked for (runStatistics, getPerfCounters): nothing per call but the records.
-        self._statistics = (schedule, stats, recorder, dict(self._placement.devices))
+        # runStatistics() builds the statistics when asked for: per call only the records.
+        self._last_run, self._statistics = (schedule, stats, recorder,
+                                            dict(self._placement.devices)), None
         self._last_call = (program.partition, len(mbs.tensor_positions))
         return self._merge(program.partition, outputs)
 
@@ -257,10 +259,10 @@ class PoplarExecutor(perf_counters.Latencies):
             >>> model.runStatistics().timeline.spans[0].label
             '0F0'
         """
-        if self._statistics is None:
+        if self._last_run is None:
             raise DeviceError("runStatistics() reports on the last call: call the model first")
-        if not isinstance(self._statistics, RunStatistics):
-            schedule, stats, recorder, devices = self._statistics
+        if self._statistics is None:
+            schedule, stats, recorder, devices = self._last_run
             names = [f"ipu{k} ({devices[k]})" if k in devices else f"ipu{k} (unused)"
                      for k in range(schedule.num_streams)]
             self._statistics = RunStatistics(  # peaks over the call's runs
@@ -346,7 +348,7 @@ class PoplarExecutor(perf_counters.Latencies):
         self._weights.to_host()
         self._placement.close()
         self._attached = False
-        self._remove_hooks()
+        self._unwatch_model()
 
     def attachToDevice(self) -> None:
         """Attach again after ``detachFromDevice()`` (a call attaches automatically)."""
@@ -363,7 +365,7 @@ class PoplarExecutor(perf_counters.Latencies):
         """Copy weights back, release workers and unwrap (the model can be wrapped again)."""
         if self._weights is not None:
             self._weights.to_host()
-        self._remove_hooks()
+        self._unwatch_model()
         if self._placement is not None:
             self._placement.close()
         self._programs.clear()
@@ -472,24 +474,24 @@ class PoplarExecutor(perf_counters.Latencies):
             self._processes.broadcast_from_main(self._user_model)
         self._attached = True
         self._weights.to_device()
-        self._add_hooks()
+        self._watch_model()
 
     def _require_compiled(self) -> None:
         if not self._compiled:
             raise DeviceError("Model has not been compiled or has been destroyed: call the "
                               "model (or model.compile(...)) first")
 
-    def _add_hooks(self) -> None:
+    def _watch_model(self) -> None:
         """Reading the user's model brings it up to date ([Note: weight sync]); so does this
         wrapper being garbage collected without ``destroy()``."""
-        if not self._hooks:
+        if self._release is None:
             watch(self._user_model, self._weights)
-            self._hooks = [weakref.finalize(self, _release, self._user_model, self._weights)]
+            self._release = weakref.finalize(self, _release_model, self._user_model, self._weights)
 
-    def _remove_hooks(self) -> None:
-        for release in self._hooks:
-            release()
-        self._hooks = []
+    def _unwatch_model(self) -> None:
+        if self._release is not None:
+            self._release()
+            self._release = None
 
     def _output_groups(self) -> list:
         """The micro-batches each returned output step holds, per the output mode."""
@@ -507,7 +509,7 @@ class PoplarExecutor(perf_counters.Latencies):
         return pytree.tree_unflatten(leaves, part.out_spec)
 
 
-def _release(model: torch.nn.Module, weights: Weights) -> None:
+def _release_model(model: torch.nn.Module, weights: Weights) -> None:
     """The wrapper is done with ``model``: its last trained values go to the host copy."""
     weights.to_host()
     unwatch(model, weights)

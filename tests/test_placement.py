@@ -96,6 +96,34 @@ def test_the_watchdog_abandons_a_stuck_stream_and_the_placement_stays_usable():
     assert workers() == []
 
 
+def test_a_single_cpu_stream_or_a_total_order_runs_on_the_callers_thread():
+    placement = Placement([0, 1], None)
+    seen = []
+    record = lambda a: seen.append((a, threading.current_thread() is threading.main_thread()))
+    run(placement, {0: ["a0", "a1"], 1: []}, call=record)
+    placement.run_lists({0: ["a0"], 1: ["b0"]}, lambda a: [], record, None,
+                        in_order=[(1, "b0"), (0, "a0")])
+    assert seen == [("a0", True), ("a1", True), ("b0", True), ("a0", True)]
+    assert workers() == []  # no worker was started
+    seen.clear()
+    run(placement, {0: ["a0"], 1: ["b0"]}, call=record)  # concurrent streams: workers
+    assert sorted(seen) == [("a0", False), ("b0", False)]
+    placement.close()
+
+
+def test_an_interrupt_on_the_callers_thread_names_its_action():
+    placement = Placement([0], None)
+
+    def call(a):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt) as info:
+        run(placement, {0: ["a0"]}, call=call)
+    assert info.value.__notes__ == ["poptorch_lite: interrupted while running a0 on stream 0; "
+                                    "every stream stopped before its next action"]
+    placement.close()
+
+
 def test_garbage_collection_releases_the_workers():
     import gc
     placement = Placement([0, 1], None)

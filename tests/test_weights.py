@@ -8,6 +8,8 @@ import torch
 from torch.testing import assert_close
 
 import poptorch_lite as poptorch
+from poptorch_lite import stage_work
+from poptorch_lite.schedule import Action, Kind
 from poptorch_lite.weights import HostView, Weights
 
 from models import BlockMLP, data, reference_training, twin
@@ -29,9 +31,13 @@ def test_a_shared_home_is_the_users_own_parameter():
     assert w.buffer("1.running_mean", 0, 0) is model[1].running_mean
     replica1 = w.buffer("1.running_mean", 1, 0)
     assert replica1 is not model[1].running_mean and torch.equal(replica1, model[1].running_mean)
-    with w.stepping():  # nothing to bind
-        assert model[0].weight.data.data_ptr() == w.param("0.weight", 0).data_ptr()
-    assert not w.host_stale
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model[0].weight.grad = torch.ones(2, 2)
+    before = model[0].weight.detach().clone()
+    with w.stepping():  # nothing to bind: the step writes the user's parameter itself
+        opt.step()
+    assert torch.equal(model[0].weight.detach(), before - 0.5)
+    assert not w.host_stale and w.edited() == []  # and that is not a host edit
 
 
 def test_a_separate_home_is_stepped_in_place_of_the_host_parameter():
@@ -112,6 +118,27 @@ def trained_on_the_ipu_model(batchnorm=False):
     train(x, y)
     reference_training(ref, torch.optim.SGD(ref.parameters(), lr=0.1), x, y, 1, 4, 1)
     return model, train, ref, x, y
+
+
+@pytest.mark.parametrize("separate", [False, True], ids=["shared", "ipu_model"])
+def test_values_crossing_ipus_are_copied_only_into_a_memory_of_their_own(separate):
+    torch.manual_seed(0)
+    opts = poptorch.Options().useIpuModel(separate).deviceIterations(2)
+    infer = poptorch.inferenceModel(BlockMLP(2), opts)
+    x, y = data(4)
+    infer(x, y)
+    work = next(iter(infer._programs.values())).executor.work
+    run = stage_work.Run(work.partition, [list(x[:2].split(2)) + [y[:2]]], lambda i: 0, None)
+    with torch.no_grad():
+        work.forward(Action(Kind.FORWARD, 0, 0), run, None)
+        args, _ = work.args(1, run, 0, CPU)
+    crossing = [n for n in work.partition.stages[1].inputs if n in run.values[0]]
+    assert crossing
+    for name in crossing:
+        arg = args[work.partition.stages[1].inputs.index(name)]
+        shared = arg.data_ptr() == run.values[0][name].data_ptr()
+        assert shared is not separate and torch.equal(arg, run.values[0][name])
+    infer.destroy()
 
 
 def test_host_view_syncs_on_read_and_pickles_as_a_plain_dict():
@@ -216,5 +243,43 @@ def test_on_a_gpu_the_optimizer_state_lives_where_its_stage_runs(offload):
     assert kind == ({"cpu"} if offload else {"cuda"})
     for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
         assert a.device.type == "cpu"
+        assert_close(a, b, atol=1e-5, rtol=0, msg=name)
+    train.destroy()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_tied_weight_homed_on_a_gpu_and_used_on_the_host_matches_plain_pytorch():
+    """The host stage computes with the user's parameter itself: a visitor that is the host
+    copy gets its gradient gathered into the GPU home and its value refreshed after the step."""
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x, y):
+            with poptorch.Block("a", ipu_id=0):
+                h = torch.relu(self.fc(x))
+            with poptorch.Block("b", ipu_id=1):
+                out = self.fc(h)
+                return out, torch.nn.functional.mse_loss(out, y)
+
+    torch.manual_seed(0)
+    model = Tied()
+    ref = twin(model)
+    opts = poptorch.Options().set_ipu_devices({0: "cuda:0", 1: "cpu"}).setExecutionStrategy(
+        poptorch.ShardedExecution())
+    opts.Training.gradientAccumulation(2)
+    train = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for call in range(2):
+        x, y = torch.randn(4, 4), torch.randn(4, 4)
+        train(x, y)
+        ref_opt.zero_grad()
+        for xs, ys in zip(x.split(2), y.split(2)):
+            (ref(xs, ys)[1] / 2).backward()
+        ref_opt.step()
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
         assert_close(a, b, atol=1e-5, rtol=0, msg=name)
     train.destroy()
