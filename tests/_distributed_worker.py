@@ -6,7 +6,8 @@
 Scenarios: ``train`` runs every configuration of ``CONFIGS`` and then a
 mismatched-options wrap, saving what each call returned and the final state
 to ``OUT_DIR/rank<r>.pt``; ``fail`` makes rank 1 pass a wrong batch on its
-second call and records the error each rank ends with in ``OUT_DIR/rank<r>.txt``.
+second call and records the error each rank ends with in ``OUT_DIR/rank<r>.txt``;
+``nccl`` runs two of the configurations with each process's model on its own GPU.
 Options pick rank and count up from the environment, as under torchrun.
 """
 
@@ -80,6 +81,32 @@ def train(rank, P):
     return results
 
 
+NCCL_CONFIGS = ["replicated", "grouped"]
+
+
+def nccl(rank, P):
+    """``train``'s first configurations with the model on this process's GPU: NCCL reduces."""
+    torch.cuda.set_device(rank)
+    results = {}
+    for name in NCCL_CONFIGS:
+        blocks, G, R, D, schedule, reduction, opt_kind = CONFIGS[name]
+        torch.manual_seed(100 + rank)
+        model = BlockMLP(blocks).cuda()
+        opt = optimizer(opt_kind, model.parameters())
+        wrapped = poptorch.trainingModel(model, options(G, R, D, schedule, reduction), opt)
+        losses = [wrapped(*call_data(name, c, rank, P))[1] for c in range(CALLS)]
+        state = opt.state_dict()
+        results[name] = {
+            "losses": losses,
+            "params": {k: v.cpu() for k, v in model.state_dict().items()},
+            "opt": {"state": {i: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()}
+                              for i, s in state["state"].items()}},
+            "devices": sorted({str(d) for d in wrapped._placement.devices.values()})}
+        wrapped.destroy()
+    results["backend"] = torch.distributed.get_backend()
+    return results
+
+
 def fail(rank, out):
     torch.manual_seed(0)
     model = BlockMLP(1)
@@ -100,6 +127,8 @@ def main():
     rank, P = opts.Distributed.processId, opts.Distributed.numProcesses
     if scenario == "train":
         torch.save(train(rank, P), f"{out}/rank{rank}.pt")
+    elif scenario == "nccl":
+        torch.save(nccl(rank, P), f"{out}/rank{rank}.pt")
     else:
         fail(rank, out)
 

@@ -66,10 +66,12 @@ def reference_training(model, optimizer, x, y, D: int, G: int, R: int, mean: boo
 
     Micro-batch k of the combined batch is [D, G, R, B] order (POPTORCH_REFERENCE §1).
     With ``seeds``, micro-batch k's forward starts with ``torch.manual_seed(seeds[k])``.
-    Returns (per-micro-batch outputs, per-micro-batch losses, last step's grads).
+    The micro-batches run on the model's device (see :func:`twin`); what it returns is on
+    the host. Returns (per-micro-batch outputs, per-micro-batch losses, last step's grads).
     """
     F_ = D * G * R
     b = x.shape[0] // F_
+    dev = next(model.parameters()).device
     outs, losses = [], []
     for d in range(D):
         optimizer.zero_grad(set_to_none=True)
@@ -77,22 +79,24 @@ def reference_training(model, optimizer, x, y, D: int, G: int, R: int, mean: boo
             k = d * G * R + j
             if seeds is not None:
                 torch.manual_seed(seeds[k])
-            out, loss = model(x[k * b:(k + 1) * b], y[k * b:(k + 1) * b])
+            out, loss = model(x[k * b:(k + 1) * b].to(dev), y[k * b:(k + 1) * b].to(dev))
             loss.backward()
-            outs.append(out.detach())
-            losses.append(loss.detach())
+            outs.append(out.detach().cpu())
+            losses.append(loss.detach().cpu())
         if mean:
             for p in model.parameters():
                 if p.grad is not None:
                     p.grad.div_(G * R)
         optimizer.step()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad.cpu() for n, p in model.named_parameters()}
     return outs, losses, grads
 
 
-def twin(model):
-    """A deep copy to serve as the plain-PyTorch reference."""
-    return copy.deepcopy(model)
+def twin(model, device: str = "cpu"):
+    """A deep copy to serve as the plain-PyTorch reference, on the test's ``device``'s kind:
+    a CUDA run is compared with plain PyTorch on the GPU (its dropout masks come from the
+    CUDA generator), the CPU and the IPU Model with plain PyTorch on the CPU."""
+    return copy.deepcopy(model).to("cuda" if device == "cuda" else "cpu")
 
 
 def workers() -> list:

@@ -23,7 +23,7 @@ from torch.testing import assert_close
 
 import poptorch_lite as poptorch
 
-from _distributed_worker import B, CALLS, CONFIGS, call_data, optimizer
+from _distributed_worker import B, CALLS, CONFIGS, NCCL_CONFIGS, call_data, optimizer
 from models import BlockMLP
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -42,7 +42,8 @@ def free_port() -> int:
 def spawn(scenario, out, timeout=120):
     """Run the worker in P processes; returns their CompletedProcess-like results."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "WORLD_SIZE": str(P), "POPTORCH_LITE_DIST_TIMEOUT": "30", "OMP_NUM_THREADS": "1",
+           "WORLD_SIZE": str(P), "LOCAL_WORLD_SIZE": str(P), "POPTORCH_LITE_DIST_TIMEOUT": "30",
+           "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     procs = [subprocess.Popen([sys.executable, str(WORKER), scenario, str(out)],
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
@@ -114,6 +115,30 @@ def test_processes_hold_identical_parameters_and_optimizer_state(trained, name):
     for i, state in a["opt"]["state"].items():
         assert all(torch.equal(v, b["opt"]["state"][i][k]) if torch.is_tensor(v) else
                    v == b["opt"]["state"][i][k] for k, v in state.items())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < P,
+                    reason=f"needs {P} CUDA GPUs")
+def test_two_processes_on_gpus_of_their_own_reduce_over_nccl_and_match_one_plain_run(tmp_path):
+    """Each process's IPUs take its own GPU ([Note: GPUs of a process]); the gradients meet
+    over NCCL. GPU kernels sum in another order than the CPU reference: atol 1e-4."""
+    for code, _, stderr in spawn("nccl", tmp_path):
+        assert code == 0, stderr[-3000:]
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(P)]
+    for r, result in enumerate(results):
+        assert result["backend"] == "nccl"
+        for name in NCCL_CONFIGS:
+            losses, params, opt_state = reference(name)
+            got = result[name]
+            assert got["devices"] == [f"cuda:{r}"]
+            for c in range(CALLS):
+                assert_close(got["losses"][c].cpu(), torch.stack(losses[r][c]), atol=1e-4, rtol=0)
+            for k, v in params.items():
+                assert_close(got["params"][k], v, atol=1e-4, rtol=0)
+            for i, state in opt_state["state"].items():
+                for k, v in state.items():
+                    assert_close(got["opt"]["state"][i][k], v, atol=1e-4, rtol=0)
 
 
 def test_mismatched_options_are_refused_on_every_process_before_any_change(trained):

@@ -63,7 +63,7 @@ def test_training_matches_plain_pytorch(blocks, G, R, D, reduction, opt_kind, de
     """Every schedule, with and without recomputation, against one plain-PyTorch run."""
     torch.manual_seed(0)
     initial = BlockMLP(blocks)
-    ref = twin(initial)
+    ref = twin(initial, device)
     B = 2
     x, y = data(B * D * G * R)
     ref_opt = make_optimizer(opt_kind, ref.parameters())
@@ -89,8 +89,8 @@ def test_training_matches_plain_pytorch(blocks, G, R, D, reduction, opt_kind, de
                      msg=where)
         for name, p in model.named_parameters():
             assert_close(p.grad, ref_grads[name], atol=ATOL, rtol=0, msg=f"grad of {name}, {where}")
-            assert_close(p.detach(), dict(ref.named_parameters())[name].detach(), atol=ATOL,
-                         rtol=0, msg=f"weight {name}, {where}")
+            assert_close(p.detach(), dict(ref.named_parameters())[name].detach().cpu(),
+                         atol=ATOL, rtol=0, msg=f"weight {name}, {where}")
         assert_same_state(opt, ref_opt)
         ran += 1
     assert ran == sum(runnable(s, blocks, G) for s, _ in VARIANTS)
@@ -102,7 +102,7 @@ def test_pipelines_at_their_minimum_accumulation_match_plain_pytorch(blocks, G, 
                                                                      device):
     torch.manual_seed(0)
     model = BlockMLP(blocks)
-    ref = twin(model)
+    ref = twin(model, device)
     x, y = data(2 * G)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
@@ -110,13 +110,13 @@ def test_pipelines_at_their_minimum_accumulation_match_plain_pytorch(blocks, G, 
     _, ref_losses, _ = reference_training(ref, ref_opt, x, y, 1, G, 1)
     assert_close(loss, ref_losses[-1], atol=ATOL, rtol=0)  # OutputMode.Final by default
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert_close(p.detach(), q.detach(), atol=ATOL, rtol=0, msg=name)
+        assert_close(p.detach(), q.detach().cpu(), atol=ATOL, rtol=0, msg=name)
 
 
 def test_several_calls_keep_matching(device):
     torch.manual_seed(0)
     model, G = BlockMLP(2), 4
-    ref = twin(model)
+    ref = twin(model, device)
     opts = sharded(G, device)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
@@ -127,7 +127,7 @@ def test_several_calls_keep_matching(device):
         _, ref_losses, _ = reference_training(ref, ref_opt, x, y, 1, G, 1)
         assert_close(loss, ref_losses[-1], atol=ATOL, rtol=0)
     for p, q in zip(model.parameters(), ref.parameters()):
-        assert_close(p.detach(), q.detach(), atol=ATOL, rtol=0)
+        assert_close(p.detach(), q.detach().cpu(), atol=ATOL, rtol=0)
     assert_same_state(opt, ref_opt)
 
 
@@ -138,7 +138,7 @@ def test_dropout_and_batchnorm_match_with_the_same_seed(schedule, recompute, dev
     recomputation replays the masks and moves BatchNorm statistics once."""
     torch.manual_seed(0)
     model, G, D = BlockMLP(2, dropout=0.3, batchnorm=True), 4, 2
-    ref = twin(model)
+    ref = twin(model, device)
     opts = pipelined(schedule, recompute, G, device).deviceIterations(D)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
@@ -152,7 +152,7 @@ def test_dropout_and_batchnorm_match_with_the_same_seed(schedule, recompute, dev
     _, ref_losses, _ = reference_training(ref, ref_opt, x, y, D, G, 1, seeds=seeds)
     assert_close(loss, ref_losses[-1], atol=ATOL, rtol=0)
     for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
-        assert_close(a, b, atol=ATOL, rtol=0, msg=name)
+        assert_close(a, b.cpu(), atol=ATOL, rtol=0, msg=name)
     assert int(model.bn.num_batches_tracked) == G * D
 
 
@@ -180,7 +180,7 @@ def test_replicas_sharing_inputs_count_once_each(reduction, device):
     """
     torch.manual_seed(0)
     model, G, lr = BlockMLP(2), 4, 0.1
-    ref = twin(model)
+    ref = twin(model, device)
     x, y = data(2 * G)
     opts = sharded(G, device).replicationFactor(2).inputReplicaGrouping(
         2, poptorch.CommGroupType.Consecutive)
@@ -192,5 +192,5 @@ def test_replicas_sharing_inputs_count_once_each(reduction, device):
     for name, p in model.named_parameters():
         expected = 2 * slice_sums[name] if reduction == "sum" else slice_sums[name] / G
         assert_close(p.grad, expected, atol=ATOL, rtol=0, msg=name)
-        initial = dict(ref.named_parameters())[name].detach()
+        initial = dict(ref.named_parameters())[name].detach().cpu()
         assert_close(p.detach(), initial - lr * expected, atol=ATOL, rtol=0, msg=name)

@@ -252,7 +252,7 @@ def test_set_optimizer_changes_hyper_parameters_and_keeps_the_state(device):
     reference_training(ref, ref_opt, *batches[2], 1, G, 1)
     assert_same_weights(model, ref)
     for p, q in zip(model.parameters(), ref.parameters()):
-        assert_close(opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"],
+        assert_close(opt.state[p]["momentum_buffer"].cpu(), ref_opt.state[q]["momentum_buffer"],
                      atol=ATOL, rtol=0)
 
 
