@@ -153,9 +153,10 @@ def merge(per_microbatch: Sequence[Sequence[torch.Tensor]], groups: list) -> lis
 
     With more than one group, scalars stack into shape ``(n,)`` and other
     outputs concatenate along dim 0; with one group the shape is unchanged
-    (POPTORCH_REFERENCE §3, the shape rule).
+    (POPTORCH_REFERENCE §3, the shape rule). Only the micro-batches in ``groups``
+    are read (the others may be None: not copied to the host).
     """
-    n_out = len(per_microbatch[0]) if per_microbatch else 0
+    n_out = len(per_microbatch[groups[0][0]]) if per_microbatch and groups else 0
     merged = []
     for j in range(n_out):
         pieces = []

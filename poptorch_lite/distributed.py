@@ -48,6 +48,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .enums import ReductionType
 from .errors import ExecutionError, OptionsError
+from .placement import process_gpu
 
 TIMEOUT_ENV = "POPTORCH_LITE_DIST_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
@@ -187,7 +188,7 @@ class ProcessReplicas:
                     f"(torchrun --nproc_per_node {self.size} script.py) or set MASTER_ADDR and "
                     f"MASTER_PORT to process 0's address and a free port")
             if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:  # this process's GPU
-                torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+                torch.cuda.set_device(process_gpu())  # [Note: GPUs of a process]
             cuda = any(p.is_cuda for p in model.parameters())  # where the gradients meet
             try:
                 dist.init_process_group("nccl" if cuda else "gloo", init_method="env://",

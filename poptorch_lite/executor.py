@@ -44,7 +44,7 @@ from . import rng
 from .errors import ExecutionError, UnrecoverableError
 from .loss_scaling import LossScale
 from .partition import Partition
-from .placement import ActionFailed, ActionStuck, Placement
+from .placement import ActionFailed, ActionStuck, Placement, StreamFailed
 from .weights import Weights
 from .schedule import Action, Kind, Schedule
 from .stage_work import Run, StageWork
@@ -125,6 +125,13 @@ class Executor:
             for name in st.inputs:
                 if name.startswith("buffer:"):
                     self.buffer_ipu.setdefault(name.split(":", 1)[1], st.ipu)
+        # The input leaves each IPU reads, and the IPUs whose actions are timed on the GPU.
+        self.input_keys = {}
+        for st, sources in zip(partition.stages, self.work.sources):
+            keys = [key for _, kind, key in sources if kind == "input"]
+            if keys:
+                self.input_keys.setdefault(st.ipu, set()).update(keys)
+        self.gpu_ipus = {ipu for ipu, dev in placement.devices.items() if dev.type == "cuda"}
         self.steps_applied = 0  # updates completed ([Note: commit point])
         self.undoable = False   # the caller snapshots whole calls (allOrNothingCalls)
         self.handlers = {Kind.FORWARD: self.work.forward, Kind.BACKWARD: self.work.backward,
@@ -135,7 +142,7 @@ class Executor:
     def run(self, schedule: Schedule, microbatches: Sequence[Sequence[torch.Tensor]],
             replica_of: Callable, step: Optional[StepArithmetic],
             recorder: Optional[Recorder] = None, run_index: int = 0,
-            watchdog: Optional[float] = None) -> tuple:
+            watchdog: Optional[float] = None, keep: Optional[Sequence[bool]] = None) -> tuple:
         """Run ``schedule`` over ``microbatches`` (the tensor leaves of each).
 
         Args:
@@ -146,10 +153,13 @@ class Executor:
             recorder: where to record each action's span (None: not recorded).
             run_index: this run's number within the call, for the recorder.
             watchdog: seconds without progress before the run is declared stuck.
+            keep: per micro-batch, whether its outputs are returned (None: all);
+                only those are copied to the host.
 
         Returns:
             ``(outputs, stats)``: per micro-batch, the model's tensor outputs
-            (detached, on the host), and the run's :class:`~poptorch_lite.stage_work.RunStats`.
+            (detached, on the host; None for a micro-batch not kept), and the
+            run's :class:`~poptorch_lite.stage_work.RunStats`.
 
         Raises:
             ExecutionError: an action failed or got stuck; names stream, stage,
@@ -161,24 +171,39 @@ class Executor:
             base = rng.draw_base()
             streams = [rng.Stream(rng.microbatch_seed(base, i)) for i in range(len(microbatches))]
         run = Run(p, microbatches, replica_of, streams)
+        begun = self.placement.begin() if self.gpu_ipus else None  # before the inputs' copies
+        self._place_inputs(run)
         if schedule.training:
             self.weights.zero_grads()
             run.excluded = self.weights.storages() | {
-                t.untyped_storage().data_ptr() for mb in microbatches for t in mb}
+                t.untyped_storage().data_ptr() for t in (
+                    *(t for mb in microbatches for t in mb), *run.placed.values())}
         lists, waits, rows, in_order = self._plan(schedule)
         training = schedule.training
         handlers = self.handlers
+        timed = () if recorder is None else self.gpu_ipus  # [Note: GPU timeline]
 
         def call(a: Action) -> None:
             start = time.perf_counter()
             with torch.set_grad_enabled(training):  # grad mode is per thread
                 handlers[a.kind](a, run, step)
-            if recorder is not None:
+            if recorder is not None and self._ipu(a) not in timed:
                 recorder.add(self._ipu(a), a.stage, a.microbatch, a.kind.value, start,
                              time.perf_counter(), run_index)
 
         try:
-            self.placement.run_lists(lists, waits.__getitem__, call, watchdog, in_order)
+            spans = self.placement.run_lists(lists, waits.__getitem__, call, watchdog, in_order,
+                                             begun)
+        except StreamFailed as failed:
+            ipu = failed.ipu
+            raise ExecutionError(
+                f"the run of schedule '{schedule.name}' failed on stream {ipu} (IPU {ipu}, "
+                f"{self.placement.device(ipu)}) with an error the GPU reported only when the "
+                f"run waited for it: {type(failed.exc).__name__}: {failed.exc}. CUDA reports a "
+                f"kernel's failure late, so it came from one of that stream's actions "
+                f"({', '.join(str(a) for a in lists[ipu])}); run with the environment variable "
+                f"CUDA_LAUNCH_BLOCKING=1 to have the action that launched it raise it",
+                location=f"stream {ipu}") from failed.exc
         except ActionFailed as failure:
             if not isinstance(failure.exc, Exception):  # KeyboardInterrupt, SystemExit
                 failure.exc.add_note(f"poptorch_lite: raised by action {failure.action}")
@@ -190,10 +215,48 @@ class Executor:
                 f"no action finished for {stuck.seconds} s (Options.watchdogTimeout); "
                 f"still running: {', '.join(str(x) for x in stuck.running.values()) or 'none'}"),
                 run_index)
-        out = []
-        for i in range(len(microbatches)):
-            out.append([self._result(run, i, o) for o in p.outputs if isinstance(o, str)])
+        for a, span in spans.items():  # [Note: GPU timeline]
+            recorder.add_gpu(self._ipu(a), a.stage, a.microbatch, a.kind.value, *span, run_index)
+        names = [o for o in p.outputs if isinstance(o, str)]
+        out = [[self._result(run, i, o) for o in names] if keep is None or keep[i] else None
+               for i in range(len(microbatches))]
         return out, run.stats
+
+    def _place_inputs(self, run: Run) -> None:
+        """Put each IPU's input leaves in its memory, on the caller's thread, before the run.
+
+        A GPU gets one copy per micro-batch (pinned, asynchronous on the caller's
+        stream, with an event its readers wait on: ``Run.ready``); under
+        ``useIpuModel`` every IPU gets a copy of its own. Inputs already where an
+        IPU computes are used as they are.
+        """
+        separate = self.weights.separate_memories
+        if not separate and run.inputs and all(  # a call's micro-batches share their devices
+                run.inputs[0][k].device == self.placement.device(ipu)
+                for ipu, keys in self.input_keys.items() for k in keys):
+            return
+        copies: dict = {}
+        for i, mb in enumerate(run.inputs):
+            copied = set()  # the GPUs that micro-batch i was copied to
+            for ipu, keys in self.input_keys.items():
+                device = self.placement.device(ipu)
+                gpu = device.type == "cuda"
+                for k in keys:
+                    t = mb[k]
+                    if t.device == device and not separate:
+                        continue
+                    held = None if separate else copies.get((device, k))
+                    if held is None:
+                        if gpu and t.device.type == "cpu":
+                            t = t.pin_memory()
+                        held = copies[device, k] = t.to(device, non_blocking=gpu, copy=True)
+                        if gpu:
+                            copied.add(device)
+                    run.placed[ipu, i, k] = held
+            for device in copied:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(device))
+                run.ready[device, i] = event
 
     def _plan(self, schedule: Schedule) -> tuple:
         """Per stream its actions; per action what it waits for on other streams; rows; and
@@ -273,7 +336,7 @@ class Executor:
                 v = self.weights.buffer(key, run.replica_of(i), self.buffer_ipu[key]).detach().clone()
             else:
                 v = self.weights.buffers[key].detach().clone()
-        return v.cpu() if v.device.type != "cpu" else v
+        return v.cpu() if v.device.type != "cpu" else v  # after the run: the GPU is idle
 
     def _fail(self, schedule: Schedule, row: Optional[int], a: Optional[Action],
               exc: BaseException, run_index: int = 0) -> None:

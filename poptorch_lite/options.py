@@ -32,6 +32,7 @@ from .ipu_options import (_JitOptions, _PopartOptions, _PrecisionOptions,
 from .option_groups import _DistributedOptions, _TrainingOptions
 from .options_base import (OptionGroup, check_bool, check_positive_int,
                            coerce_enum, setter, via_setter)
+from .placement import normalize_device
 from .strategies import ExecutionStrategy, PipelinedExecution
 
 DeviceLike = Union[str, torch.device]
@@ -406,7 +407,7 @@ def _device(value: Any, what: str) -> torch.device:
     try:
         if not isinstance(value, (str, torch.device)):
             raise TypeError(type(value).__name__)
-        return torch.device(value)
+        return normalize_device(value)  # "cuda" -> "cuda:<current>" ([Note: GPUs of a process])
     except (RuntimeError, TypeError, ValueError) as e:
         raise errors.OptionsError(
             f"set_ipu_devices: {value!r} for {what} is not a torch device ({e}); "

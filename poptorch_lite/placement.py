@@ -28,6 +28,55 @@ collected; a stream whose action is stuck is abandoned and gets a fresh
 worker on its next use. The CPU streams share the caller's intra-op threads
 (``torch.get_num_threads()`` when the placement is made) evenly, at least one
 each, so concurrent stages do not oversubscribe the cores.
+
+[Note: values crossing streams]
+On the GPU, "done" means launched, so every read of a tensor that another
+stream made must be ordered on the device, and its memory must outlive the
+read:
+
+- Before its first action every stream waits for the caller's work on every
+  GPU of the placement (one event per GPU, recorded on the caller's current
+  stream when the run starts): the inputs it copied there, weights it pushed,
+  an undo's restore copies. A CPU stream waits for such events on the host.
+- Before each action the stream waits for the events of the actions it
+  depends on; a CPU stream synchronizes on them, so a CPU stage never reads a
+  GPU result before it is finished.
+- A worker's current stream on every *other* GPU of the placement is a side
+  stream of its own that waits on the same events, so whatever an action does
+  there (a copy from another GPU, a gradient gathered from a tied weight's
+  copy, the optimizer's step on the weights homed there) is ordered after what
+  it depends on; after the action the main stream waits for the side streams
+  (:meth:`CudaStream.join`), so the action's event covers them too.
+- A tensor made on another stream is taken through :func:`arrive`, which
+  calls ``record_stream`` for the stream that reads it (the caching allocator
+  would otherwise hand its memory to the maker's next allocation while the
+  read is still queued) and copies it to the reader's device if it is
+  elsewhere (a copy from another GPU runs on the side stream, then the reader's
+  stream waits for it).
+- Every way out of a run (success, a failed action, the watchdog, Ctrl-C)
+  first synchronizes the streams that are not stuck, so nothing a run launched
+  lands after an undo or inside the next run. An asynchronous CUDA error that
+  surfaces there is raised as :class:`StreamFailed`: CUDA reports a kernel's
+  failure late, so the message names the stream, not the action
+  (``CUDA_LAUNCH_BLOCKING=1`` makes it raise in the action that launched it).
+  A stuck stream is abandoned with its CUDA streams: its late launches land on
+  those, and the stream gets new ones.
+
+[Note: GPU timeline]
+A CUDA action's span on the timeline is measured on the GPU: its stream
+records a timing event when the action begins (after its waits) and one after
+it, and the run's reference event per GPU (recorded when the run starts, with
+the host's ``time.perf_counter()`` beside it) converts them to host time after
+the run. Launch times would say nothing: a worker launches far ahead of the GPU.
+
+[Note: GPUs of a process]
+Devices are compared as given by :func:`normalize_device`: ``"cuda"`` is the
+current CUDA device with its index. Without ``Options.set_ipu_devices``,
+IPU k of a process runs on a GPU of the process's own block: with torchrun's
+``LOCAL_WORLD_SIZE`` = n processes on a host of c GPUs, local process r owns
+cuda:r·(c//n) .. cuda:(r+1)·(c//n)-1 and its IPUs go round-robin over them;
+one process alone uses every GPU, from the current one on. More processes than
+GPUs on a host are refused.
 """
 
 from __future__ import annotations
@@ -35,6 +84,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import os
 import threading
 import time
 import weakref
@@ -42,21 +92,71 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from .errors import OptionsError
+
+
+def local_process() -> tuple:
+    """``(LOCAL_RANK, LOCAL_WORLD_SIZE)`` of this process on its host (torchrun's variables).
+
+    Example:
+        >>> local_process() if "LOCAL_RANK" not in os.environ else (0, 1)
+        (0, 1)
+    """
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return rank, max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), rank + 1)
+
+
+def process_gpu() -> int:
+    """The first GPU of this process's block ([Note: GPUs of a process]); CUDA must be present."""
+    rank, processes = local_process()
+    count = torch.cuda.device_count()
+    return rank * max(count // processes, 1) % count
+
 
 def default_device(ipu: int) -> torch.device:
-    """IPU ``ipu``'s device when no mapping is given: CUDA round-robin, else CPU.
+    """IPU ``ipu``'s device when no mapping is given ([Note: GPUs of a process]).
 
-    The round starts at the current CUDA device (cuda:LOCAL_RANK in a process
-    that torchrun started; ``distributed``), so processes on one host use
-    different GPUs.
+    Raises:
+        OptionsError: more processes on this host than it has GPUs.
     """
-    if torch.cuda.is_available():
-        return torch.device("cuda", (torch.cuda.current_device() + ipu) % torch.cuda.device_count())
-    return torch.device("cpu")
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    rank, processes = local_process()
+    if processes == 1:  # one process: every GPU, from the current one on
+        return torch.device("cuda", (torch.cuda.current_device() + ipu) % count)
+    per = count // processes
+    if per == 0:
+        raise OptionsError(
+            f"{processes} processes on this host (LOCAL_WORLD_SIZE) share {count} GPU"
+            f"{'s' if count != 1 else ''}, so processes would run IPUs on the same GPU "
+            f"and contend for it; start at most {count} processes per host (torchrun "
+            f"--nproc_per_node {count}), or map the IPUs yourself with "
+            f"opts.set_ipu_devices(...)")
+    return torch.device("cuda", rank * per + ipu % per)
+
+
+def normalize_device(device) -> torch.device:
+    """``device`` with an index: ``"cuda"`` is the current CUDA device ([Note: GPUs of a process]).
+
+    Two spellings of one GPU must compare equal, or a stage would take a tensor on
+    its own GPU for one on another (and copy it, or skip the stream bookkeeping).
+
+    Example:
+        >>> normalize_device("cpu")
+        device(type='cpu')
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return device
 
 
 def resolve_devices(ipus: Sequence[int], mapping: Optional[dict]) -> dict:
     """IPU id -> torch.device, from ``Options.set_ipu_devices`` or the default.
+
+    Raises:
+        OptionsError: an IPU is mapped to a CUDA device this machine does not have.
 
     Example:
         >>> resolve_devices([0, 1], {0: torch.device("cpu"), 1: torch.device("cpu")})[1]
@@ -65,9 +165,23 @@ def resolve_devices(ipus: Sequence[int], mapping: Optional[dict]) -> dict:
     devices = {}
     for ipu in ipus:
         if mapping is not None and ipu in mapping:
-            devices[ipu] = torch.device(mapping[ipu])
+            devices[ipu] = normalize_device(mapping[ipu])
         else:
             devices[ipu] = default_device(ipu)
+        dev = devices[ipu]
+        if dev.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if dev.index >= count:
+                raise OptionsError(
+                    f"IPU {ipu} is mapped to {dev}, but this machine has {count} CUDA "
+                    f"device{'s' if count != 1 else ''}"
+                    f"{'' if count else ' (torch.cuda.is_available() is False)'}; map it to "
+                    f"{'cuda:0..cuda:' + str(count - 1) if count else 'the CPU'} with "
+                    f"opts.set_ipu_devices(...)")
+        elif dev.type != "cpu":
+            raise OptionsError(
+                f"IPU {ipu} is mapped to {dev}, but poptorch_lite runs stages on 'cpu' or "
+                f"'cuda' devices; map it to one of those with opts.set_ipu_devices(...)")
     return devices
 
 
@@ -92,6 +206,14 @@ class ActionStuck(Exception):
         self.running, self.seconds = running, seconds
 
 
+class StreamFailed(Exception):
+    """Waiting for stream ``.ipu`` at the end of a run raised (an asynchronous CUDA error)."""
+
+    def __init__(self, ipu: int, exc: BaseException):
+        super().__init__(f"stream {ipu}: {exc!r}")
+        self.ipu, self.exc = ipu, exc
+
+
 class CpuStream:
     """A worker thread that runs submitted work in order ([Note: streams]).
 
@@ -108,11 +230,20 @@ class CpuStream:
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
 
     def context(self):
-        """What the worker runs its list inside (the CUDA stream on a GPU)."""
+        """What the worker runs its list inside (the CUDA streams on a GPU)."""
         return contextlib.nullcontext()
 
     def wait(self, events: list) -> None:
-        """Order this stream after ``events`` (CUDA); on the CPU, being done is enough."""
+        """Order this stream's next action after ``events`` ([Note: values crossing streams]).
+
+        A CPU action runs when it is called, so it waits on the host for the GPU
+        work of the actions it depends on (a CPU stage reading a GPU stage's result).
+        """
+        for event in events:
+            event.synchronize()
+
+    def join(self) -> None:
+        """After an action: fold the work it launched on other GPUs into this stream (CUDA)."""
 
     def record(self):
         """An event marking the end of the work launched so far (CUDA), else None."""
@@ -145,15 +276,29 @@ class CpuStream:
 
 
 class CudaStream(CpuStream):
-    """A ``torch.cuda.Stream`` that a worker thread launches actions on ([Note: streams])."""
+    """A ``torch.cuda.Stream`` that a worker thread launches actions on ([Note: streams]).
 
-    def __init__(self, name: str, device: torch.device):
+    Args:
+        name: the worker thread's name prefix.
+        device: its GPU.
+        others: the placement's other GPUs: the worker keeps a stream on each
+            ([Note: values crossing streams]).
+    """
+
+    def __init__(self, name: str, device: torch.device, others: Sequence[torch.device] = ()):
         super().__init__(name)
         self.device = device
-        self.stream = torch.cuda.Stream(device=device)
+        self.others = [d for d in dict.fromkeys(others) if d != device]
+        self._fresh()
+
+    def _fresh(self) -> None:
+        self.stream = torch.cuda.Stream(device=self.device)
+        self.side = [torch.cuda.Stream(device=d) for d in self.others]
 
     def context(self):
         stack = contextlib.ExitStack()
+        for side in self.side:  # this thread's current stream on each other GPU
+            stack.enter_context(torch.cuda.stream(side))
         stack.enter_context(torch.cuda.device(self.device))
         stack.enter_context(torch.cuda.stream(self.stream))
         return stack
@@ -161,23 +306,53 @@ class CudaStream(CpuStream):
     def wait(self, events: list) -> None:
         for event in events:
             self.stream.wait_event(event)
+            for side in self.side:
+                side.wait_event(event)
+
+    def join(self) -> None:
+        for side in self.side:
+            self.stream.wait_stream(side)
 
     def record(self):
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(enable_timing=True)
         event.record(self.stream)
         return event
 
     def synchronize(self) -> None:
         self.stream.synchronize()
 
+    def abandon(self) -> None:
+        """Also leave the CUDA streams to the stuck action: its late launches land there."""
+        super().abandon()
+        self._fresh()
+
+
+def arrive(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t``, made on another stream, for use on this thread's stream on ``device``.
+
+    Called in the worker of the stream that reads ``t``, after it waited for the
+    action that made ``t`` ([Note: values crossing streams]).
+
+    Example:
+        >>> arrive(torch.ones(2), torch.device("cpu"))
+        tensor([1., 1.])
+    """
+    if t.device.type == "cuda":  # read on this thread's stream: keep its memory until then
+        t.record_stream(torch.cuda.current_stream(t.device))
+    if t.device == device:
+        return t
+    return t.to(device, non_blocking=device.type == "cuda")
+
 
 class _Progress:
     """What the workers of one run share: actions done, the first failure, a stop flag."""
 
-    def __init__(self):
+    def __init__(self, start: list):
         self.cond = threading.Condition()
         self.done: set = set()
+        self.start = start        # CUDA events of the caller's work before the run
         self.events: dict = {}    # action -> CUDA event recorded after it
+        self.begun: dict = {}     # action -> CUDA event recorded when it began (timeline)
         self.running: dict = {}   # stream -> action
         self.failure: Optional[BaseException] = None
         self.stop = False
@@ -191,6 +366,9 @@ class Placement:
         ipus: the IPU ids in use.
         mapping: ``Options.ipu_devices`` (None: the default mapping).
 
+    Raises:
+        OptionsError: a device this machine does not have (:func:`resolve_devices`).
+
     Example:
         >>> p = Placement([0], {0: "cpu"})
         >>> p.device(0)
@@ -203,10 +381,12 @@ class Placement:
         self.streams = {}
         cpu_streams = sum(dev.type == "cpu" for dev in self.devices.values())
         threads = max(1, torch.get_num_threads() // cpu_streams) if cpu_streams else None
+        gpus = [dev for dev in self.devices.values() if dev.type == "cuda"]
         for ipu, dev in self.devices.items():
             name = f"poptorch_lite-ipu{ipu}"
-            self.streams[ipu] = (CudaStream(name, dev) if dev.type == "cuda" else
+            self.streams[ipu] = (CudaStream(name, dev, gpus) if dev.type == "cuda" else
                                  CpuStream(name, threads))
+        self.gpus = list(dict.fromkeys(gpus))
         # Garbage collection may run this on any thread, even one that is starting and holds
         # threading's internal locks: it must not join, so it only tells the workers to exit.
         self._finalizer = weakref.finalize(self, _close_all, list(self.streams.values()), False)
@@ -214,8 +394,22 @@ class Placement:
     def device(self, ipu: int) -> torch.device:
         return self.devices[ipu]
 
+    def begin(self) -> dict:
+        """Mark the caller's work so far on every GPU: the streams of the next run wait for it.
+
+        Returns, per GPU, the event recorded on the caller's current stream (with
+        timing) and ``time.perf_counter()`` beside it ([Note: GPU timeline]).
+        """
+        refs = {}
+        for dev in self.gpus:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(dev))
+            refs[dev] = (event, time.perf_counter())
+        return refs
+
     def run_lists(self, lists: dict, waits: Callable, call: Callable,
-                  watchdog: Optional[float] = None, in_order: Optional[list] = None) -> None:
+                  watchdog: Optional[float] = None, in_order: Optional[list] = None,
+                  begun: Optional[dict] = None) -> dict:
         """Run every stream's action list concurrently ([Note: streams]).
 
         Args:
@@ -226,19 +420,30 @@ class Placement:
                 (None or 0: wait forever).
             in_order: ``(ipu, action)`` for every action, when the schedule is a total
                 order: with CPU streams only, the caller's thread runs them so.
+            begun: what :meth:`begin` returned, if the caller called it (None: now).
+
+        Returns:
+            For each action that ran on a CUDA stream, ``(reference event, its
+            time.perf_counter(), event at its start, event at its end)``
+            ([Note: GPU timeline]; ``timeline.Recorder.add_gpu`` converts them when asked).
 
         Raises:
             ActionFailed: the first action that raised (the others stopped).
             ActionStuck: the watchdog fired; the stuck streams were abandoned.
+            StreamFailed: an asynchronous CUDA error surfaced at the end of the run.
             KeyboardInterrupt: on the caller's thread; the workers stopped first.
         """
         used = [ipu for ipu, actions in lists.items() if actions]
         if len(used) == 1 and type(self.streams[used[0]]) is CpuStream:
-            return self._run_here([(used[0], a) for a in lists[used[0]]], call,
-                                  self.streams[used[0]].threads)
+            self._run_here([(used[0], a) for a in lists[used[0]]], call,
+                           self.streams[used[0]].threads)
+            return {}
         if in_order is not None and all(type(self.streams[k]) is CpuStream for k in used):
-            return self._run_here(in_order, call, None)
-        progress = _Progress()
+            self._run_here(in_order, call, None)
+            return {}
+        # The caller's work so far (weights pushed, an undo) comes first.
+        refs = self.begin() if begun is None else begun
+        progress = _Progress([event for event, _ in refs.values()])
         total = sum(len(actions) for actions in lists.values())
         futures = {ipu: self.streams[ipu].submit(
             functools.partial(self._work, ipu, actions, waits, call, progress))
@@ -261,18 +466,32 @@ class Placement:
                 f"{a} on stream {ipu}" for ipu, a in sorted(running.items())) or "no action")
                 + "; every stream stopped before its next action")
             concurrent.futures.wait(futures.values())
+            self._drain(futures)
             raise
-        if isinstance(progress.failure, ActionStuck):
-            stuck = progress.failure.running
-            for ipu in stuck:
-                self.streams[ipu].abandon()
-            concurrent.futures.wait([f for ipu, f in futures.items() if ipu not in stuck])
-            raise progress.failure
-        concurrent.futures.wait(futures.values())
-        for ipu in futures:
-            self.streams[ipu].synchronize()
+        stuck = progress.failure.running if isinstance(progress.failure, ActionStuck) else {}
+        for ipu in stuck:
+            self.streams[ipu].abandon()
+        concurrent.futures.wait([f for ipu, f in futures.items() if ipu not in stuck])
+        failed = self._drain([ipu for ipu in futures if ipu not in stuck])
         if progress.failure is not None:
             raise progress.failure
+        if failed is not None:
+            raise failed
+        return {a: (*refs[self.devices[ipu]], progress.begun[a], progress.events[a])
+                for ipu, actions in lists.items() if isinstance(self.streams[ipu], CudaStream)
+                for a in actions}
+
+    def _drain(self, ipus) -> Optional[StreamFailed]:
+        """Wait until the GPU work of ``ipus``' streams has finished, on every path out of a
+        run, so that nothing it launched lands after the caller moves on (an undo, the next
+        run); the first error it raised, if any."""
+        failed = None
+        for ipu in ipus:
+            try:
+                self.streams[ipu].synchronize()
+            except Exception as exc:  # an asynchronous CUDA error, raised here and not at its launch
+                failed = failed or StreamFailed(ipu, exc)
+        return failed
 
     def _run_here(self, actions: list, call: Callable, threads: Optional[int]) -> None:
         """``(ipu, action)`` pairs in order, on the caller's thread ([Note: streams])."""
@@ -296,7 +515,9 @@ class Placement:
     def _work(self, ipu: int, actions: list, waits: Callable, call: Callable,
               progress: _Progress) -> None:
         stream = self.streams[ipu]
+        gpu = isinstance(stream, CudaStream)
         with stream.context():
+            stream.wait(progress.start)
             for a in actions:
                 needs = waits(a)
                 if any(d not in progress.done for d in needs):
@@ -306,6 +527,8 @@ class Placement:
                 if progress.stop:
                     return
                 stream.wait([progress.events[d] for d in needs if d in progress.events])
+                if gpu:
+                    progress.begun[a] = stream.record()
                 progress.running[ipu] = a
                 try:
                     call(a)
@@ -316,9 +539,9 @@ class Placement:
                         progress.stop = True
                         progress.cond.notify_all()
                     return
-                event = stream.record()
-                if event is not None:
-                    progress.events[a] = event
+                if gpu:
+                    stream.join()
+                    progress.events[a] = stream.record()
                 with progress.cond:
                     del progress.running[ipu]
                     progress.done.add(a)

@@ -46,7 +46,7 @@ import torch
 from . import rng
 from .errors import Error
 from .partition import Partition
-from .placement import Placement
+from .placement import Placement, arrive
 from .weights import Weights
 from .schedule import Action
 
@@ -82,6 +82,8 @@ class Run:
                  replica_of: Callable, streams: Optional[list]):
         S = partition.num_stages
         self.inputs = microbatches
+        self.placed: dict = {}                             # (ipu, i, k) -> input k in ipu's memory
+        self.ready: dict = {}                              # (device, i) -> CUDA event: copied
         self.replica_of = replica_of
         self.rng = streams                                 # per micro-batch, or None
         self.values = [dict() for _ in microbatches]      # value name -> tensor, per micro-batch
@@ -118,8 +120,11 @@ class StageWork:
         self.placement = placement
         self.weights = weights
         self.recompute = tuple(recompute or [False] * partition.num_stages)
-        # Each stage's inputs as (name, kind, key), parsed once: [Note: partition] names them.
-        self.sources = [[(n, *n.split(":", 1)) for n in st.inputs] for st in partition.stages]
+        # Each stage's inputs as (name, kind, key), parsed once: [Note: partition] names them
+        # (an input's key is the index of its tensor leaf).
+        self.sources = [[(n, kind, int(key) if kind == "input" else key)
+                         for n in st.inputs for kind, key in (n.split(":", 1),)]
+                        for st in partition.stages]
         # The parameters only this stage uses (their gradient may go to an accumulator).
         users: dict = collections.Counter(n for st in partition.stages for n in st.param_names)
         self.exclusive = [[n for n in st.param_names if users[n] == 1] for st in partition.stages]
@@ -157,16 +162,18 @@ class StageWork:
                 v = weights.param(key, ipu)
             elif kind == "buffer":
                 v = weights.buffer(key, run.replica_of(i), ipu)
-            elif kind == "input":
-                v = run.inputs[i][int(key)]
-                v = v.clone() if separate and v.device == device else v.to(device)
+            elif kind == "input":  # placed in this IPU's memory when the run began
+                v = run.placed.get((ipu, i, key))
+                if v is None:
+                    v = run.inputs[i][key]
+                ready = run.ready.get((device, i))
+                if ready is not None:  # its copy to this GPU, enqueued by the caller
+                    torch.cuda.current_stream(device).wait_event(ready)
             else:  # computed by an earlier stage: [Note: autograd boundary]
                 produced = run.values[i][name]
-                v = produced.detach().to(device)
+                v = arrive(produced.detach(), device)  # [Note: values crossing streams]
                 if separate and self.producer[name] != ipu and v.device == produced.device:
                     v = v.clone()  # useIpuModel: the value crosses into another IPU's memory
-                elif device.type == "cuda" and produced.device == device:
-                    v.record_stream(torch.cuda.current_stream(device))  # used on this stream too
                 if torch.is_grad_enabled() and produced.requires_grad:
                     v.requires_grad_(True)
                     boundary[name] = v
@@ -294,8 +301,10 @@ class StageWork:
             tensors, grads = [], []
             for name, o in zip(names, outs):
                 g = grads_in.pop(name, None)
-                if g is not None and name in crossing:
-                    g = g.clone()  # useIpuModel: the gradient crosses back into this IPU's memory
+                if g is not None:  # made by a later stage: [Note: values crossing streams]
+                    g = arrive(g, o.device)
+                    if name in crossing:
+                        g = g.clone()  # useIpuModel: it crosses back into this IPU's memory
                 if name == self.partition.loss:
                     seed = torch.full_like(o, step.loss_scaling)  # loss scaling: the one place
                     g = seed if g is None else g + seed
@@ -304,7 +313,7 @@ class StageWork:
                     g = later if g is None else g + later
                 if g is not None and o.requires_grad:
                     tensors.append(o)
-                    grads.append(g.to(o.device))
+                    grads.append(g)
             if tensors:
                 torch.autograd.backward(tensors, grads)
             _collect_grads(leaves, pending)
@@ -343,8 +352,8 @@ def _identity(t):
 
 
 def _collect_grads(leaves: dict, into: dict) -> None:
-    """Add each leaf's ``.grad`` to ``into[name]`` (on the device already there)."""
+    """Add each leaf's ``.grad`` to ``into[name]`` (on the leaf's device)."""
     for name, leaf in leaves.items():
         if leaf.grad is not None:
-            prev = into.get(name)
-            into[name] = leaf.grad if prev is None else prev + leaf.grad.to(prev.device)
+            prev = into.get(name)  # another stage's: [Note: values crossing streams]
+            into[name] = leaf.grad if prev is None else arrive(prev, leaf.grad.device) + leaf.grad

@@ -418,15 +418,29 @@ class Recorder:
     def __init__(self, origin: float):
         self.origin = origin
         self._records: list = []
+        self._gpu: list = []
 
     def add(self, stream: int, stage: Optional[int], microbatch: Optional[int], kind: str,
             start: float, end: float, run: int = 0) -> None:
         """Record one action; ``start``/``end`` are ``time.perf_counter()`` values."""
         self._records.append((stream, stage, microbatch, kind, start, end, run))
 
+    def add_gpu(self, stream: int, stage: Optional[int], microbatch: Optional[int], kind: str,
+                ref, ref_time: float, begun, ended, run: int = 0) -> None:
+        """Record one action measured on the GPU ([Note: GPU timeline] in ``placement``).
+
+        ``begun`` and ``ended`` are CUDA timing events recorded on its stream; ``ref``
+        one on the same GPU, recorded at ``time.perf_counter()`` ``ref_time``. They are
+        converted in :meth:`timeline`, once the GPU has passed them.
+        """
+        self._gpu.append((stream, stage, microbatch, kind, ref, ref_time, begun, ended, run))
+
     def timeline(self, stream_names: Sequence[str], schedule_name: str) -> Timeline:
         """The recorded spans, times relative to the origin, sorted by start."""
         o = self.origin
+        records = list(self._records) + [
+            (k, s, i, kind, t + ref.elapsed_time(begun) / 1e3, t + ref.elapsed_time(ended) / 1e3,
+             run) for k, s, i, kind, ref, t, begun, ended, run in self._gpu]
         return Timeline([Span(k, s, i, kind, a - o, b - o, run)
-                         for k, s, i, kind, a, b, run in list(self._records)],
+                         for k, s, i, kind, a, b, run in records],
                         stream_names, schedule_name)

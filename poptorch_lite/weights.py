@@ -26,7 +26,11 @@ there, and the update action steps the user's own optimizer on it:
 
 A parameter that stages on other IPUs also use (tied weights) has a copy on
 each of them (a *visitor*); its gradient is added into the home's at the
-owner's reduction and the copy is refreshed after each step. Every copy is
+owner's reduction and the copy is refreshed after each step. On the CPU, IPUs
+that share a memory share the tensor (autograd adds into its ``.grad`` under a
+lock); on a GPU every IPU has a stream of its own, and two streams adding into
+one ``.grad`` would race, so there each IPU that uses a parameter has its own
+tensor even where two of them share a GPU. Every copy is
 made when a program is placed, on the caller's thread, so worker threads only
 read these tables. Buffers follow the same rule (the user's buffer where the
 memory is shared, else a copy per IPU, and per replica with
@@ -49,6 +53,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from .annotations import is_tracing
+from .placement import arrive
 
 
 class Weights:
@@ -82,6 +87,7 @@ class Weights:
         self.devices: dict = {}       # IPU -> torch.device
         self._use: dict = {}          # (name, ipu) -> the tensor a stage on ipu computes with
         self._copies: dict = {}       # (name, ipu) -> the copies among them (not host params)
+        self._host_user: dict = {}    # name -> the one IPU on a GPU that uses the host parameter
         self._buffer_use: dict = {}   # (name, replica, ipu) -> buffer or copy
         self._buffer_copies: dict = {}
         self._replica_buffers: list = []
@@ -121,7 +127,8 @@ class Weights:
 
     def _tensor_for(self, name: str, ipu: int) -> torch.Tensor:
         p = self.params[name]
-        if self._shares(p, ipu):
+        if self._shares(p, ipu) and (p.device.type == "cpu"
+                                     or self._host_user.setdefault(name, ipu) == ipu):
             return p
         c = p.detach().to(self.devices[ipu], copy=True).requires_grad_(p.requires_grad)
         self._copies[name, ipu] = c
@@ -169,8 +176,8 @@ class Weights:
         """Add the gradients of ``name``'s other users into the one the optimizer steps."""
         target = self.home(name)
         for c in self._others.get(name, ()):
-            if c.grad is not None:
-                g = c.grad.to(target.device)
+            if c.grad is not None:  # [Note: values crossing streams] in ``placement``
+                g = arrive(c.grad, target.device)
                 target.grad = g if target.grad is None else target.grad + g
                 c.grad = None
         return target.grad

@@ -224,6 +224,7 @@ class PoplarExecutor(perf_counters.Latencies):
             schedule, step, runs = program.schedule(D * R, False), None, [range(D * R)]
         recorder = Recorder(time.perf_counter())
         outputs, stats = [], []
+        kept = {i for group in self._output_groups() for i in group}  # copied to the host
         weights, loss_scale = self._weights, self._loss_scale
         for d, ks in enumerate(runs):
             undo = capture(weights, None, loss_scale, False) if per_run else None
@@ -231,7 +232,8 @@ class PoplarExecutor(perf_counters.Latencies):
             weights.buffers_move()
             try:
                 out, run_stats = ex.run(schedule, [mbs.tensors(k) for k in ks], lambda j: j % R,
-                                        step, recorder, d, opts.watchdog_timeout)
+                                        step, recorder, d, opts.watchdog_timeout,
+                                        [k in kept for k in ks])
             except BaseException:
                 if undo is not None and ex.steps_applied == before:
                     undo()

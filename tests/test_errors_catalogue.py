@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 import warnings
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 
 import poptorch_lite as poptorch
 from poptorch_lite import errors, keras, optim
+from poptorch_lite.placement import CpuStream, resolve_devices
 from poptorch_lite.schedule import Action, Schedule, build, validate
 from poptorch_lite.timeline import Span, Timeline
 
@@ -293,6 +295,30 @@ def action_fails():
     wrapped(x, torch.randn(4, 4))  # compiles
     model.l2.weight.data = torch.randn(4, 5)  # the next forward of stage 1 fails
     wrapped(x, torch.randn(4, 4))
+
+
+def late_gpu_error():
+    """A stream whose end-of-run wait raises, as a GPU stream does after a failed kernel."""
+    model = Two(tail="mse")
+    o = opts(strategy=poptorch.PipelinedExecution("a", "b"), G=4)
+    wrapped = poptorch.trainingModel(model, o, optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(8, 4)
+    wrapped.compile(x, torch.randn(8, 4))
+    with mock.patch.object(CpuStream, "synchronize", side_effect=RuntimeError(
+            "CUDA error: an illegal memory access was encountered")):
+        wrapped(x, torch.randn(8, 4))
+
+
+def on_devices(mapping):
+    o = opts(strategy=poptorch.PipelinedExecution("a", "b"), G=4).set_ipu_devices(mapping)
+    first_call(Two(tail="mse"), o)
+
+
+def oversubscribed():
+    with mock.patch.object(torch.cuda, "is_available", return_value=True), \
+            mock.patch.object(torch.cuda, "device_count", return_value=2), \
+            mock.patch.dict("os.environ", {"LOCAL_WORLD_SIZE": "3", "LOCAL_RANK": "2"}):
+        resolve_devices([0], None)
 
 
 def non_finite_loss():
@@ -723,6 +749,10 @@ T = {
     "E-RUN-03": non_finite_loss,
     "E-RUN-04": interrupted,
     "E-RUN-05": optimizer_fails_part_way,
+    "E-RUN-06": late_gpu_error,
+    "E-DEV-01": lambda: on_devices({0: "cpu", 1: f"cuda:{torch.cuda.device_count() + 1}"}),
+    "E-DEV-02": lambda: on_devices({0: "cpu", 1: "meta"}),
+    "E-DEV-03": oversubscribed,
     # checkpoints
     "E-CKP-01": lambda tmp_path: poptorch.save_checkpoint(
         tmp_path / "x.pt", poptorch.inferenceModel(Two())),

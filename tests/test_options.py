@@ -494,8 +494,12 @@ def test_set_ipu_devices_forms():
     assert 2 not in o.ipu_devices and o.ipu_devices.get(2) is None
     with pytest.raises(KeyError):
         o.ipu_devices[2]
+    # An index-less "cuda" is the current CUDA device, so that it compares equal to the
+    # device of a tensor there (cuda:0 where CUDA is absent).
+    current = torch.cuda.current_device() if torch.cuda.is_available() else 0
     assert Options().set_ipu_devices(["cpu", "cuda"]).ipu_devices == {
-        0: cpu, 1: torch.device("cuda")}
+        0: cpu, 1: torch.device("cuda", current)}
+    assert Options().set_ipu_devices("cuda").ipu_devices[3] == torch.device("cuda", current)
     assert Options().set_ipu_devices(("cpu",)).ipu_devices == {0: cpu}
     every = Options().set_ipu_devices(cpu).ipu_devices
     assert (5 in every, every[5], every.get(9), len(every)) == (True, cpu, cpu, 0)
