@@ -215,7 +215,7 @@ class Executor:
                 f"no action finished for {stuck.seconds} s (Options.watchdogTimeout); "
                 f"still running: {', '.join(str(x) for x in stuck.running.values()) or 'none'}"),
                 run_index)
-        for a, span in spans.items():  # [Note: GPU timeline]
+        for a, span in spans.items() if recorder is not None else ():  # [Note: GPU timeline]
             recorder.add_gpu(self._ipu(a), a.stage, a.microbatch, a.kind.value, *span, run_index)
         names = [o for o in p.outputs if isinstance(o, str)]
         out = [[self._result(run, i, o) for o in names] if keep is None or keep[i] else None

@@ -16,6 +16,7 @@ import sys
 import torch
 
 import poptorch_lite as poptorch
+from poptorch_lite.placement import process_gpu
 
 from models import BlockMLP, data
 
@@ -86,8 +87,9 @@ NCCL_CONFIGS = ["replicated", "grouped"]
 
 def nccl(rank, P):
     """``train``'s first configurations with the model on this process's GPU: NCCL reduces."""
-    torch.cuda.set_device(rank)
-    results = {}
+    gpu = process_gpu()  # the first GPU of this process's block ([Note: GPUs of a process])
+    torch.cuda.set_device(gpu)
+    results = {"gpu": f"cuda:{gpu}"}
     for name in NCCL_CONFIGS:
         blocks, G, R, D, schedule, reduction, opt_kind = CONFIGS[name]
         torch.manual_seed(100 + rank)

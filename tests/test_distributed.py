@@ -126,12 +126,13 @@ def test_two_processes_on_gpus_of_their_own_reduce_over_nccl_and_match_one_plain
     for code, _, stderr in spawn("nccl", tmp_path):
         assert code == 0, stderr[-3000:]
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(P)]
+    assert len({result["gpu"] for result in results}) == P
     for r, result in enumerate(results):
         assert result["backend"] == "nccl"
         for name in NCCL_CONFIGS:
             losses, params, opt_state = reference(name)
             got = result[name]
-            assert got["devices"] == [f"cuda:{r}"]
+            assert got["devices"] == [result["gpu"]]
             for c in range(CALLS):
                 assert_close(got["losses"][c].cpu(), torch.stack(losses[r][c]), atol=1e-4, rtol=0)
             for k, v in params.items():
