@@ -98,9 +98,9 @@ from .errors import OptionsError
 def local_process() -> tuple:
     """``(LOCAL_RANK, LOCAL_WORLD_SIZE)`` of this process on its host (torchrun's variables).
 
-    Example:
-        >>> local_process() if "LOCAL_RANK" not in os.environ else (0, 1)
-        (0, 1)
+    Under ``torchrun --nproc_per_node 4`` the third process gets ``(2, 4)``; a process
+    started without them ``(0, 1)``. A launcher that sets only ``LOCAL_RANK`` r counts
+    as r + 1 processes.
     """
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     return rank, max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), rank + 1)

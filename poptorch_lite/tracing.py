@@ -112,10 +112,26 @@ class _TraceMode(TorchFunctionMode):
                 f"OneHot num classes must be specified and must be constant: F.one_hot at "
                 f"{_user_line(traceback.extract_stack()[:-1])} has no num_classes, so its width "
                 f"would be the first micro-batch's largest class; pass num_classes=<classes>")
+        if func is F.dropout:
+            return _dropout(*args, **kwargs)
         out = func(*args, **kwargs)
         if func in LOSS_FUNCTIONS and isinstance(out, torch.Tensor):
             markers.MARK_LOSS(out)
         return out
+
+
+def _dropout(input, p=0.5, training=True, inplace=False):
+    """``F.dropout`` as the one op that both devices' plain PyTorch agree with.
+
+    On a GPU, ``F.dropout`` runs the fused ``native_dropout`` kernel; on the CPU it
+    decomposes into ``bernoulli_`` and a multiply, which draws different numbers on a
+    GPU. A graph traced on the CPU and run on a GPU would then mask differently from
+    plain PyTorch there. ``native_dropout`` on the CPU draws and computes exactly what
+    the decomposition does, so the trace records it wherever plain PyTorch would fuse.
+    """
+    if training and not inplace and 0 < p < 1 and input.numel() > 0:
+        return torch.ops.aten.native_dropout(input, p, True)[0]
+    return F.dropout(input, p, training, inplace)
 
 
 def _input_of(args: tuple, kwargs: dict):

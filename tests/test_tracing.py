@@ -8,6 +8,8 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 import poptorch_lite as poptorch
+from poptorch_lite import rng
+from poptorch_lite.partition import partition as poptorch_partition
 from models import reference_training, twin
 
 
@@ -129,3 +131,42 @@ def test_a_forward_that_removes_a_buffer_is_refused_and_the_buffer_kept(how, mes
     assert model._non_persistent_buffers_set == {"z"}
     assert list(model.state_dict()) == ["y"] and torch.equal(y, torch.tensor([2.0]))
     assert_close(DropsBuffer("keep")(torch.tensor([5.0])), torch.tensor([7.0]))
+
+
+def test_dropout_is_traced_as_the_kernel_plain_pytorch_fuses_on_a_gpu():
+    """``F.dropout`` records ``native_dropout``: on the CPU it masks exactly as the traced
+    decomposition did (so CPU runs are unchanged), and a stage graph run on a GPU then uses
+    the fused kernel that plain PyTorch uses there, with the same draws. Dropout in place,
+    or with p 0 or 1, stays as PyTorch writes it."""
+
+    class Drops(torch.nn.Module):
+        def __init__(self, p, inplace=False):
+            super().__init__()
+            self.fc = torch.nn.Linear(6, 6)
+            self.drop = torch.nn.Dropout(p, inplace=inplace)
+
+        def forward(self, x):
+            out = self.drop(self.fc(x))
+            return out, poptorch.identity_loss(out.sum(), reduction="none")
+
+    def ops(model):
+        part = poptorch_partition(model, {m: m.training for m in model.modules()},
+                                  (torch.randn(4, 6),), {}, poptorch.ShardedExecution(), True)
+        return {str(n.target) for st in part.stages for n in st.module.graph.nodes
+                if n.op == "call_function"}
+
+    assert any("native_dropout" in t for t in ops(Drops(0.3)))
+    assert not any("bernoulli" in t for t in ops(Drops(0.3)))
+    for model in (Drops(0.3, inplace=True), Drops(1.0)):
+        assert not any("native_dropout" in t for t in ops(model))
+    torch.manual_seed(3)
+    x = torch.randn(4, 6)
+    model = Drops(0.3)
+    ref = twin(model)
+    torch.manual_seed(11)
+    out, _ = poptorch.trainingModel(model, poptorch.Options(),
+                                    torch.optim.SGD(model.parameters(), lr=0.0))(x)
+    torch.manual_seed(11)
+    seed = rng.microbatch_seed(rng.draw_base(), 0)
+    torch.manual_seed(seed)
+    assert torch.equal(out, ref(x)[0].detach())
