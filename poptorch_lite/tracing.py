@@ -47,6 +47,7 @@ C++ and cannot be told apart from an op's own read; it is fixed at trace time.
 from __future__ import annotations
 
 import contextlib
+import operator
 import traceback
 
 import torch
@@ -225,6 +226,21 @@ def _check_buffers_kept(model: torch.nn.Module, values: dict) -> None:
                 f"from a source tensor, where src is the name of the source tensor.")
 
 
+def _drop_unused_getitems(gm: torch.fx.GraphModule) -> None:
+    """Remove the picks of a multi-output op's results that nothing reads.
+
+    ``make_fx`` records one ``getitem`` per output (``native_dropout``'s mask too);
+    an unread one could land past a stage boundary or recomputation checkpoint and
+    make its op's whole tuple cross it.
+    """
+    unused = [n for n in gm.graph.nodes if n.op == "call_function"
+              and n.target is operator.getitem and not n.users]
+    for n in unused:
+        gm.graph.erase_node(n)
+    if unused:
+        gm.recompile()
+
+
 def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, training: bool):
     """Trace ``model(*args, **kwargs)`` into an aten-level graph.
 
@@ -283,7 +299,9 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
     session = contextlib.nullcontext() if training else _InferenceSession()
     hook = torch.nn.modules.module.register_module_forward_hook(record_block)
     try:
-        with _preserved_state(model, modes) as before, trace_context(), grad, session, _TraceMode():
+        # The session is entered last, so it sees a dropout first ([Note: inference session]):
+        # _TraceMode would otherwise turn F.dropout into native_dropout before it could.
+        with _preserved_state(model, modes) as before, trace_context(), grad, _TraceMode(), session:
             versions = {n: b._version for n, b in buffers.items()}
             gm = make_fx(run, tracing_mode="real", record_stack_traces=True,
                          _error_on_data_dependent_ops=False)(*flat)
@@ -298,6 +316,7 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
             f"PyTorch on one micro-batch of those inputs") from exc
     finally:
         hook.remove()
+    _drop_unused_getitems(gm)
     consts = [None if isinstance(v, torch.Tensor) else ("const", v) for v in result["leaves"]]
     layer_blocks = {name: module_blocks[m] for name, m in model.named_modules()
                     if m in module_blocks and name}
