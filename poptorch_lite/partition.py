@@ -375,8 +375,10 @@ def _final_loss(losses: list) -> fx.Node:
 
 
 def partition(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict,
-              strategy: ExecutionStrategy, training: bool) -> Partition:
+              strategy: ExecutionStrategy, training: bool, generic: bool = False) -> Partition:
     """Trace ``model`` on one micro-batch and split it into stages ([Note: partition]).
+
+    ``generic``: trace without CPU-only kernels (``tracing.trace``).
 
     Example:
         >>> import torch
@@ -387,7 +389,7 @@ def partition(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict,
         1
     """
     gm, pnames, bnames, spec, consts, layer_blocks, mutated = trace(model, modes, args, kwargs,
-                                                                    training)
+                                                                    training, generic)
     stages, loss, tensor_outputs, checkpoints, _ = split(gm, pnames, bnames, strategy,
                                                                  training)
     it = iter(tensor_outputs)

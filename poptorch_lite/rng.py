@@ -12,10 +12,12 @@ random stream, the same in every schedule:
   ops, one 62-bit ``base`` is drawn from torch's default CPU generator (so
   ``torch.manual_seed`` and ``Options.randomSeed`` control everything);
 - micro-batch i draws from a generator state seeded with
-  :func:`microbatch_seed` ``(base, i)``, on each device it touches; its
-  stages use that state in stage order (stage s+1 continues where stage s
-  stopped), because a stage's forward of micro-batch i always follows the
-  previous stage's;
+  :func:`microbatch_seed` ``(base, i)``, one per kind of device it touches
+  (the CPU, CUDA); its stages use that state in stage order (stage s+1
+  continues where stage s stopped, also when it runs on another GPU), because
+  a stage's forward of micro-batch i always follows the previous stage's. So
+  two stages' dropouts draw different masks wherever they run, as they do in
+  plain PyTorch on one device;
 - a recomputed forward re-runs from the state its first run started from, so
   dropout masks are identical.
 
@@ -64,7 +66,7 @@ class Stream:
 
     def __init__(self, seed: int):
         self.seed = seed
-        self.states: dict = {}  # torch.device -> generator state
+        self.states: dict = {}  # device type ("cpu", "cuda") -> generator state
 
     def snapshot(self) -> "Stream":
         """A copy to replay from (recomputation)."""
@@ -98,7 +100,7 @@ def _call_in_stream(op, args, kwargs):
     with _LOCK:
         gen = _generator(device)
         saved = gen.get_state()
-        state = stream.states.get(device)
+        state = stream.states.get(device.type)  # one stream per kind: it moves between GPUs
         if state is None:
             gen.manual_seed(stream.seed)
         else:
@@ -106,7 +108,7 @@ def _call_in_stream(op, args, kwargs):
         try:
             return op(*args, **kwargs)
         finally:
-            stream.states[device] = gen.get_state()
+            stream.states[device.type] = gen.get_state()
             gen.set_state(saved)
 
 
@@ -124,11 +126,14 @@ class use:
         _local.stream = self.previous
 
 
-def _seeded(op):
-    def seeded(*args, **kwargs):
+def seeded(op):
+    """``op`` drawing from the micro-batch's stream; the result keeps ``op`` as ``.seeded_op``."""
+    def call(*args, **kwargs):
         return _call_in_stream(op, args, kwargs)
-    seeded.__name__ = seeded.__qualname__ = "seeded_" + str(op).replace(".", "_")
-    return seeded
+    name = str(op) if isinstance(op, torch._ops.OpOverload) else op.__name__
+    call.__name__ = call.__qualname__ = "seeded_" + name.replace(".", "_")
+    call.seeded_op = op
+    return call
 
 
 def seed_random_ops(gm: fx.GraphModule) -> bool:
@@ -137,7 +142,7 @@ def seed_random_ops(gm: fx.GraphModule) -> bool:
     for node in gm.graph.nodes:
         tags = getattr(node.target, "tags", ()) if node.op == "call_function" else ()
         if torch.Tag.nondeterministic_seeded in tags:
-            node.target = _seeded(node.target)
+            node.target = seeded(node.target)
             found = True
     if found:
         gm.recompile()

@@ -241,7 +241,8 @@ def _drop_unused_getitems(gm: torch.fx.GraphModule) -> None:
         gm.recompile()
 
 
-def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, training: bool):
+def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, training: bool,
+          generic: bool = False):
     """Trace ``model(*args, **kwargs)`` into an aten-level graph.
 
     Args:
@@ -250,6 +251,9 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
         args, kwargs: one micro-batch of the call's arguments.
         training: trace with autograd enabled; otherwise trace an inference
             session, where dropout is the identity ([Note: inference session]).
+        generic: record no CPU-only kernels (oneDNN's are turned off while tracing),
+            for stages that run on another kind of device ([Note: graphs on their
+            devices] in ``retarget``).
 
     Returns:
         ``(graph_module, param_names, buffer_names, out_spec, const_outputs,
@@ -298,6 +302,9 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
     grad = torch.enable_grad() if training else torch.no_grad()
     session = contextlib.nullcontext() if training else _InferenceSession()
     hook = torch.nn.modules.module.register_module_forward_hook(record_block)
+    onednn = torch._C._get_mkldnn_enabled()
+    if generic:
+        torch._C._set_mkldnn_enabled(False)
     try:
         # The session is entered last, so it sees a dropout first ([Note: inference session]):
         # _TraceMode would otherwise turn F.dropout into native_dropout before it could.
@@ -316,6 +323,7 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
             f"PyTorch on one micro-batch of those inputs") from exc
     finally:
         hook.remove()
+        torch._C._set_mkldnn_enabled(onednn)
     _drop_unused_getitems(gm)
     consts = [None if isinstance(v, torch.Tensor) else ("const", v) for v in result["leaves"]]
     layer_blocks = {name: module_blocks[m] for name, m in model.named_modules()

@@ -34,7 +34,7 @@ from torch.utils import _pytree as pytree
 
 from . import distributed
 from . import optim as poptorch_optim
-from . import perf_counters
+from . import perf_counters, retarget
 from .batch import MicroBatches, merge, resolve_output_mode, selected_microbatches
 from .enums import ConnectionType, ReductionType
 from .errors import (DeviceError, OptionsError, PoptorchLiteWarning, UnrecoverableError,
@@ -448,6 +448,12 @@ class PoplarExecutor(perf_counters.Latencies):
             if self._placement is not None:
                 self._placement.close()
             self._placement = Placement(sorted(ipus), o.ipu_devices)
+        # [Note: graphs on their devices]: a kernel a stage's device lacks asks for a trace
+        # without CPU-only kernels; then every graph is rewritten for its device.
+        if retarget.lacking(part.stages, self._placement.devices):
+            part = partition(self._user_model, self._modes, a, kw, o.execution_strategy,
+                             self._training, generic=True)
+        retarget.place(part.stages, self._placement.devices)
         self._weights.place(self._placement.devices,
                             [(st.ipu, st.param_names) for st in part.stages])
         self._weights.place_buffers([(st.ipu, [n.split(":", 1)[1] for n in st.inputs

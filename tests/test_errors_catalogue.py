@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import poptorch_lite as poptorch
-from poptorch_lite import errors, keras, optim
+from poptorch_lite import errors, keras, optim, retarget
 from poptorch_lite.placement import CpuStream, resolve_devices
 from poptorch_lite.schedule import Action, Schedule, build, validate
 from poptorch_lite.timeline import Span, Timeline
@@ -312,6 +312,15 @@ def late_gpu_error():
 def on_devices(mapping):
     o = opts(strategy=poptorch.PipelinedExecution("a", "b"), G=4).set_ipu_devices(mapping)
     first_call(Two(tail="mse"), o)
+
+
+def without_kernel(name, fn):
+    """Run ``fn`` as if torch had no kernel for op ``name`` on any device (as the CPU's
+    attention kernel is missing on a GPU): no trace can place it."""
+    has = retarget._has_kernel
+    with mock.patch.object(retarget, "_has_kernel",
+                           lambda op, device: op.name() != name and has(op, device)):
+        fn()
 
 
 def oversubscribed():
@@ -628,6 +637,8 @@ T = {
     "E-PART-13": lambda: buffer_kept(Two(tail="del_buffer", bn=True)),
     "E-PART-14": lambda: buffer_kept(Two(tail="reassign_buffer", bn=True)),
     "E-PART-10": lambda: first_call(Two(bn=True), opts(R=2)),
+    "E-PART-15": lambda: without_kernel("aten::addmm", lambda: first_call(
+        Two(), opts(strategy=poptorch.PipelinedExecution("a", "b"), G=4))),
     # pipelining
     "E-PIPE-01": lambda: first_call(Two(), opts(poptorch.PipelinedExecution(), G=2)),
     "E-PIPE-02": lambda: first_call(Two(tail="none"), opts(poptorch.PipelinedExecution()),

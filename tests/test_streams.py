@@ -18,6 +18,7 @@ from torch.testing import assert_close
 
 import poptorch_lite as poptorch
 from poptorch_lite import placement as placement_module
+from poptorch_lite import rng
 from poptorch_lite.executor import Executor
 from poptorch_lite.stage_work import StageWork
 from poptorch_lite.timeline import Recorder, Span
@@ -229,6 +230,27 @@ def test_stream_failed_carries_the_stream_and_the_error():
     assert (failed.ipu, failed.exc) == (3, exc)
 
 
+# -- random streams across devices ------------------------------------------------------
+
+
+def test_a_micro_batchs_random_stream_continues_from_one_gpu_to_the_next(monkeypatch):
+    """Stage 0 on cuda:0 and stage 1 on cuda:1 draw one stream, as plain PyTorch on one GPU
+    draws one generator: stage 1 continues where stage 0 stopped instead of restarting
+    from the micro-batch's seed (which repeated stage 0's masks). Two CPU generators stand
+    for the GPUs' default generators."""
+    gens = {0: torch.Generator(), 1: torch.Generator()}
+    monkeypatch.setattr(rng, "_generator", lambda device: gens[device.index])
+
+    def draw(device):
+        return torch.rand(4, generator=gens[device.index])
+    with rng.use(rng.Stream(1234)):
+        first = rng.seeded(draw)(device=torch.device("cuda", 0))
+        second = rng.seeded(draw)(device=torch.device("cuda", 1))
+    one_gpu = torch.Generator().manual_seed(1234)
+    assert torch.equal(first, torch.rand(4, generator=one_gpu))
+    assert torch.equal(second, torch.rand(4, generator=one_gpu))
+
+
 # -- weights, outputs, stash ----------------------------------------------------------
 
 
@@ -357,6 +379,36 @@ def test_stages_on_the_cpu_and_a_gpu_match_plain_pytorch(mapping, schedule):
     ref = twin(model, "cpu")
     opts = pipelined(schedule, 4, D=2).set_ipu_devices(mapping)
     train_and_compare(model, opts, ref, 4, D=2)
+
+
+class DropoutInBoth(torch.nn.Module):
+    """Two stages whose dropouts have the same shape: one stream per micro-batch gives them
+    different masks, as on one GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x, y):
+        with poptorch.Block("a", ipu_id=0):
+            h = self.drop(torch.relu(self.fc(x)))
+        with poptorch.Block("b", ipu_id=1):
+            out = self.head(self.drop(h))
+            return out, torch.nn.functional.cross_entropy(out, y)
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("second", ["cuda:0", "cuda:1"], ids=["one_gpu", "two_gpus"])
+def test_dropouts_of_two_stages_on_two_gpus_draw_as_on_one_gpu(second):
+    if second == "cuda:1" and GPUS < 2:
+        pytest.skip("needs two CUDA GPUs")
+    torch.manual_seed(0)
+    model = DropoutInBoth()
+    ref = twin(model, "cuda")
+    opts = pipelined("interleaved", 4, D=2).set_ipu_devices({0: "cuda:0", 1: second})
+    train_and_compare(model, opts, ref, 4, D=2, seeds=True)
 
 
 class TiedOnTwoIpus(torch.nn.Module):
