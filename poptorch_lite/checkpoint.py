@@ -14,7 +14,14 @@ bit-identically to a run that never stopped.
 The file is written to a temporary file in the same folder, flushed to disk
 and renamed over the target, so a crash leaves either the old checkpoint or
 the new one, never half of one. It is read with ``torch.load(weights_only=True)``
-(no code runs on load), and everything is checked before anything is loaded.
+(no code runs on load) into host memory, wherever it was saved: a checkpoint
+written on GPUs loads on a machine with fewer GPUs or none. The weights then go
+to the model's devices and the optimizer state to the weights' homes ([Note:
+weight homes] in ``weights``); the random state of each GPU that exists here is
+restored (no op here can draw from the others). Everything that can be checked
+is checked before anything is loaded, and a load that still fails part-way
+puts back what it had changed, so a refused checkpoint leaves the model, the
+optimizer, the loader and the random state as they were.
 
 Example:
     >>> import os, tempfile, torch
@@ -36,6 +43,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import pathlib
@@ -89,9 +97,7 @@ def save_checkpoint(path, model: PoplarExecutor, dataloader=None, extra: Any = N
         "optimizer_class": type(model._optimizer).__name__,
         "loss_scale": model._loss_scale.state_dict(),
         "steps": model._steps,
-        "rng": {"torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
-                "python": random.getstate()},
+        "rng": _random_state(),
         "dataloader": dataloader.state_dict() if dataloader is not None else None,
         "extra": extra,
     }
@@ -126,7 +132,7 @@ def load_checkpoint(path, model: PoplarExecutor, dataloader=None) -> CheckpointI
     _check_model(model)
     path = pathlib.Path(path)
     try:
-        state = torch.load(path, weights_only=True)
+        state = torch.load(path, weights_only=True, map_location="cpu")
     except FileNotFoundError:
         raise CheckpointError(f"no checkpoint at {str(path)!r}; check the path") from None
     except Exception as e:
@@ -143,20 +149,58 @@ def load_checkpoint(path, model: PoplarExecutor, dataloader=None) -> CheckpointI
         raise CheckpointError(f"{str(path)!r} has checkpoint version {state.get('version')!r}; "
                               f"this poptorch_lite reads version {VERSION}")
     _check_fits(path, state, model, dataloader)
-    model.load_state_dict(state["model"])
-    model._optimizer.load_state_dict(state["optimizer"])
-    model._loss_scale.load_state_dict(state["loss_scale"])
-    model._steps = int(state["steps"])
-    torch.set_rng_state(state["rng"]["torch"])
-    if state["rng"]["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-    version, internal, gauss = state["rng"]["python"]
-    random.setstate((version, tuple(internal), gauss))
+    undo = _current(model, dataloader)
     loader = state["dataloader"]
-    if dataloader is not None and loader is not None:
-        dataloader.load_state_dict(loader)
+    try:
+        model.load_state_dict(state["model"])
+        model._optimizer.load_state_dict(state["optimizer"])
+        model._loss_scale.load_state_dict(state["loss_scale"])
+        model._steps = int(state["steps"])
+        _set_random_state(state["rng"])
+        if dataloader is not None and loader is not None:
+            dataloader.load_state_dict(loader)
+    except Exception as e:
+        undo()
+        raise CheckpointError(
+            f"the checkpoint {str(path)!r} could not be loaded into this model "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); nothing "
+            f"was changed. Load it into the model, optimizer and loader it was saved from") from e
     return CheckpointInfo(model._steps, None if loader is None else int(loader["epoch"]),
                           state["extra"])
+
+
+def _random_state() -> dict:
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
+            "python": random.getstate()}
+
+
+def _set_random_state(saved: dict) -> None:
+    """Restore the generators; CUDA's for the GPUs this machine has ([Note: checkpoints])."""
+    torch.set_rng_state(saved["torch"])
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for index, gpu_state in enumerate(saved["cuda"][:gpus]):
+        torch.cuda.set_rng_state(gpu_state, index)
+    version, internal, gauss = saved["python"]
+    random.setstate((version, tuple(internal), gauss))
+
+
+def _current(model: PoplarExecutor, dataloader):
+    """What loading changes, copied; the returned function puts it back."""
+    weights = {k: v.detach().clone() for k, v in model.model.state_dict().items()}
+    optimizer = copy.deepcopy(model._optimizer.state_dict())
+    loss_scale, steps, rng = model._loss_scale.state_dict(), model._steps, _random_state()
+    loader = dataloader.state_dict() if dataloader is not None else None
+
+    def undo() -> None:
+        model.load_state_dict(weights)
+        model._optimizer.load_state_dict(optimizer)
+        model._loss_scale.load_state_dict(loss_scale)
+        model._steps = steps
+        _set_random_state(rng)
+        if loader is not None:
+            dataloader.load_state_dict(loader)
+    return undo
 
 
 def _check_model(model) -> None:
@@ -188,6 +232,7 @@ def _check_fits(path, state: dict, model: PoplarExecutor, dataloader) -> None:
     if groups != ours:
         raise CheckpointError(f"{where} has optimizer groups of {groups} parameters, the "
                               f"model's optimizer {ours}; build the optimizer the same way")
+    _check_random_state(where, state.get("rng"))
     if dataloader is not None and state["dataloader"] is None:
         raise CheckpointError(f"{where} holds no DataLoader position; save it with "
                               f"save_checkpoint(path, model, dataloader)")
@@ -197,3 +242,24 @@ def _check_fits(path, state: dict, model: PoplarExecutor, dataloader) -> None:
             raise CheckpointError(f"{where} stopped after batch {batches} of an epoch, but "
                                   f"this loader has {total} batches per epoch; use the same "
                                   f"dataset, batch size and options")
+
+
+def _is_generator_state(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1
+
+
+def _check_random_state(where: str, saved) -> None:
+    """Refuse random states that could not be restored, before anything is loaded."""
+    problem = None
+    if not isinstance(saved, dict) or not {"torch", "cuda", "python"} <= saved.keys():
+        problem = f"expected the keys torch, cuda and python, found {saved!r:.80}"
+    elif not _is_generator_state(saved["torch"]):
+        problem = "the CPU generator's state is not a byte tensor"
+    elif not isinstance(saved["cuda"], (list, tuple)) or not all(
+            _is_generator_state(t) for t in saved["cuda"]):
+        problem = "the CUDA generators' states are not a list of byte tensors"
+    elif not (isinstance(saved["python"], (list, tuple)) and len(saved["python"]) == 3):
+        problem = "Python's random state is not a (version, state, gauss) triple"
+    if problem is not None:
+        raise CheckpointError(f"{where} has random states that cannot be restored ({problem}); "
+                              f"use a file written by poptorch_lite.save_checkpoint")

@@ -785,6 +785,8 @@ T = {
     "E-CKP-11": lambda tmp_path: refuse_checkpoint(
         tmp_path, lambda s: s.update(dataloader={"epoch": 0, "batches": 9, "rng": None}),
         loader=poptorch.DataLoader(poptorch.Options(), ds(8), batch_size=2)),
+    "E-CKP-12": lambda tmp_path: refuse_checkpoint(tmp_path, lambda s: s["rng"].pop("python")),
+    "E-CKP-13": lambda tmp_path: refuse_checkpoint(tmp_path, lambda s: s.update(loss_scale={})),
     # warnings
     "W-IPU-01": lambda: poptorch.Options().Precision.enableStochasticRounding(True),
     "W-IPU-02": lambda: poptorch.SerialPhasedExecution(["a"]).useSeparateBackwardPhase(),

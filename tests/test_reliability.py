@@ -1,6 +1,7 @@
 """Reliability: a failing call changes nothing (every schedule, action kind, stage and
 micro-batch; KeyboardInterrupt; the watchdog), loss scaling, and the lifecycle of models."""
 
+import contextlib
 import copy
 import json
 import pathlib
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -509,6 +511,79 @@ def test_unreadable_foreign_and_unfitting_files_are_refused_before_loading(tmp_p
     assert_same_state(state(net, opt)[:2] + before[2:], before)  # building models drew numbers
     for m in (model, wrong, adam):
         m.destroy()
+
+
+@contextlib.contextmanager
+def saved_as_if_on(location):
+    """``torch.save`` tags every storage with ``location`` (``"cuda:3"``), as it tags the
+    storages of tensors that live on that GPU."""
+    entry = (0, lambda storage: location, lambda storage, loc: None)
+    torch.serialization._package_registry.insert(0, entry)
+    try:
+        yield
+    finally:
+        torch.serialization._package_registry.remove(entry)
+
+
+def test_a_checkpoint_saved_on_gpus_loads_on_a_machine_with_fewer(tmp_path):
+    """Its tensors are read into host memory and go to the model's devices; the random
+    states of GPUs this machine lacks are left (nothing here can draw from them)."""
+    net, opt, model = als_model()
+    model(*data(16))
+    saved = state(net, opt)
+    path = tmp_path / "gpu.pt"
+    with saved_as_if_on("cuda:3"), mock.patch.object(
+            torch.cuda, "get_rng_state_all", lambda: [torch.get_rng_state()[:16]] * 4), \
+            mock.patch.object(torch.cuda, "is_initialized", lambda: True):
+        poptorch.save_checkpoint(path, model)
+    with pytest.raises(RuntimeError, match="CUDA"):  # what torch.load alone does here
+        torch.load(path, weights_only=True)
+    assert len(torch.load(path, weights_only=True, map_location="cpu")["rng"]["cuda"]) == 4
+    model(*data(16))
+    info = poptorch.load_checkpoint(path, model)
+    assert info.steps == 1
+    assert_same_state(state(net, opt), saved)
+    model.destroy()
+
+
+def test_random_states_that_cannot_be_restored_are_refused_before_anything_loads(tmp_path):
+    net, opt, model = als_model()
+    model(*data(16))
+    path = tmp_path / "ckpt.pt"
+    poptorch.save_checkpoint(path, model)
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["rng"]["cuda"] = [torch.zeros(16, dtype=torch.uint8), "not a state"]
+    torch.save(checkpoint, path)
+    model(*data(16))
+    before = state(net, opt)
+    with pytest.raises(poptorch.CheckpointError) as info:
+        poptorch.load_checkpoint(path, model)
+    assert str(info.value) == (
+        f"the checkpoint {str(path)!r} has random states that cannot be restored (the CUDA "
+        f"generators' states are not a list of byte tensors); use a file written by "
+        f"poptorch_lite.save_checkpoint")
+    assert_same_state(state(net, opt), before)
+    model.destroy()
+
+
+def test_a_load_that_fails_part_way_puts_back_what_it_changed(tmp_path):
+    """The loss scale's entry is unreadable; model and optimizer were loaded before it."""
+    net, opt, model = als_model()
+    model(*data(16))
+    path = tmp_path / "ckpt.pt"
+    poptorch.save_checkpoint(path, model)
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["loss_scale"] = {}
+    torch.save(checkpoint, path)
+    model(*data(16))
+    before, steps, scale = state(net, opt), model._steps, model._loss_scale.state_dict()
+    with pytest.raises(poptorch.CheckpointError, match=r"could not be loaded into this model "
+                       r"\(KeyError: 'scale'\); nothing was changed"):
+        poptorch.load_checkpoint(path, model)
+    assert_same_state(state(net, opt), before)
+    assert (model._steps, model._loss_scale.state_dict()) == (steps, scale)
+    model(*data(16))  # and training goes on
+    model.destroy()
 
 
 def test_a_loader_position_is_checked():
