@@ -1,9 +1,9 @@
 """The PopTorch face: ``trainingModel``, ``inferenceModel`` and the model they return.
 
-A call validates its inputs, traces the model once per input signature
-(``partition``), places the stages (``placement``), builds the schedule
-(``schedule``) and runs it (``executor``), then merges the micro-batch outputs
-per the output mode. Every refusal happens before any parameter, optimizer
+A call validates its inputs, compiles a program once per input signature
+(``program``: the model traced and split into stages, placed on devices,
+weights given homes), builds the schedule (``schedule``) and runs it
+(``executor``), then merges the micro-batch outputs per the output mode. Every refusal happens before any parameter, optimizer
 state, buffer or RNG state changes.
 
 [Note: weight sync]
@@ -34,18 +34,18 @@ from torch.utils import _pytree as pytree
 
 from . import distributed
 from . import optim as poptorch_optim
-from . import perf_counters, retarget
+from . import perf_counters
 from .batch import MicroBatches, merge, resolve_output_mode, selected_microbatches
 from .enums import ConnectionType, ReductionType
 from .errors import (DeviceError, OptionsError, PoptorchLiteWarning, UnrecoverableError,
                      WrapError, warn_once)
-from .executor import Executor, StepArithmetic
+from .executor import StepArithmetic
 from .loss_scaling import LossScale
 from .options import Options, batch_factor
-from .partition import Partition, check_pipeline_minimums, partition
+from .partition import Partition
 from .placement import Placement
+from .program import Program, compile_program
 from .weights import Weights, unwatch, watch
-from .schedule import build
 from .timeline import Recorder, Timeline
 from .undo import capture
 
@@ -81,25 +81,6 @@ class RunStatistics:
     peak_stash_depth: tuple
     peak_stash_bytes: tuple
     timeline: Timeline
-
-
-class _Program:
-    """What one input signature compiles to: the partition, its executor, its schedules."""
-
-    def __init__(self, partition: Partition, executor: Executor, kind, recompute: tuple):
-        self.partition = partition
-        self.executor = executor
-        self.kind = kind
-        self.recompute = recompute
-        self._schedules: dict = {}
-
-    def schedule(self, m: int, training: bool):
-        """The (validated, cached) schedule for m micro-batches."""
-        if (m, training) not in self._schedules:
-            ipus = self.partition.stage_ipus()
-            self._schedules[m, training] = build(self.kind, len(ipus), m, training, ipus,
-                                                 self.recompute if training else None)
-        return self._schedules[m, training]
 
 
 class PoplarExecutor(perf_counters.Latencies):
@@ -197,7 +178,7 @@ class PoplarExecutor(perf_counters.Latencies):
                 self._optimizer.loss_scaling = self._loss_scale.scale  # [Note: loss scaling]
         return result
 
-    def _run(self, program: _Program, mbs: MicroBatches, per_run: bool = True):
+    def _run(self, program: Program, mbs: MicroBatches, per_run: bool = True):
         """The runs of one call, then the merged outputs.
 
         With ``per_run``, each run first captures what its step does not commit
@@ -416,66 +397,20 @@ class PoplarExecutor(perf_counters.Latencies):
                    f"Options.Training.gradientAccumulation({o.Training.gradient_accumulation})")
         return MicroBatches(args, kwargs, batch_factor(o), explain)
 
-    def _program(self, mbs: MicroBatches) -> _Program:
+    def _program(self, mbs: MicroBatches) -> Program:
         key = mbs.signature()
-        if key in self._programs:
-            return self._programs[key]
-        o = self._options
-        if self._processes is not None:  # first compile: join the group, compare options
-            self._processes.join(self._user_model, self._optimizer)
-        if self._weights is not None:
-            self._weights.to_host()  # trace with the trained values, outside the trace
-        a, kw = mbs.args_kwargs(0)
-        part = partition(self._user_model, self._modes, a, kw, o.execution_strategy,
-                         self._training)
-        check_pipeline_minimums(part.num_stages, o.execution_strategy, self._training,
-                                o.Training.gradient_accumulation, o.device_iterations)
-        P = o.Distributed.num_processes if self._processes is not None else 1  # processes
-        if self._replicas() * P > 1 and part.mutated_buffers and o.broadcast_buffers:
-            raise OptionsError(
-                f"PopTorch does not support broadcasting buffers: the model changes buffers "
-                f"{sorted(part.mutated_buffers)} and replicationFactor is "
-                f"{o.replication_factor}{f' in each of {P} processes' if P > 1 else ''}. If "
-                f"your model is able to tolerate buffers becoming out of sync between replicas, you "
-                f"can disable buffer broadcasting using poptorch.Options.broadcastBuffers(False)")
-        if self._weights is None:
-            self._weights = Weights(self._user_model, self._replicas(),
-                                    separate_buffers=not o.broadcast_buffers,
-                                    separate_memories=o.use_model,
-                                    offload=self._training and o.TensorLocations.offload_optimizer)
-        ipus = set(part.stage_ipus())
-        if self._placement is None or not ipus <= set(self._placement.devices):
-            if self._placement is not None:
-                self._placement.close()
-            self._placement = Placement(sorted(ipus), o.ipu_devices)
-        # [Note: graphs on their devices]: a kernel a stage's device lacks asks for a trace
-        # without CPU-only kernels; then every graph is rewritten for its device.
-        if retarget.lacking(part.stages, self._placement.devices):
-            part = partition(self._user_model, self._modes, a, kw, o.execution_strategy,
-                             self._training, generic=True)
-        retarget.place(part.stages, self._placement.devices)
-        self._weights.place(self._placement.devices,
-                            [(st.ipu, st.param_names) for st in part.stages])
-        self._weights.place_buffers([(st.ipu, [n.split(":", 1)[1] for n in st.inputs
-                                               if n.startswith("buffer:")])
-                                     for st in part.stages])
-        recompute = tuple(self._recomputed(st) for st in part.stages) if self._training else ()
-        program = _Program(part, Executor(part, self._placement, self._weights, recompute,
-                                          self._processes),
-                           o.execution_strategy.schedule, recompute)
-        self._programs[key] = program
-        self._compiled = True
+        program = self._programs.get(key)
+        if program is None:
+            if self._processes is not None:  # first compile: join the group, compare options
+                self._processes.join(self._user_model, self._optimizer)
+            if self._weights is not None:
+                self._weights.to_host()  # trace with the trained values, outside the trace
+            program, self._weights, self._placement = compile_program(
+                self._user_model, self._modes, self._options, self._training, mbs,
+                self._replicas(), self._weights, self._placement, self._processes)
+            self._programs[key] = program
+            self._compiled = True
         return program
-
-    def _recomputed(self, stage) -> bool:
-        """Whether a stage is recomputed: its Stage's ``recompute()``, else autoRecomputation."""
-        strategy = self._options.execution_strategy
-        chosen = [strategy.stages[i].recompute_enabled for i in
-                  (strategy.stage_index(b) for b in stage.blocks) if i is not None]
-        chosen = [c for c in chosen if c is not None]
-        if chosen:
-            return any(chosen)
-        return self._options.auto_recomputation >= 3  # PopART's RecomputationType.Pipeline
 
     def _attach(self) -> None:
         if self._processes is not None:  # every process starts from process 0's weights

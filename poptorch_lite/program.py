@@ -1,0 +1,114 @@
+"""Programs: what one input signature of a wrapped model compiles to.
+
+A wrapper compiles a program the first time it sees an input signature
+(shapes, dtypes, structure): the model is traced and split into stages
+(``partition``), the stages' IPUs get devices and streams (``placement``) and
+their graphs are rewritten for those devices (``retarget``), every parameter
+gets its home (``weights``), and an executor is built to run the program's
+schedules (``executor``). Everything here is refused before any weight,
+buffer, optimizer state or random state changes.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import retarget
+from .batch import MicroBatches
+from .errors import OptionsError
+from .executor import Executor
+from .options import Options
+from .partition import Partition, check_pipeline_minimums, partition
+from .placement import Placement
+from .schedule import build
+from .weights import Weights
+
+
+class Program:
+    """What one input signature compiles to: the partition, its executor, its schedules."""
+
+    def __init__(self, partition: Partition, executor: Executor, kind, recompute: tuple):
+        self.partition = partition
+        self.executor = executor
+        self.kind = kind
+        self.recompute = recompute
+        self._schedules: dict = {}
+
+    def schedule(self, m: int, training: bool):
+        """The (validated, cached) schedule for m micro-batches."""
+        if (m, training) not in self._schedules:
+            ipus = self.partition.stage_ipus()
+            self._schedules[m, training] = build(self.kind, len(ipus), m, training, ipus,
+                                                 self.recompute if training else None)
+        return self._schedules[m, training]
+
+
+def recomputed(options: Options, stage) -> bool:
+    """Whether a stage is recomputed: its Stage's ``recompute()``, else autoRecomputation."""
+    strategy = options.execution_strategy
+    chosen = [strategy.stages[i].recompute_enabled for i in
+              (strategy.stage_index(b) for b in stage.blocks) if i is not None]
+    chosen = [c for c in chosen if c is not None]
+    if chosen:
+        return any(chosen)
+    return options.auto_recomputation >= 3  # PopART's RecomputationType.Pipeline
+
+
+def compile_program(model: torch.nn.Module, modes: dict, options: Options, training: bool,
+                    mbs: MicroBatches, replicas: int, weights: Optional[Weights],
+                    placement: Optional[Placement], processes) -> tuple:
+    """Trace, split, place and plan the program of ``mbs``'s signature.
+
+    Args:
+        model: the user's model; modes: its modules' wrap-time train/eval flags.
+        options: the wrapper's frozen options; training: a training wrapper.
+        mbs: the call's micro-batches (micro-batch 0 is traced).
+        replicas: the in-process replicas R / g.
+        weights, placement: the wrapper's, None before its first program.
+        processes: the replicas in other processes (``distributed``), or None.
+
+    Returns:
+        ``(program, weights, placement)``: a program's weights and placement are
+        the wrapper's, shared by all its programs (a new placement when a program
+        uses IPUs the old one lacks).
+
+    Raises:
+        TraceError, BlockError, LossError, PipelineError, OptionsError: refused
+            before any state changes.
+    """
+    o = options
+    a, kw = mbs.args_kwargs(0)
+    part = partition(model, modes, a, kw, o.execution_strategy, training)
+    check_pipeline_minimums(part.num_stages, o.execution_strategy, training,
+                            o.Training.gradient_accumulation, o.device_iterations)
+    P = o.Distributed.num_processes if processes is not None else 1  # processes
+    if replicas * P > 1 and part.mutated_buffers and o.broadcast_buffers:
+        raise OptionsError(
+            f"PopTorch does not support broadcasting buffers: the model changes buffers "
+            f"{sorted(part.mutated_buffers)} and replicationFactor is "
+            f"{o.replication_factor}{f' in each of {P} processes' if P > 1 else ''}. If "
+            f"your model is able to tolerate buffers becoming out of sync between replicas, you "
+            f"can disable buffer broadcasting using poptorch.Options.broadcastBuffers(False)")
+    if weights is None:
+        weights = Weights(model, replicas, separate_buffers=not o.broadcast_buffers,
+                          separate_memories=o.use_model,
+                          offload=training and o.TensorLocations.offload_optimizer)
+    ipus = set(part.stage_ipus())
+    if placement is None or not ipus <= set(placement.devices):
+        if placement is not None:
+            placement.close()
+        placement = Placement(sorted(ipus), o.ipu_devices)
+    # [Note: graphs on their devices]: a kernel a stage's device lacks asks for a trace
+    # without CPU-only kernels; then every graph is rewritten for its device.
+    if retarget.lacking(part.stages, placement.devices):
+        part = partition(model, modes, a, kw, o.execution_strategy, training, generic=True)
+    retarget.place(part.stages, placement.devices)
+    weights.place(placement.devices, [(st.ipu, st.param_names) for st in part.stages])
+    weights.place_buffers([(st.ipu, [n.split(":", 1)[1] for n in st.inputs
+                                     if n.startswith("buffer:")]) for st in part.stages])
+    recompute = tuple(recomputed(o, st) for st in part.stages) if training else ()
+    program = Program(part, Executor(part, placement, weights, recompute, processes),
+                      o.execution_strategy.schedule, recompute)
+    return program, weights, placement
