@@ -127,7 +127,10 @@ class DataLoader(torch.utils.data.DataLoader):
         mode, async_options = _check_mode(mode, async_options)
         shuffle = bool(shuffle)
         is_iterable = isinstance(dataset, torch.utils.data.IterableDataset)
-        P, p = options.Distributed.numProcesses, options.Distributed.processId
+        # The n processes of one pipeline read the same data ([Note: stages in other processes]
+        # in process_pipeline): the loader shards over the W/n pipelines.
+        n = options.Distributed.processes_per_pipeline
+        P, p = max(options.Distributed.numProcesses // n, 1), options.Distributed.processId // n
         distributed = P > 1 and auto_distributed_partitioning
         self._epoch_sampler: Optional[_ProcessBlockSampler] = None
         self._rebatched_size: Optional[int] = None

@@ -1,35 +1,43 @@
-"""Replicas in other processes: training across processes and hosts on ``torch.distributed``.
+"""Other processes: replicas and pipeline stages across processes and hosts on ``torch.distributed``.
 
 [Note: replicas across processes]
 PopTorch users run several instances with ``poprun``; poptorch_lite users run
 several processes with ``torchrun`` (or any launcher that sets ``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``). ``Options.Distributed``
 picks up the process id and count ([Note: process ids] in ``option_groups``).
-Each process runs its own R replicas (``replicationFactor``) on its own
-slice of the data, so there are R·P global replicas and an optimizer step
-sees micro-batch × gradientAccumulation × R × P samples.
+The W processes form W/n pipelines of n processes (:class:`Layout`; n is 1
+unless ``Options.Distributed.set_ipu_processes`` spreads a pipeline's stages
+over n processes: [Note: stages in other processes] in ``process_pipeline``).
+The pipelines are data-parallel replicas: each runs its own R replicas
+(``replicationFactor``) on its own slice of the data, so there are R·W/n global
+replicas and an optimizer step sees micro-batch × gradientAccumulation × R × W/n
+samples.
 
-A training wrapper whose options name more than one process
-(:class:`ProcessReplicas`):
+A wrapper whose options name more than one process (:class:`Processes`; a
+training wrapper, or any wrapper whose pipeline spans processes):
 
 1. joins the process group lazily, at its first call or ``compile()``, before
    tracing: ``init_process_group(init_method="env://")`` with gloo for CPU
-   parameters or NCCL for CUDA ones (``LOCAL_RANK`` picks the CUDA device), and
-   the collective timeout of ``POPTORCH_LITE_DIST_TIMEOUT`` (seconds, default
-   300, below the 600 s default watchdog). A group the user initialised already
-   is used as it is. A group poptorch_lite made is destroyed at interpreter exit.
+   parameters or NCCL for CUDA ones (``LOCAL_RANK`` picks the CUDA device;
+   with stages in other processes, gloo for CPU tensors and NCCL for CUDA
+   ones), and the collective timeout of ``POPTORCH_LITE_DIST_TIMEOUT`` (seconds,
+   default 300, below the 600 s default watchdog). A group the user initialised
+   already is used as it is. A group poptorch_lite made is destroyed at
+   interpreter exit.
 2. all-gathers the options every process must agree on and refuses
    (``OptionsError``, on every process) when they differ;
-3. broadcasts the parameters and buffers of process 0 when it first attaches,
-   as DDP does, so that every process starts identical;
+3. a training wrapper broadcasts each parameter and buffer from the process of
+   pipeline 0 that runs it (process 0 when every process runs every stage) when
+   it first attaches, as DDP does, so that every replica starts identical;
 4. in every optimizer step (the U action, one thread per process), after every
    stage's reduction and before clipping, all-reduces (sums) the gradients over
-   the processes (tensors of 1 MB or more in place, smaller ones flattened in
-   buckets of at most 25 MB per dtype and device; see :func:`_buckets`), and divides
-   by P for ``ReductionType.Mean``: with the local division by G·R
-   ([Note: gradient arithmetic] in ``executor``) that divides by G·R·P in all.
-   A gradient that is None in one process counts as zeros there; it stays None
-   only where it is None in every process.
+   the processes that run the same stages (all of them with n = 1; tensors of
+   1 MB or more in place, smaller ones flattened in buckets of at most 25 MB per
+   dtype and device; see :func:`_buckets`), and divides by W/n for
+   ``ReductionType.Mean``: with the local division by G·R ([Note: gradient
+   arithmetic] in ``executor``) that divides by G·R·W/n in all. A gradient that
+   is None in one process counts as zeros there; it stays None only where it is
+   None in every process.
 
 A failed or hung collective raises ``ExecutionError`` naming the processes and
 the timeout. Every process must call the model the same number of times.
@@ -38,9 +46,10 @@ the timeout. Every process must call the model the same number of times.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import datetime
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -56,6 +65,7 @@ BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
 ALONE_BYTES = 1024 * 1024  # tensors this large are reduced in place, unflattened
 
 _owned_group = False  # whether poptorch_lite initialised the default group (and destroys it)
+_GROUPS: dict = {}  # (ranks, purpose) -> process group, made by every process in one order
 
 
 def is_main_process() -> bool:
@@ -101,6 +111,93 @@ def shutdown() -> None:
     if _owned_group and dist.is_initialized():
         dist.destroy_process_group()
     _owned_group = False
+    _GROUPS.clear()
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where this process sits among W processes: pipeline ``rank // n``, position ``rank % n``.
+
+    ``ipu_processes`` lists, per position of a pipeline, the IPU ids it runs
+    (``Options.Distributed.set_ipu_processes``); None: every process runs every IPU.
+
+    Example:
+        >>> layout = Layout(3, 4, ((0,), (1, 2)))
+        >>> layout.n, layout.pipeline, layout.position, layout.pipelines
+        (2, 1, 1, 2)
+        >>> layout.position_of(2), layout.runs(0), layout.rank_of(0, 1)
+        (1, False, 1)
+    """
+
+    rank: int
+    size: int
+    ipu_processes: Optional[tuple] = None
+
+    @property
+    def n(self) -> int:
+        """Processes per pipeline."""
+        return len(self.ipu_processes) if self.ipu_processes else 1
+
+    @property
+    def pipeline(self) -> int:
+        return self.rank // self.n
+
+    @property
+    def position(self) -> int:
+        return self.rank % self.n
+
+    @property
+    def pipelines(self) -> int:
+        """W/n: the data-parallel replicas of the pipeline."""
+        return self.size // self.n
+
+    @property
+    def spans_processes(self) -> bool:
+        """Whether a pipeline's stages run in more than one process."""
+        return self.n > 1
+
+    def rank_of(self, pipeline: int, position: int) -> int:
+        return pipeline * self.n + position
+
+    def position_of(self, ipu: int) -> Optional[int]:
+        """The position that runs ``ipu`` (0 when every process runs every IPU; None:
+        the mapping leaves it out)."""
+        if not self.ipu_processes:
+            return 0
+        return next((j for j, ids in enumerate(self.ipu_processes) if ipu in ids), None)
+
+    def runs(self, ipu: int) -> bool:
+        """Whether this process runs ``ipu``."""
+        return not self.ipu_processes or ipu in self.ipu_processes[self.position]
+
+    def pipeline_ranks(self, pipeline: Optional[int] = None) -> tuple:
+        k = self.pipeline if pipeline is None else pipeline
+        return tuple(self.rank_of(k, j) for j in range(self.n))
+
+    def replica_ranks(self, position: Optional[int] = None) -> tuple:
+        """The processes that run the same stages (one per pipeline)."""
+        j = self.position if position is None else position
+        return tuple(self.rank_of(k, j) for k in range(self.pipelines))
+
+    @classmethod
+    def from_options(cls, options) -> "Layout":
+        """This process's layout; refuses a process count the pipelines do not divide.
+
+        Raises:
+            OptionsError: ``set_ipu_processes`` names n processes per pipeline but
+                W is not a multiple of n (1 included: not launched as W processes).
+        """
+        d = options.Distributed
+        layout = cls(d.process_id, d.num_processes, d.ipu_processes)
+        if layout.size % layout.n:
+            raise OptionsError(
+                f"Options.Distributed.set_ipu_processes spreads each pipeline over {layout.n} "
+                f"processes, but this run has {layout.size} process"
+                f"{'es' if layout.size != 1 else ''} (Options.Distributed.numProcesses), which "
+                f"is not a multiple of {layout.n}; launch a multiple of {layout.n} processes "
+                f"(torchrun --nproc_per_node {layout.n} script.py for one pipeline, "
+                f"{2 * layout.n} for two data-parallel replicas of it)")
+        return layout
 
 
 def agreed_options(options, optimizer, model) -> dict:
@@ -124,36 +221,44 @@ def agreed_options(options, optimizer, model) -> dict:
         "Options.randomSeed": o.random_seed,
         "Options.broadcastBuffers": o.broadcast_buffers,
         "Options.setExecutionStrategy": repr(o.execution_strategy),
+        "Options.Distributed.set_ipu_processes": o.Distributed.ipu_processes,
         "optimizer": type(optimizer).__name__,
         "model parameters (count, elements)": (len(params), sum(p.numel() for p in params)),
     }
 
 
-class ProcessReplicas:
-    """The replicas of one training wrapper that run in the other processes.
+class Processes:
+    """The other processes of one wrapper: its replicas and the stages they run.
 
     Args:
-        options: the wrapper's options (``Options.Distributed`` gives rank and count).
+        options: the wrapper's options (``Options.Distributed`` gives rank, count and
+            the IPUs of each process of a pipeline).
+
+    Raises:
+        OptionsError: the process count is not a multiple of the pipeline's (:class:`Layout`).
 
     Example:
         >>> from poptorch_lite.options import Options
-        >>> ProcessReplicas.for_options(Options(), training=True) is None  # one process
+        >>> Processes.for_options(Options(), training=True) is None  # one process
         True
     """
 
     def __init__(self, options):
         self.options = options
-        self.rank = options.Distributed.process_id
-        self.size = options.Distributed.num_processes
+        self.layout = Layout.from_options(options)
+        self.rank, self.size = self.layout.rank, self.layout.size
         self.mean = options.Training.reduction_type == ReductionType.Mean
         self.timeout = collective_timeout()
         self._joined = self._broadcast = False
 
     @classmethod
-    def for_options(cls, options, training: bool) -> Optional["ProcessReplicas"]:
-        """The replicas for these options, or None when the wrapper runs in one process."""
+    def for_options(cls, options, training: bool) -> Optional["Processes"]:
+        """The other processes for these options, or None when the wrapper runs alone:
+        one process, or an inference wrapper whose stages all run in this one."""
+        d = options.Distributed
         initialized = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        if not training or (options.Distributed.num_processes == 1 and not initialized):
+        spread = d.ipu_processes is not None and len(d.ipu_processes) > 1
+        if not spread and (not training or (d.num_processes == 1 and not initialized)):
             return None
         return cls(options)
 
@@ -189,9 +294,12 @@ class ProcessReplicas:
                     f"MASTER_PORT to process 0's address and a free port")
             if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:  # this process's GPU
                 torch.cuda.set_device(process_gpu())  # [Note: GPUs of a process]
-            cuda = any(p.is_cuda for p in model.parameters())  # where the gradients meet
+            if self.layout.spans_processes:  # activations on the CPU or on GPUs
+                backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+            else:  # where the gradients meet
+                backend = "nccl" if any(p.is_cuda for p in model.parameters()) else "gloo"
             try:
-                dist.init_process_group("nccl" if cuda else "gloo", init_method="env://",
+                dist.init_process_group(backend, init_method="env://",
                                         rank=self.rank, world_size=self.size,
                                         timeout=datetime.timedelta(seconds=self.timeout))
             except Exception as exc:
@@ -201,41 +309,124 @@ class ProcessReplicas:
             _owned_group = True
         self._joined = True
         self._check_same(agreed_options(self.options, optimizer, model))
+        if self.layout.spans_processes:  # every process makes every group, in one order
+            for k in range(self.layout.pipelines):
+                self.group(self.layout.pipeline_ranks(k), "pipeline")
+            for j in range(self.layout.n):
+                self.group(self.layout.replica_ranks(j), "replicas")
 
-    def broadcast_from_main(self, model: torch.nn.Module) -> None:
-        """Copy process 0's parameters and buffers into this process's model; once."""
+    def group(self, ranks: tuple, purpose: str):
+        """The process group of ``ranks`` for ``purpose`` (made on first use).
+
+        Every process must ask for every group, members or not, in the same order
+        (``torch.distributed.new_group``); a group asked for again is the one made.
+        """
+        key = (tuple(ranks), purpose)
+        if key not in _GROUPS:
+            try:
+                _GROUPS[key] = dist.new_group(list(ranks), timeout=datetime.timedelta(
+                    seconds=self.timeout))
+            except Exception as exc:
+                raise self._failed(f"making the process group {list(ranks)}", exc) from exc
+        return _GROUPS[key]
+
+    def _replicas_group(self):
+        """The processes that run this process's stages: all of them with n = 1."""
+        return (self.group(self.layout.replica_ranks(), "replicas")
+                if self.layout.spans_processes else None)
+
+    def broadcast_from_main(self, model: torch.nn.Module,
+                            owner: Optional[Callable[[str], Optional[int]]] = None) -> None:
+        """Give every process pipeline 0's parameters and buffers; once.
+
+        Args:
+            model: the user's model.
+            owner: tensor name -> the position of the pipeline's process that runs it (None:
+                no stage uses it); without, process 0 is the source of every tensor.
+        """
         if self._broadcast:
             return
-        tensors = [t.data for t in (*model.parameters(), *model.buffers())]
+        by_source: dict = {}
+        for name, t in (*model.named_parameters(), *model.named_buffers()):
+            position = owner(name) if owner is not None else None
+            by_source.setdefault(self.layout.rank_of(0, position or 0), []).append(t.data)
         with torch.no_grad():
-            for bucket in _buckets(tensors):
-                flat = _flat(bucket)
-                self._collective("broadcasting process 0's weights", dist.broadcast, flat, 0)
-                _unflat(flat, bucket)
+            for src in sorted(by_source):
+                for bucket in _buckets(by_source[src]):
+                    flat = _flat(bucket)
+                    self._collective(f"broadcasting process {src}'s weights", dist.broadcast,
+                                     flat, src)
+                    _unflat(flat, bucket)
         self._broadcast = True
 
     def all_reduce_grads(self, params: dict) -> None:
-        """Sum every parameter's gradient over the processes; Mean also divides by P.
+        """Sum every parameter's gradient over the processes that run the same stages;
+        Mean also divides by their count (W/n).
 
-        Call it from one thread per process, with the same ``params`` everywhere.
+        Call it from one thread per process, with the same ``params`` in every process
+        of the group.
         """
+        replicas = self.layout.pipelines
         trainable = [p for p in params.values() if p.requires_grad]
-        if not trainable:
+        if not trainable or replicas == 1:
             return
+        group = self._replicas_group()
         present = torch.tensor([p.grad is not None for p in trainable], dtype=torch.int32,
                                device=trainable[0].device)
-        self._collective("the gradient all-reduce", dist.all_reduce, present)
+        self._collective("the gradient all-reduce", dist.all_reduce, present, group=group)
         used = [p for p, n in zip(trainable, present.tolist()) if n > 0]
         with torch.no_grad():
             for p in used:
                 if p.grad is None:  # unused here, used elsewhere: contributes zeros
                     p.grad = torch.zeros_like(p)
-            for bucket in _buckets([p.grad for p in used]):
+            self.all_reduce([p.grad for p in used], group, "the gradient all-reduce",
+                            replicas if self.mean else 1)
+
+    def all_reduce(self, tensors: list, group, what: str, divisor: int = 1) -> None:
+        """Sum ``tensors`` in place over ``group`` (in buckets: :func:`_buckets`), then
+        divide by ``divisor``."""
+        with torch.no_grad():
+            for bucket in _buckets(tensors):
                 flat = _flat(bucket)
-                self._collective("the gradient all-reduce", dist.all_reduce, flat)
-                if self.mean:
-                    flat.div_(self.size)
+                self._collective(what, dist.all_reduce, flat, group=group)
+                if divisor != 1:
+                    flat.div_(divisor)
                 _unflat(flat, bucket)
+
+    def pipeline_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` summed over the processes of this pipeline (in place; returned)."""
+        group = self.group(self.layout.pipeline_ranks(), "pipeline")
+        self._collective("summing over the pipeline's processes", dist.all_reduce, values,
+                         group=group)
+        return values
+
+    def pipeline_broadcast(self, t: torch.Tensor, position: int) -> None:
+        """Broadcast ``t`` in place from the pipeline's process at ``position``."""
+        group = self.group(self.layout.pipeline_ranks(), "pipeline")
+        self._collective("handing the outputs to the pipeline's processes", dist.broadcast, t,
+                         self.layout.rank_of(self.layout.pipeline, position), group=group)
+
+    def gather(self, mine: dict) -> dict:
+        """The union of every process's ``mine`` (one all-gather of Python objects)."""
+        everyone = [None] * self.size
+        self._collective("exchanging the stages' devices", dist.all_gather_object, everyone,
+                         mine)
+        merged: dict = {}
+        for theirs in everyone:
+            merged.update(theirs)
+        return merged
+
+    def agree(self, failure: Optional[str]) -> Optional[tuple]:
+        """Whether any process failed this run: ``(rank, its description)`` of the first
+        that did (in rank order), or None. One small all-reduce over every process; the
+        descriptions travel only when one failed."""
+        flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32)
+        self._collective("agreeing on the run's outcome", dist.all_reduce, flag)
+        if not int(flag):
+            return None
+        everyone = [None] * self.size
+        self._collective("gathering the failures", dist.all_gather_object, everyone, failure)
+        return next((r, text) for r, text in enumerate(everyone) if text is not None)
 
     # -- internals ------------------------------------------------------------------------
 
@@ -250,9 +441,9 @@ class ProcessReplicas:
                         f"(rank {self.rank}) but {theirs.get(name)!r} in rank {rank}; every "
                         f"process must use the same options, optimizer and model")
 
-    def _collective(self, what: str, fn, *args) -> None:
+    def _collective(self, what: str, fn, *args, **kwargs) -> None:
         try:
-            fn(*args)
+            fn(*args, **kwargs)
         except Exception as exc:
             raise self._failed(what, exc) from exc
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import time
 from typing import Callable, Optional, Sequence
 
@@ -45,10 +46,12 @@ from .errors import ExecutionError, UnrecoverableError
 from .loss_scaling import LossScale
 from .partition import Partition
 from .placement import ActionFailed, ActionStuck, Placement, StreamFailed
+from .process_pipeline import Channels
 from .weights import Weights
 from .schedule import Action, Kind, Schedule
 from .stage_work import Run, StageWork
 from .timeline import Recorder
+from .value_info import ValueInfo
 
 
 @dataclasses.dataclass
@@ -98,24 +101,33 @@ class Executor:
             ``stage_work``).
         processes: the replicas in other processes, whose gradients the step
             all-reduces with this one's (None: one process; ``distributed``).
+        channels: the messages to the stages that other processes run (None: every
+            stage runs here; [Note: stages in other processes] in ``process_pipeline``).
 
     Example:
         See ``wrapper.PoplarExecutor``, which builds one per traced input signature.
     """
 
     def __init__(self, partition: Partition, placement: Placement, weights: Weights,
-                 recompute: Optional[Sequence[bool]] = None, processes=None):
+                 recompute: Optional[Sequence[bool]] = None, processes=None,
+                 channels: Optional[Channels] = None):
         self.partition = partition
         self.processes = processes
+        self.channels = channels
         self.placement = placement
         self.weights = weights
-        self.work = StageWork(partition, placement, weights, recompute)
+        self.work = StageWork(partition, placement, weights, recompute,
+                              channels.remote_inputs if channels is not None else None)
         self.random = any(st.random for st in partition.stages)
-        # The parameters whose gradient each stage reduces: those it is the first to use.
+        # The stages this process runs (all of them unless a pipeline spans processes).
+        self.local = [st.ipu in placement.devices for st in partition.stages]
+        self.step_ipu = next(st.ipu for st in partition.stages if self.local[st.index])
+        self.broken: Optional[str] = None  # why messages to other processes went astray
+        # The parameters whose gradient each stage reduces: those it is the first here to use.
         self.owned = [[] for _ in partition.stages]
         seen: set = set()
         for st in partition.stages:
-            for name in st.param_names:
+            for name in st.param_names if self.local[st.index] else ():
                 if name not in seen:
                     seen.add(name)
                     self.owned[st.index].append(name)
@@ -129,9 +141,29 @@ class Executor:
         self.input_keys = {}
         for st, sources in zip(partition.stages, self.work.sources):
             keys = [key for _, kind, key in sources if kind == "input"]
-            if keys:
+            if keys and self.local[st.index]:
                 self.input_keys.setdefault(st.ipu, set()).update(keys)
         self.gpu_ipus = {ipu for ipu, dev in placement.devices.items() if dev.type == "cuda"}
+        # The parameters this process steps, and those whose norm it counts when clipping
+        # (a weight used in several processes counts in the first of them).
+        here = {n for st in partition.stages if self.local[st.index] for n in st.param_names}
+        self._stepped = {n: p for n, p in weights.params.items() if n in here}
+        first = {}
+        for st in partition.stages:
+            for n in st.param_names:
+                first.setdefault(n, st.index)
+        self._counted = [n for n in self._stepped if self.local[first[n]]]
+        # Where each returned value is computed: the pipeline position of its process.
+        self.output_owner = {}
+        if channels is not None:
+            producer = {n: st.index for st in partition.stages for n in st.outputs}
+            for name in (o for o in partition.outputs if isinstance(o, str)):
+                kind, _, key = name.partition(":")
+                s = producer.get(name) if kind == "node" else first.get(key) if kind == "param" \
+                    else self._buffer_stage(key) if kind == "buffer" else None
+                if s is not None:
+                    self.output_owner[name] = channels.position[s]
+        self._failure_lock = threading.Lock()
         self.steps_applied = 0  # updates completed ([Note: commit point])
         self.undoable = False   # the caller snapshots whole calls (allOrNothingCalls)
         self.handlers = {Kind.FORWARD: self.work.forward, Kind.BACKWARD: self.work.backward,
@@ -166,11 +198,17 @@ class Executor:
                 micro-batch and action and shows the grid with the failing row marked.
         """
         p = self.partition
+        if self.broken is not None:
+            raise ExecutionError(
+                f"this model's processes went out of step in an earlier call ({self.broken}): "
+                f"messages between them may be half delivered, so no further call can run; "
+                f"restart every process (from the last checkpoint: poptorch_lite.load_checkpoint)")
         streams = None
         if self.random:  # [Note: micro-batch RNG]
             base = rng.draw_base()
             streams = [rng.Stream(rng.microbatch_seed(base, i)) for i in range(len(microbatches))]
         run = Run(p, microbatches, replica_of, streams)
+        run.index, run.training = run_index, schedule.training
         begun = self.placement.begin() if self.gpu_ipus else None  # before the inputs' copies
         self._place_inputs(run)
         if schedule.training:
@@ -183,10 +221,15 @@ class Executor:
         handlers = self.handlers
         timed = () if recorder is None else self.gpu_ipus  # [Note: GPU timeline]
 
+        channels = self.channels
+
         def call(a: Action) -> None:
             start = time.perf_counter()
             with torch.set_grad_enabled(training):  # grad mode is per thread
-                handlers[a.kind](a, run, step)
+                if channels is None:
+                    handlers[a.kind](a, run, step)
+                else:
+                    self._exchange(a, run, step)
             if recorder is not None and self._ipu(a) not in timed:
                 recorder.add(self._ipu(a), a.stage, a.microbatch, a.kind.value, start,
                              time.perf_counter(), run_index)
@@ -194,6 +237,8 @@ class Executor:
         try:
             spans = self.placement.run_lists(lists, waits.__getitem__, call, watchdog, in_order,
                                              begun)
+            if channels is not None:
+                self._settle(schedule, run, rows, run_index)
         except StreamFailed as failed:
             ipu = failed.ipu
             raise ExecutionError(
@@ -205,11 +250,15 @@ class Executor:
                 f"CUDA_LAUNCH_BLOCKING=1 to have the action that launched it raise it",
                 location=f"stream {ipu}") from failed.exc
         except ActionFailed as failure:
+            if channels is not None:  # a message went astray, or Ctrl-C: out of step
+                self.broken = f"{failure.action}: {type(failure.exc).__name__}"
             if not isinstance(failure.exc, Exception):  # KeyboardInterrupt, SystemExit
                 failure.exc.add_note(f"poptorch_lite: raised by action {failure.action}")
                 raise failure.exc from None
             self._fail(schedule, rows[failure.action], failure.action, failure.exc, run_index)
         except ActionStuck as stuck:
+            if channels is not None:
+                self.broken = "the watchdog fired"
             a = next(iter(stuck.running.values()), None)
             self._fail(schedule, rows.get(a), a, TimeoutError(
                 f"no action finished for {stuck.seconds} s (Options.watchdogTimeout); "
@@ -218,9 +267,56 @@ class Executor:
         for a, span in spans.items() if recorder is not None else ():  # [Note: GPU timeline]
             recorder.add_gpu(self._ipu(a), a.stage, a.microbatch, a.kind.value, *span, run_index)
         names = [o for o in p.outputs if isinstance(o, str)]
+        kept = [i for i in range(len(microbatches)) if keep is None or keep[i]]
+        if channels is not None:  # computed in other processes: [Note: stages in other processes]
+            channels.share_outputs(run, names, kept, self._result, self.output_owner,
+                                   self._output_info)
         out = [[self._result(run, i, o) for o in names] if keep is None or keep[i] else None
                for i in range(len(microbatches))]
         return out, run.stats
+
+    # -- stages in other processes --------------------------------------------------------
+
+    def _exchange(self, a: Action, run: Run, step: Optional[StepArithmetic]) -> None:
+        """An action of a pipeline that spans processes: receive what it needs, compute
+        (nothing once this process failed, except the update's agreement), send what it made
+        ([Note: stages in other processes] in ``process_pipeline``)."""
+        channels = self.channels
+        channels.before(a, run)
+        if run.failed is None or a.kind is Kind.STEP:
+            try:
+                self.handlers[a.kind](a, run, step)
+            except PartialUpdate:
+                raise
+            except Exception as exc:  # the others run on; every process stops at the update
+                with self._failure_lock:
+                    if run.failed is None:
+                        run.failed = (a, exc)
+        channels.after(a, run)
+
+    def _describe(self, run: Run) -> Optional[str]:
+        """What failed in this process this run, for the others' errors."""
+        if run.failed is None:
+            return None
+        a, exc = run.failed
+        return (f"action {a} ({a.kind.name.lower()}) failed on "
+                f"{self._where(a, run.index, run.training)}: {type(exc).__name__}: {exc}")
+
+    def _settle(self, schedule: Schedule, run: Run, rows: dict, run_index: int) -> None:
+        """After a run's lists: wait for its messages, agree on its outcome (inference; a
+        training run agreed in its update), and raise where any process failed."""
+        self.channels.finish(run)
+        if not schedule.training:
+            run.remote_failure = self.processes.agree(self._describe(run))
+        if run.failed is not None:
+            a, exc = run.failed
+            self._fail(schedule, rows[a], a, exc, run_index)
+        if run.remote_failure is not None:
+            rank, text = run.remote_failure
+            raise ExecutionError(
+                f"process {rank} failed this run of schedule '{schedule.name}', so process "
+                f"{self.processes.rank} stopped with it: {text}. No process applied this run's "
+                f"step", location=f"process {rank}")
 
     def _place_inputs(self, run: Run) -> None:
         """Put each IPU's input leaves in its memory, on the caller's thread, before the run.
@@ -263,23 +359,43 @@ class Executor:
         every action in row order when the schedule is a total order (else None)."""
         cached = self._plans.get(id(schedule))
         if cached is None or cached[0] is not schedule:
+            # This process's actions: every one unless stages run in other processes, where
+            # a dependency is a message instead ([Note: stages in other processes]).
+            mine = [[a for a in row if a is not None and self._here(a)] for row in schedule.rows]
             lists = {ipu: [] for ipu in self.placement.devices}
             rows = {}
-            for t, row in enumerate(schedule.rows):
+            for t, row in enumerate(mine):
                 for a in row:
-                    if a is not None:
-                        lists[self._ipu(a)].append(a)
-                        rows[a] = t
-            waits = {a: [d for d in schedule.dependencies(a) if self._ipu(d) != self._ipu(a)]
-                     for a in rows}
+                    lists[self._ipu(a)].append(a)
+                    rows[a] = t
+            waits = {a: [d for d in schedule.dependencies(a)
+                         if self._here(d) and self._ipu(d) != self._ipu(a)] for a in rows}
             total_order = all(sum(a is not None for a in row) <= 1 for row in schedule.rows)
-            in_order = ([(self._ipu(a), a) for row in schedule.rows for a in row if a is not None]
+            in_order = ([(self._ipu(a), a) for row in mine for a in row]
                         if total_order else None)
             cached = self._plans[id(schedule)] = (schedule, (lists, waits, rows, in_order))
         return cached[1]
 
     def _ipu(self, a: Action) -> int:
-        return self.partition.stages[a.stage if a.stage is not None else 0].ipu
+        """The IPU (stream) that runs ``a``; the update runs on this process's first."""
+        return self.partition.stages[a.stage].ipu if a.stage is not None else self.step_ipu
+
+    def _buffer_stage(self, name: str) -> Optional[int]:
+        return next((st.index for st in self.partition.stages
+                     if f"buffer:{name}" in st.inputs), None)
+
+    def _output_info(self, name: str):
+        """What a returned value looks like ([Note: value info]): computed, or a weight's."""
+        info = self.partition.values.get(name)
+        if info is not None:
+            return info
+        kind, _, key = name.partition(":")
+        t = self.weights.params[key] if kind == "param" else self.weights.buffers[key]
+        return ValueInfo(tuple(t.shape), t.dtype, False, False)
+
+    def _here(self, a: Action) -> bool:
+        """Whether this process runs ``a`` (the update runs in every process)."""
+        return a.stage is None or self.local[a.stage]
 
     # -- reduction and update -------------------------------------------------------------
 
@@ -302,24 +418,50 @@ class Executor:
         # skips it when automatic loss scaling finds a non-finite gradient. Inside
         # stepping(), the host parameters stand for their homes ([Note: weight homes]).
         weights = self.weights
+        if self.channels is not None:  # [Note: stages in other processes]: all step, or none
+            run.remote_failure = self.processes.agree(self._describe(run))
+            if run.failed is not None or run.remote_failure is not None:
+                return
         with weights.stepping():
+            if self.channels is not None:  # a weight used in several processes: one gradient
+                self.channels.reduce_tied(weights.params)
             if self.processes is not None:  # [Note: replicas across processes] global gradient first
-                self.processes.all_reduce_grads(weights.params)
+                self.processes.all_reduce_grads(self._stepped)
             params = [p for p in weights.params.values() if p.grad is not None]
+            spread = self.channels is not None  # the stages' gradients are in several processes
             if step.loss_scale.automatic:  # one sync per step
-                finite = bool(torch.stack([torch.isfinite(p.grad).all().to(params[0].device)
-                                           for p in params]).all()) if params else True
-                if not step.loss_scale.update(finite):
+                bad = torch.stack([(~torch.isfinite(p.grad)).any().cpu() for p in params]).sum(
+                    dtype=torch.float64) if params else torch.zeros((), dtype=torch.float64)
+                if spread:
+                    bad = self.processes.pipeline_sum(bad.reshape(1))[0]
+                if not step.loss_scale.update(not bool(bad)):
                     self.steps_applied += 1  # a skipped step counts as taken
                     return
             if math.isfinite(step.max_grad_norm):
-                torch.nn.utils.clip_grad_norm_(params, step.max_grad_norm)
+                if spread:
+                    self._clip_across_processes(step.max_grad_norm)
+                else:
+                    torch.nn.utils.clip_grad_norm_(params, step.max_grad_norm)
             try:  # [Note: commit point]: from here parameters and optimizer state change
                 step.optimizer.step()
             except Exception as exc:
                 raise PartialUpdate(exc) from exc
         weights.after_step()
         self.steps_applied += 1
+
+    def _clip_across_processes(self, max_norm: float) -> None:
+        """``clip_grad_norm_`` over the whole model's gradients, spread over the pipeline's
+        processes: each adds the squared norms of the gradients it counts (a weight used in
+        several processes counts in the first), one sum over the processes gives the norm."""
+        params = self.weights.params
+        counted = [params[n].grad for n in self._counted if params[n].grad is not None]
+        norms = [torch.linalg.vector_norm(g).cpu() for g in counted]
+        squares = (torch.stack(norms) ** 2).sum().reshape(1) if norms else torch.zeros(1)
+        total = self.processes.pipeline_sum(squares)[0].sqrt()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        grads = [p.grad for p in params.values() if p.grad is not None]
+        for g in grads:
+            g.mul_(coef.to(g.device))
 
     # -- results and failures -------------------------------------------------------------
 
@@ -338,18 +480,23 @@ class Executor:
                 v = self.weights.buffers[key].detach().clone()
         return v.cpu() if v.device.type != "cpu" else v  # after the run: the GPU is idle
 
+    def _where(self, a: Action, run_index: int, training: bool) -> str:
+        """Where ``a`` ran: process (when stages span processes), stream, stage, micro-batch."""
+        stage = self.partition.stages[a.stage] if a.stage is not None else None
+        ipu = self._ipu(a)
+        process = f"process {self.processes.rank}, " if self.channels is not None else ""
+        return (f"{process}stream {ipu} (IPU {ipu}, {self.placement.device(ipu)}), stage "
+                f"{'-' if stage is None else stage.index}"
+                f"{'' if stage is None else ' ' + str(list(stage.blocks))}, micro-batch "
+                f"{'-' if a.microbatch is None else a.microbatch}"
+                f"{f' of device iteration {run_index}' if training else ''}")
+
     def _fail(self, schedule: Schedule, row: Optional[int], a: Optional[Action],
               exc: BaseException, run_index: int = 0) -> None:
         if a is None:
             raise ExecutionError(f"the run of schedule '{schedule.name}' failed: "
                                  f"{type(exc).__name__}: {exc}\n{schedule.render()}") from exc
-        stage = self.partition.stages[a.stage] if a.stage is not None else None
-        ipu = self._ipu(a)
-        where = (f"stream {ipu} (IPU {ipu}, {self.placement.device(ipu)}), stage "
-                 f"{'-' if stage is None else stage.index}"
-                 f"{'' if stage is None else ' ' + str(list(stage.blocks))}, micro-batch "
-                 f"{'-' if a.microbatch is None else a.microbatch}"
-                 f"{f' of device iteration {run_index}' if schedule.training else ''}")
+        where = self._where(a, run_index, schedule.training)
         if isinstance(exc, PartialUpdate) and not self.undoable:  # [Note: commit point]
             raise UnrecoverableError(
                 f"action {a} ({a.kind.name.lower()}) failed on {where}: the optimizer's step "

@@ -10,8 +10,9 @@ optimizer's ``loss_scaling`` (1.0 for torch's optimizers).
 With ``opts.Training.setAutomaticLossScaling(True)`` the update action first
 checks the reduced gradients: if any is inf or NaN, the optimizer step is
 skipped (parameters and optimizer state stay as they are) and the scale is
-halved; after ``growth_interval`` finite steps in a row the scale doubles.
-This is ``torch.amp.GradScaler``'s rule. A poptorch_lite optimizer's
+halved; after ``growth_interval`` finite steps in a row the scale doubles,
+unless that would pass float32's largest number (the loss is multiplied by it in
+float32). This is ``torch.amp.GradScaler``'s rule. A poptorch_lite optimizer's
 ``loss_scaling`` attribute follows the current scale.
 
 Without it, a micro-batch whose loss is not finite stops the call with an
@@ -28,6 +29,10 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+
+import torch
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclasses.dataclass
@@ -62,7 +67,8 @@ class LossScale:
             return False
         self.good_steps += 1
         if self.good_steps >= self.growth_interval:
-            self.scale *= self.GROWTH
+            if self.scale * self.GROWTH <= FLOAT32_MAX:  # GradScaler grows to finite scales only
+                self.scale *= self.GROWTH
             self.good_steps = 0
         return True
 

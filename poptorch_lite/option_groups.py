@@ -223,10 +223,11 @@ class _DistributedOptions(OptionGroup):
     _ATTRIBUTES = {
         "process_id": lambda g, v: g.configureProcessId(v, g.num_processes),
         "num_processes": lambda g, v: g.configureProcessId(g.process_id, v),
+        "ipu_processes": via_setter("set_ipu_processes"),
     }
 
     def __init__(self):
-        super().__init__(process_id=0, num_processes=1)
+        super().__init__(process_id=0, num_processes=1, ipu_processes=None)
         if "OMPI_COMM_WORLD_SIZE" not in os.environ and "WORLD_SIZE" in os.environ:
             self.setEnvVarNames("WORLD_SIZE", "RANK")  # torchrun
         else:
@@ -278,6 +279,69 @@ class _DistributedOptions(OptionGroup):
                     f"Environment variable {var}={text!r} is not an int; set it to "
                     f"an integer or call opts.Distributed.disable()") from None
         self.configureProcessId(read[var_process_id], read[var_num_processes])
+
+    @property
+    def processes_per_pipeline(self) -> int:
+        """n: the processes one pipeline's stages are spread over (1 without
+        :meth:`set_ipu_processes`)."""
+        return len(self.ipu_processes) if self.ipu_processes else 1
+
+    @setter
+    def set_ipu_processes(self, mapping):
+        """Run a pipeline's stages in several processes (poptorch_lite's own option).
+
+        Entry j lists the IPU ids that process j of each pipeline runs ([Note: stages in
+        other processes] in ``process_pipeline``). With W = ``numProcesses`` processes
+        (torchrun's ``WORLD_SIZE``) and n entries there are W / n pipelines, data-parallel
+        replicas of each other: process r runs position r % n of pipeline r // n. Left
+        unset, every process runs every IPU (replicas across processes only).
+
+        Args:
+            mapping: a list (index = process) or a dict ``{process: ids}``; ids are an
+                IPU id or a list of IPU ids. Stored in ``ipu_processes`` as a tuple of
+                tuples.
+
+        Raises:
+            errors.OptionsError: not a list or dict, processes not numbered 0..n-1, an
+                IPU id that is not an int >= 0, an IPU given to two processes, or a
+                process without an IPU.
+
+        Example:
+            >>> _DistributedOptions().set_ipu_processes([[0, 1], 2]).ipu_processes
+            ((0, 1), (2,))
+        """
+        how = "call e.g. opts.Distributed.set_ipu_processes([[0], [1]])"
+        if isinstance(mapping, (list, tuple)):
+            mapping = dict(enumerate(mapping))
+        if not isinstance(mapping, dict) or not mapping:
+            raise errors.OptionsError(
+                f"set_ipu_processes needs a list or dict giving each process of a pipeline its "
+                f"IPU ids, got {mapping!r}; {how}")
+        if sorted(mapping) != list(range(len(mapping))):
+            raise errors.OptionsError(
+                f"set_ipu_processes: the processes of a pipeline are numbered 0..{len(mapping) - 1}, "
+                f"got {sorted(mapping, key=repr)}; {how}")
+        placed: dict = {}
+        processes = []
+        for j in range(len(mapping)):
+            ids = mapping[j]
+            ids = list(ids) if isinstance(ids, (list, tuple)) else [ids]
+            if not ids:
+                raise errors.OptionsError(
+                    f"set_ipu_processes: process {j} has no IPU; give every process of a "
+                    f"pipeline at least one IPU id")
+            for ipu in ids:
+                if isinstance(ipu, bool) or not isinstance(ipu, int) or ipu < 0:
+                    raise errors.OptionsError(
+                        f"set_ipu_processes: process {j} has IPU id {ipu!r}; IPU ids are "
+                        f"non-negative ints")
+                if ipu in placed:
+                    raise errors.OptionsError(
+                        f"set_ipu_processes: IPU {ipu} is given to processes {placed[ipu]} and "
+                        f"{j}; give each IPU one process")
+                placed[ipu] = j
+            processes.append(tuple(ids))
+        self._store(ipu_processes=tuple(processes))
 
     @setter
     def disable(self):

@@ -27,7 +27,7 @@ that feed another marked value are not final; exactly one must remain.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -37,6 +37,7 @@ from .enums import AutoStage, PipelineSchedule
 from .errors import BlockError, LossError, PipelineError
 from .strategies import ExecutionStrategy
 from .tracing import trace
+from .value_info import value_infos
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +98,8 @@ class Partition:
         mutated_buffers: names of buffers the forward changes in place.
         checkpoints: value names marked by ``recomputationCheckpoint``.
         module_blocks: layer name -> block id active when it ran (for summaries).
+        values: value name -> :class:`~poptorch_lite.value_info.ValueInfo` of every
+            value a stage computes for later stages or the caller ([Note: value info]).
     """
 
     stages: list
@@ -106,6 +109,7 @@ class Partition:
     mutated_buffers: frozenset
     checkpoints: frozenset
     module_blocks: dict
+    values: dict = dataclasses.field(default_factory=dict)
 
     @property
     def num_stages(self) -> int:
@@ -177,11 +181,14 @@ def _block_stage_ids(blocks: list, strategy: ExecutionStrategy) -> dict:
 
 
 def split(gm: fx.GraphModule, param_names: Sequence[str], buffer_names: Sequence[str],
-          strategy: ExecutionStrategy, training: bool) -> tuple:
+          strategy: ExecutionStrategy, training: bool,
+          trainable: Callable[[str], bool] = lambda name: True) -> tuple:
     """Split a traced graph into stages.
 
+    ``trainable`` says whether a parameter requires grad ([Note: value info]).
+
     Returns:
-        ``(stages, loss, output_values, checkpoints, block_stage)``.
+        ``(stages, loss, output_values, checkpoints, block_stage, values)``.
 
     Raises:
         BlockError: an op outside any Block, an unknown or unnamed block, or
@@ -294,8 +301,10 @@ def split(gm: fx.GraphModule, param_names: Sequence[str], buffer_names: Sequence
                             tuple(segments), rng.seed_random_ops(module)))
     output_values = [value_name(n) for n in model_outputs]
     loss = value_name(loss_node) if loss_node is not None else None
+    computed = {v for st in stages for v in st.outputs if v.startswith("node:")}
+    values = value_infos(gm, source_name, trainable, value_name, computed)
     return (stages, loss, output_values,
-            frozenset(value_name(c) for c in checkpoint_nodes), block_stage)
+            frozenset(value_name(c) for c in checkpoint_nodes), block_stage, values)
 
 
 def _segment_groups(nodes: list, checkpoints: set) -> list:
@@ -390,11 +399,12 @@ def partition(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict,
     """
     gm, pnames, bnames, spec, consts, layer_blocks, mutated = trace(model, modes, args, kwargs,
                                                                     training, generic)
-    stages, loss, tensor_outputs, checkpoints, _ = split(gm, pnames, bnames, strategy,
-                                                                 training)
+    params = dict(model.named_parameters())
+    stages, loss, tensor_outputs, checkpoints, _, values = split(
+        gm, pnames, bnames, strategy, training, lambda name: params[name].requires_grad)
     it = iter(tensor_outputs)
     outputs = [next(it) if c is None else c for c in consts]
-    return Partition(stages, loss, outputs, spec, mutated, checkpoints, layer_blocks)
+    return Partition(stages, loss, outputs, spec, mutated, checkpoints, layer_blocks, values)
 
 
 def check_pipeline_minimums(num_stages: int, strategy: ExecutionStrategy, training: bool,

@@ -22,6 +22,7 @@ from .executor import Executor
 from .options import Options
 from .partition import Partition, check_pipeline_minimums, partition
 from .placement import Placement
+from .process_pipeline import Channels
 from .schedule import build
 from .weights import Weights
 
@@ -83,7 +84,7 @@ def compile_program(model: torch.nn.Module, modes: dict, options: Options, train
     part = partition(model, modes, a, kw, o.execution_strategy, training)
     check_pipeline_minimums(part.num_stages, o.execution_strategy, training,
                             o.Training.gradient_accumulation, o.device_iterations)
-    P = o.Distributed.num_processes if processes is not None else 1  # processes
+    P = processes.layout.pipelines if processes is not None else 1  # data-parallel processes
     if replicas * P > 1 and part.mutated_buffers and o.broadcast_buffers:
         raise OptionsError(
             f"PopTorch does not support broadcasting buffers: the model changes buffers "
@@ -91,24 +92,55 @@ def compile_program(model: torch.nn.Module, modes: dict, options: Options, train
             f"{o.replication_factor}{f' in each of {P} processes' if P > 1 else ''}. If "
             f"your model is able to tolerate buffers becoming out of sync between replicas, you "
             f"can disable buffer broadcasting using poptorch.Options.broadcastBuffers(False)")
+    spans = processes is not None and processes.layout.spans_processes
+    if spans:
+        check_process_layout(processes.layout, part)
+    mine = [st for st in part.stages if not spans or processes.layout.runs(st.ipu)]
     if weights is None:
         weights = Weights(model, replicas, separate_buffers=not o.broadcast_buffers,
                           separate_memories=o.use_model,
                           offload=training and o.TensorLocations.offload_optimizer)
-    ipus = set(part.stage_ipus())
+    ipus = {st.ipu for st in mine}
     if placement is None or not ipus <= set(placement.devices):
         if placement is not None:
             placement.close()
         placement = Placement(sorted(ipus), o.ipu_devices)
     # [Note: graphs on their devices]: a kernel a stage's device lacks asks for a trace
     # without CPU-only kernels; then every graph is rewritten for its device.
-    if retarget.lacking(part.stages, placement.devices):
+    if retarget.lacking(mine, placement.devices):
         part = partition(model, modes, a, kw, o.execution_strategy, training, generic=True)
-    retarget.place(part.stages, placement.devices)
-    weights.place(placement.devices, [(st.ipu, st.param_names) for st in part.stages])
+        mine = [part.stages[st.index] for st in mine]
+    retarget.place(mine, placement.devices)
+    weights.place(placement.devices, [(st.ipu, st.param_names) for st in mine])
     weights.place_buffers([(st.ipu, [n.split(":", 1)[1] for n in st.inputs
-                                     if n.startswith("buffer:")]) for st in part.stages])
+                                     if n.startswith("buffer:")]) for st in mine])
     recompute = tuple(recomputed(o, st) for st in part.stages) if training else ()
-    program = Program(part, Executor(part, placement, weights, recompute, processes),
+    channels = Channels(part, processes, {ipu: placement.device(ipu) for ipu in ipus}, training,
+                        any(st.random for st in part.stages)) if spans else None
+    program = Program(part, Executor(part, placement, weights, recompute, processes, channels),
                       o.execution_strategy.schedule, recompute)
     return program, weights, placement
+
+
+def check_process_layout(layout, part: Partition) -> None:
+    """Refuse a pipeline over processes that leaves an IPU or a process without a place.
+
+    Raises:
+        OptionsError: an IPU the model uses is in no process of
+            ``Options.Distributed.set_ipu_processes``, or a process runs no stage.
+    """
+    used = sorted(set(part.stage_ipus()))
+    missing = [ipu for ipu in used if layout.position_of(ipu) is None]
+    if missing:
+        raise OptionsError(
+            f"the model's stages run on IPUs {used}, but Options.Distributed.set_ipu_processes"
+            f"({[list(ids) for ids in layout.ipu_processes]}) gives no process IPU"
+            f"{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}; give every IPU "
+            f"the model uses to a process")
+    for j, ids in enumerate(layout.ipu_processes):
+        if not set(ids) & set(used):
+            raise OptionsError(
+                f"process {j} of each pipeline runs IPU{'s' if len(ids) > 1 else ''} "
+                f"{', '.join(map(str, ids))} (Options.Distributed.set_ipu_processes), but no "
+                f"stage of the model runs there (its stages run on IPUs {used}); give it a "
+                f"stage or leave it out, with one process fewer per pipeline")

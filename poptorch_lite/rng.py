@@ -112,6 +112,50 @@ def _call_in_stream(op, args, kwargs):
             gen.set_state(saved)
 
 
+# [Note: stages in other processes] in ``process_pipeline``: a micro-batch's stream travels
+# with its activations as one byte tensor: its seed, then per device type a presence byte
+# and the generator state (torch's CPU and CUDA generators have states of fixed sizes).
+_STATE_BYTES = {"cpu": torch.get_rng_state().numel(), "cuda": 16}
+PACKED_BYTES = 8 + sum(1 + n for n in _STATE_BYTES.values())
+
+
+def pack(stream: Stream) -> torch.Tensor:
+    """``stream`` as ``PACKED_BYTES`` bytes, for another process to continue it.
+
+    Example:
+        >>> s = Stream(7)
+        >>> s.states["cpu"] = torch.get_rng_state()
+        >>> back = unpack(pack(s))
+        >>> back.seed, torch.equal(back.states["cpu"], s.states["cpu"]), "cuda" in back.states
+        (7, True, False)
+    """
+    out = torch.zeros(PACKED_BYTES, dtype=torch.uint8)
+    out[:8] = torch.tensor([stream.seed], dtype=torch.int64).view(torch.uint8)
+    at = 8
+    for kind, size in _STATE_BYTES.items():
+        state = stream.states.get(kind)
+        if state is not None:
+            if state.numel() != size:
+                raise ValueError(f"a {kind} generator state of {state.numel()} bytes; "
+                                 f"poptorch_lite sends {size}")
+            out[at] = 1
+            out[at + 1:at + 1 + size] = state
+        at += 1 + size
+    return out
+
+
+def unpack(packed: torch.Tensor) -> Stream:
+    """The stream :func:`pack` packed."""
+    packed = packed.cpu()
+    stream = Stream(int(packed[:8].view(torch.int64)))
+    at = 8
+    for kind, size in _STATE_BYTES.items():
+        if packed[at]:
+            stream.states[kind] = packed[at + 1:at + 1 + size].clone()
+        at += 1 + size
+    return stream
+
+
 class use:
     """Context manager: random ops on this thread draw from ``stream`` (None: unchanged)."""
 

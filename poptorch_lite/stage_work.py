@@ -93,6 +93,14 @@ class Run:
         self.accum: dict = {}                              # param name -> (tensor, accumulator)
         self.stats = RunStats([0] * S, [0] * S)
         self.excluded: set = set()                         # storages not counted as stash
+        # [Note: stages in other processes] in process_pipeline
+        self.inbox: dict = {}     # (stage, i) -> {value name: tensor} from another process
+        self.outbox: dict = {}    # (stage, i) -> {value name: gradient} for another process
+        self.shapes: dict = {}    # (stage, i, name) -> the shape of a received dynamic value
+        self.sends: list = []     # (work, tensor) of the messages sent, until received
+        self.failed = None        # (action, exception): the first action that raised here
+        self.remote_failure = None  # (rank, description): a process that failed this run
+        self.index, self.training = 0, True  # the run's number in its call; what it runs
 
 
 def _drop(t: torch.Tensor) -> None:
@@ -115,11 +123,15 @@ class StageWork:
     """
 
     def __init__(self, partition: Partition, placement: Placement, weights: Weights,
-                 recompute: Optional[Sequence[bool]] = None):
+                 recompute: Optional[Sequence[bool]] = None,
+                 remote_inputs: Optional[Sequence[frozenset]] = None):
         self.partition = partition
         self.placement = placement
         self.weights = weights
         self.recompute = tuple(recompute or [False] * partition.num_stages)
+        # Per stage, its inputs that another process computes: they arrive in the run's
+        # inbox, and their gradients leave by its outbox ([Note: stages in other processes]).
+        self.remote = list(remote_inputs or [frozenset()] * partition.num_stages)
         # Each stage's inputs as (name, kind, key), parsed once: [Note: partition] names them
         # (an input's key is the index of its tensor leaf).
         self.sources = [[(n, kind, int(key) if kind == "input" else key)
@@ -157,6 +169,7 @@ class StageWork:
         st = self.partition.stages[s]
         ipu, weights, separate = st.ipu, self.weights, self.weights.separate_memories
         args, boundary = [], {}
+        received = run.inbox.pop((s, i), {}) if self.remote[s] else {}
         for name, kind, key in self.sources[s]:
             if kind == "param":
                 v = weights.param(key, ipu)
@@ -170,7 +183,7 @@ class StageWork:
                 if ready is not None:  # its copy to this GPU, enqueued by the caller
                     torch.cuda.current_stream(device).wait_event(ready)
             else:  # computed by an earlier stage: [Note: autograd boundary]
-                produced = run.values[i][name]
+                produced = received[name] if name in received else run.values[i][name]
                 v = arrive(produced.detach(), device)  # [Note: values crossing streams]
                 if separate and self.producer[name] != ipu and v.device == produced.device:
                     v = v.clone()  # useIpuModel: the value crosses into another IPU's memory
@@ -319,7 +332,11 @@ class StageWork:
             _collect_grads(leaves, pending)
         for name in st.outputs:
             run.values[i].pop(name, None)
-        _collect_grads(entry.boundary, grads_in)  # input gradients go upstream
+        boundary, remote = entry.boundary, self.remote[a.stage]
+        if remote:  # to the stages of other processes: [Note: stages in other processes]
+            run.outbox[a.stage, i] = {n: boundary[n].grad for n in remote if n in boundary}
+            boundary = {n: leaf for n, leaf in boundary.items() if n not in remote}
+        _collect_grads(boundary, grads_in)  # input gradients go upstream
         if step.accum_dtype is not None:
             self._accumulate(a.stage, run, step.accum_dtype)
 

@@ -111,7 +111,7 @@ class PoplarExecutor(perf_counters.Latencies):
         self._loss_scale = LossScale(
             poptorch_optim.loss_scaling(optimizer), options.Training.automatic_loss_scaling,
             options.Training.loss_scaling_growth_interval) if training else None
-        self._processes = distributed.ProcessReplicas.for_options(options, training)
+        self._processes = distributed.Processes.for_options(options, training)
 
     # -- PopTorch's API -------------------------------------------------------------------
 
@@ -295,9 +295,25 @@ class PoplarExecutor(perf_counters.Latencies):
         return self._compiled
 
     def copyWeightsToHost(self) -> None:
-        """Copy device-side weights and buffers back to the user's model."""
+        """Copy device-side weights and buffers back to the user's model.
+
+        When the pipeline's stages run in several processes ([Note: stages in other
+        processes] in ``process_pipeline``), every process of the pipeline must call it
+        together: each weight comes from the process that trains it, so every process's
+        model then holds the whole trained model (otherwise a process's model is current
+        for its own stages only).
+        """
         self._require_compiled()
         self._weights.to_host()
+        owner = self._owner() if self._processes is not None else None
+        if owner is not None:
+            model = self._user_model
+            with torch.no_grad():
+                for name, t in (*model.named_parameters(), *model.named_buffers()):
+                    position = owner(name)
+                    if position is not None:
+                        self._processes.pipeline_broadcast(t.data, position)
+            self._weights.remember_versions()  # what arrived is not a host edit
 
     def copyWeightsToDevice(self) -> None:
         """Make the device side use the user's model's current weights and buffers."""
@@ -413,11 +429,25 @@ class PoplarExecutor(perf_counters.Latencies):
         return program
 
     def _attach(self) -> None:
-        if self._processes is not None:  # every process starts from process 0's weights
-            self._processes.broadcast_from_main(self._user_model)
+        if self._processes is not None and self._training:  # every replica starts the same
+            self._processes.broadcast_from_main(self._user_model, self._owner())
         self._attached = True
         self._weights.to_device()
         self._watch_model()
+
+    def _owner(self):
+        """Parameter or buffer name -> the position in the pipeline of the process that runs
+        it (None: no stage does); None when every process runs every stage."""
+        layout = self._processes.layout
+        if not layout.spans_processes:
+            return None
+        owner: dict = {}
+        for st in next(iter(self._programs.values())).partition.stages:
+            for name in st.inputs:
+                kind, _, key = name.partition(":")
+                if kind in ("param", "buffer"):
+                    owner.setdefault(key, layout.position_of(st.ipu))
+        return owner.get
 
     def _require_compiled(self) -> None:
         if not self._compiled:

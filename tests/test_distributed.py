@@ -13,7 +13,6 @@ import doctest
 import os
 import pathlib
 import re
-import socket
 import subprocess
 import sys
 
@@ -25,6 +24,7 @@ import poptorch_lite as poptorch
 
 from _distributed_worker import B, CALLS, CONFIGS, NCCL_CONFIGS, call_data, optimizer
 from models import BlockMLP
+from processes import free_port, start
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "_distributed_worker.py"
@@ -33,32 +33,9 @@ P = 2
 ATOL = 1e-5
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn(scenario, out, timeout=120):
-    """Run the worker in P processes; returns their CompletedProcess-like results."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "WORLD_SIZE": str(P), "LOCAL_WORLD_SIZE": str(P), "POPTORCH_LITE_DIST_TIMEOUT": "30",
-           "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), scenario, str(out)],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(P)]
-    results = []
-    for p in procs:
-        try:
-            stdout, stderr = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"the {scenario} processes hung for {timeout} s")
-        results.append((p.returncode, stdout, stderr))
-    return results
+    """Run the worker in P processes; returns their (code, stdout, stderr)."""
+    return start(WORKER, [scenario, out], P, timeout, timeout_s=30)
 
 
 @pytest.fixture(scope="module")

@@ -375,6 +375,20 @@ def test_stop_on_non_finite_loss_names_its_micro_batch():
     model.destroy()
 
 
+def test_the_automatic_scale_never_grows_past_float32s_largest_number():
+    """As GradScaler's update: a doubling that would overflow float32 is skipped (a scale of
+    2**128 made every backward fail to build its float32 seed)."""
+    from poptorch_lite.loss_scaling import LossScale
+    scale = LossScale(2.0 ** 126, automatic=True, growth_interval=1)
+    assert [scale.update(finite=True) for _ in range(3)] == [True] * 3
+    assert (scale.scale, scale.good_steps) == (2.0 ** 127, 0)
+    # GradScaler.update's kernel, on the same three finite steps
+    torch_scale, tracker = torch.tensor([2.0 ** 126]), torch.zeros(1, dtype=torch.int32)
+    for _ in range(3):
+        torch._amp_update_scale_(torch_scale, tracker, torch.zeros(1), 2.0, 0.5, 1)
+    assert float(torch_scale) == scale.scale
+
+
 def test_set_optimizer_restarts_the_scale_from_the_new_loss_scaling():
     net, opt, model = als_model()
     x, y = data(16)

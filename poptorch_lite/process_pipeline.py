@@ -1,0 +1,326 @@
+"""Pipeline stages in other processes: what crosses them, sent and received on torch.distributed.
+
+[Note: stages in other processes]
+``Options.Distributed.set_ipu_processes([[0], [1]])`` puts IPU 0 in process 0
+and IPU 1 in process 1 of every pipeline; W processes (``torchrun
+--nproc_per_node W``) make W/n such pipelines of n processes, data-parallel
+replicas of each other ([Note: replicas across processes] in ``distributed``).
+Every process runs the same script: it builds and traces the whole model, but
+places, holds parameters, gradients and optimizer state for, and runs only
+its own stages. The schedule is the same data in every process; each process
+runs its own streams' action lists, and the update (``U``) on its first stream.
+A dependency on an action in another process becomes a message on
+``torch.distributed`` (gloo for CPU tensors, NCCL between GPUs), on a process
+group of its own per stage pair and direction, so no two threads ever share
+one and the messages of one group come in one order on both sides:
+
+- after stage s's forward of micro-batch i, each value that a stage t in
+  another process reads goes there (the receiver allocates it from the trace:
+  [Note: value info] in ``value_info``), and, when the model has random ops, so
+  does the micro-batch's random stream to stage s+1 (``rng.pack``): stage s+1
+  continues it, as on one device;
+- after stage t's backward of i, the gradient of each such value that can
+  have one goes back to s (zeros for a value that got none); stage s adds it
+  to the gradients its local consumers left before its own backward.
+
+Sends are asynchronous and waited for at the end of the run; a receive waits
+at most the collective timeout (``POPTORCH_LITE_DIST_TIMEOUT``). The grid's row
+order is a valid order for all of them, so no process waits for one that
+waits for it.
+
+Failures. An action that raises does not stop the run: from then on the
+process computes nothing but still sends (zeros of the traced shapes) and
+receives every message of the run, so every other process completes the run
+too and no message is left in flight. The update first agrees over all
+processes whether any of them failed (``Processes.agree``, one small
+all-reduce per step; inference runs agree at their end) and, if one did, no
+process steps: every process raises ``ExecutionError`` naming the process,
+stage, micro-batch and action that failed, and each is left as after the
+call's last completed step ([Note: commit point] in ``executor``). A message
+that cannot be sent or received (a process died, or hung past the timeout)
+leaves the processes out of step: the call raises naming the peer, and later
+calls of that model refuse to run.
+
+Outputs. The values a call returns are broadcast from the process that
+computed them to every process of the pipeline, so every process's call
+returns what a single process would.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import rng
+from .errors import Error
+from .schedule import Action, Kind
+
+
+class ChannelError(Error):
+    """A message to or from another process failed: the processes are out of step."""
+
+
+def _lost(what: str, peer: int, exc: BaseException, timeout: float) -> ChannelError:
+    """The error of a message that went astray.
+
+    Example:
+        >>> str(_lost("receiving x of micro-batch 0 from", 1, TimeoutError("late"), 30))[:70]
+        'receiving x of micro-batch 0 from process 1 failed: TimeoutError: late'
+    """
+    return ChannelError(
+        f"{what} process {peer} failed: {type(exc).__name__}: {_first_line(exc)}. Process "
+        f"{peer} failed or exited (see its own error), or did not answer within the "
+        f"collective timeout of {timeout:g} s (POPTORCH_LITE_DIST_TIMEOUT)")
+
+
+class Channels:
+    """The messages between this process's stages and those of other processes.
+
+    Args:
+        partition: the program's stages (the whole model).
+        processes: ``distributed.Processes`` (layout, groups, timeout).
+        devices: IPU -> torch.device of this process's IPUs.
+        training: whether gradients travel back.
+        random: whether the model has random ops (their streams travel).
+
+    Every process builds the channels of a program at the same point (its first
+    call with that input signature): the device kinds are exchanged and the process
+    groups made, collectively.
+    """
+
+    def __init__(self, partition, processes, devices: dict, training: bool, random: bool):
+        layout = processes.layout
+        self.processes, self.layout = processes, layout
+        self.partition = partition
+        self.training = training
+        stages = partition.stages
+        self.position = [layout.position_of(st.ipu) for st in stages]
+        kinds = processes.gather({ipu: dev.type for ipu, dev in devices.items()})
+        producer = {name: s for s, st in enumerate(stages) for name in st.outputs}
+        edges: dict = {}  # (s, t) -> the value names stage t reads from stage s
+        for t, st in enumerate(stages):
+            for name in st.inputs:
+                s = producer.get(name)
+                if s is not None and self.position[s] != self.position[t]:
+                    edges.setdefault((s, t), []).append(name)
+            if random and t > 0 and self.position[t - 1] != self.position[t]:
+                edges.setdefault((t - 1, t), [])  # the random stream travels on
+        self.random = random
+        self.edges = {}
+        for (s, t), names in sorted(edges.items()):
+            cuda = kinds.get(stages[s].ipu) == kinds.get(stages[t].ipu) == "cuda" and \
+                "nccl" in str(dist.get_backend()).lower()
+            groups = None
+            for k in range(layout.pipelines):  # every process makes every group
+                ranks = (layout.rank_of(k, self.position[s]), layout.rank_of(k, self.position[t]))
+                made = (processes.group(ranks, f"values {s}>{t}"),
+                        processes.group(ranks, f"gradients {t}>{s}") if training else None)
+                if k == layout.pipeline:
+                    groups = made
+            self.edges[s, t] = _Edge(s, t, names, [partition.values[n] for n in names],
+                                     torch.device("cuda") if cuda else torch.device("cpu"),
+                                     layout.rank_of(layout.pipeline, self.position[s]),
+                                     layout.rank_of(layout.pipeline, self.position[t]), *groups)
+        mine = layout.position
+        self.into = [[e for e in self.edges.values() if e.t == t and self.position[t] == mine]
+                     for t in range(len(stages))]
+        self.out_of = [[e for e in self.edges.values() if e.s == s and self.position[s] == mine]
+                       for s in range(len(stages))]
+        # The inputs of each stage that another process computes (``stage_work`` takes
+        # them from the run's inbox and sends their gradients back).
+        self.remote_inputs = [frozenset(n for e in self.into[t] for n in e.names)
+                              for t in range(len(stages))]
+        # Weights used by stages in several processes (tied weights): each of those
+        # processes steps its own copy with the gradient summed over all of them.
+        users: dict = {}
+        for s, st in enumerate(stages):
+            for name in st.param_names:
+                users.setdefault(name, set()).add(self.position[s])
+        shared: dict = {}
+        for name, positions in users.items():
+            if len(positions) > 1:
+                shared.setdefault(tuple(sorted(positions)), []).append(name)
+        self.tied = []  # (group, names) of the weights this process shares
+        for positions, names in sorted(shared.items()):
+            for k in range(layout.pipelines):
+                group = processes.group(tuple(layout.rank_of(k, j) for j in positions), "tied")
+                if k == layout.pipeline and mine in positions:
+                    self.tied.append((group, names))
+
+    # -- around an action ------------------------------------------------------------------
+
+    def before(self, a: Action, run) -> None:
+        """Receive what ``a`` needs from other processes (its stage's inputs, or the
+        gradients of its outputs)."""
+        i = a.microbatch
+        if a.kind is Kind.FORWARD:
+            for e in self.into[a.stage]:
+                received = run.inbox.setdefault((e.t, i), {})
+                for name, info in zip(e.names, e.infos):
+                    t = self._recv(e.value_group, e.src, info, e.device, run,
+                                   f"{name} of micro-batch {i} (stage {e.s})")
+                    if self.training and info.differentiable:
+                        t.requires_grad_(True)
+                    received[name] = t
+                    if info.dynamic:
+                        run.shapes[e.t, i, name] = tuple(t.shape)
+                if self.random and e.s == e.t - 1:
+                    packed = self._recv(e.value_group, e.src, _RNG, e.device, run,
+                                        f"the random stream of micro-batch {i} (stage {e.s})")
+                    run.rng[i] = rng.unpack(packed)
+        elif a.kind is Kind.BACKWARD:
+            grads = run.grads[i]
+            for e in self.out_of[a.stage]:
+                for name, info in zip(e.names, e.infos):
+                    if not info.differentiable:
+                        continue
+                    g = self._recv(e.grad_group, e.dst, info, e.device, run,
+                                   f"the gradient of {name} of micro-batch {i} (stage {e.t})")
+                    value = run.values[i].get(name)
+                    if run.failed is None and value is not None and value.requires_grad:
+                        g = g.to(value.device)
+                        grads[name] = g if name not in grads else grads[name] + g
+
+    def after(self, a: Action, run) -> None:
+        """Send what ``a`` made for other processes (zeros if this process failed)."""
+        i = a.microbatch
+        if a.kind is Kind.FORWARD:
+            for e in self.out_of[a.stage]:
+                for name, info in zip(e.names, e.infos):
+                    self._send(e.value_group, e.dst, run.values[i].get(name), info, e.device, run,
+                               f"{name} of micro-batch {i} (stage {e.t})")
+                if self.random and e.t == e.s + 1:
+                    self._send(e.value_group, e.dst, rng.pack(run.rng[i]), _RNG, e.device, run,
+                               f"the random stream of micro-batch {i} (stage {e.t})")
+        elif a.kind is Kind.BACKWARD:
+            made = run.outbox.pop((a.stage, i), {})
+            for e in self.into[a.stage]:
+                for name, info in zip(e.names, e.infos):
+                    if info.differentiable:
+                        shape = run.shapes.get((e.t, i, name), info.shape)
+                        self._send(e.grad_group, e.src, made.get(name), info, e.device, run,
+                                   f"the gradient of {name} of micro-batch {i} (stage {e.s})",
+                                   shape)
+
+    def reduce_tied(self, params: dict) -> None:
+        """Sum the gradients of weights used in several processes over those processes."""
+        for group, names in self.tied:
+            tensors = [params[n] for n in names if params[n].requires_grad]
+            for p in tensors:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            self.processes.all_reduce([p.grad for p in tensors], group,
+                                      "summing the gradients of weights used in several processes")
+
+    def finish(self, run) -> None:
+        """Wait until every message this run sent has been received."""
+        sends, run.sends = run.sends, []
+        for work, _, dst, what in sends:
+            try:
+                work.wait()
+            except Exception as exc:
+                raise _lost(f"sending {what} to", dst, exc, self.processes.timeout) \
+                    from exc
+
+    # -- the messages ----------------------------------------------------------------------
+
+    def _send(self, group, dst: int, t: Optional[torch.Tensor], info, device: torch.device,
+              run, what: str, shape: Optional[tuple] = None) -> None:
+        if t is None or (run.failed is not None and info is not _RNG):  # failed: zeros instead
+            t = torch.zeros(shape or info.shape, dtype=info.dtype, device=device)
+        else:
+            t = t.detach().to(device).contiguous()
+        if info.dynamic:
+            self._post(group, dst, torch.tensor(t.shape, dtype=torch.int64, device=device), run,
+                       what)
+        self._post(group, dst, t, run, what)
+
+    def _post(self, group, dst: int, t: torch.Tensor, run, what: str) -> None:
+        try:
+            run.sends.append((dist.isend(t, dst, group=group), t, dst, what))
+        except Exception as exc:
+            raise _lost(f"sending {what} to", dst, exc, self.processes.timeout) from exc
+
+    def _recv(self, group, src: int, info, device: torch.device, run, what: str) -> torch.Tensor:
+        shape = info.shape
+        if info.dynamic:
+            header = torch.empty(len(info.shape), dtype=torch.int64, device=device)
+            self._wait(group, src, header, what)
+            shape = tuple(header.tolist())
+        t = torch.empty(shape, dtype=info.dtype, device=device)
+        self._wait(group, src, t, what)
+        return t
+
+    def _wait(self, group, src: int, t: torch.Tensor, what: str) -> None:
+        try:
+            dist.irecv(t, src, group=group).wait()  # at most the group's timeout
+        except Exception as exc:
+            raise _lost(f"receiving {what} from", src, exc, self.processes.timeout) \
+                from exc
+
+    # -- outputs ---------------------------------------------------------------------------
+
+    def share_outputs(self, run, names: list, keep: list, result: Callable, owner: dict,
+                      info_of: Callable) -> None:
+        """Broadcast the returned values each process computed to the pipeline's others.
+
+        Args:
+            run: the run (``run.results`` receives the values computed elsewhere).
+            names: the output value names, in the partition's order.
+            keep: the micro-batches whose outputs are returned.
+            result: ``(run, i, name)`` -> the value, where it was computed.
+            owner: value name -> the position of the process that has it.
+            info_of: value name -> its ``ValueInfo``.
+        """
+        me = self.layout.position
+        for name in dict.fromkeys(names):
+            position = owner.get(name)
+            if position is None or not keep:
+                continue
+            info = info_of(name)
+            if info.dynamic:  # a header and the value, per micro-batch
+                for i in keep:
+                    mine = result(run, i, name) if position == me else None
+                    header = (torch.tensor(mine.shape, dtype=torch.int64) if mine is not None
+                              else torch.empty(len(info.shape), dtype=torch.int64))
+                    self.processes.pipeline_broadcast(header, position)
+                    value = mine if mine is not None else torch.empty(
+                        tuple(header.tolist()), dtype=info.dtype)
+                    self.processes.pipeline_broadcast(value.contiguous(), position)
+                    run.results[i][name] = value
+                continue
+            if position == me:
+                stacked = torch.stack([result(run, i, name) for i in keep])
+            else:
+                stacked = torch.empty((len(keep), *info.shape), dtype=info.dtype)
+            self.processes.pipeline_broadcast(stacked, position)
+            for slot, i in enumerate(keep):
+                run.results[i][name] = stacked[slot]
+
+
+class _Edge:
+    """The messages between stage s and stage t (in another process) in this pipeline."""
+
+    def __init__(self, s, t, names, infos, device, src, dst, value_group, grad_group):
+        self.s, self.t, self.names, self.infos, self.device = s, t, names, infos, device
+        self.src, self.dst = src, dst          # the ranks of stage s's and stage t's processes
+        self.value_group, self.grad_group = value_group, grad_group
+
+
+class _PackedStream:
+    """The ``ValueInfo`` of a packed random stream (``rng.pack``)."""
+
+    shape = (rng.PACKED_BYTES,)
+    dtype = torch.uint8
+    differentiable = False
+    dynamic = False
+
+
+_RNG = _PackedStream()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""

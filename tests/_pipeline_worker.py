@@ -1,0 +1,289 @@
+"""One process of tests/test_process_pipeline.py: a pipeline whose stages run in several
+processes, started with torchrun's variables set.
+
+    RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \
+        python tests/_pipeline_worker.py train OUT_DIR
+
+The same functions run the single-process reference inside the test (``WORLD_SIZE``
+unset: the same configuration without ``set_ipu_processes``). Scenarios (``W`` processes):
+``train`` runs every configuration of ``CONFIGS`` for this W; ``fail`` makes one
+process's action raise in the second call; ``refuse`` wraps with options that differ
+between processes and with a placement that misses an IPU; ``checkpoint`` saves in the
+middle of training and resumes in fresh models. Each writes ``OUT_DIR/<scenario>-rank<r>.pt``.
+"""
+
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import poptorch_lite as poptorch
+
+from models import BlockMLP, data
+from probes import PROBE, Probed, probed_batch
+
+B, CALLS = 2, 3
+
+
+class SkipTied(torch.nn.Module):
+    """Four stages: stage 3 reads stage 0's output (a skip connection) and uses stage 1's
+    layer again (a tied weight); stages 0 and 2 drop out."""
+
+    def __init__(self, width=8, classes=4):
+        super().__init__()
+        self.fc0, self.fc1, self.fc2 = (torch.nn.Linear(width, width) for _ in range(3))
+        self.head = torch.nn.Linear(width, classes)
+
+    def forward(self, x, y):
+        with poptorch.Block("b0", ipu_id=0):
+            h0 = F.dropout(torch.relu(self.fc0(x)), 0.25, self.training)
+        with poptorch.Block("b1", ipu_id=1):
+            h1 = torch.relu(self.fc1(h0))
+        with poptorch.Block("b2", ipu_id=2):
+            h2 = F.dropout(torch.relu(self.fc2(h1)), 0.25, self.training)
+        with poptorch.Block("b3", ipu_id=3):
+            out = self.head(torch.relu(self.fc1(h2)) + h0)
+            return out, F.cross_entropy(out, y)
+
+
+# name: (world size, model, processes' IPUs, schedule, G, D, recompute, optimizer)
+CONFIGS = {
+    **{f"2-{s}{'-recompute' if r else ''}": (2, "mlp", [[0], [1]], s, 4, 2, r, "sgd")
+       for s in ("sequential", "grouped", "interleaved", "gpipe") for r in (False, True)},
+    "3-grouped": (3, "skip", [[0], [1], [2, 3]], "grouped", 8, 2, False, "sgd"),
+    "3-interleaved-recompute-clip": (3, "skip", [[0], [1], [2, 3]], "interleaved", 8, 2, True,
+                                     "clip"),
+    "3-sequential-back-and-forth": (3, "skip", [[0, 2], [1], [3]], "sequential", 7, 1, False,
+                                    "adam"),
+    "3-gpipe-back-and-forth-als": (3, "skip", [[0, 2], [1], [3]], "gpipe", 7, 2, False, "als"),
+    "4-grouped-two-replicas": (4, "replicable", [[0], [1]], "grouped", 4, 2, False, "adam"),
+    "4-interleaved-two-replicas": (4, "replicable", [[0], [1]], "interleaved", 3, 1, True,
+                                   "sgd"),
+}
+
+
+def build(kind):
+    """The model of a configuration. "replicable" has no BatchNorm (replicas would share its
+    buffers) and no dropout (a replica in another process draws its masks from the streams
+    of its own micro-batches, not from those of the one process's interleaved replicas)."""
+    torch.manual_seed(100)
+    if kind == "skip":
+        return SkipTied()
+    if kind == "replicable":
+        return BlockMLP(2)
+    return BlockMLP(2, dropout=0.3, batchnorm=True)
+
+
+def make_optimizer(kind, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    if kind == "clip":
+        return poptorch.optim.SGD(params, lr=0.5, momentum=0.9, max_grad_norm=0.05)
+    if kind == "als":
+        return poptorch.optim.SGD(params, lr=0.05, momentum=0.9, loss_scaling=1024.0)
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def options(name, spread):
+    W, _, ipus, schedule, G, D, recompute, opt = CONFIGS[name]
+    replicas = W // len(ipus)
+    opts = poptorch.Options().deviceIterations(D)
+    opts.setExecutionStrategy(poptorch.PipelinedExecution(
+        schedule=poptorch.PipelineSchedule.parse(schedule)))
+    opts.Training.gradientAccumulation(G)
+    opts.outputMode(poptorch.OutputMode.All)
+    if opt == "als":
+        opts.Training.setAutomaticLossScaling(True, growth_interval=1)
+    if recompute:
+        opts._Popart.set("autoRecomputation", 3)
+    if spread:
+        opts.Distributed.set_ipu_processes(ipus)
+    elif replicas > 1:  # the reference: the same replicas in one process
+        opts.replicationFactor(replicas)
+    return opts
+
+
+def call_data(name, call, replica=None):
+    """A call's combined batch: one per data-parallel replica, or (``replica`` None) all
+    replicas' micro-batches interleaved as one process with replicationFactor lays them out."""
+    W, _, ipus, _, G, D, _, _ = CONFIGS[name]
+    R = W // len(ipus)
+    width = 8
+    x, y = data(B * G * D * R, width=width, seed=7 + call)
+    if CONFIGS[name][-1] == "als" and call == 1:
+        x[0, 0] = float("inf")  # the first step of the second call is skipped, the scale halves
+    x, y = x.view(D, G, R, B, width), y.view(D, G, R, B)
+    if replica is None:
+        return x.reshape(-1, width), y.reshape(-1)
+    return x[:, :, replica].reshape(-1, width), y[:, :, replica].reshape(-1)
+
+
+def state_by_name(model, optimizer):
+    """Optimizer state keyed by parameter name (only the parameters it holds state for)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names[id(p)]: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+            for p, s in optimizer.state.items()}
+
+
+def train(name, spread, calls=CALLS):
+    """Run one configuration; what every call returned and the final state."""
+    W, kind, ipus, *_, opt_kind = CONFIGS[name]
+    model = build(kind)
+    optimizer = make_optimizer(opt_kind, model.parameters())
+    wrapped = poptorch.trainingModel(model, options(name, spread), optimizer)
+    replica = int(os.environ["RANK"]) // len(ipus) if spread else None
+    outputs = []
+    for c in range(calls):
+        torch.manual_seed(1000 + c)
+        out, loss = wrapped(*call_data(name, c, replica))
+        outputs.append((out, loss))
+    wrapped.copyWeightsToHost()
+    result = {"outputs": outputs, "params": {k: v.clone() for k, v in model.state_dict().items()},
+              "opt": state_by_name(model, optimizer), "rng": torch.get_rng_state(),
+              "scale": (wrapped._loss_scale.scale, wrapped._loss_scale.skipped_steps)}
+    wrapped.destroy()
+    return result
+
+
+def scenario_train(W):
+    return {name: train(name, True) for name, config in CONFIGS.items() if config[0] == W}
+
+
+def failing(rank):
+    """Rank 1's stage 1 raises in the forward of micro-batch 2 in the second call; the
+    third call runs."""
+    torch.manual_seed(0)
+    model = Probed(2, stateful=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opts = poptorch.Options().setExecutionStrategy(poptorch.PipelinedExecution(
+        schedule=poptorch.PipelineSchedule.Interleaved))
+    opts.Training.gradientAccumulation(4)
+    opts.Distributed.set_ipu_processes([[0], [1]])
+    wrapped = poptorch.trainingModel(model, opts, opt)
+    result = {"losses": [], "errors": []}
+    for c in range(3):
+        torch.manual_seed(c)
+        x, y = probed_batch(4)
+
+        def fault(kind, stage, i, c=c):
+            if (c, kind, stage, i) == (1, "F", 1, 2):
+                raise RuntimeError("injected fault")
+        PROBE["fn"] = fault if rank == 1 else None
+        try:
+            result["losses"].append(wrapped(x, y)[1])
+        except poptorch.ExecutionError as e:
+            result["errors"].append(str(e))
+            wrapped.copyWeightsToHost()
+            result["after_failure"] = {k: v.clone() for k, v in model.state_dict().items()}
+    PROBE["fn"] = None
+    wrapped.copyWeightsToHost()
+    result["params"] = {k: v.clone() for k, v in model.state_dict().items()}
+    return result
+
+
+def errors(rank):
+    """What each process raises: a call in which process 1's action fails, a call in which
+    process 1 has exited (process 0 alone goes on), and a call after that one."""
+    torch.manual_seed(0)
+    model = Probed(2)
+    opts = poptorch.Options()
+    opts.Training.gradientAccumulation(4)
+    opts.Distributed.set_ipu_processes([[0], [1]])
+    wrapped = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+    raised = {}
+    for c, what in enumerate(("fine", "remote", "lost", "broken")):
+        if rank == 1 and what == "lost":
+            os._exit(3)  # as a process that crashes
+        PROBE["fn"] = _fault if (rank, what) == (1, "remote") else None
+        try:
+            wrapped(*probed_batch(4))
+        except poptorch.Error as e:
+            raised[what] = (type(e).__name__, str(e), getattr(e, "__notes__", []),
+                            type(e.__cause__).__name__)
+    PROBE["fn"] = None
+    return raised
+
+
+def _fault(kind, stage, i):
+    if (kind, stage, i) == ("B", 1, 1):
+        raise RuntimeError("injected fault")
+
+
+def refusals(rank):
+    """Options that differ between the processes, then a placement that misses an IPU."""
+    result = {}
+    torch.manual_seed(0)
+    model = BlockMLP(4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opts = poptorch.Options()
+    opts.Training.gradientAccumulation(8 if rank == 0 else 9)
+    opts.Distributed.set_ipu_processes([[0, 1], [2, 3]])
+    wrapped = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+    try:
+        wrapped(*data(B * opts.Training.gradient_accumulation))
+    except poptorch.OptionsError as e:
+        result["mismatch"] = str(e)
+    wrapped.destroy()
+    opts = poptorch.Options()
+    opts.Training.gradientAccumulation(8)
+    opts.Distributed.set_ipu_processes([[0, 1], [2]])
+    wrapped = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+    try:
+        wrapped(*data(B * 8))
+    except poptorch.OptionsError as e:
+        result["uncovered"] = str(e)
+    result["unchanged"] = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    wrapped.destroy()
+    return result
+
+
+def checkpointed(rank, out):
+    """Two calls, a checkpoint, two more; then fresh models resume from the checkpoint."""
+    name = "2-interleaved"
+    path = os.path.join(out, "ckpt.pt")
+    model = build("mlp")
+    opt = make_optimizer("sgd", model.parameters())
+    wrapped = poptorch.trainingModel(model, options(name, True), opt)
+    losses = []
+    for c in range(4):
+        torch.manual_seed(1000 + c)
+        losses.append(wrapped(*call_data(name, c, 0))[1])
+        if c == 1:
+            poptorch.save_checkpoint(path, wrapped)
+    wrapped.copyWeightsToHost()
+    final = {k: v.clone() for k, v in model.state_dict().items()}
+    wrapped.destroy()
+    torch.manual_seed(5)  # other weights and random state: the checkpoint restores them
+    model = BlockMLP(2, dropout=0.3, batchnorm=True)
+    opt = make_optimizer("sgd", model.parameters())
+    wrapped = poptorch.trainingModel(model, options(name, True), opt)
+    info = poptorch.load_checkpoint(path, wrapped)
+    resumed = []
+    for c in range(2, 4):
+        torch.manual_seed(1000 + c)
+        resumed.append(wrapped(*call_data(name, c, 0))[1])
+    wrapped.copyWeightsToHost()
+    return {"losses": losses, "resumed": resumed, "steps": info.steps, "final": final,
+            "resumed_final": {k: v.clone() for k, v in model.state_dict().items()},
+            "files": sorted(os.listdir(out))}
+
+
+def main():
+    scenario, out = sys.argv[1], sys.argv[2]
+    rank, W = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if scenario == "train":
+        result = scenario_train(W)
+    elif scenario == "fail":
+        result = failing(rank)
+    elif scenario == "refuse":
+        result = refusals(rank)
+    elif scenario == "errors":
+        result = errors(rank)
+    else:
+        result = checkpointed(rank, out)
+    torch.save(result, os.path.join(out, f"{scenario}-rank{rank}.pt"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""Tests that start several processes on loopback with torchrun's variables (gloo)."""
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(script, args, W: int, timeout: float = 240, timeout_s: int = 60) -> list:
+    """Run ``script args`` in W processes (ranks 0..W-1, one intra-op thread each);
+    ``[(return code, stdout, stderr)]`` by rank. A run past ``timeout`` fails the test.
+
+    ``timeout_s`` is the processes' collective timeout (``POPTORCH_LITE_DIST_TIMEOUT``).
+    """
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "WORLD_SIZE": str(W), "LOCAL_WORLD_SIZE": str(W),
+           "POPTORCH_LITE_DIST_TIMEOUT": str(timeout_s), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    procs = [subprocess.Popen([sys.executable, str(script), *map(str, args)],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(W)]
+    results = []
+    for p in procs:
+        try:
+            stdout, stderr = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"{pathlib.Path(script).name} {' '.join(map(str, args))}: the processes "
+                        f"hung for {timeout} s")
+        results.append((p.returncode, stdout, stderr))
+    return results

@@ -1,0 +1,237 @@
+"""Pipeline stages in other processes ([Note: stages in other processes]): 2, 3 and 4
+processes on loopback with gloo, started by the test, against one process running the same
+model.
+
+Every configuration (tests/_pipeline_worker.py ``CONFIGS``) runs three calls with
+dropout; the reference is the same wrapper in this process without
+``set_ipu_processes`` (with ``replicationFactor`` standing for data-parallel pipelines).
+A pipeline over processes does the same arithmetic in the same order, so it agrees bit for
+bit; where gradients are summed over processes (data-parallel replicas, a weight tied
+across processes, the clipping norm) only the fp32 summation order differs (atol 1e-6).
+"""
+
+import pathlib
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import poptorch_lite as poptorch
+
+import _pipeline_worker as worker
+from processes import start
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "_pipeline_worker.py"
+ATOL = 1e-6
+
+
+def spawn(scenario, W, out, codes=None):
+    """Run the worker's ``scenario`` in W processes; their results, by rank. Every process
+    must exit with 0 (or ``codes[rank]``)."""
+    for r, (code, _, stderr) in enumerate(start(WORKER, [scenario, out], W)):
+        assert code == (codes or {}).get(r, 0), f"rank {r}:\n{stderr[-4000:]}"
+    return [torch.load(out / f"{scenario}-rank{r}.pt", weights_only=False) for r in range(W)
+            if (out / f"{scenario}-rank{r}.pt").exists()]
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4], ids=["2_processes", "3_processes",
+                                                       "4_processes"])
+def trained(request, tmp_path_factory):
+    W = request.param
+    return W, spawn("train", W, tmp_path_factory.mktemp(f"pipeline{W}"))
+
+
+def one_process(name):
+    """The reference, with one intra-op thread as each process has (OMP_NUM_THREADS=1): a
+    matrix product split over threads can round differently."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return worker.train(name, spread=False)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def summed_across_processes(name):
+    W, kind, ipus, *_, opt = worker.CONFIGS[name]
+    return W > len(ipus) or kind == "skip" or opt == "clip"
+
+
+def test_every_configuration_matches_one_process(trained):
+    """Losses and outputs of every micro-batch of every call, then every parameter and buffer
+    of the whole model and the optimizer state, in every process."""
+    W, results = trained
+    names = [n for n, c in worker.CONFIGS.items() if c[0] == W]
+    assert names
+    for name in names:
+        ref = one_process(name)
+        ipus = worker.CONFIGS[name][2]
+        exact = not summed_across_processes(name)
+        for rank, result in enumerate(results):
+            got = result[name]
+            replica = rank // len(ipus)
+            for c, ((out, loss), (ref_out, ref_loss)) in enumerate(zip(got["outputs"],
+                                                                        ref["outputs"])):
+                # the reference interleaves the replicas' micro-batches ([D, G, R, B] layout)
+                R = W // len(ipus)
+                pick = lambda t: t.view(-1, R, *t.shape[1:])[:, replica].reshape(-1, *t.shape[1:])
+                ref_out = pick(ref_out.view(-1, worker.B, ref_out.shape[-1]))
+                ref_loss = pick(ref_loss.view(-1, 1)).view(-1)
+                if exact:
+                    assert torch.equal(loss, ref_loss), (name, rank, c)
+                    assert torch.equal(out.view(ref_out.shape), ref_out), (name, rank, c)
+                else:
+                    assert_close(loss, ref_loss, atol=ATOL, rtol=0, equal_nan=True,
+                                 msg=f"{name} {rank} {c}")
+                    assert_close(out.view(ref_out.shape), ref_out, atol=ATOL, rtol=0,
+                                 equal_nan=True)
+            for k, v in ref["params"].items():
+                if exact:
+                    assert torch.equal(got["params"][k], v), (name, rank, k)
+                else:
+                    assert_close(got["params"][k], v, atol=ATOL, rtol=0, msg=f"{name} {k}")
+            assert got["opt"], name
+            for pname, state in got["opt"].items():  # only the parameters it steps
+                for key, value in state.items():
+                    if torch.is_tensor(value):
+                        assert_close(value, ref["opt"][pname][key], atol=0 if exact else ATOL,
+                                     rtol=0, msg=f"{name} {pname} {key}")
+            assert torch.equal(got["rng"], ref["rng"]), name  # the same draws as one process
+            assert got["scale"] == ref["scale"], name
+
+
+def _layer(name):
+    return name.rsplit(".", 1)[0]
+
+
+# The layers whose optimizer state each position of the pipeline holds; fc1 is used by
+# stages in two processes (a tied weight), so both hold it.
+OWN_LAYERS = {
+    ("mlp", ((0,), (1,))): [{"layers.0", "layers.1"}, {"layers.2", "bn", "head"}],
+    ("replicable", ((0,), (1,))): [{"layers.0", "layers.1"}, {"layers.2", "head"}],
+    ("skip", ((0,), (1,), (2, 3))): [{"fc0"}, {"fc1"}, {"fc2", "fc1", "head"}],
+    ("skip", ((0, 2), (1,), (3,))): [{"fc0", "fc2"}, {"fc1"}, {"fc1", "head"}],
+}
+
+
+def test_each_process_holds_optimizer_state_for_its_own_stages_only(trained):
+    W, results = trained
+    for name, (w, kind, ipus, *_) in worker.CONFIGS.items():
+        if w != W:
+            continue
+        own = OWN_LAYERS[kind, tuple(tuple(i) for i in ipus)]
+        for rank, result in enumerate(results):
+            held = {_layer(n) for n in result[name]["opt"]}
+            assert held == own[rank % len(ipus)], (name, rank)
+
+
+def test_a_failing_action_ends_the_call_in_every_process_which_keep_their_last_step(tmp_path):
+    results = spawn("fail", 2, tmp_path)
+    for rank, result in enumerate(results):
+        assert len(result["errors"]) == 1 and len(result["losses"]) == 2, rank
+        error = result["errors"][0]
+        where = ("action 1F2 (forward) failed on process 1, stream 1 (IPU 1, cpu), stage 1 "
+                 "['b1'], micro-batch 2 of device iteration 0: RuntimeError: injected fault")
+        if rank == 1:
+            assert error.startswith(where), error
+        else:
+            assert error.startswith(
+                f"process 1 failed this run of schedule 'interleaved', so process 0 stopped "
+                f"with it: {where}"), error
+            assert error.endswith("No process applied this run's step")
+    # both processes are as after the first call: the reference runs that call alone
+    ref = reference_of_failing(calls=[0])
+    for result in results:
+        for k, v in ref.items():
+            assert torch.equal(result["after_failure"][k], v), k
+    # and the third call continues from there, as one process would
+    ref = reference_of_failing(calls=[0, 2])
+    for result in results:
+        for k, v in ref.items():
+            assert torch.equal(result["params"][k], v), k
+        assert torch.equal(results[0]["losses"][1], results[1]["losses"][1])
+
+
+def reference_of_failing(calls):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the processes: see one_process
+    try:
+        return _failing_reference(calls)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _failing_reference(calls):
+    torch.manual_seed(0)
+    model = worker.Probed(2, stateful=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opts = poptorch.Options().setExecutionStrategy(poptorch.PipelinedExecution(
+        schedule=poptorch.PipelineSchedule.Interleaved))
+    opts.Training.gradientAccumulation(4)
+    wrapped = poptorch.trainingModel(model, opts, opt)
+    for c in range(3):
+        torch.manual_seed(c)
+        x, y = worker.probed_batch(4)
+        if c in calls:
+            wrapped(x, y)
+    wrapped.destroy()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_a_process_that_exits_ends_the_others_call_naming_it_and_later_calls_refuse(tmp_path):
+    """Process 1 exits at its third call (as a crash): process 0's call fails at the first
+    message it misses, within the collective timeout, and its next call refuses to run."""
+    (rank0,) = spawn("errors", 2, tmp_path, codes={1: 3})
+    kind, text, notes, cause = rank0["remote"]
+    assert (kind, cause) == ("ExecutionError", "NoneType")
+    assert text == (
+        "process 1 failed this run of schedule 'grouped', so process 0 stopped with it: action "
+        "1B1 (backward) failed on process 1, stream 1 (IPU 1, cpu), stage 1 ['b1'], micro-batch "
+        "1 of device iteration 0: RuntimeError: injected fault. No process applied this run's "
+        "step")
+    kind, text, notes, cause = rank0["lost"]
+    assert (kind, cause) == ("ExecutionError", "ChannelError")
+    assert text.startswith(
+        "action 0B0 (backward) failed on process 0, stream 0 (IPU 0, cpu), stage 0 ['b0'], "
+        "micro-batch 0 of device iteration 0: ChannelError: receiving the gradient of "
+        "node:probe of micro-batch 0 (stage 1) from process 1 failed: ")
+    assert ("Process 1 failed or exited (see its own error), or did not answer within the "
+            "collective timeout of 60 s (POPTORCH_LITE_DIST_TIMEOUT)") in text
+    assert notes == ["poptorch_lite: the call was undone: parameters, buffers, optimizer state, "
+                     "loss scale and random state are as they were before it"]
+    kind, text, notes, cause = rank0["broken"]
+    assert kind == "ExecutionError"
+    assert text == (
+        "this model's processes went out of step in an earlier call (0B0: ChannelError): "
+        "messages between them may be half delivered, so no further call can run; restart "
+        "every process (from the last checkpoint: poptorch_lite.load_checkpoint)")
+
+
+def test_options_that_differ_or_a_placement_that_misses_an_ipu_are_refused_everywhere(tmp_path):
+    results = spawn("refuse", 2, tmp_path)
+    for rank, result in enumerate(results):
+        other = 1 - rank
+        assert result["mismatch"] == (
+            f"Options.Training.gradientAccumulation differs between processes: "
+            f"{8 if rank == 0 else 9} in this process (rank {rank}) but {9 if rank == 0 else 8} "
+            f"in rank {other}; every process must use the same options, optimizer and model")
+        assert result["uncovered"] == (
+            "the model's stages run on IPUs [0, 1, 2, 3], but Options.Distributed."
+            "set_ipu_processes([[0, 1], [2]]) gives no process IPU 3; give every IPU the model "
+            "uses to a process")
+        assert result["unchanged"]
+
+
+def test_a_process_count_the_pipeline_does_not_divide_is_refused_when_wrapping(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "0")
+    opts = poptorch.Options()
+    opts.Distributed.set_ipu_processes([[0], [1]])
+    with pytest.raises(poptorch.OptionsError) as info:
+        poptorch.trainingModel(worker.BlockMLP(2), opts)
+    assert str(info.value) == (
+        "Options.Distributed.set_ipu_processes spreads each pipeline over 2 processes, but this "
+        "run has 3 processes (Options.Distributed.numProcesses), which is not a multiple of 2; "
+        "launch a multiple of 2 processes (torchrun --nproc_per_node 2 script.py for one "
+        "pipeline, 4 for two data-parallel replicas of it)")
