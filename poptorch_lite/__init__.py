@@ -14,7 +14,7 @@ from .enums import (AnchorMode, AutoStage, CommGroupType, ConnectionType, DataLo
                     HalfFloatCastingBehavior, MultiConvPlanType,
                     Liveness, MatMulSerializationMode, MeanReductionStrategy, OutputMode,
                     OverlapMode, PipelineSchedule, ReductionType, SharingStrategy, SyncPattern)
-from .errors import (BatchSizeError, BlockError, CheckpointError, ConfigFileError,
+from .errors import (BatchSizeError, BlockError, ChannelError, CheckpointError, ConfigFileError,
                      DataLoaderError, DeviceError, Error, ExecutionError, FrozenOptionsError,
                      InputError, IpuOnlyWarning, LossError, OptimizerError, OptionsError,
                      PipelineError, PoptorchLiteWarning, RecoverableError, ScheduleError,
@@ -34,7 +34,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AnchorMode", "AsynchronousDataAccessor", "AutoStage", "BatchSizeError", "BeginBlock", "Block",
-    "BlockError", "BlockFunction", "CheckpointError", "CheckpointInfo", "CommGroupType",
+    "BlockError", "BlockFunction", "ChannelError", "CheckpointError", "CheckpointInfo", "CommGroupType",
     "ConfigFileError", "ConnectionType", "DataLoader", "DataLoaderError", "DataLoaderMode",
     "DeviceError", "Error", "ExecutionError", "ExecutionStrategy", "FrozenOptionsError",
     "HalfFloatCastingBehavior", "InputError", "IpuOnlyWarning", "MultiConvPlanType", "Liveness",

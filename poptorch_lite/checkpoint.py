@@ -11,6 +11,14 @@ DataLoader's position (epoch, batches handed out, the random state its shuffle
 came from). ``load_checkpoint`` puts all of it back, so training continues
 bit-identically to a run that never stopped.
 
+When a model's pipeline spans processes ([Note: stages in other processes] in
+``process_pipeline``), every process calls ``save_checkpoint(path, ...)`` and
+writes its own part, ``<path>.process<r>-of-<W>`` (:func:`part_path`): its
+stages' parameters and buffers, the optimizer state it holds, and its own
+random state and loader position. Every process calls ``load_checkpoint(path,
+...)`` too, and loads its part; the processes first agree that every part is
+there, fits, and is of the same step, so a refusal happens in all of them.
+
 The file is written to a temporary file in the same folder, flushed to disk
 and renamed over the target, so a crash leaves either the old checkpoint or
 the new one, never half of one. It is read with ``torch.load(weights_only=True)``
@@ -90,6 +98,7 @@ def save_checkpoint(path, model: PoplarExecutor, dataloader=None, extra: Any = N
         DataLoaderError: the loader's position cannot be saved (Async mode).
     """
     _check_model(model)
+    layout = _spread(model)
     state = {
         "format": FORMAT, "version": VERSION,
         "model": model.model.state_dict(),
@@ -102,6 +111,16 @@ def save_checkpoint(path, model: PoplarExecutor, dataloader=None, extra: Any = N
         "extra": extra,
     }
     path = pathlib.Path(path)
+    if layout is not None:  # [Note: checkpoints]: this process's part
+        own = _own_keys(model)
+        if not own:
+            raise CheckpointError(
+                "this model's pipeline spans processes, and which stages are this process's "
+                "is known from its first call: call the model (or compile() it) before "
+                "save_checkpoint")
+        state["model"] = {k: v for k, v in state["model"].items() if k in own}
+        state["part"] = _part(layout)
+        path = part_path(path, layout.rank, layout.size)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -117,7 +136,10 @@ def save_checkpoint(path, model: PoplarExecutor, dataloader=None, extra: Any = N
 def load_checkpoint(path, model: PoplarExecutor, dataloader=None) -> CheckpointInfo:
     """Restore the training state saved by :func:`save_checkpoint` into ``model``.
 
-    Everything is checked first; on any error nothing has been loaded.
+    Everything is checked first; on any error nothing has been loaded. When the
+    model's pipeline spans processes, every process calls it with the same ``path``
+    and loads its own part ([Note: checkpoints]); a part that is missing, unfitting
+    or from another step than the others is refused in every process.
 
     Args:
         path: the checkpoint file.
@@ -130,7 +152,73 @@ def load_checkpoint(path, model: PoplarExecutor, dataloader=None) -> CheckpointI
             fit the model, optimizer or loader.
     """
     _check_model(model)
+    layout = _spread(model)
+    if layout is None:
+        state = _read(pathlib.Path(path), model, dataloader, None)
+    else:  # every process reads its part; all of them agree before any loads
+        try:
+            state, problem = _read(part_path(path, layout.rank, layout.size), model, dataloader,
+                                   layout), None
+        except CheckpointError as e:
+            state, problem = None, str(e)
+        _agree_on_parts(model, path, problem, None if state is None else int(state["steps"]))
+    undo = _current(model, dataloader)
+    loader = state["dataloader"]
+    try:
+        model.load_state_dict(state["model"], strict=layout is None)
+        model._optimizer.load_state_dict(state["optimizer"])
+        model._loss_scale.load_state_dict(state["loss_scale"])
+        model._steps = int(state["steps"])
+        _set_random_state(state["rng"])
+        if dataloader is not None and loader is not None:
+            dataloader.load_state_dict(loader)
+    except Exception as e:
+        undo()
+        raise CheckpointError(
+            f"the checkpoint {str(path)!r} could not be loaded into this model "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); nothing "
+            f"was changed. Load it into the model, optimizer and loader it was saved from") from e
+    return CheckpointInfo(model._steps, None if loader is None else int(loader["epoch"]),
+                          state["extra"])
+
+
+def part_path(path, rank: int, processes: int) -> pathlib.Path:
+    """The file that process ``rank`` of ``processes`` writes for ``path`` when its model's
+    pipeline spans processes ([Note: checkpoints]).
+
+    Example:
+        >>> part_path("ckpt.pt", 1, 2).name
+        'ckpt.pt.process1-of-2'
+    """
     path = pathlib.Path(path)
+    return path.with_name(f"{path.name}.process{rank}-of-{processes}")
+
+
+def _spread(model: PoplarExecutor):
+    """The process layout of a model whose pipeline spans processes, else None."""
+    processes = model._processes
+    return processes.layout if processes is not None and processes.layout.spans_processes \
+        else None
+
+
+def _part(layout) -> dict:
+    return {"rank": layout.rank, "processes": layout.size,
+            "ipu_processes": [list(ids) for ids in layout.ipu_processes]}
+
+
+def _own_keys(model: PoplarExecutor) -> set:
+    """The parameters and buffers of the stages this process runs (in any program)."""
+    keys = set()
+    for program in model._programs.values():
+        for st in program.partition.stages:
+            if program.executor.local[st.index]:
+                keys.update(n.split(":", 1)[1] for n in st.inputs
+                            if n.startswith(("param:", "buffer:")))
+    return keys
+
+
+def _read(path: pathlib.Path, model: PoplarExecutor, dataloader, layout) -> dict:
+    """The checkpoint at ``path``, checked against the model (and, for a part, the layout)."""
     try:
         state = torch.load(path, weights_only=True, map_location="cpu")
     except FileNotFoundError:
@@ -148,25 +236,41 @@ def load_checkpoint(path, model: PoplarExecutor, dataloader=None) -> CheckpointI
     if state.get("version") != VERSION:
         raise CheckpointError(f"{str(path)!r} has checkpoint version {state.get('version')!r}; "
                               f"this poptorch_lite reads version {VERSION}")
-    _check_fits(path, state, model, dataloader)
-    undo = _current(model, dataloader)
-    loader = state["dataloader"]
-    try:
-        model.load_state_dict(state["model"])
-        model._optimizer.load_state_dict(state["optimizer"])
-        model._loss_scale.load_state_dict(state["loss_scale"])
-        model._steps = int(state["steps"])
-        _set_random_state(state["rng"])
-        if dataloader is not None and loader is not None:
-            dataloader.load_state_dict(loader)
-    except Exception as e:
-        undo()
+    if layout is not None and state.get("part") != _part(layout):
         raise CheckpointError(
-            f"the checkpoint {str(path)!r} could not be loaded into this model "
-            f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); nothing "
-            f"was changed. Load it into the model, optimizer and loader it was saved from") from e
-    return CheckpointInfo(model._steps, None if loader is None else int(loader["epoch"]),
-                          state["extra"])
+            f"{str(path)!r} was written by {_describe_part(state.get('part'))}, but this is "
+            f"{_describe_part(_part(layout))}; resume with the processes and "
+            f"Options.Distributed.set_ipu_processes it was saved with")
+    _check_fits(path, state, model, dataloader)
+    return state
+
+
+def _describe_part(part) -> str:
+    if not isinstance(part, dict):
+        return "one process running every stage"
+    return (f"process {part['rank']} of {part['processes']} with set_ipu_processes"
+            f"({part['ipu_processes']})")
+
+
+def _agree_on_parts(model: PoplarExecutor, path, problem, steps) -> None:
+    """Every process of a spread model reports on its part; any problem, or parts of
+    different steps, is refused in every process before any of them loads."""
+    processes = model._processes
+    processes.join(model.model, model._optimizer)
+    reports = processes.gather({processes.rank: (problem, steps)})
+    if problem is not None:
+        raise CheckpointError(problem)
+    for rank in sorted(reports):
+        theirs, _ = reports[rank]
+        if theirs is not None:
+            raise CheckpointError(f"process {rank} cannot load its part of the checkpoint "
+                                  f"{str(path)!r}: {theirs}")
+    taken = {rank: s for rank, (_, s) in sorted(reports.items())}
+    if len(set(taken.values())) > 1:
+        raise CheckpointError(
+            f"the parts of the checkpoint {str(path)!r} are of different steps ("
+            f"{', '.join(f'process {r}: step {s}' for r, s in taken.items())}): a process "
+            f"stopped while saving; resume from an earlier checkpoint")
 
 
 def _random_state() -> dict:
@@ -215,6 +319,9 @@ def _check_fits(path, state: dict, model: PoplarExecutor, dataloader) -> None:
     where = f"the checkpoint {str(path)!r}"
     own = model.model.state_dict()
     saved = state["model"]
+    if "part" in state:  # a part holds its process's stages ([Note: checkpoints])
+        mine = _own_keys(model) or saved.keys()  # known once the model has been called
+        own = {k: v for k, v in own.items() if k in mine}
     if own.keys() != saved.keys():
         raise CheckpointError(
             f"{where} is of another model: missing {sorted(own.keys() - saved.keys())[:5]}, "

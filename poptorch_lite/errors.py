@@ -116,6 +116,11 @@ class ExecutionError(Error):
     """An action failed while running: names its stream, stage, micro-batch and schedule row."""
 
 
+class ChannelError(Error):
+    """A message to or from a stage in another process went astray (that process failed,
+    exited or hung): the processes are out of step ([Note: stages in other processes])."""
+
+
 # [Note: warnings]
 # Options and arguments that only tune IPU hardware are accepted and ignored with
 # one warning each per process (never silently); `warn_once` keeps the record.

@@ -54,12 +54,8 @@ import torch
 import torch.distributed as dist
 
 from . import rng
-from .errors import Error
+from .errors import ChannelError
 from .schedule import Action, Kind
-
-
-class ChannelError(Error):
-    """A message to or from another process failed: the processes are out of step."""
 
 
 def _lost(what: str, peer: int, exc: BaseException, timeout: float) -> ChannelError:

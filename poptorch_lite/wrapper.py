@@ -246,8 +246,11 @@ class PoplarExecutor(perf_counters.Latencies):
             raise DeviceError("runStatistics() reports on the last call: call the model first")
         if self._statistics is None:
             schedule, stats, recorder, devices = self._last_run
-            names = [f"ipu{k} ({devices[k]})" if k in devices else f"ipu{k} (unused)"
-                     for k in range(schedule.num_streams)]
+            layout = self._processes.layout if self._processes is not None else None
+            names = [f"ipu{k} ({devices[k]})" if k in devices else
+                     f"ipu{k} (process {layout.rank_of(layout.pipeline, layout.position_of(k))})"
+                     if layout is not None and layout.position_of(k) is not None else
+                     f"ipu{k} (unused)" for k in range(schedule.num_streams)]
             self._statistics = RunStatistics(  # peaks over the call's runs
                 schedule.name, tuple(max(v) for v in zip(*(r.peak_stash_depth for r in stats))),
                 tuple(max(v) for v in zip(*(r.peak_stash_bytes for r in stats))),

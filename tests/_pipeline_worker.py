@@ -13,6 +13,7 @@ middle of training and resumes in fresh models. Each writes ``OUT_DIR/<scenario>
 """
 
 import os
+import shutil
 import sys
 
 import torch
@@ -141,8 +142,18 @@ def train(name, spread, calls=CALLS):
     wrapped.copyWeightsToHost()
     result = {"outputs": outputs, "params": {k: v.clone() for k, v in model.state_dict().items()},
               "opt": state_by_name(model, optimizer), "rng": torch.get_rng_state(),
-              "scale": (wrapped._loss_scale.scale, wrapped._loss_scale.skipped_steps)}
+              "scale": (wrapped._loss_scale.scale, wrapped._loss_scale.skipped_steps),
+              "timeline": wrapped.runStatistics().timeline.stream_names}
     wrapped.destroy()
+    if W == len(ipus):  # one pipeline: an inference model of the trained model, spread too
+        opts = poptorch.Options().deviceIterations(4).outputMode(poptorch.OutputMode.All)
+        opts.setExecutionStrategy(options(name, spread).execution_strategy)
+        if spread:
+            opts.Distributed.set_ipu_processes(ipus)
+        infer = poptorch.inferenceModel(model, opts)
+        x, _ = data(B * 4, width=8, seed=99)
+        result["inference"] = infer(x, torch.zeros(B * 4, dtype=torch.long))[0]
+        infer.destroy()
     return result
 
 
@@ -233,40 +244,71 @@ def refusals(rank):
         wrapped(*data(B * 8))
     except poptorch.OptionsError as e:
         result["uncovered"] = str(e)
+    wrapped.destroy()
+    small = BlockMLP(2)  # on IPUs 0 and 1: process 1 would run no stage
+    opts = poptorch.Options()
+    opts.Training.gradientAccumulation(4)
+    opts.Distributed.set_ipu_processes([[0, 1], [2, 3]])
+    wrapped = poptorch.trainingModel(small, opts, torch.optim.SGD(small.parameters(), lr=0.1))
+    try:
+        wrapped(*data(B * 4))
+    except poptorch.OptionsError as e:
+        result["stageless"] = str(e)
     result["unchanged"] = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     wrapped.destroy()
     return result
 
 
 def checkpointed(rank, out):
-    """Two calls, a checkpoint, two more; then fresh models resume from the checkpoint."""
+    """Four calls with checkpoints after the second (A and B) and, in process 0 alone, after
+    the third (A again); then fresh models (other weights and random state) load A, which
+    is refused, and resume from B."""
     name = "2-interleaved"
-    path = os.path.join(out, "ckpt.pt")
+    a, b = os.path.join(out, "a.pt"), os.path.join(out, "b.pt")
     model = build("mlp")
-    opt = make_optimizer("sgd", model.parameters())
-    wrapped = poptorch.trainingModel(model, options(name, True), opt)
+    wrapped = poptorch.trainingModel(model, options(name, True), make_optimizer("sgd", model.parameters()))
+    torch.manual_seed(1000)
     losses = []
     for c in range(4):
-        torch.manual_seed(1000 + c)
         losses.append(wrapped(*call_data(name, c, 0))[1])
         if c == 1:
-            poptorch.save_checkpoint(path, wrapped)
+            poptorch.save_checkpoint(a, wrapped)
+            poptorch.save_checkpoint(b, wrapped)
+        if c == 2 and rank == 0:
+            poptorch.save_checkpoint(a, wrapped)
     wrapped.copyWeightsToHost()
     final = {k: v.clone() for k, v in model.state_dict().items()}
     wrapped.destroy()
     torch.manual_seed(5)  # other weights and random state: the checkpoint restores them
     model = BlockMLP(2, dropout=0.3, batchnorm=True)
-    opt = make_optimizer("sgd", model.parameters())
-    wrapped = poptorch.trainingModel(model, options(name, True), opt)
-    info = poptorch.load_checkpoint(path, wrapped)
-    resumed = []
-    for c in range(2, 4):
-        torch.manual_seed(1000 + c)
-        resumed.append(wrapped(*call_data(name, c, 0))[1])
+    wrapped = poptorch.trainingModel(model, options(name, True), make_optimizer("sgd", model.parameters()))
+    try:
+        poptorch.load_checkpoint(a, wrapped)
+        refused = None
+    except poptorch.CheckpointError as e:
+        refused = str(e)
+    info = poptorch.load_checkpoint(b, wrapped)
+    resumed = [wrapped(*call_data(name, c, 0))[1] for c in range(2, 4)]
     wrapped.copyWeightsToHost()
-    return {"losses": losses, "resumed": resumed, "steps": info.steps, "final": final,
-            "resumed_final": {k: v.clone() for k, v in model.state_dict().items()},
-            "files": sorted(os.listdir(out))}
+    files = sorted(f for f in os.listdir(out) if "-of-" in f)
+    wrapped.destroy()
+    result = {"losses": losses, "resumed": resumed, "steps": info.steps, "final": final,
+              "resumed_final": {k: v.clone() for k, v in model.state_dict().items()},
+              "refused": refused, "files": files}
+    # B loaded with the processes' IPUs swapped, then a checkpoint process 1 has no part of
+    swapped = options(name, False)
+    swapped.Distributed.set_ipu_processes([[1], [0]])
+    c = os.path.join(out, "c.pt")
+    if rank == 0:
+        shutil.copy(a + ".process0-of-2", c + ".process0-of-2")
+    for what, path, opts in (("swapped", b, swapped), ("missing", c, options(name, True))):
+        wrapped = poptorch.trainingModel(model, opts, make_optimizer("sgd", model.parameters()))
+        try:
+            poptorch.load_checkpoint(path, wrapped)
+        except poptorch.CheckpointError as e:
+            result[what] = str(e)
+        wrapped.destroy()
+    return result
 
 
 def main():

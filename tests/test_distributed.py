@@ -160,6 +160,34 @@ def test_dataloader_shards_like_distributed_sampler(shuffle):
     assert (epochs[0] != epochs[1]) == shuffle
 
 
+def test_the_processes_of_one_pipeline_read_the_same_data_and_pipelines_disjoint_shards():
+    """With set_ipu_processes the loader shards over pipelines ([Note: stages in other
+    processes]): 4 processes in 2 pipelines of 2; each pipeline's processes read one shard."""
+    n, W, seen = 48, 4, []
+    for p in range(W):
+        opts = poptorch.Options().randomSeed(5)
+        opts.Distributed.configureProcessId(p, W)
+        opts.Distributed.set_ipu_processes([[0], [1]])
+        opts.Training.gradientAccumulation(2)
+        loader = poptorch.DataLoader(opts, torch.utils.data.TensorDataset(torch.arange(n)),
+                                     batch_size=3, shuffle=True)
+        seen.append([int(i) for (batch,) in loader for i in batch])
+    assert seen[0] == seen[1] and seen[2] == seen[3]
+    assert sorted(seen[0] + seen[2]) == list(range(n))
+
+
+def test_set_ipu_processes_reads_back_and_counts_processes_per_pipeline():
+    opts = poptorch.Options()
+    assert (opts.Distributed.ipu_processes, opts.Distributed.processes_per_pipeline) == (None, 1)
+    opts.Distributed.set_ipu_processes({0: 0, 1: [1, 2]})
+    assert opts.Distributed.ipu_processes == ((0,), (1, 2))
+    assert opts.Distributed.processes_per_pipeline == 2
+    opts.Distributed.ipu_processes = [[0, 1]]  # the attribute goes through the setter
+    assert opts.Distributed.ipu_processes == ((0, 1),)
+    assert poptorch.Options().from_json(
+        '{"Distributed.ipu_processes": [[0], [1]]}').Distributed.ipu_processes == ((0,), (1,))
+
+
 def test_options_pick_up_torchrun_environment(monkeypatch):
     for var in ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"):
         monkeypatch.delenv(var, raising=False)

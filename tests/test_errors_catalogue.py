@@ -11,9 +11,11 @@ from __future__ import annotations
 import builtins
 import contextlib
 import copy
+import os
 import pathlib
 import re
 import signal
+import tempfile
 import threading
 import time
 import warnings
@@ -29,6 +31,8 @@ from poptorch_lite import errors, keras, optim, retarget
 from poptorch_lite.placement import CpuStream, resolve_devices
 from poptorch_lite.schedule import Action, Schedule, build, validate
 from poptorch_lite.timeline import Span, Timeline
+
+from processes import free_port, start
 
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "ERRORS.md"
 P = poptorch.PipelineSchedule
@@ -237,6 +241,74 @@ def two_processes():
     o = poptorch.Options()
     o.Distributed.configureProcessId(0, 2)
     return o
+
+
+# -- several processes ----------------------------------------------------------------------
+
+_SPAWNED: dict = {}
+
+
+def spawned(scenario, rank, what):
+    """Raise what process ``rank`` of tests/_pipeline_worker.py's ``scenario`` raised, as it
+    recorded it (class, message, notes): the scenario runs once, in its own processes."""
+    if scenario not in _SPAWNED:
+        out = pathlib.Path(tempfile.mkdtemp())
+        runs = start(pathlib.Path(__file__).parent / "_pipeline_worker.py", [scenario, out], 2)
+        assert runs[0][0] == 0, runs[0][2][-3000:]
+        _SPAWNED[scenario] = [torch.load(out / f"{scenario}-rank{r}.pt", weights_only=False)
+                              for r in range(2) if (out / f"{scenario}-rank{r}.pt").exists()]
+    recorded = _SPAWNED[scenario][rank][what]
+    if isinstance(recorded, str):  # a refusal's text, of the class the worker caught
+        recorded = (None, recorded, [])
+    kind, text, notes = recorded[:3]
+    exc = getattr(errors, kind or ROW_CLASS[scenario, what])(text)
+    for note in notes:
+        exc.add_note(note)
+    raise exc
+
+
+ROW_CLASS = {("refuse", "uncovered"): "OptionsError", ("refuse", "stageless"): "OptionsError",
+             ("refuse", "mismatch"): "OptionsError", ("checkpoint", "swapped"): "CheckpointError",
+             ("checkpoint", "missing"): "CheckpointError",
+             ("checkpoint", "refused"): "CheckpointError"}
+
+
+def spread_options(W=2):
+    o = poptorch.Options()
+    o.Distributed.configureProcessId(0, W)
+    o.Distributed.set_ipu_processes([[0], [1]])
+    return o
+
+
+def rendezvous_missing():
+    with mock.patch.dict("os.environ"):
+        for var in ("MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(var, None)
+        first_call(Two(), two_processes())
+
+
+def initialised_otherwise():
+    """The script initialised a group of one process; the options say two."""
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1,
+                                         store=torch.distributed.HashStore())
+    try:
+        first_call(Two(), two_processes())
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def nobody_joins():
+    """Process 0 of 2 waits for process 1, which never comes, for the collective timeout."""
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "POPTORCH_LITE_DIST_TIMEOUT": "1"}
+    with mock.patch.dict("os.environ", env):
+        first_call(Two(), two_processes())
+
+
+def saved_before_the_first_call(tmp_path):
+    model = Two()
+    wrapped = poptorch.trainingModel(model, spread_options(), optim.SGD(model.parameters(), lr=0.1))
+    poptorch.save_checkpoint(tmp_path / "ckpt.pt", wrapped)
 
 
 def config_line(tmp_path, line):
@@ -516,6 +588,11 @@ T = {
     "E-OPT-30": lambda: refuse(lambda o: o.TensorLocations.setWeightLocation({"x": 1})),
     "E-OPT-31": lambda: refuse(lambda o: o.Training.setAutomaticLossScaling(
         True, growth_interval=0)),
+    "E-OPT-32": lambda: refuse(lambda o: o.Distributed.set_ipu_processes("0")),
+    "E-OPT-33": lambda: refuse(lambda o: o.Distributed.set_ipu_processes({1: [0]})),
+    "E-OPT-34": lambda: refuse(lambda o: o.Distributed.set_ipu_processes([[0], []])),
+    "E-OPT-35": lambda: refuse(lambda o: o.Distributed.set_ipu_processes([[0], [1.5]])),
+    "E-OPT-36": lambda: refuse(lambda o: o.Distributed.set_ipu_processes([[0, 1], [1]])),
     # options files and JSON
     "E-CFG-01": lambda tmp_path: poptorch.Options().loadFromFile(tmp_path / "missing.conf"),
     "E-CFG-02": lambda tmp_path: config_line(tmp_path, "deviceIterations(4"),
@@ -786,6 +863,21 @@ T = {
         tmp_path, lambda s: s.update(dataloader={"epoch": 0, "batches": 9, "rng": None}),
         loader=poptorch.DataLoader(poptorch.Options(), ds(8), batch_size=2)),
     "E-CKP-12": lambda tmp_path: refuse_checkpoint(tmp_path, lambda s: s["rng"].pop("python")),
+    "E-CKP-14": saved_before_the_first_call,
+    "E-CKP-15": lambda: spawned("checkpoint", 1, "swapped"),
+    "E-CKP-16": lambda: spawned("checkpoint", 0, "missing"),
+    "E-CKP-17": lambda: spawned("checkpoint", 0, "refused"),
+    # several processes
+    "E-PROC-01": lambda: poptorch.trainingModel(Two(), spread_options(W=3)),
+    "E-PROC-02": rendezvous_missing,
+    "E-PROC-03": initialised_otherwise,
+    "E-PROC-04": lambda: spawned("refuse", 0, "mismatch"),
+    "E-PROC-05": nobody_joins,
+    "E-PROC-06": lambda: spawned("refuse", 1, "uncovered"),
+    "E-PROC-07": lambda: spawned("refuse", 0, "stageless"),
+    "E-PROC-08": lambda: spawned("errors", 0, "remote"),
+    "E-PROC-09": lambda: spawned("errors", 0, "lost"),
+    "E-PROC-10": lambda: spawned("errors", 0, "broken"),
     "E-CKP-13": lambda tmp_path: refuse_checkpoint(tmp_path, lambda s: s.update(loss_scale={})),
     # warnings
     "W-IPU-01": lambda: poptorch.Options().Precision.enableStochasticRounding(True),

@@ -99,6 +99,14 @@ def test_every_configuration_matches_one_process(trained):
                                      rtol=0, msg=f"{name} {pname} {key}")
             assert torch.equal(got["rng"], ref["rng"]), name  # the same draws as one process
             assert got["scale"] == ref["scale"], name
+            if "inference" in ref:  # an inference model of the trained model, spread too
+                assert_close(got["inference"], ref["inference"], atol=0 if exact else ATOL,
+                             rtol=0, msg=name)
+            pipeline = rank // len(ipus)
+            assert got["timeline"] == [
+                f"ipu{k} (cpu)" if k in ipus[rank % len(ipus)] else
+                f"ipu{k} (process {pipeline * len(ipus) + j})"
+                for k in range(len(ref["timeline"])) for j, ids in enumerate(ipus) if k in ids]
 
 
 def _layer(name):
@@ -220,7 +228,39 @@ def test_options_that_differ_or_a_placement_that_misses_an_ipu_are_refused_every
             "the model's stages run on IPUs [0, 1, 2, 3], but Options.Distributed."
             "set_ipu_processes([[0, 1], [2]]) gives no process IPU 3; give every IPU the model "
             "uses to a process")
+        assert result["stageless"] == (
+            "process 1 of each pipeline runs IPUs 2, 3 (Options.Distributed.set_ipu_processes), "
+            "but no stage of the model runs there (its stages run on IPUs [0, 1]); give it a "
+            "stage or leave it out, with one process fewer per pipeline")
         assert result["unchanged"]
+
+
+def test_each_process_checkpoints_its_part_and_a_resumed_run_continues_exactly(tmp_path):
+    results = spawn("checkpoint", 2, tmp_path)
+    for rank, result in enumerate(results):
+        assert result["files"] == ["a.pt.process0-of-2", "a.pt.process1-of-2",
+                                   "b.pt.process0-of-2", "b.pt.process1-of-2"]
+        assert result["refused"] == (
+            f"the parts of the checkpoint {str(tmp_path / 'a.pt')!r} are of different steps "
+            f"(process 0: step 6, process 1: step 4): a process stopped while saving; resume "
+            f"from an earlier checkpoint")
+        assert result["steps"] == 4
+        assert all(torch.equal(x, y) for x, y in zip(result["resumed"], result["losses"][2:]))
+        assert all(torch.equal(result["resumed_final"][k], v) for k, v in result["final"].items())
+    for rank, result in enumerate(results):  # each process names its own part's problem
+        assert result["swapped"] == (
+            f"{str(tmp_path / f'b.pt.process{rank}-of-2')!r} was written by process {rank} of 2 "
+            f"with set_ipu_processes([[0], [1]]), but this is process {rank} of 2 with "
+            f"set_ipu_processes([[1], [0]]); resume with the processes and "
+            f"Options.Distributed.set_ipu_processes it was saved with")
+    missing = f"no checkpoint at {str(tmp_path / 'c.pt.process1-of-2')!r}; check the path"
+    assert results[1]["missing"] == missing
+    assert results[0]["missing"] == (f"process 1 cannot load its part of the checkpoint "
+                                     f"{str(tmp_path / 'c.pt')!r}: {missing}")
+    part = torch.load(tmp_path / "b.pt.process1-of-2", weights_only=True)
+    assert sorted(part["model"]) == ["bn.bias", "bn.num_batches_tracked", "bn.running_mean",
+                                     "bn.running_var", "bn.weight", "head.bias", "head.weight",
+                                     "layers.2.bias", "layers.2.weight"]
 
 
 def test_a_process_count_the_pipeline_does_not_divide_is_refused_when_wrapping(monkeypatch):
