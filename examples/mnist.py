@@ -130,12 +130,13 @@ def train(training_model, train_data, epochs, scheduler=None):
     A torch ``scheduler`` steps after each epoch; ``setOptimizer`` hands the new
     learning rate to the model, as in PopTorch.
     """
+    main_process = poptorch.is_main_process()  # under torchrun, process 0 alone reports
     start, seen = time.perf_counter(), 0
     for epoch in range(1, epochs + 1):
         if scheduler is not None and epoch > 1:
             scheduler.step()
             training_model.setOptimizer(scheduler.optimizer)
-        bar = tqdm(train_data, desc=f"epoch {epoch}/{epochs}")
+        bar = tqdm(train_data, desc=f"epoch {epoch}/{epochs}", disable=not main_process)
         for data, labels in bar:
             output, loss = training_model(data, labels)
             seen += data.shape[0]
@@ -143,24 +144,29 @@ def train(training_model, train_data, epochs, scheduler=None):
             bar.set_postfix(loss=f"{loss.mean().item():.4f}",
                             accuracy=f"{accuracy(output, labels[-output.shape[0]:]):.1f}%")
     elapsed = time.perf_counter() - start
-    print(f"trained on {seen} images in {elapsed:.1f} s ({seen / max(elapsed, 1e-9):.0f} samples/s)")
+    if main_process:
+        print(f"trained on {seen} images in {elapsed:.1f} s "
+              f"({seen / max(elapsed, 1e-9):.0f} samples/s)")
     return seen, elapsed
 
 
 def test(model, test_set, batch_size, opts):
     """Print and return the accuracy of ``model`` on ``test_set``, run as inferenceModel."""
+    main_process = poptorch.is_main_process()
     test_data = poptorch.DataLoader(opts, test_set, batch_size=batch_size)
     model.eval()
     inference_model = poptorch.inferenceModel(model, opts)
     correct, total, start = 0.0, 0, time.perf_counter()
-    for data, labels in tqdm(test_data, desc="test"):
+    for data, labels in tqdm(test_data, desc="test", disable=not main_process):
         output = inference_model(data)
         correct += accuracy(output, labels) * labels.shape[0] / 100.0
         total += labels.shape[0]
     elapsed = time.perf_counter() - start
     inference_model.detachFromDevice()
-    print(f"tested on {total} images in {elapsed:.1f} s ({total / max(elapsed, 1e-9):.0f} samples/s)")
-    print(f"Accuracy on test set: {100.0 * correct / total:.2f}%")
+    if main_process:
+        print(f"tested on {total} images in {elapsed:.1f} s "
+              f"({total / max(elapsed, 1e-9):.0f} samples/s)")
+        print(f"Accuracy on test set: {100.0 * correct / total:.2f}%")
     return 100.0 * correct / total
 
 

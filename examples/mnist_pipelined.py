@@ -8,6 +8,8 @@ Four stages, 1F1B, recomputation, two replicas, and a timeline to look at:
 A picture of the pipeline (an SVG Gantt chart) of one step:
     python examples/mnist_pipelined.py --data-dir ../shared/data --device-iterations 1 \\
         --trace pipeline.svg
+Each stage in a process of its own (one per GPU is the norm; here CPU processes):
+    torchrun --nproc_per_node 2 examples/mnist_pipelined.py --data-dir ../shared/data
 
 The network of examples/mnist.py, annotated with four blocks: B1 and B2 (the
 conv layers), B3 (the hidden dense layer) and B4 (the output layer and the
@@ -16,7 +18,10 @@ loss). With ``--stages 2`` B1, B2 run on IPU 0 and B3, B4 on IPU 1; with
 worker thread on the CPU), and the stages work on different micro-batches at
 the same time. ``--trace`` writes the timeline of the last call, as a picture
 (``.svg``) or for chrome://tracing and ui.perfetto.dev (``.json``), and prints
-it as ASCII.
+it as ASCII. Under torchrun the stages spread over ``--pipeline-processes``
+processes (all of them by default) with
+``opts.Distributed.set_ipu_processes``; more processes than that make
+data-parallel copies of the pipeline. Process 0 alone shows progress and prints.
 """
 
 import argparse
@@ -44,6 +49,9 @@ parser.add_argument("--schedule", default="grouped",
 parser.add_argument("--recompute", action="store_true",
                     help="keep only stage inputs and recompute activations in the backward")
 parser.add_argument("--replicas", type=int, default=1, help="copies of the whole pipeline")
+parser.add_argument("--pipeline-processes", type=int, default=0,
+                    help="under torchrun: processes one pipeline's stages spread over "
+                         "(0: all of them)")
 parser.add_argument("--trace", default="",
                     help="write the last call's timeline to this file: .svg a picture, else JSON")
 parser.add_argument("--test-batch-size", type=int, default=100, help="inference micro-batch size")
@@ -89,6 +97,20 @@ def strategy(args):
     return poptorch.PipelinedExecution(*stages, schedule=args.schedule)
 
 
+def spread(opts, args):
+    """Under torchrun: the stages' IPUs dealt in blocks over a pipeline's processes."""
+    W = opts.Distributed.numProcesses  # torchrun's WORLD_SIZE; 1 without torchrun
+    n = args.pipeline_processes or W
+    if W == 1 or n == 1:
+        return 1
+    if args.stages % n or W % n:
+        parser.error(f"{args.stages} stages do not split over {n} processes per pipeline, or "
+                     f"{W} processes into pipelines of {n}; pass --pipeline-processes")
+    per = args.stages // n
+    opts.Distributed.set_ipu_processes([list(range(j * per, (j + 1) * per)) for j in range(n)])
+    return W // n
+
+
 def main(argv=None):
     args = parser.parse_args(argv)
     torch.manual_seed(args.seed)
@@ -98,12 +120,15 @@ def main(argv=None):
     opts.replicationFactor(args.replicas)
     opts.Training.gradientAccumulation(args.gradient_accumulation)
     opts.setExecutionStrategy(strategy(args))
+    pipelines = spread(opts, args)  # data-parallel pipelines over the processes
     train_data = poptorch.DataLoader(opts, train_set, batch_size=args.batch_size, shuffle=True,
                                      generator=torch.Generator().manual_seed(args.seed))
-    per_step = args.batch_size * args.gradient_accumulation * args.replicas
-    print(f"effective batch: {args.batch_size} x {args.gradient_accumulation} accumulation x "
-          f"{args.replicas} replicas = {per_step} per step, "
-          f"{train_data.combinedBatchSize} per call (deviceIterations {args.device_iterations})")
+    per_step = args.batch_size * args.gradient_accumulation * args.replicas * pipelines
+    across = f" x {pipelines} pipelines" if pipelines > 1 else ""
+    if poptorch.is_main_process():
+        print(f"effective batch: {args.batch_size} x {args.gradient_accumulation} accumulation x "
+              f"{args.replicas} replicas{across} = {per_step} per step, "
+              f"{train_data.combinedBatchSize} per call (deviceIterations {args.device_iterations})")
 
     model = Network()
     model.train()
@@ -111,7 +136,7 @@ def main(argv=None):
     training_model = poptorch.trainingModel(model, opts, optimizer)
     scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=args.lr_decay)
     train(training_model, train_data, args.epochs, scheduler)
-    if args.trace:
+    if args.trace and poptorch.is_main_process():
         timeline = training_model.runStatistics().timeline
         if args.trace.endswith(".svg"):
             timeline.write_svg(args.trace)
@@ -125,6 +150,7 @@ def main(argv=None):
     # Inference needs deviceIterations >= stages to fill the pipeline.
     test_opts = poptorch.Options().deviceIterations(max(args.stages, args.device_iterations))
     test_opts.setExecutionStrategy(strategy(args))
+    spread(test_opts, args)  # each pipeline tests its share of the test set
     return test(model, test_set, args.test_batch_size, test_opts)
 
 

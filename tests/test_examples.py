@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from processes import free_port
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DATA = pathlib.Path(os.environ.get("MNIST_DATA", ROOT.parent / "shared" / "data"))
 
@@ -62,6 +64,23 @@ def test_mnist_replicated_prints_the_effective_batch():
 
 def test_mnist_pipelined_two_stages_with_defaults():
     lines = run_example("mnist_pipelined.py", "--limit", "1280", "--device-iterations", "2")
+    assert lines[0] == ("effective batch: 8 x 8 accumulation x 1 replicas = 64 per step, "
+                        "128 per call (deviceIterations 2)")
+    assert len(lines) == 4
+    assert_trained_and_tested(lines, 1280, 1200)
+
+
+def test_mnist_pipelined_runs_its_stages_in_two_processes_under_torchrun():
+    """``torchrun --nproc_per_node 2``: a stage per process; process 0 alone prints, and
+    both processes' pipeline trains and tests the whole subset."""
+    result = subprocess.run(
+        [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_port", str(free_port()), str(ROOT / "examples" / "mnist_pipelined.py"),
+         "--data-dir", str(DATA), "--epochs", "1", "--limit", "1280", "--device-iterations",
+         "2"], capture_output=True, text=True, timeout=600, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.strip().splitlines()
     assert lines[0] == ("effective batch: 8 x 8 accumulation x 1 replicas = 64 per step, "
                         "128 per call (deviceIterations 2)")
     assert len(lines) == 4
