@@ -1,17 +1,22 @@
-"""The torch.distributed.pipelining baseline of benchmarks/pipeline.py: the same MLP in 2 processes.
+"""The multi-process variants of benchmarks/pipeline.py: a model in 2 processes, one per stage.
 
-:class:`TorchPipeline` starts one process per stage (gloo on loopback, one
-intra-op thread each) and then runs one timed training step at a time when
-asked, so that its repetitions interleave with the in-process variants of
+:class:`Ranks` starts one process per stage (gloo on loopback, one intra-op
+thread each) and then runs one timed training step at a time when asked, so
+that its repetitions interleave with the in-process variants of
 benchmarks/pipeline.py. Between steps the ranks block on a queue and use no CPU.
+Two kinds of ranks:
 
-    pipe = TorchPipeline(["gpipe", "1f1b"], width=1024, layers=8, micro_batch=32, m=8, lr=1e-4)
-    wall_s, cpu_s = pipe.step("1f1b")   # m micro-batches through both stages + SGD step
-    pipe.close()
+- ``"torch"``: torch.distributed.pipelining, rank s holding stage s as a
+  ``PipelineStage`` (rank 0 feeds the inputs, the last rank computes the loss);
+  the schedules average the micro-batch gradients (``scale_grads=True``);
+- ``"lite"``: poptorch_lite's ``trainingModel`` with
+  ``Options.Distributed.set_ipu_processes``: every rank runs the same wrapped model
+  and holds its own stage ([Note: stages in other processes]).
 
-Rank s holds layers [s*L/S, (s+1)*L/S) as a ``PipelineStage``; rank 0 feeds the
-inputs and rank S-1 computes the MSE loss against the targets. The schedules
-average the micro-batch gradients (``scale_grads=True``), like the other variants.
+    ranks = Ranks("torch", ["gpipe", "1f1b"], model="mlp", width=1024, layers=8,
+                  micro_batch=32, m=8, lr=1e-4)
+    wall_s, cpu_s = ranks.step("1f1b")   # m micro-batches through both stages + SGD step
+    ranks.close()
 """
 
 import os
@@ -25,6 +30,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+import poptorch_lite as poptorch
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 STEP_TIMEOUT_S = 600  # a rank that has not answered by then has hung
@@ -53,29 +60,72 @@ def stage_slice(s, S, layers):
     return slice(s * per, 2 * layers if s == S - 1 else (s + 1) * per)
 
 
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def conv_stages():
+    """The MNIST tutorial's conv net as its two pipeline stages (blocks B1+B2, B3+B4):
+    conv 10 and conv 20 (each conv, max-pool, ReLU), then Linear(320, 256)+ReLU and
+    Linear(256, 10) with log-softmax; the loss is NLL.
+
+    Example:
+        >>> first, second = conv_stages()
+        >>> second(first(torch.zeros(2, 1, 28, 28))).shape
+        torch.Size([2, 10])
+    """
+    def conv(cin, cout):
+        return [torch.nn.Conv2d(cin, cout, 5), torch.nn.MaxPool2d(2), torch.nn.ReLU()]
+    first = torch.nn.Sequential(*conv(1, 10), *conv(10, 20), torch.nn.Flatten())
+    second = torch.nn.Sequential(torch.nn.Linear(320, 256, bias=False), torch.nn.ReLU(),
+                                 torch.nn.Linear(256, 10), torch.nn.LogSoftmax(1))
+    return first, second
 
 
-def _rank_main(s, S, port, names, width, layers, micro_batch, m, lr, commands, results):
-    """One rank: build its stage and schedules, then run the steps it is sent until None."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if sys.platform.startswith("linux"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback, whatever the hostname says
-    torch.set_num_threads(1)
+def stages(model, S, width, layers):
+    """The S stage modules of ``model`` ("mlp" or "conv"), built from seed 0."""
+    torch.manual_seed(0)
+    if model == "conv":
+        return list(conv_stages())
+    body = mlp(width, layers)
+    return [body[stage_slice(s, S, layers)] for s in range(S)]
+
+
+def batch(model, rows, width, seed=1):
+    """One step's inputs and targets."""
+    g = torch.Generator().manual_seed(seed)
+    if model == "conv":
+        return torch.randn(rows, 1, 28, 28, generator=g), torch.randint(0, 10, (rows,), generator=g)
+    return torch.randn(rows, width, generator=g), torch.randn(rows, width, generator=g)
+
+
+def loss_of(model):
+    return F.nll_loss if model == "conv" else F.mse_loss
+
+
+class Pipelined(torch.nn.Module):
+    """The stages of :func:`stages` in blocks "s0", "s1", ... on IPUs 0, 1, ..., with the loss
+    in the last, for poptorch_lite."""
+
+    def __init__(self, parts, loss):
+        super().__init__()
+        self.parts = torch.nn.ModuleList(parts)
+        self.loss = loss
+
+    def forward(self, x, y):
+        for s, part in enumerate(self.parts):
+            with poptorch.Block(f"s{s}", ipu_id=s):
+                x = part(x)
+                if s == len(self.parts) - 1:
+                    return x, self.loss(x, y)
+
+
+def _torch_rank(s, S, names, model, width, layers, micro_batch, m, lr):
     dist.init_process_group("gloo", rank=s, world_size=S)
-    torch.manual_seed(0)  # same weights as the parent's model, which is built the same way
-    part = mlp(width, layers)[stage_slice(s, S, layers)]
-    x, y = torch.randn(m * micro_batch, width), torch.randn(m * micro_batch, width)
+    part = stages(model, S, width, layers)[s]
+    x, y = batch(model, m * micro_batch, width)
     opt = torch.optim.SGD(part.parameters(), lr=lr)
     schedules = {name: SCHEDULES[name](PipelineStage(part, s, S, torch.device("cpu")), m,
-                                       loss_fn=F.mse_loss)
+                                       loss_fn=loss_of(model))
                  for name in names}
-    while (name := commands.get(timeout=STEP_TIMEOUT_S)) is not None:
-        dist.barrier()
-        t, c = time.perf_counter(), time.process_time()
+
+    def step(name):
         if s == 0:
             schedules[name].step(x)  # split into m micro-batches along dim 0
         elif s == S - 1:
@@ -84,34 +134,80 @@ def _rank_main(s, S, port, names, width, layers, micro_batch, m, lr, commands, r
             schedules[name].step()
         opt.step()
         opt.zero_grad(set_to_none=True)
+    return step
+
+
+def _lite_rank(s, S, names, model, width, layers, micro_batch, m, lr):
+    os.environ.update(RANK=str(s), WORLD_SIZE=str(S), LOCAL_RANK=str(s),
+                      LOCAL_WORLD_SIZE=str(S))
+    x, y = batch(model, m * micro_batch, width)
+    wrapped = {}
+    for name in names:
+        net = Pipelined(stages(model, S, width, layers), loss_of(model))
+        opts = poptorch.Options()
+        opts.Training.gradientAccumulation(m)
+        opts.setExecutionStrategy(poptorch.PipelinedExecution(
+            *[f"s{k}" for k in range(S)], schedule=poptorch.PipelineSchedule.parse(name)))
+        opts.Distributed.set_ipu_processes([[k] for k in range(S)])
+        wrapped[name] = poptorch.trainingModel(net, opts, torch.optim.SGD(net.parameters(), lr=lr))
+        wrapped[name].compile(x, y)  # joins the process group, traces, places
+
+    def step(name):
+        wrapped[name](x, y)
+    return step
+
+
+_KINDS = {"torch": _torch_rank, "lite": _lite_rank}
+
+
+def _rank_main(kind, s, S, port, names, setup, commands, results):
+    """One rank: build its stage and schedules, then run the steps it is sent until None."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback, whatever the hostname says
+    torch.set_num_threads(1)
+    step = _KINDS[kind](s, S, names, **setup)
+    while (name := commands.get(timeout=STEP_TIMEOUT_S)) is not None:
+        dist.barrier()
+        t, c = time.perf_counter(), time.process_time()
+        step(name)
         dist.barrier()
         results.put((s, time.perf_counter() - t, time.process_time() - c))
     dist.destroy_process_group()
 
 
-class TorchPipeline:
-    """``S`` processes running ``mlp(width, layers)`` split into ``S`` stages.
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Ranks:
+    """``S`` processes, one stage each, that train one step of a schedule when asked.
 
     Args:
-        names: schedules to build, keys of :data:`SCHEDULES` ("gpipe", "1f1b").
-        width, layers, micro_batch, m, lr: the model, micro-batch size, micro-batches
-            per step and SGD learning rate.
+        kind: "torch" (torch.distributed.pipelining) or "lite" (poptorch_lite).
+        names: schedules to build: keys of :data:`SCHEDULES` for "torch", PipelineSchedule
+            names for "lite".
         S: number of stages (= processes).
+        setup: ``model`` ("mlp" or "conv"), ``width``, ``layers``, ``micro_batch``, ``m``
+            (micro-batches per step) and ``lr`` (SGD).
 
     Example:
-        >>> pipe = TorchPipeline(["1f1b"], width=64, layers=4, micro_batch=4, m=4, lr=1e-4)
-        >>> wall_s, cpu_s = pipe.step("1f1b"); pipe.close()
+        >>> ranks = Ranks("torch", ["1f1b"], model="mlp", width=64, layers=4, micro_batch=4,
+        ...               m=4, lr=1e-4)
+        >>> wall_s, cpu_s = ranks.step("1f1b"); ranks.close()
     """
 
-    def __init__(self, names, width, layers, micro_batch, m, lr, S=2):
+    def __init__(self, kind, names, S=2, **setup):
         ctx = mp.get_context("spawn")
-        self.S = S
+        self.S, self.kind = S, kind
         self._commands = [ctx.Queue() for _ in range(S)]
         self._results = ctx.Queue()
         port = _free_port()
         self._procs = [ctx.Process(target=_rank_main, daemon=True,
-                                   args=(s, S, port, list(names), width, layers, micro_batch, m,
-                                         lr, self._commands[s], self._results))
+                                   args=(kind, s, S, port, list(names), setup,
+                                         self._commands[s], self._results))
                        for s in range(S)]
         for p in self._procs:
             p.start()
@@ -137,9 +233,9 @@ class TorchPipeline:
                 dead = [(s, p.exitcode) for s, p in enumerate(self._procs) if not p.is_alive()]
                 if dead or time.monotonic() > deadline:
                     raise RuntimeError(
-                        f"torch.distributed.pipelining rank(s) failed during a {name!r} step: "
-                        f"(rank, exit code) {dead or 'none dead, timed out'}; see the rank's "
-                        f"traceback above") from None
+                        f"{self.kind} rank(s) failed during a {name!r} step: (rank, exit code) "
+                        f"{dead or 'none dead, timed out'}; see the rank's traceback above"
+                    ) from None
                 continue
             walls[s] = wall
             cpu += c

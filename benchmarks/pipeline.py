@@ -1,11 +1,14 @@
 """Pipeline speed: poptorch_lite's schedules against plain PyTorch and torch.distributed.pipelining.
 
     python benchmarks/pipeline.py       # 8 x Linear(1024)+ReLU in 2 stages, micro-batch 32, m = 8
+    python benchmarks/pipeline.py --model conv   # the MNIST tutorial's conv net, micro-batch 8
     python benchmarks/pipeline.py --repeats 40 --schedules interleaved,gpipe --torch-schedules 1f1b
     python benchmarks/pipeline.py --width 256 --repeats 5 --warmup 1      # a quick smoke run
 
-A balanced, compute-bound 2-stage MLP: the first half of the Linear+ReLU layers
-in block "s0", the second half and the MSE loss in block "s1". One training step
+``--model mlp`` (default): a balanced, compute-bound 2-stage MLP, the first half of
+the Linear+ReLU layers in block "s0", the second half and the MSE loss in block
+"s1". ``--model conv``: the MNIST tutorial's conv net in its 2 stages (the conv
+layers; the dense layers and the NLL loss), on 28x28 images. One training step
 is m micro-batches of B rows forward and backward, gradients averaged, and one
 SGD step (the step is timed too). The whole process computes with one intra-op
 thread, so a stage stream (a worker thread) or a rank has one core's worth.
@@ -19,6 +22,9 @@ Rows of the table:
                                  attainable speed-up ideal*c/S
     poptorch_lite <schedule>     one call of the wrapped model (``--schedules``;
                                  "+recompute" recomputes every forward stage)
+    poptorch_lite <schedule>     the same with a stage per process
+      (2 processes)              (``Options.Distributed.set_ipu_processes``), gloo
+                                 on loopback (``--process-schedules``)
     torch <schedule>             torch.distributed.pipelining, one process per
                                  stage, gloo on loopback (``--torch-schedules``)
 
@@ -42,19 +48,21 @@ import time
 import warnings
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 import poptorch_lite as poptorch
-from _pipeline_dist import SCHEDULES as TORCH_SCHEDULES, TorchPipeline, mlp, stage_slice
+from _pipeline_dist import SCHEDULES as TORCH_SCHEDULES, Pipelined, Ranks, batch, loss_of, stages
 
 S = 2  # pipeline stages: blocks "s0" and "s1"
 CEILING = "plain PyTorch, both stages at once, 2 threads"
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--width", type=int, default=1024, help="features of each Linear layer")
-parser.add_argument("--layers", type=int, default=8, help="Linear+ReLU layers, half per stage")
-parser.add_argument("--micro-batch", type=int, default=32, help="rows per micro-batch (B)")
+parser.add_argument("--model", default="mlp", choices=("mlp", "conv"),
+                    help="the MLP below, or the MNIST tutorial's conv net")
+parser.add_argument("--width", type=int, default=1024, help="MLP: features of each Linear layer")
+parser.add_argument("--layers", type=int, default=8, help="MLP: Linear+ReLU layers, half per stage")
+parser.add_argument("--micro-batch", type=int, default=None,
+                    help="rows per micro-batch (B; default 32 for the MLP, 8 for the conv net)")
 parser.add_argument("--microbatches", type=int, default=8,
                     help="micro-batches per step (m, gradient accumulation; at least 2*S-1)")
 parser.add_argument("--lr", type=float, default=1e-4, help="SGD learning rate")
@@ -64,28 +72,14 @@ parser.add_argument("--schedules",
                     default="sequential,grouped,interleaved,interleaved+recompute,gpipe",
                     help="poptorch_lite variants, comma-separated: a PipelineSchedule name, "
                          "optionally with +recompute")
+parser.add_argument("--process-schedules", default="grouped,interleaved",
+                    help="poptorch_lite schedules run with a stage per process, comma-separated; "
+                         "empty to skip")
 parser.add_argument("--torch-schedules", default="gpipe,1f1b",
                     help=f"torch.distributed.pipelining schedules, comma-separated, of "
                          f"{sorted(TORCH_SCHEDULES)}; empty to skip the 2-process runs")
 parser.add_argument("--timelines", action="store_true",
                     help="also print each schedule's timeline (needs runStatistics)")
-
-
-class TwoStageMLP(torch.nn.Module):
-    """``mlp(width, layers)``: the first half in block "s0", the rest and the MSE loss in "s1"."""
-
-    def __init__(self, width, layers):
-        super().__init__()
-        body = mlp(width, layers)  # first, so that the weights match the torch ranks' (same seed)
-        self.first, self.second = body[stage_slice(0, S, layers)], body[stage_slice(1, S, layers)]
-
-    def forward(self, x, y):
-        with poptorch.Block("s0", ipu_id=0):
-            h = self.first(x)
-        with poptorch.Block("s1", ipu_id=1):
-            out = self.second(h)
-            loss = F.mse_loss(out, y)
-        return out, loss
 
 
 def parse_variants(text):
@@ -163,16 +157,17 @@ def ceiling_step(base, x, y, m, lr):
     net = copy.deepcopy(base)
     opt = torch.optim.SGD(net.parameters(), lr=lr)
     xs, ys = x.chunk(m), y.chunk(m)
+    first, second = net.parts
     with torch.no_grad():
-        hs = [net.first(x_i) for x_i in xs]
+        hs = [first(x_i) for x_i in xs]
 
     def stage0():
         for x_i in xs:
-            net.first(x_i).sum().backward()
+            first(x_i).sum().backward()
 
     def stage1():
         for h_i, y_i in zip(hs, ys):
-            F.mse_loss(net.second(h_i.requires_grad_()), y_i).backward()
+            net.loss(second(h_i.requires_grad_()), y_i).backward()
 
     pool = concurrent.futures.ThreadPoolExecutor(2, initializer=_one_intra_op_thread)
 
@@ -219,8 +214,7 @@ def stash_rows(base, wrapped, args):
     without recomputation; models not timed are built here and called twice (trace, measure).
     All None when this poptorch_lite has no ``runStatistics``."""
     has_stats = hasattr(poptorch.PoplarExecutor, "runStatistics")
-    x = torch.randn(args.microbatches * args.micro_batch, args.width)
-    y = torch.randn_like(x)
+    x, y = batch(args.model, args.microbatches * args.micro_batch, args.width)
     rows = []
     for schedule in dict.fromkeys(schedule for schedule, _ in wrapped):
         for recompute in (False, True):
@@ -261,18 +255,18 @@ def print_stash_table(rows, show_timelines):
                 print(f"\n{name}: {stats.timeline.summary()}\n{stats.timeline.render()}")
 
 
-def build_variants(args, schedules, torch_names):
+def build_variants(args, schedules, process_names, torch_names):
     """The timed variants, in table order, each a callable returning (wall s, CPU s).
 
     Returns:
         (variants, label of the baseline, the unwrapped model the copies come from,
-        {(schedule, recompute): wrapped model}, the torch ranks or None). The ranks start
+        {(schedule, recompute): wrapped model}, the groups of ranks). The ranks start
         last, so that bad options fail before them; their start-up overlaps the warm-up.
     """
     m, B = args.microbatches, args.micro_batch
-    torch.manual_seed(0)
-    base = TwoStageMLP(args.width, args.layers)
-    x, y = torch.randn(m * B, args.width), torch.randn(m * B, args.width)
+    # the same weights as the ranks' (stages() seeds), and the same batch
+    base = Pipelined(stages(args.model, S, args.width, args.layers), loss_of(args.model))
+    x, y = batch(args.model, m * B, args.width)
     full_step, micro_step = plain_steps(base, x, y, m, args.lr)
     baseline = f"plain PyTorch, micro-batched ({m} x {B} rows)"
     variants = {f"plain PyTorch, full batch ({m * B} rows)": timed(full_step),
@@ -283,19 +277,32 @@ def build_variants(args, schedules, torch_names):
         model = wrapped[(schedule, recompute)] = wrap(base, m, schedule, recompute, args.lr)
         variants[f"poptorch_lite {variant_name(schedule, recompute)}"] = timed(
             lambda model=model: model(x, y))
-    ranks = (TorchPipeline(torch_names, args.width, args.layers, B, m, args.lr, S)
-             if torch_names else None)
-    for name in torch_names:
-        variants[f"torch {TORCH_SCHEDULES[name].__name__} ({S} processes)"] = (
-            lambda name=name: ranks.step(name))
-    return variants, baseline, base, wrapped, ranks
+    setup = dict(model=args.model, width=args.width, layers=args.layers, micro_batch=B, m=m,
+                 lr=args.lr)
+    groups = []
+    if process_names:
+        lite = Ranks("lite", process_names, S, **setup)
+        groups.append(lite)
+        for name in process_names:
+            variants[f"poptorch_lite {name} ({S} processes)"] = (
+                lambda name=name: lite.step(name))
+    if torch_names:
+        ranks = Ranks("torch", torch_names, S, **setup)
+        groups.append(ranks)
+        for name in torch_names:
+            variants[f"torch {TORCH_SCHEDULES[name].__name__} ({S} processes)"] = (
+                lambda name=name: ranks.step(name))
+    return variants, baseline, base, wrapped, groups
 
 
 def main():
     args = parser.parse_args()
+    if args.micro_batch is None:
+        args.micro_batch = 8 if args.model == "conv" else 32
     torch.set_num_threads(1)  # one intra-op thread per stream (and per rank)
     m, B = args.microbatches, args.micro_batch
     schedules = parse_variants(args.schedules)
+    process_names = [s.value for s, recompute in parse_variants(args.process_schedules)]
     torch_names = [n.strip().lower() for n in args.torch_schedules.split(",") if n.strip()]
     unknown = [n for n in torch_names if n not in TORCH_SCHEDULES]
     if unknown:
@@ -303,24 +310,32 @@ def main():
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", poptorch.PoptorchLiteWarning)
-        variants, baseline, base, wrapped, ranks = build_variants(args, schedules, torch_names)
+        variants, baseline, base, wrapped, groups = build_variants(args, schedules,
+                                                                   process_names, torch_names)
         try:
             results = measure(variants, args.repeats, args.warmup)
         finally:
-            if ranks is not None:
-                ranks.close()
+            for group in groups:
+                group.close()
         stash = stash_rows(base, wrapped, args)
 
     ideal = S * m / (m + S - 1)
-    print(f"model: {args.layers} x Linear({args.width})+ReLU in {S} stages, MSE loss in the last; "
-          f"micro-batch B = {B}, m = {m} micro-batches per step ({m * B} samples), "
-          f"SGD lr {args.lr:g}")
+    model = (f"{args.layers} x Linear({args.width})+ReLU in {S} stages, MSE loss in the last"
+             if args.model == "mlp" else
+             f"the MNIST tutorial's conv net in {S} stages (conv layers; dense layers and NLL loss)")
+    print(f"model: {model}; micro-batch B = {B}, m = {m} micro-batches per step ({m * B} "
+          f"samples), SGD lr {args.lr:g}")
     print(f"threads: {torch.get_num_threads()} intra-op per stream/rank; median of {args.repeats} "
           f"interleaved steps after {args.warmup} warm-up rounds")
     print(f"ideal pipeline speed-up S*m/(m+S-1) = {S}*{m}/{m + S - 1} = {ideal:.2f}x "
           f"over the micro-batched baseline\n")
     print_speed_table(results, baseline, m * B, ideal)
     pop = {label: wall for label, (wall, _) in results.items() if label.startswith("poptorch_lite")}
+    spread = {label: wall for label, wall in pop.items() if label.endswith("processes)")}
+    here = {label: wall for label, wall in pop.items() if label not in spread}
+    if spread and here:
+        print(f"\nsamples/s with a stage per process / with streams in one process (best of "
+              f"each): {min(here.values()) / min(spread.values()):.2f}x")
     one_f_one_b = [label for label in results if "Schedule1F1B" in label]
     if pop and one_f_one_b:
         best = min(pop, key=pop.get)

@@ -29,3 +29,16 @@ def test_the_gpu_benchmark_says_there_is_no_gpu_and_exits_0():
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "benchmarks/gpu.py: no CUDA device here; nothing to measure\n"
+
+
+def test_pipeline_benchmark_runs_the_conv_net_with_a_stage_per_process():
+    """A smoke run: every kind of row, one timed step each (figures are not checked)."""
+    done = subprocess.run([sys.executable, str(BENCH / "pipeline.py"), "--model", "conv",
+                           "--repeats", "1", "--warmup", "0", "--schedules", "grouped",
+                           "--process-schedules", "interleaved", "--torch-schedules", "1f1b"],
+                          capture_output=True, text=True, timeout=300, cwd=BENCH.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split("  ")[0] for line in done.stdout.splitlines()]
+    for row in ("plain PyTorch, micro-batched (8 x 8 rows)", "poptorch_lite grouped",
+                "poptorch_lite interleaved (2 processes)", "torch Schedule1F1B (2 processes)"):
+        assert row in rows, done.stdout
