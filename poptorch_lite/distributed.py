@@ -416,13 +416,23 @@ class Processes:
             merged.update(theirs)
         return merged
 
-    def agree(self, failure: Optional[str]) -> Optional[tuple]:
+    def agree(self, failure: Optional[str], seen: Optional[bool] = None) -> Optional[tuple]:
         """Whether any process failed this run: ``(rank, its description)`` of the first
-        that did (in rank order), or None. One small all-reduce over every process; the
-        descriptions travel only when one failed."""
-        flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32)
-        self._collective("agreeing on the run's outcome", dist.all_reduce, flag)
-        if not int(flag):
+        that did (in rank order), or None. The descriptions travel only when one failed.
+
+        Args:
+            failure: what failed in this process, or None.
+            seen: whether this process already knows if any process of its pipeline failed
+                (from their messages: ``Channels.settle``); with one pipeline that is every
+                process, and no collective is needed to agree. None: one small all-reduce
+                over every process tells.
+        """
+        failed = failure is not None or bool(seen)
+        if seen is None or self.layout.pipelines > 1:
+            flag = torch.tensor([int(failed)], dtype=torch.int32)
+            self._collective("agreeing on the run's outcome", dist.all_reduce, flag)
+            failed = bool(int(flag))
+        if not failed:
             return None
         everyone = [None] * self.size
         self._collective("gathering the failures", dist.all_gather_object, everyone, failure)

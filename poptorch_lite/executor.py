@@ -164,6 +164,7 @@ class Executor:
                 if s is not None:
                     self.output_owner[name] = channels.position[s]
         self._failure_lock = threading.Lock()
+        self._ahead: dict = {}  # action -> the next action of its stream that receives messages
         self.steps_applied = 0  # updates completed ([Note: commit point])
         self.undoable = False   # the caller snapshots whole calls (allOrNothingCalls)
         self.handlers = {Kind.FORWARD: self.work.forward, Kind.BACKWARD: self.work.backward,
@@ -209,6 +210,7 @@ class Executor:
             streams = [rng.Stream(rng.microbatch_seed(base, i)) for i in range(len(microbatches))]
         run = Run(p, microbatches, replica_of, streams)
         run.index, run.training = run_index, schedule.training
+        run.kept = [i for i in range(len(microbatches)) if keep is None or keep[i]]
         begun = self.placement.begin() if self.gpu_ipus else None  # before the inputs' copies
         self._place_inputs(run)
         if schedule.training:
@@ -267,10 +269,9 @@ class Executor:
         for a, span in spans.items() if recorder is not None else ():  # [Note: GPU timeline]
             recorder.add_gpu(self._ipu(a), a.stage, a.microbatch, a.kind.value, *span, run_index)
         names = [o for o in p.outputs if isinstance(o, str)]
-        kept = [i for i in range(len(microbatches)) if keep is None or keep[i]]
-        if channels is not None:  # computed in other processes: [Note: stages in other processes]
-            channels.share_outputs(run, names, kept, self._result, self.output_owner,
-                                   self._output_info)
+        if channels is not None:  # weights returned, values of data-dependent shape
+            channels.share_outputs(run, [n for n in names if n not in channels.settled_names],
+                                   run.kept, self._result, self.output_owner, self._output_info)
         out = [[self._result(run, i, o) for o in names] if keep is None or keep[i] else None
                for i in range(len(microbatches))]
         return out, run.stats
@@ -283,6 +284,7 @@ class Executor:
         ([Note: stages in other processes] in ``process_pipeline``)."""
         channels = self.channels
         channels.before(a, run)
+        channels.post(self._ahead.get(a), run)  # the stream's next receives, while it computes
         if run.failed is None or a.kind is Kind.STEP:
             try:
                 self.handlers[a.kind](a, run, step)
@@ -307,7 +309,7 @@ class Executor:
         training run agreed in its update), and raise where any process failed."""
         self.channels.finish(run)
         if not schedule.training:
-            run.remote_failure = self.processes.agree(self._describe(run))
+            run.remote_failure = self.channels.settle(run, self._describe(run), self._result)
         if run.failed is not None:
             a, exc = run.failed
             self._fail(schedule, rows[a], a, exc, run_index)
@@ -373,6 +375,13 @@ class Executor:
             total_order = all(sum(a is not None for a in row) <= 1 for row in schedule.rows)
             in_order = ([(self._ipu(a), a) for row in mine for a in row]
                         if total_order else None)
+            if self.channels is not None:  # per action, the next one of its stream that receives
+                for actions in lists.values():
+                    following = None
+                    for a in reversed(actions):
+                        self._ahead[a] = following
+                        if self.channels.receives(a):
+                            following = a
             cached = self._plans[id(schedule)] = (schedule, (lists, waits, rows, in_order))
         return cached[1]
 
@@ -419,7 +428,7 @@ class Executor:
         # stepping(), the host parameters stand for their homes ([Note: weight homes]).
         weights = self.weights
         if self.channels is not None:  # [Note: stages in other processes]: all step, or none
-            run.remote_failure = self.processes.agree(self._describe(run))
+            run.remote_failure = self.channels.settle(run, self._describe(run), self._result)
             if run.failed is not None or run.remote_failure is not None:
                 return
         with weights.stepping():

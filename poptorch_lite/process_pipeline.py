@@ -119,6 +119,26 @@ class Channels:
                                      torch.device("cuda") if cuda else torch.device("cpu"),
                                      layout.rank_of(layout.pipeline, self.position[s]),
                                      layout.rank_of(layout.pipeline, self.position[t]), *groups)
+        # The returned values each position computes, sent at the end of a run (``settle``);
+        # weights and values of data-dependent shape are broadcast after it instead.
+        producer_position = {name: self.position[s] for name, s in producer.items()}
+        self.settled = [[] for _ in range(layout.n)]
+        for name in dict.fromkeys(o for o in partition.outputs if isinstance(o, str)):
+            info = partition.values.get(name)
+            if name in producer_position and info is not None and not info.dynamic:
+                self.settled[producer_position[name]].append((name, info))
+        self.settled_names = {name for names in self.settled for name, _ in names}
+        self._settle_groups = {}
+        for k in range(layout.pipelines):  # every process makes every group, in one order
+            for a in range(layout.n):
+                for b in range(a + 1, layout.n):
+                    group = processes.group((layout.rank_of(k, a), layout.rank_of(k, b)),
+                                            "the end of a run")
+                    if k == layout.pipeline and layout.position in (a, b):
+                        self._settle_groups[b if layout.position == a else a] = group
+        # Receives are posted ahead of their actions unless a value's shape depends on the
+        # data (its header must arrive first, so every receive waits for its turn).
+        self.ahead = not any(info.dynamic for e in self.edges.values() for info in e.infos)
         mine = layout.position
         self.into = [[e for e in self.edges.values() if e.t == t and self.position[t] == mine]
                      for t in range(len(stages))]
@@ -147,37 +167,67 @@ class Channels:
 
     # -- around an action ------------------------------------------------------------------
 
+    def receives(self, a: Action) -> bool:
+        """Whether ``a`` waits for messages from other processes."""
+        if a.kind is Kind.FORWARD:
+            return bool(self.into[a.stage])
+        return a.kind is Kind.BACKWARD and any(
+            info.differentiable for e in self.out_of[a.stage] for info in e.infos)
+
+    def post(self, a: Optional[Action], run) -> None:
+        """Post the receives of ``a`` ahead of time, so that a message arrives while this
+        stream still computes (a receive posted only when its action starts waits out the
+        sender's whole hand-over). A program with values of data-dependent shape receives
+        each in turn, in :meth:`before`."""
+        if a is None or a in run.posted:
+            return
+        i = a.microbatch
+        posted = run.posted[a] = []
+        if a.kind is Kind.FORWARD:
+            for e in self.into[a.stage]:
+                for name, info in zip(e.names, e.infos):
+                    posted.append((e.value_group, e.src, info, e.device, name,
+                                   f"{name} of micro-batch {i} (stage {e.s})", e))
+                if self.random and e.s == e.t - 1:
+                    posted.append((e.value_group, e.src, _RNG, e.device, None,
+                                   f"the random stream of micro-batch {i} (stage {e.s})", e))
+        elif a.kind is Kind.BACKWARD:
+            for e in self.out_of[a.stage]:
+                for name, info in zip(e.names, e.infos):
+                    if info.differentiable:
+                        posted.append((e.grad_group, e.dst, info, e.device, name,
+                                       f"the gradient of {name} of micro-batch {i} (stage {e.t})",
+                                       e))
+        if not self.ahead:  # a header first: receive every value in turn, in before()
+            return
+        run.posted[a] = [(*item, self._irecv(item[0], item[1], item[2], item[3], item[5]))
+                         for item in posted]
+
     def before(self, a: Action, run) -> None:
         """Receive what ``a`` needs from other processes (its stage's inputs, or the
         gradients of its outputs)."""
+        if a.kind is not Kind.FORWARD and a.kind is not Kind.BACKWARD:
+            return
+        self.post(a, run)
         i = a.microbatch
-        if a.kind is Kind.FORWARD:
-            for e in self.into[a.stage]:
-                received = run.inbox.setdefault((e.t, i), {})
-                for name, info in zip(e.names, e.infos):
-                    t = self._recv(e.value_group, e.src, info, e.device, run,
-                                   f"{name} of micro-batch {i} (stage {e.s})")
-                    if self.training and info.differentiable:
-                        t.requires_grad_(True)
-                    received[name] = t
-                    if info.dynamic:
-                        run.shapes[e.t, i, name] = tuple(t.shape)
-                if self.random and e.s == e.t - 1:
-                    packed = self._recv(e.value_group, e.src, _RNG, e.device, run,
-                                        f"the random stream of micro-batch {i} (stage {e.s})")
-                    run.rng[i] = rng.unpack(packed)
-        elif a.kind is Kind.BACKWARD:
-            grads = run.grads[i]
-            for e in self.out_of[a.stage]:
-                for name, info in zip(e.names, e.infos):
-                    if not info.differentiable:
-                        continue
-                    g = self._recv(e.grad_group, e.dst, info, e.device, run,
-                                   f"the gradient of {name} of micro-batch {i} (stage {e.t})")
-                    value = run.values[i].get(name)
-                    if run.failed is None and value is not None and value.requires_grad:
-                        g = g.to(value.device)
-                        grads[name] = g if name not in grads else grads[name] + g
+        for group, src, info, device, name, what, e, *pending in run.posted.pop(a):
+            t = self._wait(*pending[0], what) if pending else self._recv(group, src, info, device,
+                                                                      what)
+            if a.kind is Kind.FORWARD:
+                if name is None:  # the micro-batch's random stream
+                    run.rng[i] = rng.unpack(t)
+                    continue
+                if self.training and info.differentiable:
+                    t.requires_grad_(True)
+                run.inbox.setdefault((e.t, i), {})[name] = t
+                if info.dynamic:
+                    run.shapes[e.t, i, name] = tuple(t.shape)
+            else:
+                value = run.values[i].get(name)
+                if run.failed is None and value is not None and value.requires_grad:
+                    grads = run.grads[i]
+                    t = t.to(value.device)
+                    grads[name] = t if name not in grads else grads[name] + t
 
     def after(self, a: Action, run) -> None:
         """Send what ``a`` made for other processes (zeros if this process failed)."""
@@ -239,22 +289,83 @@ class Channels:
         except Exception as exc:
             raise _lost(f"sending {what} to", dst, exc, self.processes.timeout) from exc
 
-    def _recv(self, group, src: int, info, device: torch.device, run, what: str) -> torch.Tensor:
+    def _recv(self, group, src: int, info, device: torch.device, what: str) -> torch.Tensor:
+        """Receive one value now (after its shape, for a value of data-dependent shape)."""
         shape = info.shape
         if info.dynamic:
             header = torch.empty(len(info.shape), dtype=torch.int64, device=device)
-            self._wait(group, src, header, what)
+            self._wait(src, self._post_recv(group, src, header, what), header, what)
             shape = tuple(header.tolist())
         t = torch.empty(shape, dtype=info.dtype, device=device)
-        self._wait(group, src, t, what)
+        return self._wait(src, self._post_recv(group, src, t, what), t, what)
+
+    def _irecv(self, group, src: int, info, device: torch.device, what: str) -> tuple:
+        """``(src, work, tensor)`` of a receive of a value of fixed shape, posted now."""
+        t = torch.empty(info.shape, dtype=info.dtype, device=device)
+        return src, self._post_recv(group, src, t, what), t
+
+    def _post_recv(self, group, src: int, t: torch.Tensor, what: str):
+        try:
+            return dist.irecv(t, src, group=group)
+        except Exception as exc:
+            raise _lost(f"receiving {what} from", src, exc, self.processes.timeout) from exc
+
+    def _wait(self, src: int, work, t: torch.Tensor, what: str) -> torch.Tensor:
+        try:
+            work.wait()  # at most the group's timeout
+        except Exception as exc:
+            raise _lost(f"receiving {what} from", src, exc, self.processes.timeout) from exc
         return t
 
-    def _wait(self, group, src: int, t: torch.Tensor, what: str) -> None:
-        try:
-            dist.irecv(t, src, group=group).wait()  # at most the group's timeout
+    # -- the end of a run ------------------------------------------------------------------
+
+    def settle(self, run, failure: Optional[str], result: Callable) -> Optional[tuple]:
+        """Close a run in every process of the pipeline: each sends each of the others one
+        message with its outcome and the returned values it computed (of the micro-batches
+        ``run.kept``), and the processes agree whether any of them failed.
+
+        Returns:
+            ``(rank, description)`` of the first process that failed, or None (then
+            ``run.results`` holds the returned values computed elsewhere too).
+        """
+        me, kept = self.layout.position, run.kept
+        sizes = {j: 8 + sum(_padded(info) for _, info in self.settled[j]) * len(kept)
+                 for j in range(self.layout.n)}
+        out = torch.zeros(sizes[me], dtype=torch.uint8)
+        out[0] = failure is not None
+        at = 8
+        for name, info in self.settled[me]:
+            for i in kept:
+                value = result(run, i, name) if failure is None else None
+                if value is not None:
+                    piece = value.detach().reshape(-1).contiguous().view(torch.uint8)
+                    out[at:at + piece.numel()] = piece
+                at += _padded(info)
+        inbound = {j: torch.empty(sizes[j], dtype=torch.uint8)
+                   for j in range(self.layout.n) if j != me}
+        try:  # with each peer, its send and receive together (NCCL would deadlock otherwise)
+            works = [work for j, buf in inbound.items() for work in dist.batch_isend_irecv([
+                dist.P2POp(dist.isend, out, self._rank(j), self._settle_groups[j]),
+                dist.P2POp(dist.irecv, buf, self._rank(j), self._settle_groups[j])])]
+            for work in works:
+                work.wait()
         except Exception as exc:
-            raise _lost(f"receiving {what} from", src, exc, self.processes.timeout) \
-                from exc
+            raise _lost("exchanging the run's outcome and outputs with", self._rank(
+                min(inbound)), exc, self.processes.timeout) from exc
+        seen = any(bool(buf[0]) for buf in inbound.values())
+        outcome = self.processes.agree(failure, seen)
+        if outcome is None:
+            for j, buf in inbound.items():
+                at = 8
+                for name, info in self.settled[j]:
+                    for i in kept:
+                        n = info.numel * info.dtype.itemsize
+                        run.results[i][name] = buf[at:at + n].view(info.dtype).reshape(info.shape)
+                        at += _padded(info)
+        return outcome
+
+    def _rank(self, position: int) -> int:
+        return self.layout.rank_of(self.layout.pipeline, position)
 
     # -- outputs ---------------------------------------------------------------------------
 
@@ -294,6 +405,11 @@ class Channels:
             self.processes.pipeline_broadcast(stacked, position)
             for slot, i in enumerate(keep):
                 run.results[i][name] = stacked[slot]
+
+
+def _padded(info) -> int:
+    """Bytes of one value in an end-of-run message, padded so that every value is aligned."""
+    return -(-info.numel * info.dtype.itemsize // 8) * 8
 
 
 class _Edge:

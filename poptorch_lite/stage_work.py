@@ -97,10 +97,12 @@ class Run:
         self.inbox: dict = {}     # (stage, i) -> {value name: tensor} from another process
         self.outbox: dict = {}    # (stage, i) -> {value name: gradient} for another process
         self.shapes: dict = {}    # (stage, i, name) -> the shape of a received dynamic value
-        self.sends: list = []     # (work, tensor) of the messages sent, until received
+        self.sends: list = []     # (work, tensor, peer, what) of the messages sent, until received
+        self.posted: dict = {}    # action -> the receives posted for it ahead of time
         self.failed = None        # (action, exception): the first action that raised here
         self.remote_failure = None  # (rank, description): a process that failed this run
         self.index, self.training = 0, True  # the run's number in its call; what it runs
+        self.kept: list = []      # the micro-batches whose outputs the call returns
 
 
 def _drop(t: torch.Tensor) -> None:
