@@ -5,7 +5,7 @@ PopTorch users run several instances with ``poprun``; poptorch_lite users run
 several processes with ``torchrun`` (or any launcher that sets ``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``). ``Options.Distributed``
 picks up the process id and count ([Note: process ids] in ``option_groups``).
-The W processes form W/n pipelines of n processes (:class:`Layout`; n is 1
+The W processes form W/n pipelines of n processes (``layout.Layout``; n is 1
 unless ``Options.Distributed.set_ipu_processes`` spreads a pipeline's stages
 over n processes: [Note: stages in other processes] in ``process_pipeline``).
 The pipelines are data-parallel replicas: each runs its own R replicas
@@ -46,7 +46,6 @@ the timeout. Every process must call the model the same number of times.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import datetime
 import os
 from typing import Callable, Optional
@@ -57,6 +56,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .enums import ReductionType
 from .errors import ExecutionError, OptionsError
+from .layout import Layout
 from .placement import process_gpu
 
 TIMEOUT_ENV = "POPTORCH_LITE_DIST_TIMEOUT"
@@ -112,92 +112,6 @@ def shutdown() -> None:
         dist.destroy_process_group()
     _owned_group = False
     _GROUPS.clear()
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """Where this process sits among W processes: pipeline ``rank // n``, position ``rank % n``.
-
-    ``ipu_processes`` lists, per position of a pipeline, the IPU ids it runs
-    (``Options.Distributed.set_ipu_processes``); None: every process runs every IPU.
-
-    Example:
-        >>> layout = Layout(3, 4, ((0,), (1, 2)))
-        >>> layout.n, layout.pipeline, layout.position, layout.pipelines
-        (2, 1, 1, 2)
-        >>> layout.position_of(2), layout.runs(0), layout.rank_of(0, 1)
-        (1, False, 1)
-    """
-
-    rank: int
-    size: int
-    ipu_processes: Optional[tuple] = None
-
-    @property
-    def n(self) -> int:
-        """Processes per pipeline."""
-        return len(self.ipu_processes) if self.ipu_processes else 1
-
-    @property
-    def pipeline(self) -> int:
-        return self.rank // self.n
-
-    @property
-    def position(self) -> int:
-        return self.rank % self.n
-
-    @property
-    def pipelines(self) -> int:
-        """W/n: the data-parallel replicas of the pipeline."""
-        return self.size // self.n
-
-    @property
-    def spans_processes(self) -> bool:
-        """Whether a pipeline's stages run in more than one process."""
-        return self.n > 1
-
-    def rank_of(self, pipeline: int, position: int) -> int:
-        return pipeline * self.n + position
-
-    def position_of(self, ipu: int) -> Optional[int]:
-        """The position that runs ``ipu`` (0 when every process runs every IPU; None:
-        the mapping leaves it out)."""
-        if not self.ipu_processes:
-            return 0
-        return next((j for j, ids in enumerate(self.ipu_processes) if ipu in ids), None)
-
-    def runs(self, ipu: int) -> bool:
-        """Whether this process runs ``ipu``."""
-        return not self.ipu_processes or ipu in self.ipu_processes[self.position]
-
-    def pipeline_ranks(self, pipeline: Optional[int] = None) -> tuple:
-        k = self.pipeline if pipeline is None else pipeline
-        return tuple(self.rank_of(k, j) for j in range(self.n))
-
-    def replica_ranks(self, position: Optional[int] = None) -> tuple:
-        """The processes that run the same stages (one per pipeline)."""
-        j = self.position if position is None else position
-        return tuple(self.rank_of(k, j) for k in range(self.pipelines))
-
-    @classmethod
-    def from_options(cls, options) -> "Layout":
-        """This process's layout; refuses a process count the pipelines do not divide.
-
-        Raises:
-            OptionsError: ``set_ipu_processes`` names n processes per pipeline but
-                W is not a multiple of n (1 included: not launched as W processes).
-        """
-        d = options.Distributed
-        layout = cls(d.process_id, d.num_processes, d.ipu_processes)
-        if layout.size % layout.n:
-            raise OptionsError(
-                f"Options.Distributed.set_ipu_processes spreads each pipeline over {layout.n} "
-                f"processes, but this run has {layout.size} process"
-                f"{'es' if layout.size != 1 else ''} (Options.Distributed.numProcesses), which "
-                f"is not a multiple of {layout.n}; launch a multiple of {layout.n} processes "
-                f"(torchrun --nproc_per_node {layout.n} script.py for one pipeline, "
-                f"{2 * layout.n} for two data-parallel replicas of it)")
-        return layout
 
 
 def agreed_options(options, optimizer, model) -> dict:

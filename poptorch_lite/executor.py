@@ -51,7 +51,6 @@ from .weights import Weights
 from .schedule import Action, Kind, Schedule
 from .stage_work import Run, StageWork
 from .timeline import Recorder
-from .value_info import ValueInfo
 
 
 @dataclasses.dataclass
@@ -144,25 +143,9 @@ class Executor:
             if keys and self.local[st.index]:
                 self.input_keys.setdefault(st.ipu, set()).update(keys)
         self.gpu_ipus = {ipu for ipu, dev in placement.devices.items() if dev.type == "cuda"}
-        # The parameters this process steps, and those whose norm it counts when clipping
-        # (a weight used in several processes counts in the first of them).
+        # The parameters this process steps (all of them unless stages run elsewhere).
         here = {n for st in partition.stages if self.local[st.index] for n in st.param_names}
         self._stepped = {n: p for n, p in weights.params.items() if n in here}
-        first = {}
-        for st in partition.stages:
-            for n in st.param_names:
-                first.setdefault(n, st.index)
-        self._counted = [n for n in self._stepped if self.local[first[n]]]
-        # Where each returned value is computed: the pipeline position of its process.
-        self.output_owner = {}
-        if channels is not None:
-            producer = {n: st.index for st in partition.stages for n in st.outputs}
-            for name in (o for o in partition.outputs if isinstance(o, str)):
-                kind, _, key = name.partition(":")
-                s = producer.get(name) if kind == "node" else first.get(key) if kind == "param" \
-                    else self._buffer_stage(key) if kind == "buffer" else None
-                if s is not None:
-                    self.output_owner[name] = channels.position[s]
         self._failure_lock = threading.Lock()
         self._ahead: dict = {}  # action -> the next action of its stream that receives messages
         self.steps_applied = 0  # updates completed ([Note: commit point])
@@ -270,8 +253,7 @@ class Executor:
             recorder.add_gpu(self._ipu(a), a.stage, a.microbatch, a.kind.value, *span, run_index)
         names = [o for o in p.outputs if isinstance(o, str)]
         if channels is not None:  # weights returned, values of data-dependent shape
-            channels.share_outputs(run, [n for n in names if n not in channels.settled_names],
-                                   run.kept, self._result, self.output_owner, self._output_info)
+            channels.share_outputs(run, names, self._result, self.weights)
         out = [[self._result(run, i, o) for o in names] if keep is None or keep[i] else None
                for i in range(len(microbatches))]
         return out, run.stats
@@ -389,19 +371,6 @@ class Executor:
         """The IPU (stream) that runs ``a``; the update runs on this process's first."""
         return self.partition.stages[a.stage].ipu if a.stage is not None else self.step_ipu
 
-    def _buffer_stage(self, name: str) -> Optional[int]:
-        return next((st.index for st in self.partition.stages
-                     if f"buffer:{name}" in st.inputs), None)
-
-    def _output_info(self, name: str):
-        """What a returned value looks like ([Note: value info]): computed, or a weight's."""
-        info = self.partition.values.get(name)
-        if info is not None:
-            return info
-        kind, _, key = name.partition(":")
-        t = self.weights.params[key] if kind == "param" else self.weights.buffers[key]
-        return ValueInfo(tuple(t.shape), t.dtype, False, False)
-
     def _here(self, a: Action) -> bool:
         """Whether this process runs ``a`` (the update runs in every process)."""
         return a.stage is None or self.local[a.stage]
@@ -447,8 +416,8 @@ class Executor:
                     self.steps_applied += 1  # a skipped step counts as taken
                     return
             if math.isfinite(step.max_grad_norm):
-                if spread:
-                    self._clip_across_processes(step.max_grad_norm)
+                if spread:  # the global norm, over the pipeline's processes
+                    self.channels.clip_grad_norm_(weights.params, step.max_grad_norm)
                 else:
                     torch.nn.utils.clip_grad_norm_(params, step.max_grad_norm)
             try:  # [Note: commit point]: from here parameters and optimizer state change
@@ -457,20 +426,6 @@ class Executor:
                 raise PartialUpdate(exc) from exc
         weights.after_step()
         self.steps_applied += 1
-
-    def _clip_across_processes(self, max_norm: float) -> None:
-        """``clip_grad_norm_`` over the whole model's gradients, spread over the pipeline's
-        processes: each adds the squared norms of the gradients it counts (a weight used in
-        several processes counts in the first), one sum over the processes gives the norm."""
-        params = self.weights.params
-        counted = [params[n].grad for n in self._counted if params[n].grad is not None]
-        norms = [torch.linalg.vector_norm(g).cpu() for g in counted]
-        squares = (torch.stack(norms) ** 2).sum().reshape(1) if norms else torch.zeros(1)
-        total = self.processes.pipeline_sum(squares)[0].sqrt()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        grads = [p.grad for p in params.values() if p.grad is not None]
-        for g in grads:
-            g.mul_(coef.to(g.device))
 
     # -- results and failures -------------------------------------------------------------
 

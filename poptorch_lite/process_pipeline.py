@@ -56,6 +56,7 @@ import torch.distributed as dist
 from . import rng
 from .errors import ChannelError
 from .schedule import Action, Kind
+from .value_info import ValueInfo
 
 
 def _lost(what: str, peer: int, exc: BaseException, timeout: float) -> ChannelError:
@@ -158,6 +159,19 @@ class Channels:
         for name, positions in users.items():
             if len(positions) > 1:
                 shared.setdefault(tuple(sorted(positions)), []).append(name)
+        # Where each returned value is computed, and the weights whose norm this process
+        # counts when clipping: those whose first user runs here.
+        first = {}
+        for s, st in enumerate(stages):
+            for name in st.inputs:
+                first.setdefault(name, s)
+        self.output_owner = {}
+        for name in (o for o in partition.outputs if isinstance(o, str)):
+            s = producer.get(name, first.get(name))  # computed, or a weight returned
+            if s is not None and not name.startswith("input:"):
+                self.output_owner[name] = self.position[s]
+        self.counted = [n.split(":", 1)[1] for n, s in first.items()
+                        if n.startswith("param:") and self.position[s] == mine]
         self.tied = []  # (group, names) of the weights this process shares
         for positions, names in sorted(shared.items()):
             for k in range(layout.pipelines):
@@ -249,6 +263,20 @@ class Channels:
                         self._send(e.grad_group, e.src, made.get(name), info, e.device, run,
                                    f"the gradient of {name} of micro-batch {i} (stage {e.s})",
                                    shape)
+
+    def clip_grad_norm_(self, params: dict, max_norm: float) -> None:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model's gradients, which the
+        pipeline's processes hold between them: each adds the squared norms of the gradients
+        it counts (a weight used in several processes counts in the first), one sum over the
+        processes gives the norm, and each scales its own gradients."""
+        norms = [torch.linalg.vector_norm(params[n].grad).cpu() for n in self.counted
+                 if n in params and params[n].grad is not None]
+        squares = (torch.stack(norms) ** 2).sum().reshape(1) if norms else torch.zeros(1)
+        total = self.processes.pipeline_sum(squares)[0].sqrt()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in params.values():
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.device))
 
     def reduce_tied(self, params: dict) -> None:
         """Sum the gradients of weights used in several processes over those processes."""
@@ -369,24 +397,27 @@ class Channels:
 
     # -- outputs ---------------------------------------------------------------------------
 
-    def share_outputs(self, run, names: list, keep: list, result: Callable, owner: dict,
-                      info_of: Callable) -> None:
-        """Broadcast the returned values each process computed to the pipeline's others.
+    def share_outputs(self, run, names: list, result: Callable, weights) -> None:
+        """Broadcast the returned values that the end-of-run messages do not carry (weights
+        the model returns, values of data-dependent shape) from the process that has them to
+        the pipeline's others.
 
         Args:
             run: the run (``run.results`` receives the values computed elsewhere).
             names: the output value names, in the partition's order.
-            keep: the micro-batches whose outputs are returned.
             result: ``(run, i, name)`` -> the value, where it was computed.
-            owner: value name -> the position of the process that has it.
-            info_of: value name -> its ``ValueInfo``.
+            weights: the ``Weights`` (the shapes of returned weights).
         """
-        me = self.layout.position
-        for name in dict.fromkeys(names):
-            position = owner.get(name)
+        me, keep = self.layout.position, run.kept
+        for name in dict.fromkeys(n for n in names if n not in self.settled_names):
+            position = self.output_owner.get(name)
             if position is None or not keep:
                 continue
-            info = info_of(name)
+            info = self.partition.values.get(name)
+            if info is None:  # a parameter or buffer the model returns
+                kind, _, key = name.partition(":")
+                t = weights.params[key] if kind == "param" else weights.buffers[key]
+                info = ValueInfo(tuple(t.shape), t.dtype, False, False)
             if info.dynamic:  # a header and the value, per micro-batch
                 for i in keep:
                     mine = result(run, i, name) if position == me else None

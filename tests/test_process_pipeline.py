@@ -275,3 +275,12 @@ def test_a_process_count_the_pipeline_does_not_divide_is_refused_when_wrapping(m
         "run has 3 processes (Options.Distributed.numProcesses), which is not a multiple of 2; "
         "launch a multiple of 2 processes (torchrun --nproc_per_node 2 script.py for one "
         "pipeline, 4 for two data-parallel replicas of it)")
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from poptorch_lite import layout, process_pipeline, value_info
+    for module in (layout, process_pipeline, value_info):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__
