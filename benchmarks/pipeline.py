@@ -280,18 +280,15 @@ def build_variants(args, schedules, process_names, torch_names):
     setup = dict(model=args.model, width=args.width, layers=args.layers, micro_batch=B, m=m,
                  lr=args.lr)
     groups = []
-    if process_names:
-        lite = Ranks("lite", process_names, S, **setup)
-        groups.append(lite)
-        for name in process_names:
-            variants[f"poptorch_lite {name} ({S} processes)"] = (
-                lambda name=name: lite.step(name))
-    if torch_names:
-        ranks = Ranks("torch", torch_names, S, **setup)
-        groups.append(ranks)
-        for name in torch_names:
-            variants[f"torch {TORCH_SCHEDULES[name].__name__} ({S} processes)"] = (
-                lambda name=name: ranks.step(name))
+    for kind, names, label in (("lite", process_names, lambda n: f"poptorch_lite {n}"),
+                               ("torch", torch_names,
+                                lambda n: f"torch {TORCH_SCHEDULES[n].__name__}")):
+        if names:
+            ranks = Ranks(kind, names, S, **setup)
+            groups.append(ranks)
+            for name in names:
+                variants[f"{label(name)} ({S} processes)"] = (
+                    lambda name=name, ranks=ranks: ranks.step(name))
     return variants, baseline, base, wrapped, groups
 
 

@@ -560,15 +560,22 @@ def test_a_checkpoint_saved_on_gpus_loads_on_a_machine_with_fewer(tmp_path):
     model.destroy()
 
 
-def test_random_states_that_cannot_be_restored_are_refused_before_anything_loads(tmp_path):
+def edited_checkpoint(tmp_path, edit):
+    """A checkpoint after one call, changed by ``edit``; the model then takes another step."""
     net, opt, model = als_model()
     model(*data(16))
     path = tmp_path / "ckpt.pt"
     poptorch.save_checkpoint(path, model)
     checkpoint = torch.load(path, weights_only=True)
-    checkpoint["rng"]["cuda"] = [torch.zeros(16, dtype=torch.uint8), "not a state"]
+    edit(checkpoint)
     torch.save(checkpoint, path)
     model(*data(16))
+    return net, opt, model, path
+
+
+def test_random_states_that_cannot_be_restored_are_refused_before_anything_loads(tmp_path):
+    net, opt, model, path = edited_checkpoint(tmp_path, lambda c: c["rng"].update(
+        cuda=[torch.zeros(16, dtype=torch.uint8), "not a state"]))
     before = state(net, opt)
     with pytest.raises(poptorch.CheckpointError) as info:
         poptorch.load_checkpoint(path, model)
@@ -582,14 +589,7 @@ def test_random_states_that_cannot_be_restored_are_refused_before_anything_loads
 
 def test_a_load_that_fails_part_way_puts_back_what_it_changed(tmp_path):
     """The loss scale's entry is unreadable; model and optimizer were loaded before it."""
-    net, opt, model = als_model()
-    model(*data(16))
-    path = tmp_path / "ckpt.pt"
-    poptorch.save_checkpoint(path, model)
-    checkpoint = torch.load(path, weights_only=True)
-    checkpoint["loss_scale"] = {}
-    torch.save(checkpoint, path)
-    model(*data(16))
+    net, opt, model, path = edited_checkpoint(tmp_path, lambda c: c.update(loss_scale={}))
     before, steps, scale = state(net, opt), model._steps, model._loss_scale.state_dict()
     with pytest.raises(poptorch.CheckpointError, match=r"could not be loaded into this model "
                        r"\(KeyError: 'scale'\); nothing was changed"):

@@ -398,19 +398,6 @@ class DropoutInBoth(torch.nn.Module):
             return out, torch.nn.functional.cross_entropy(out, y)
 
 
-@cuda
-@needs_gpu
-@pytest.mark.parametrize("second", ["cuda:0", "cuda:1"], ids=["one_gpu", "two_gpus"])
-def test_dropouts_of_two_stages_on_two_gpus_draw_as_on_one_gpu(second):
-    if second == "cuda:1" and GPUS < 2:
-        pytest.skip("needs two CUDA GPUs")
-    torch.manual_seed(0)
-    model = DropoutInBoth()
-    ref = twin(model, "cuda")
-    opts = pipelined("interleaved", 4, D=2).set_ipu_devices({0: "cuda:0", 1: second})
-    train_and_compare(model, opts, ref, 4, D=2, seeds=True)
-
-
 class TiedOnTwoIpus(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -427,15 +414,18 @@ class TiedOnTwoIpus(torch.nn.Module):
 
 @cuda
 @needs_gpu
-@pytest.mark.parametrize("second", ["cuda:0", "cuda:1"])
-def test_a_weight_tied_across_two_gpu_streams_matches_plain_pytorch(second):
+@pytest.mark.parametrize("second", ["cuda:0", "cuda:1"], ids=["one_gpu", "two_gpus"])
+@pytest.mark.parametrize("make,schedule,seeds", [
+    (DropoutInBoth, "interleaved", True), (TiedOnTwoIpus, "grouped", None)],
+    ids=["dropouts_draw_as_on_one_gpu", "a_tied_weight_across_two_streams"])
+def test_two_stages_on_one_or_two_gpus_match_plain_pytorch_on_one(make, schedule, seeds, second):
     if second == "cuda:1" and GPUS < 2:
         pytest.skip("needs two CUDA GPUs")
     torch.manual_seed(0)
-    model = TiedOnTwoIpus()
+    model = make()
     ref = twin(model, "cuda")
-    opts = pipelined("grouped", 4, D=2).set_ipu_devices({0: "cuda:0", 1: second})
-    train_and_compare(model, opts, ref, 4, D=2)
+    opts = pipelined(schedule, 4, D=2).set_ipu_devices({0: "cuda:0", 1: second})
+    train_and_compare(model, opts, ref, 4, D=2, seeds=seeds)
 
 
 @cuda
