@@ -14,9 +14,11 @@ accumulator of that dtype after each backward. The reduction of stage s
 and by ``StepArithmetic.divisor``: for ``ReductionType.Mean`` the number of
 micro-batches ``G·R``; for ``Sum`` 1. With ``inputReplicaGrouping(g)`` the g
 replicas of a group share one input, so each micro-batch run stands for g of
-them: Mean divides by ``G·R/g`` and Sum by ``1/g``. With P processes the
-update first all-reduces over them (Mean: /P; ``distributed``). It then clips
-to ``max_grad_norm`` if finite, then calls ``optimizer.step()`` on the
+them: Mean divides by ``G·R/g`` and Sum by ``1/g``. With several processes the
+update first sums a weight used by stages in several processes over them, then
+all-reduces each gradient over the P data-parallel replicas of its stage (Mean:
+/P; ``distributed``). It then clips to ``max_grad_norm`` if finite (the norm of
+the whole model, over a pipeline's processes), then calls ``optimizer.step()`` on the
 parameters' homes ([Note: weight homes] in ``weights``). After a training
 call, each parameter's ``.grad`` holds the gradient its last step used (read
 back with the weights on a separate home).
@@ -408,10 +410,10 @@ class Executor:
             params = [p for p in weights.params.values() if p.grad is not None]
             spread = self.channels is not None  # the stages' gradients are in several processes
             if step.loss_scale.automatic:  # one sync per step
-                bad = torch.stack([(~torch.isfinite(p.grad)).any().cpu() for p in params]).sum(
-                    dtype=torch.float64) if params else torch.zeros((), dtype=torch.float64)
-                if spread:
-                    bad = self.processes.pipeline_sum(bad.reshape(1))[0]
+                bad = torch.stack([(~torch.isfinite(p.grad)).any().to(params[0].device)
+                                   for p in params]).sum().cpu() if params else torch.zeros(())
+                if spread:  # a non-finite gradient in any of the pipeline's processes
+                    bad = self.processes.pipeline_sum(bad.reshape(1).float())[0]
                 if not step.loss_scale.update(not bool(bad)):
                     self.steps_applied += 1  # a skipped step counts as taken
                     return

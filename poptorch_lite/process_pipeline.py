@@ -269,9 +269,14 @@ class Channels:
         pipeline's processes hold between them: each adds the squared norms of the gradients
         it counts (a weight used in several processes counts in the first), one sum over the
         processes gives the norm, and each scales its own gradients."""
-        norms = [torch.linalg.vector_norm(params[n].grad).cpu() for n in self.counted
-                 if n in params and params[n].grad is not None]
-        squares = (torch.stack(norms) ** 2).sum().reshape(1) if norms else torch.zeros(1)
+        by_device: dict = {}  # one host copy per device, not per gradient
+        for n in self.counted:
+            if n in params and params[n].grad is not None:
+                g = params[n].grad
+                by_device.setdefault(g.device, []).append(torch.linalg.vector_norm(g))
+        squares = torch.zeros(1)
+        for norms in by_device.values():
+            squares += (torch.stack(norms) ** 2).sum().cpu()
         total = self.processes.pipeline_sum(squares)[0].sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in params.values():
