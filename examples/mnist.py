@@ -124,11 +124,12 @@ def report_speed_gained(model, train_set, args):
           f"({many:.0f} vs {one:.0f} images/s over {len(timed)} timed steps)")
 
 
-def train(training_model, train_data, epochs, scheduler=None):
+def train(training_model, train_data, epochs, scheduler=None, pipelines=1):
     """Run ``epochs`` passes with a tqdm bar of loss and accuracy; return (images, seconds).
 
     A torch ``scheduler`` steps after each epoch; ``setOptimizer`` hands the new
-    learning rate to the model, as in PopTorch.
+    learning rate to the model, as in PopTorch. ``pipelines`` data-parallel copies of the
+    model (under torchrun) each train on their own share of the images.
     """
     main_process = poptorch.is_main_process()  # under torchrun, process 0 alone reports
     start, seen = time.perf_counter(), 0
@@ -139,7 +140,7 @@ def train(training_model, train_data, epochs, scheduler=None):
         bar = tqdm(train_data, desc=f"epoch {epoch}/{epochs}", disable=not main_process)
         for data, labels in bar:
             output, loss = training_model(data, labels)
-            seen += data.shape[0]
+            seen += data.shape[0] * pipelines
             # Default output mode: the last step's outputs (and a loss per replica).
             bar.set_postfix(loss=f"{loss.mean().item():.4f}",
                             accuracy=f"{accuracy(output, labels[-output.shape[0]:]):.1f}%")
@@ -164,7 +165,9 @@ def test(model, test_set, batch_size, opts):
     elapsed = time.perf_counter() - start
     inference_model.detachFromDevice()
     if main_process:
-        print(f"tested on {total} images in {elapsed:.1f} s "
+        pipelines = opts.Distributed.numProcesses // opts.Distributed.processes_per_pipeline
+        share = f" (pipeline 0's share of {pipelines})" if pipelines > 1 else ""
+        print(f"tested on {total} images{share} in {elapsed:.1f} s "
               f"({total / max(elapsed, 1e-9):.0f} samples/s)")
         print(f"Accuracy on test set: {100.0 * correct / total:.2f}%")
     return 100.0 * correct / total

@@ -135,7 +135,7 @@ def main(argv=None):
     optimizer = poptorch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     training_model = poptorch.trainingModel(model, opts, optimizer)
     scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=args.lr_decay)
-    train(training_model, train_data, args.epochs, scheduler)
+    train(training_model, train_data, args.epochs, scheduler, pipelines)
     if args.trace and poptorch.is_main_process():
         timeline = training_model.runStatistics().timeline
         if args.trace.endswith(".svg"):
