@@ -44,7 +44,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from . import rng
-from .errors import ExecutionError, UnrecoverableError
+from .errors import Error, ExecutionError, UnrecoverableError
 from .loss_scaling import LossScale
 from .partition import Partition
 from .placement import ActionFailed, ActionStuck, Placement, StreamFailed
@@ -149,7 +149,6 @@ class Executor:
         here = {n for st in partition.stages if self.local[st.index] for n in st.param_names}
         self._stepped = {n: p for n, p in weights.params.items() if n in here}
         self._failure_lock = threading.Lock()
-        self._ahead: dict = {}  # action -> the next action of its stream that receives messages
         self.steps_applied = 0  # updates completed ([Note: commit point])
         self.undoable = False   # the caller snapshots whole calls (allOrNothingCalls)
         self.handlers = {Kind.FORWARD: self.work.forward, Kind.BACKWARD: self.work.backward,
@@ -193,9 +192,9 @@ class Executor:
         if self.random:  # [Note: micro-batch RNG]
             base = rng.draw_base()
             streams = [rng.Stream(rng.microbatch_seed(base, i)) for i in range(len(microbatches))]
-        run = Run(p, microbatches, replica_of, streams)
-        run.index, run.training = run_index, schedule.training
-        run.kept = [i for i in range(len(microbatches)) if keep is None or keep[i]]
+        lists, waits, rows, in_order, ahead = self._plan(schedule)
+        run = Run(p, microbatches, replica_of, streams, run_index, schedule.training,
+                  [i for i in range(len(microbatches)) if keep is None or keep[i]], ahead)
         begun = self.placement.begin() if self.gpu_ipus else None  # before the inputs' copies
         self._place_inputs(run)
         if schedule.training:
@@ -203,7 +202,6 @@ class Executor:
             run.excluded = self.weights.storages() | {
                 t.untyped_storage().data_ptr() for t in (
                     *(t for mb in microbatches for t in mb), *run.placed.values())}
-        lists, waits, rows, in_order = self._plan(schedule)
         training = schedule.training
         handlers = self.handlers
         timed = () if recorder is None else self.gpu_ipus  # [Note: GPU timeline]
@@ -268,12 +266,12 @@ class Executor:
         ([Note: stages in other processes] in ``process_pipeline``)."""
         channels = self.channels
         channels.before(a, run)
-        channels.post(self._ahead.get(a), run)  # the stream's next receives, while it computes
-        if run.failed is None or a.kind is Kind.STEP:
+        channels.post(run.ahead.get(a), run)  # the stream's next receives, while it computes
+        if a.kind is Kind.STEP:  # the agreement first; a failure here is the processes' own
+            self.handlers[a.kind](a, run, step)
+        elif run.failed is None:
             try:
                 self.handlers[a.kind](a, run, step)
-            except PartialUpdate:
-                raise
             except Exception as exc:  # the others run on; every process stops at the update
                 with self._failure_lock:
                     if run.failed is None:
@@ -291,9 +289,13 @@ class Executor:
     def _settle(self, schedule: Schedule, run: Run, rows: dict, run_index: int) -> None:
         """After a run's lists: wait for its messages, agree on its outcome (inference; a
         training run agreed in its update), and raise where any process failed."""
-        self.channels.finish(run)
-        if not schedule.training:
-            run.remote_failure = self.channels.settle(run, self._describe(run), self._result)
+        try:
+            self.channels.finish(run)
+            if not schedule.training:
+                run.remote_failure = self.channels.settle(run, self._describe(run), self._result)
+        except Error as exc:  # a message to or from another process went astray: out of step
+            self.broken = f"the end of the run: {type(exc).__name__}"
+            self._fail(schedule, None, None, exc, run_index)
         if run.failed is not None:
             a, exc = run.failed
             self._fail(schedule, rows[a], a, exc, run_index)
@@ -341,8 +343,9 @@ class Executor:
                 run.ready[device, i] = event
 
     def _plan(self, schedule: Schedule) -> tuple:
-        """Per stream its actions; per action what it waits for on other streams; rows; and
-        every action in row order when the schedule is a total order (else None)."""
+        """Per stream its actions; per action what it waits for on other streams; rows;
+        every action in row order when the schedule is a total order (else None); and, across
+        processes, per action the next of its stream that receives messages."""
         cached = self._plans.get(id(schedule))
         if cached is None or cached[0] is not schedule:
             # This process's actions: every one unless stages run in other processes, where
@@ -359,14 +362,14 @@ class Executor:
             total_order = all(sum(a is not None for a in row) <= 1 for row in schedule.rows)
             in_order = ([(self._ipu(a), a) for row in mine for a in row]
                         if total_order else None)
-            if self.channels is not None:  # per action, the next one of its stream that receives
-                for actions in lists.values():
-                    following = None
-                    for a in reversed(actions):
-                        self._ahead[a] = following
-                        if self.channels.receives(a):
-                            following = a
-            cached = self._plans[id(schedule)] = (schedule, (lists, waits, rows, in_order))
+            ahead = {}  # per action, the next one of its stream that receives messages
+            for actions in lists.values() if self.channels is not None else ():
+                following = None
+                for a in reversed(actions):
+                    ahead[a] = following
+                    if self.channels.receives(a):
+                        following = a
+            cached = self._plans[id(schedule)] = (schedule, (lists, waits, rows, in_order, ahead))
         return cached[1]
 
     def _ipu(self, a: Action) -> int:

@@ -172,6 +172,9 @@ class Channels:
                 self.output_owner[name] = self.position[s]
         self.counted = [n.split(":", 1)[1] for n, s in first.items()
                         if n.startswith("param:") and self.position[s] == mine]
+        # Each parameter and buffer: the position of the first process whose stage uses it.
+        self.weight_owner = {n.split(":", 1)[1]: self.position[s] for n, s in first.items()
+                             if n.startswith(("param:", "buffer:"))}
         self.tied = []  # (group, names) of the weights this process shares
         for positions, names in sorted(shared.items()):
             for k in range(layout.pipelines):

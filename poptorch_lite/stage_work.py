@@ -79,7 +79,8 @@ class Run:
     """The state of one run of a schedule: values, stashes and gradients per micro-batch."""
 
     def __init__(self, partition: Partition, microbatches: Sequence[Sequence[torch.Tensor]],
-                 replica_of: Callable, streams: Optional[list]):
+                 replica_of: Callable, streams: Optional[list], index: int = 0,
+                 training: bool = True, kept: Sequence[int] = (), ahead: Optional[dict] = None):
         S = partition.num_stages
         self.inputs = microbatches
         self.placed: dict = {}                             # (ipu, i, k) -> input k in ipu's memory
@@ -101,8 +102,9 @@ class Run:
         self.posted: dict = {}    # action -> the receives posted for it ahead of time
         self.failed = None        # (action, exception): the first action that raised here
         self.remote_failure = None  # (rank, description): a process that failed this run
-        self.index, self.training = 0, True  # the run's number in its call; what it runs
-        self.kept: list = []      # the micro-batches whose outputs the call returns
+        self.index, self.training = index, training  # the run's number in its call; its kind
+        self.kept = kept          # the micro-batches whose outputs the call returns
+        self.ahead = ahead or {}  # action -> the next action of its stream that receives
 
 
 def _drop(t: torch.Tensor) -> None:

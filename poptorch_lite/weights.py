@@ -248,8 +248,12 @@ class Weights:
         yield from self.params.values()
         yield from self.buffers.values()
 
-    def remember_versions(self) -> None:
-        self._versions = {id(t): t._version for t in self._host_tensors()}
+    def remember_versions(self, tensors: Optional[Iterable[torch.Tensor]] = None) -> None:
+        """Take the host tensors' versions (or only ``tensors``') as their synced ones."""
+        if tensors is None:
+            self._versions = {id(t): t._version for t in self._host_tensors()}
+        else:
+            self._versions.update({id(t): t._version for t in tensors})
 
     def edited(self) -> list:
         """Host tensors written since the last sync."""

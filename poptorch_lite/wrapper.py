@@ -310,13 +310,15 @@ class PoplarExecutor(perf_counters.Latencies):
         self._weights.to_host()
         owner = self._owner() if self._processes is not None else None
         if owner is not None:
-            model = self._user_model
+            model, mine, arrived = self._user_model, self._processes.layout.position, []
             with torch.no_grad():
                 for name, t in (*model.named_parameters(), *model.named_buffers()):
                     position = owner(name)
                     if position is not None:
                         self._processes.pipeline_broadcast(t.data, position)
-            self._weights.remember_versions()  # what arrived is not a host edit
+                        if position != mine:
+                            arrived.append(t)
+            self._weights.remember_versions(arrived)  # what arrived is not a host edit
 
     def copyWeightsToDevice(self) -> None:
         """Make the device side use the user's model's current weights and buffers."""
@@ -441,16 +443,8 @@ class PoplarExecutor(perf_counters.Latencies):
     def _owner(self):
         """Parameter or buffer name -> the position in the pipeline of the process that runs
         it (None: no stage does); None when every process runs every stage."""
-        layout = self._processes.layout
-        if not layout.spans_processes:
-            return None
-        owner: dict = {}
-        for st in next(iter(self._programs.values())).partition.stages:
-            for name in st.inputs:
-                kind, _, key = name.partition(":")
-                if kind in ("param", "buffer"):
-                    owner.setdefault(key, layout.position_of(st.ipu))
-        return owner.get
+        channels = next(iter(self._programs.values())).executor.channels
+        return None if channels is None else channels.weight_owner.get
 
     def _require_compiled(self) -> None:
         if not self._compiled:

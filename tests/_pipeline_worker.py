@@ -216,6 +216,50 @@ def errors(rank):
     return raised
 
 
+def ended(rank):
+    """An inference call in which process 1 exits in its last forward, after it received
+    everything process 0 sent: process 0 misses it only at the end of the run."""
+    torch.manual_seed(0)
+    opts = poptorch.Options().deviceIterations(4)
+    opts.Distributed.set_ipu_processes([[0], [1]])
+    infer = poptorch.inferenceModel(Probed(2), opts)
+    raised = {}
+    if rank == 1:
+        PROBE["fn"] = lambda kind, stage, i: os._exit(3) if (kind, i) == ("F", 3) else None
+    for what in ("end", "broken"):
+        try:
+            infer(*probed_batch(4))
+        except poptorch.Error as e:
+            raised[what] = (type(e).__name__, str(e), getattr(e, "__notes__", []),
+                            type(e.__cause__).__name__)
+    return raised
+
+
+def host_edits(spread, rank=0):
+    """A call; a host edit of each process's own weight (in one process: of both); the
+    collective copyWeightsToHost; another call. Every IPU has a memory of its own
+    (useIpuModel), so the edits must be pushed to the stages' copies."""
+    torch.manual_seed(0)
+    model = BlockMLP(2)
+    opts = poptorch.Options().useIpuModel(True)
+    opts.Training.gradientAccumulation(4)
+    if spread:
+        opts.Distributed.set_ipu_processes([[0], [1]])
+    wrapped = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = data(8)
+    wrapped(x, y)
+    with torch.no_grad():
+        for owner, weight in ((0, model.layers[0].weight), (1, model.head.weight)):
+            if not spread or owner == rank:
+                weight.add_(1.0)
+    wrapped.copyWeightsToHost()
+    wrapped(x, y)
+    wrapped.copyWeightsToHost()
+    result = {k: v.clone() for k, v in model.state_dict().items()}
+    wrapped.destroy()
+    return result
+
+
 def _fault(kind, stage, i):
     if (kind, stage, i) == ("B", 1, 1):
         raise RuntimeError("injected fault")
@@ -322,6 +366,10 @@ def main():
         result = refusals(rank)
     elif scenario == "errors":
         result = errors(rank)
+    elif scenario == "end":
+        result = ended(rank)
+    elif scenario == "edits":
+        result = host_edits(True, rank)
     else:
         result = checkpointed(rank, out)
     torch.save(result, os.path.join(out, f"{scenario}-rank{rank}.pt"))

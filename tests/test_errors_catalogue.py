@@ -878,6 +878,7 @@ T = {
     "E-PROC-08": lambda: spawned("errors", 0, "remote"),
     "E-PROC-09": lambda: spawned("errors", 0, "lost"),
     "E-PROC-10": lambda: spawned("errors", 0, "broken"),
+    "E-PROC-11": lambda: spawned("end", 0, "end"),
     "E-CKP-13": lambda tmp_path: refuse_checkpoint(tmp_path, lambda s: s.update(loss_scale={})),
     # warnings
     "W-IPU-01": lambda: poptorch.Options().Precision.enableStochasticRounding(True),

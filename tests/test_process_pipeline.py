@@ -216,6 +216,23 @@ def test_a_process_that_exits_ends_the_others_call_naming_it_and_later_calls_ref
         "every process (from the last checkpoint: poptorch_lite.load_checkpoint)")
 
 
+def test_a_process_missing_at_the_end_of_a_run_ends_the_others_call_naming_it(tmp_path):
+    """Process 1 exits in its last forward of an inference call, after it received every
+    activation: process 0 misses it at the end-of-run exchange, and later calls refuse."""
+    (rank0,) = spawn("end", 2, tmp_path, codes={1: 3})
+    kind, text, notes, cause = rank0["end"]
+    assert (kind, cause) == ("ExecutionError", "ChannelError")
+    assert text.startswith(
+        "the run of schedule 'grouped' failed: ChannelError: exchanging the run's outcome and "
+        "outputs with process 1 failed: ")
+    assert ("Process 1 failed or exited (see its own error), or did not answer within the "
+            "collective timeout of 60 s (POPTORCH_LITE_DIST_TIMEOUT)") in text
+    assert rank0["broken"][1] == (
+        "this model's processes went out of step in an earlier call (the end of the run: "
+        "ChannelError): messages between them may be half delivered, so no further call can "
+        "run; restart every process (from the last checkpoint: poptorch_lite.load_checkpoint)")
+
+
 def test_options_that_differ_or_a_placement_that_misses_an_ipu_are_refused_everywhere(tmp_path):
     results = spawn("refuse", 2, tmp_path)
     for rank, result in enumerate(results):
@@ -261,6 +278,14 @@ def test_each_process_checkpoints_its_part_and_a_resumed_run_continues_exactly(t
     assert sorted(part["model"]) == ["bn.bias", "bn.num_batches_tracked", "bn.running_mean",
                                      "bn.running_var", "bn.weight", "head.bias", "head.weight",
                                      "layers.2.bias", "layers.2.weight"]
+
+
+def test_host_edits_of_a_processs_own_weights_survive_copy_weights_to_host(tmp_path):
+    """copyWeightsToHost brings the other processes' weights; an edit of this process's own
+    weight made before it still reaches the stage at the next call, as in one process."""
+    ref = worker.host_edits(spread=False)
+    for result in spawn("edits", 2, tmp_path):
+        assert all(torch.equal(result[k], v) for k, v in ref.items())
 
 
 def test_a_process_count_the_pipeline_does_not_divide_is_refused_when_wrapping(monkeypatch):
