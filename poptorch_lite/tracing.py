@@ -72,11 +72,21 @@ _PYTHON_READS = {torch.Tensor.item: "t.item()", torch.Tensor.tolist: "t.tolist()
 
 
 def _user_line(frames) -> str:
-    """The innermost frame outside torch and poptorch_lite, for messages."""
+    """The innermost frame of a file outside torch and poptorch_lite, for messages.
+
+    Frames of generated code (``<string>``: a dataclass's ``__init__``, code that
+    ``exec`` made; ``<eval_with_key>``: an fx graph) name no file a user can open,
+    so they are skipped, as are frames of test runners' and debuggers' plumbing.
+    """
     for fr in reversed(frames):
-        if "/torch/" not in fr.filename and "/poptorch_lite/" not in fr.filename:
+        name = fr.filename.replace("\\", "/")
+        if not name.startswith("<") and not any(part in name for part in _NOT_USER):
             return f'{fr.filename}:{fr.lineno}: {fr.line}'
     return "(no line of user code in the traceback)"
+
+
+# Folders of library code that runs the user's code but is not it.
+_NOT_USER = ("/torch/", "/poptorch_lite/", "/_pytest/", "/pluggy/", "/runpy.py")
 
 
 def _read_into_python(func, args: tuple, kwargs: dict):
