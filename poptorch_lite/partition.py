@@ -34,7 +34,7 @@ import torch.fx as fx
 
 from . import markers, rng
 from .enums import AutoStage, PipelineSchedule
-from .errors import BlockError, LossError, PipelineError
+from .errors import BlockError, LossError, PipelineError, PoptorchLiteWarning, warn_once
 from .strategies import ExecutionStrategy
 from .tracing import trace
 from .value_info import value_infos
@@ -281,6 +281,11 @@ def split(gm: fx.GraphModule, param_names: Sequence[str], buffer_names: Sequence
     out_node = next(n for n in nodes if n.op == "output")
     model_outputs = list(out_node.args[0])
     needed_later = {n for n in model_outputs if isinstance(n, fx.Node)}
+    if loss_node is not None and not any(_aliases(n, loss_node) for n in needed_later):
+        warn_once("loss.not_returned",
+                  f"the training model computes its loss at {_node_line(loss_node)} but does not "
+                  f"return it: it trains on it, but you cannot watch it; return it from forward "
+                  f"(e.g. return output, loss)", PoptorchLiteWarning, stacklevel=2)
     if loss_node is not None:
         needed_later.add(loss_node)
     checkpoint_nodes = {c for c in checkpoints if isinstance(c, fx.Node)}
@@ -305,6 +310,22 @@ def split(gm: fx.GraphModule, param_names: Sequence[str], buffer_names: Sequence
     values = value_infos(gm, source_name, trainable, value_name, computed)
     return (stages, loss, output_values,
             frozenset(value_name(c) for c in checkpoint_nodes), block_stage, values)
+
+
+# Ops whose result holds the same values as their first argument.
+_SAME_VALUES = ("alias", "detach", "clone", "view", "_to_copy", "lift_fresh", "squeeze",
+                "unsqueeze", "reshape")
+
+
+def _aliases(n: fx.Node, target: fx.Node) -> bool:
+    """Whether ``n`` is ``target`` or holds its values (a detach, clone, view, ... of it)."""
+    while n is not target:
+        name = getattr(n.target, "__name__", "")
+        if n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node) or \
+                not any(name.startswith(op) for op in _SAME_VALUES):
+            return False
+        n = n.args[0]
+    return True
 
 
 def _segment_groups(nodes: list, checkpoints: set) -> list:

@@ -84,6 +84,7 @@ def compile_program(model: torch.nn.Module, modes: dict, options: Options, train
     part = partition(model, modes, a, kw, o.execution_strategy, training)
     check_pipeline_minimums(part.num_stages, o.execution_strategy, training,
                             o.Training.gradient_accumulation, o.device_iterations)
+    check_mapped(part, o.ipu_devices)
     P = processes.layout.pipelines if processes is not None else 1  # data-parallel processes
     if replicas * P > 1 and part.mutated_buffers and o.broadcast_buffers:
         raise OptionsError(
@@ -120,6 +121,29 @@ def compile_program(model: torch.nn.Module, modes: dict, options: Options, train
     program = Program(part, Executor(part, placement, weights, recompute, processes, channels),
                       o.execution_strategy.schedule, recompute)
     return program, weights, placement
+
+
+def check_mapped(part: Partition, mapping) -> None:
+    """Refuse a stage on an IPU that an explicit ``set_ipu_devices`` mapping leaves out.
+
+    Without a mapping every IPU has a default device; with one, an IPU it does not
+    name is a typo or a forgotten entry, not a request for the default.
+
+    Raises:
+        OptionsError: a block's IPU is not a key of ``Options.ipu_devices``.
+    """
+    if mapping is None:
+        return
+    missing = [st for st in part.stages if st.ipu not in mapping]
+    if missing:
+        blocks = "; ".join(f"IPU {st.ipu} (block{'s' if len(st.blocks) > 1 else ''} "
+                           f"{', '.join(map(repr, st.blocks))})" for st in missing)
+        raise OptionsError(
+            f"Options.set_ipu_devices maps IPUs {sorted(mapping)} only, but the model places "
+            f"blocks on {blocks}; give every IPU a device, e.g. opts.set_ipu_devices("
+            f"{{{', '.join(f'{i}: {str(mapping[i])!r}' for i in sorted(mapping))}"
+            f"{', ' if mapping else ''}{missing[0].ipu}: 'cpu'}}), or change the block's "
+            f"ipu_id")
 
 
 def check_process_layout(layout, part: Partition) -> None:

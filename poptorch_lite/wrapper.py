@@ -25,7 +25,9 @@ the next call; ``copyWeightsToHost``/``copyWeightsToDevice`` force the copies.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
+import warnings
 import weakref
 from typing import Optional
 
@@ -48,6 +50,8 @@ from .program import Program, compile_program
 from .weights import Weights, unwatch, watch
 from .timeline import Recorder, Timeline
 from .undo import capture
+
+_LOG = logging.getLogger("poptorch_lite")
 
 # Models currently wrapped by a training wrapper (refused a second time until destroy()).
 # Both sides are weak: the wrapper holds its model, so a strong value would keep the key
@@ -102,6 +106,7 @@ class PoplarExecutor(perf_counters.Latencies):
         self._weights: Optional[Weights] = None
         self._attached = False
         self._compiled = False
+        self._destroyed = False  # destroy() ran; a call compiles again (PopTorch)
         self._release: Optional[weakref.finalize] = None  # syncs and unwatches the model
         self._statistics: Optional[RunStatistics] = None  # built from _last_run when asked for
         self._last_run = None
@@ -142,6 +147,8 @@ class PoplarExecutor(perf_counters.Latencies):
             raise DeviceError("Options.connectionType(ConnectionType.Never) was set: this model "
                               "can be compiled but not run; use ConnectionType.Always to run it")
         mbs = self._split(args, kwargs)
+        if self._destroyed:
+            self._revive()
         program = self._program(mbs)
         if not self._attached:
             self._attach()
@@ -290,7 +297,10 @@ class PoplarExecutor(perf_counters.Latencies):
         if self._compiled:
             warn_once("compile.twice", "compile() was called on a model that is already "
                       "compiled; nothing to do", PoptorchLiteWarning)
-        self._program(self._split(args, kwargs))
+        mbs = self._split(args, kwargs)
+        if self._destroyed:
+            self._revive()
+        self._program(mbs)
         if not self._attached:
             self._attach()
 
@@ -375,8 +385,27 @@ class PoplarExecutor(perf_counters.Latencies):
         self._programs.clear()
         self._placement = self._weights = self._last_call = None
         self._attached = self._compiled = False
+        self._destroyed = True
         if _training_wrapper(self._user_model) is self:
             del _TRAINING_WRAPPERS[self._user_model]
+
+    def _revive(self) -> None:
+        """A destroyed wrapper called again compiles again, as PopTorch's does, unless
+        another training wrapper has taken the model meanwhile.
+
+        Raises:
+            WrapError: another ``trainingModel`` of the same model is alive.
+        """
+        if self._training:
+            _refuse_second_trainer(self._user_model, self)
+        warnings.warn(
+            f"this {'trainingModel' if self._training else 'inferenceModel'} was destroyed "
+            f"and is called again: it compiles again from the model's current weights. Wrap "
+            f"the model anew (poptorch.{'trainingModel' if self._training else 'inferenceModel'}"
+            f"(model, ...)) to make that explicit", PoptorchLiteWarning, stacklevel=3)
+        if self._training:
+            _TRAINING_WRAPPERS[self._user_model] = weakref.ref(self)
+        self._destroyed = False
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """Load into the user's model, then into the device side."""
@@ -431,7 +460,27 @@ class PoplarExecutor(perf_counters.Latencies):
                 self._replicas(), self._weights, self._placement, self._processes)
             self._programs[key] = program
             self._compiled = True
+            _LOG.info("%s", self._describe(program, mbs))
         return program
+
+    def _describe(self, program: Program, mbs: MicroBatches) -> str:
+        """One line on what a compiled program runs: stages, devices, schedule, batch."""
+        o, part = self._options, program.partition
+        D, R, G = o.device_iterations, self._replicas(), o.Training.gradient_accumulation
+        placement = program.executor.placement
+        stages = "; ".join(
+            f"{st.index}: IPU {st.ipu} on {placement.device(st.ipu)}"
+            if st.ipu in placement.devices else f"{st.index}: IPU {st.ipu} in another process"
+            for st in part.stages)
+        m = G * R if self._training else D * R
+        b = next((t.shape[0] for t in mbs.tensors(0) if t.dim() > 0), 1)
+        batch = (f"micro-batch {b} x gradientAccumulation {G} x replicas {R} = {b * G * R} per "
+                 f"optimizer step, x deviceIterations {D} = {b * G * R * D} per call"
+                 if self._training else
+                 f"micro-batch {b} x replicas {R} x deviceIterations {D} = {b * R * D} per call")
+        kind = "trainingModel" if self._training else "inferenceModel"
+        return (f"{kind} compiled: {part.num_stages} stage{'s' if part.num_stages > 1 else ''} "
+                f"({stages}), schedule {program.schedule(m, self._training).name}; {batch}")
 
     def _attach(self) -> None:
         if self._processes is not None and self._training:  # every replica starts the same
@@ -499,6 +548,15 @@ def _undo_note(applied: int, steps: int, partial: bool = False) -> str:
             f"buffers, loss scale and random state are as right after step {applied}")
 
 
+def _refuse_second_trainer(model, wrapper: Optional["PoplarExecutor"]) -> None:
+    """Refuse a second live training wrapper of ``model`` (``wrapper``: the one asking)."""
+    existing = _training_wrapper(model)
+    if existing is not None and existing is not wrapper:
+        raise WrapError("Model has already been wrapped in 'poptorch.trainingModel'. Call "
+                        "destroy() on that wrapper (the object trainingModel returned) to "
+                        "unwrap before wrapping again.")
+
+
 def _check_options(options) -> Options:
     if options is None:
         return Options()
@@ -539,10 +597,7 @@ def trainingModel(model, options: Optional[Options] = None,
     if isinstance(model, PoplarExecutor):
         model = model.model
     options = _check_options(options)
-    existing = _training_wrapper(model)
-    if existing is not None:
-        raise WrapError("Model has already been wrapped in 'poptorch.trainingModel'. Call "
-                        "model.destroy() on the model to unwrap before wrapping again.")
+    _refuse_second_trainer(model, None)
     if optimizer is None:
         optimizer = poptorch_optim.SGD(model.parameters(), lr=0.01)
     poptorch_optim.check_optimizer(optimizer)

@@ -130,6 +130,9 @@ class Two(torch.nn.Module):
                 self.bn.running_mean = self.bn.running_mean * 2
             if self.tail == "none":
                 return out
+            if self.tail == "none_mse":  # trains on a loss it does not return
+                F.mse_loss(out, y)
+                return out
             if self.tail == "two":
                 return F.mse_loss(out, y), F.l1_loss(out, y)
             return out, F.mse_loss(out, y)
@@ -841,6 +844,7 @@ T = {
     "E-DEV-01": lambda: on_devices({0: "cpu", 1: f"cuda:{torch.cuda.device_count() + 1}"}),
     "E-DEV-02": lambda: on_devices({0: "cpu", 1: "meta"}),
     "E-DEV-03": oversubscribed,
+    "E-DEV-04": lambda: on_devices({0: "cpu", 2: "cpu"}),
     # checkpoints
     "E-CKP-01": lambda tmp_path: poptorch.save_checkpoint(
         tmp_path / "x.pt", poptorch.inferenceModel(Two())),
@@ -903,6 +907,11 @@ T = {
     "W-LITE-07": lambda: (lambda w: (w.compile(torch.randn(2, 4), torch.randn(2, 4)),
                                      w.compile(torch.randn(2, 4), torch.randn(2, 4))))(
         poptorch.inferenceModel(Two(tail="none"), opts())),
+    "W-LITE-09": lambda: (lambda w: (w(torch.randn(2, 4), torch.randn(2, 4)), w.destroy(),
+                                     w(torch.randn(2, 4), torch.randn(2, 4))))(
+        poptorch.trainingModel(Two(), opts())),
+    "W-LITE-10": lambda: poptorch.trainingModel(Two(tail="none_mse"), opts())(
+        torch.randn(2, 4), torch.randn(2, 4)),
     "W-LITE-08": lambda: keras_model(spe=1).fit(torch.randn(10, 4), torch.randn(10, 2),
                                                batch_size=4, verbose=0, drop_remainder=True),
 }

@@ -289,6 +289,93 @@ def test_wrapping_twice_is_refused_until_destroy(device):
     assert_same_weights(model, ref)
 
 
+def test_a_destroyed_wrapper_called_again_compiles_again_and_takes_the_model_back(device):
+    torch.manual_seed(0)
+    model = BlockMLP(2)
+    ref = twin(model)
+    x, y = data(B)
+    train = poptorch.trainingModel(model, options(device), sgd(model))
+    train(x, y)
+    train.destroy()
+    with pytest.warns(poptorch.PoptorchLiteWarning, match="was destroyed and is called again"):
+        _, loss = train(x, y)  # PopTorch: a destroyed wrapper recompiles
+    ref_opt = sgd(ref)
+    _, ref_losses, _ = reference_training(ref, ref_opt, x, y, 1, 1, 1)
+    _, ref_losses, _ = reference_training(ref, ref_opt, x, y, 1, 1, 1)
+    assert_close(loss, ref_losses[0], atol=ATOL, rtol=0)
+    assert_same_weights(model, ref)
+    with pytest.raises(poptorch.WrapError, match=r"destroy\(\) on that wrapper"):
+        poptorch.trainingModel(model, options(device))  # the revived wrapper holds it again
+
+
+def test_a_destroyed_wrapper_is_refused_while_another_holds_the_model(device):
+    model = BlockMLP(2)
+    x, y = data(B)
+    first = poptorch.trainingModel(model, options(device))
+    first(x, y)
+    first.destroy()
+    second = poptorch.trainingModel(model, options(device))
+    second(x, y)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(poptorch.WrapError, match="already been wrapped"):
+        first(x, y)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    second(x, y)  # the live wrapper is unaffected
+
+
+def test_a_block_on_an_ipu_the_explicit_mapping_leaves_out_is_refused():
+    model = BlockMLP(2)
+    opts = options("cpu", G=3, strategy=poptorch.PipelinedExecution("b0", "b1"))
+    opts.set_ipu_devices({0: "cpu"})
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(poptorch.OptionsError,
+                       match=r"maps IPUs \[0\] only, but the model places blocks on IPU 1 "
+                             r"\(block 'b1'\).*set_ipu_devices\(\{0: 'cpu', 1: 'cpu'\}\)"):
+        poptorch.trainingModel(model, opts)(*data(B * 3))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    poptorch.trainingModel(model, options("cpu", G=3).set_ipu_devices(["cpu", "cpu"]))(
+        *data(B * 3))  # a list maps IPUs 0 and 1
+
+
+def test_the_first_call_logs_stages_devices_schedule_and_batch(caplog):
+    opts = options("cpu", D=2, G=3, strategy=poptorch.PipelinedExecution(
+        "b0", "b1", schedule=poptorch.PipelineSchedule.Interleaved))
+    train = poptorch.trainingModel(BlockMLP(2), opts)
+    with caplog.at_level("INFO", logger="poptorch_lite"):
+        train(*data(B * 2 * 3))
+        train(*data(B * 2 * 3))  # compiled once: one record
+    assert [r.getMessage() for r in caplog.records if r.name == "poptorch_lite"] == [
+        "trainingModel compiled: 2 stages (0: IPU 0 on cpu; 1: IPU 1 on cpu), schedule "
+        "interleaved; micro-batch 2 x gradientAccumulation 3 x replicas 1 = 6 per optimizer "
+        "step, x deviceIterations 2 = 12 per call"]
+
+
+class KeepsItsLoss(torch.nn.Module):
+    def __init__(self, returns):
+        super().__init__()
+        self.fc, self.returns = torch.nn.Linear(8, 4), returns
+
+    def forward(self, x, y):
+        out = self.fc(x)
+        loss = F.cross_entropy(out, y)
+        return {"none": out, "loss": (out, loss), "detached": (out, loss.detach())}[self.returns]
+
+
+@pytest.mark.parametrize("returns, warned", [("none", True), ("loss", False),
+                                             ("detached", False)])
+def test_a_loss_the_forward_does_not_return_is_warned_about(returns, warned):
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        poptorch.trainingModel(KeepsItsLoss(returns))(*data(B))
+    hits = [w for w in caught if "does not return it" in str(w.message)]
+    assert len(hits) == warned
+    if warned:
+        assert "test_wrapper.py" in str(hits[0].message)
+        assert "F.cross_entropy(out, y)" in str(hits[0].message)
+
+
 @pytest.mark.parametrize("training", [True, False], ids=["training", "inference"])
 def test_options_are_frozen_after_wrapping(training):
     opts = poptorch.Options().deviceIterations(1)
@@ -642,7 +729,7 @@ BAD_INPUTS = [
     ("frozen-options", frozen_options, poptorch.FrozenOptionsError,
      [r"Training\.gradientAccumulation\(\)", r"opts\.clone\(\)"]),
     ("wrapped-twice", wrapped_twice, poptorch.WrapError,
-     ["already been wrapped", r"model\.destroy\(\)"]),
+     ["already been wrapped", r"destroy\(\) on that wrapper"]),
     ("numpy-input", train_call(Probe, options, X4.numpy(), Y4), poptorch.InputError,
      [r"numpy\.ndarray", r"torch\.from_numpy"]),
     ("list-of-floats-input", train_call(Probe, options, X4, [0.0, 1.0]), poptorch.InputError,
