@@ -41,13 +41,35 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="poptorch-lite", description="Run a PopTorch script on poptorch_lite, unmodified.",
         epilog="example: python -m poptorch_lite run mnist_poptorch.py --epochs 1")
+    parser.add_argument("--version", action="version",
+                        version=f"%(prog)s {_version()} (torch {_torch_version()})")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     run = commands.add_parser("run", help="run SCRIPT with `import poptorch` resolved to poptorch_lite",
+                              usage="%(prog)s [-h] SCRIPT [ARGS ...]",
                               description="Run SCRIPT as __main__ with `import poptorch` resolved "
-                                          "to poptorch_lite; ARGS are passed to it as sys.argv[1:].")
-    run.add_argument("script", metavar="SCRIPT", help="path of the Python script")
-    run.add_argument("args", metavar="ARGS", nargs=argparse.REMAINDER, help="the script's arguments")
+                                          "to poptorch_lite; ARGS (optional) are passed to it as "
+                                          "sys.argv[1:].")
+    run.add_argument("script", metavar="SCRIPT", nargs="?", help="path of the Python script")
+    run.add_argument("args", metavar="ARGS", nargs=argparse.REMAINDER,
+                     help="the script's arguments (optional)")
+    run.set_defaults(usage_error=run.error)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("poptorch-lite")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        return importlib.import_module("poptorch_lite").__version__
+
+
+def _torch_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return "not installed"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -63,6 +85,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """
     parser = _parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    if args.script is None:
+        args.usage_error("give the SCRIPT to run, e.g. poptorch-lite run train.py (ARGS, the "
+                         "script's own arguments, are optional)")
     if not os.path.isfile(args.script):
         parser.error(f"run: no such script: {args.script!r} (give the path of a .py file)")
     alias_poptorch()

@@ -277,6 +277,10 @@ class Timeline:
         last column, so a stream that starts late shows dots up to the second
         ``'|'``. See the module docstring for an example.
 
+        When a stream has more spans than ``width`` columns and the timeline
+        holds several runs (steps), only the last run is drawn, and the first
+        line says so: a smear of overwritten letters shows no schedule.
+
         Raises:
             ValueError: ``width`` < 1.
         """
@@ -284,6 +288,16 @@ class Timeline:
             raise ValueError(f"render(width={width}) needs at least 1 column; pass width >= 1")
         if not self.spans:
             return f"schedule {self.schedule_name}: no spans"
+        per_stream = [0] * len(self.stream_names)
+        for p in self.spans:
+            per_stream[p.stream] += 1
+        runs = sorted({p.run for p in self.spans})
+        if max(per_stream) > width and len(runs) > 1:
+            last = Timeline([p for p in self.spans if p.run == runs[-1]], self.stream_names,
+                            self.schedule_name).render(width)
+            head, rest = last.split("\n", 1)
+            return (f"{head}; the last of {len(runs)} runs (a stream has {max(per_stream)} "
+                    f"spans, more than {width} columns)\n{rest}")
         t0, makespan = self.spans[0].start, self.makespan
 
         def col(t: float) -> int:  # the boundary before column col(t), 0..width

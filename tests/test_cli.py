@@ -76,12 +76,22 @@ def test_the_script_sees_its_own_folder_and_exit_status(tmp_path):
 def test_usage_errors_exit_2_with_the_usage(tmp_path):
     for args, message in [((), "the following arguments are required: COMMAND"),
                           (("train", "x.py"), "invalid choice: 'train'"),
-                          (("run",), "the following arguments are required: SCRIPT"),
+                          (("run",), "run: error: give the SCRIPT to run, e.g. poptorch-lite "
+                                     "run train.py (ARGS, the script's own arguments, are "
+                                     "optional)"),
                           (("run", "missing.py"), "run: no such script: 'missing.py'")]:
         result = run_cli(*args, cwd=tmp_path)
         assert result.returncode == 2, args
         assert result.stderr.startswith("usage: poptorch-lite"), result.stderr
         assert message in result.stderr, result.stderr
+
+
+def test_version_names_the_package_and_torch(tmp_path):
+    import importlib.metadata
+    result = run_cli("--version", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == (f"poptorch-lite {importlib.metadata.version('poptorch-lite')} "
+                             f"(torch {importlib.metadata.version('torch')})\n")
 
 
 def test_alias_gives_the_same_module_objects():

@@ -237,11 +237,12 @@ def test_stage_summary_lists_layers_blocks_stages_and_devices():
         poptorch.stage_summary(wrapped)
     wrapped(*data(2))
     rows = [[c.strip() for c in line.split("|")] for line in poptorch.stage_summary(wrapped).splitlines()]
-    assert rows[0] == ["layer", "block", "stage", "device", "parameters"]
-    assert rows[2:] == [["seq.dense1", "s0", "0", "cpu", "72"], ["seq.relu1", "s0", "0", "cpu", "0"],
-                        ["seq.dense2", "s1", "1", "cpu", "72"], ["seq.relu2", "s1", "1", "cpu", "0"],
-                        ["seq.dense3", "s1", "1", "cpu", "72"], ["seq.relu3", "s1", "1", "cpu", "0"],
-                        ["seq.logits", "s2", "2", "cpu", "36"]]
+    assert rows[0] == ["layer", "block", "stage", "ipu", "device", "parameters"]
+    assert rows[2:] == [
+        ["seq.dense1", "s0", "0", "0", "cpu", "72"], ["seq.relu1", "s0", "0", "0", "cpu", "0"],
+        ["seq.dense2", "s1", "1", "1", "cpu", "72"], ["seq.relu2", "s1", "1", "1", "cpu", "0"],
+        ["seq.dense3", "s1", "1", "1", "cpu", "72"], ["seq.relu3", "s1", "1", "1", "cpu", "0"],
+        ["seq.logits", "s2", "2", "2", "cpu", "36"]]
 
 
 def test_front_ends_refuse_bad_assignments():

@@ -202,6 +202,22 @@ def test_render_shows_the_late_start_of_each_stream():
     ]
 
 
+def test_render_of_more_spans_than_columns_shows_the_last_run():
+    runs = [Timeline([dataclasses.replace(p, start=p.start + 8 * k, end=p.end + 8 * k)
+                      for p in one_f_one_b().spans], NAMES, "1f1b") for k in range(3)]
+    t = Timeline.concat(runs)  # 3 runs of 6 spans on ipu0: more than 16 columns
+    assert t.render(width=16) == "\n".join([
+        "schedule 1f1b: makespan 8.000 s, 1 column = 500.000 ms; the last of 3 runs (a stream "
+        "has 18 spans, more than 16 columns)",
+        "ipu0 (cpu) FFFF..BB..BBGGUU",
+        "ipu1 (cpu) ..FFBBFFBBGG....",
+        "phases     |-|-------|-----|  |ramp-up|main|ramp-down|",
+        "legend: F forward, B backward, R recompute, G reduce, U update, . idle",
+    ])
+    assert t.render(width=18).splitlines()[0] == "schedule 1f1b: makespan 24.000 s, 1 column = " \
+                                                 "1.333 s"  # 18 spans fit in 18 columns
+
+
 def test_render_refuses_no_columns():
     with pytest.raises(ValueError, match=r"render\(width=0\) needs at least 1 column"):
         one_f_one_b().render(width=0)

@@ -103,14 +103,14 @@ def split_at(model: torch.nn.Module, names: Sequence[str]):
 
 
 def stage_summary(poptorch_model) -> str:
-    """A table of every layer the compiled model ran: block, stage, device, parameters.
+    """A table of every layer the compiled model ran: block, stage, IPU, device, parameters.
 
     Args:
         poptorch_model: a wrapped model that has been called or compiled.
 
     Example:
         >>> print(stage_summary(model))  # doctest: +SKIP
-        layer   | block  | stage | device | parameters
+        layer   | block  | stage | ipu | device | parameters
         ...
     """
     program = _last_program(poptorch_model)
@@ -118,16 +118,17 @@ def stage_summary(poptorch_model) -> str:
     placement = program.executor.placement
     stage_of_block = {b: st.index for st in part.stages for b in st.blocks}
     modules = dict(poptorch_model.model.named_modules())
-    rows = [("layer", "block", "stage", "device", "parameters")]
+    rows = [("layer", "block", "stage", "ipu", "device", "parameters")]
     for name, block in part.module_blocks.items():
         m = modules[name]
         if any(True for _ in m.children()):
             continue
         s = stage_of_block.get(block, 0)
         n_params = sum(p.numel() for p in m.parameters(recurse=False))
-        rows.append((name, "-" if block is None else block, str(s),
-                     str(placement.device(part.stages[s].ipu)), f"{n_params:,}"))
-    widths = [max(len(r[c]) for r in rows) for c in range(5)]
+        ipu = part.stages[s].ipu
+        rows.append((name, "-" if block is None else block, str(s), str(ipu),
+                     str(placement.device(ipu)), f"{n_params:,}"))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines = [" | ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
     lines.insert(1, "-+-".join("-" * w for w in widths))
     return "\n".join(lines)
