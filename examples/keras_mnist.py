@@ -22,10 +22,9 @@ import time
 
 import torch
 import torch.nn as nn
-import torchvision
 
 from poptorch_lite import keras
-from mnist import ConvLayer
+from mnist import ConvLayer, open_mnist
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--data-dir", default=os.environ.get("MNIST_DATA", "data"),
@@ -49,7 +48,7 @@ parser.add_argument("--seed", type=int, default=42, help="random seed")
 def load_data(data_dir, limit):
     """MNIST as float tensors in [0, 1] with a channel axis, and integer labels."""
     def arrays(train):
-        ds = torchvision.datasets.MNIST(data_dir, train=train, download=True)
+        ds = open_mnist(data_dir, train)
         x, y = ds.data[:, None].float() / 255.0, ds.targets
         return (x[:limit], y[:limit]) if limit else (x, y)
     return arrays(True), arrays(False)

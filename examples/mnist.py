@@ -77,11 +77,21 @@ def accuracy(predictions, labels):
     return (predictions.argmax(1) == labels).float().mean().item() * 100.0
 
 
+def open_mnist(data_dir, train, transform=None):
+    """torchvision's MNIST in ``data_dir``, downloaded there if missing (with a hint offline)."""
+    try:
+        return torchvision.datasets.MNIST(data_dir, train=train, download=True, transform=transform)
+    except (RuntimeError, OSError) as exc:  # torchvision: "Error downloading ..." after its mirrors
+        raise SystemExit(f"MNIST is not in {data_dir!r} and could not be downloaded ({exc}). "
+                         f"Offline, point --data-dir (or $MNIST_DATA) at a folder that holds "
+                         f"MNIST/raw, e.g. --data-dir ../shared/data") from exc
+
+
 def datasets(data_dir, limit):
     transform = torchvision.transforms.Compose([
         torchvision.transforms.ToTensor(), torchvision.transforms.Normalize((0.1307,), (0.3081,))])
-    train = torchvision.datasets.MNIST(data_dir, train=True, download=True, transform=transform)
-    test = torchvision.datasets.MNIST(data_dir, train=False, download=True, transform=transform)
+    train = open_mnist(data_dir, True, transform)
+    test = open_mnist(data_dir, False, transform)
     if limit:
         train = torch.utils.data.Subset(train, range(min(limit, len(train))))
         test = torch.utils.data.Subset(test, range(min(limit, len(test))))
@@ -124,8 +134,23 @@ def report_speed_gained(model, train_set, args):
           f"({many:.0f} vs {one:.0f} images/s over {len(timed)} timed steps)")
 
 
+class RunningMean:
+    """The epoch's mean loss and accuracy so far, for a progress bar's postfix."""
+
+    def __init__(self):
+        self.loss = self.accuracy = 0.0
+        self.calls = 0
+
+    def add(self, loss, accuracy_percent):
+        self.calls += 1
+        self.loss += (loss - self.loss) / self.calls
+        self.accuracy += (accuracy_percent - self.accuracy) / self.calls
+        return {"mean loss": f"{self.loss:.4f}", "mean accuracy": f"{self.accuracy:.1f}%"}
+
+
 def train(training_model, train_data, epochs, scheduler=None, pipelines=1):
-    """Run ``epochs`` passes with a tqdm bar of loss and accuracy; return (images, seconds).
+    """Run ``epochs`` passes with a tqdm bar of the epoch's mean loss and accuracy so far;
+    return (images, seconds).
 
     A torch ``scheduler`` steps after each epoch; ``setOptimizer`` hands the new
     learning rate to the model, as in PopTorch. ``pipelines`` data-parallel copies of the
@@ -138,12 +163,13 @@ def train(training_model, train_data, epochs, scheduler=None, pipelines=1):
             scheduler.step()
             training_model.setOptimizer(scheduler.optimizer)
         bar = tqdm(train_data, desc=f"epoch {epoch}/{epochs}", disable=not main_process)
+        running = RunningMean()
         for data, labels in bar:
             output, loss = training_model(data, labels)
             seen += data.shape[0] * pipelines
             # Default output mode: the last step's outputs (and a loss per replica).
-            bar.set_postfix(loss=f"{loss.mean().item():.4f}",
-                            accuracy=f"{accuracy(output, labels[-output.shape[0]:]):.1f}%")
+            bar.set_postfix(running.add(loss.mean().item(),
+                                        accuracy(output, labels[-output.shape[0]:])))
     elapsed = time.perf_counter() - start
     if main_process:
         print(f"trained on {seen} images in {elapsed:.1f} s "

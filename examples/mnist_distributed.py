@@ -20,7 +20,7 @@ import time
 from tqdm import tqdm
 
 import poptorch_lite as poptorch
-from mnist import accuracy, datasets
+from mnist import RunningMean, accuracy, datasets
 from mnist_pipelined import Network, strategy
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -73,11 +73,11 @@ def main(argv=None):
     for epoch in range(1, args.epochs + 1):
         train_data.set_epoch(epoch)  # a new shuffle, the same in every process
         bar = tqdm(train_data, desc=f"epoch {epoch}/{args.epochs}", disable=not main_process)
+        running = RunningMean()
         for data, labels in bar:
             output, loss = training_model(data, labels)
             seen += data.shape[0] * P
-            bar.set_postfix(loss=f"{loss.item():.4f}",
-                            accuracy=f"{accuracy(output, labels[-output.shape[0]:]):.1f}%")
+            bar.set_postfix(running.add(loss.item(), accuracy(output, labels[-output.shape[0]:])))
     elapsed = time.perf_counter() - start
     training_model.detachFromDevice()
     if not main_process:

@@ -125,10 +125,12 @@ def main(argv=None):
                                      generator=torch.Generator().manual_seed(args.seed))
     per_step = args.batch_size * args.gradient_accumulation * args.replicas * pipelines
     across = f" x {pipelines} pipelines" if pipelines > 1 else ""
+    shares = f"; {train_data.combinedBatchSize} per pipeline" if pipelines > 1 else ""
     if poptorch.is_main_process():
         print(f"effective batch: {args.batch_size} x {args.gradient_accumulation} accumulation x "
               f"{args.replicas} replicas{across} = {per_step} per step, "
-              f"{train_data.combinedBatchSize} per call (deviceIterations {args.device_iterations})")
+              f"{train_data.combinedBatchSize * pipelines} per call (deviceIterations "
+              f"{args.device_iterations}{shares})")
 
     model = Network()
     model.train()

@@ -121,30 +121,30 @@ def test_mnist_pipelined_trace_svg_draws_the_last_call(tmp_path):
 
 SPLITS_TABLES = {  # the stage table of each route of mnist_splits.py --splits dense128 dense64
     "split_at": [
-        "layer    | block    | stage | device | parameters",
-        "---------+----------+-------+--------+-----------",
-        "flatten  | -        | 0     | cpu    | 0",
-        "dense256 | -        | 0     | cpu    | 200,960",
-        "dense128 | dense128 | 1     | cpu    | 32,896",
-        "dense64  | dense64  | 2     | cpu    | 8,256",
-        "dense32  | dense64  | 2     | cpu    | 2,080",
-        "logits   | dense64  | 2     | cpu    | 330",
-        "loss     | dense64  | 2     | cpu    | 0",
+        "layer    | block    | stage | ipu | device | parameters",
+        "---------+----------+-------+-----+--------+-----------",
+        "flatten  | -        | 0     | 0   | cpu    | 0",
+        "dense256 | -        | 0     | 0   | cpu    | 200,960",
+        "dense128 | dense128 | 1     | 1   | cpu    | 32,896",
+        "dense64  | dense64  | 2     | 2   | cpu    | 8,256",
+        "dense32  | dense64  | 2     | 2   | cpu    | 2,080",
+        "logits   | dense64  | 2     | 2   | cpu    | 330",
+        "loss     | dense64  | 2     | 2   | cpu    | 0",
     ],
     "--functional": [  # TF1's stage functions through poptorch.pipeline
-        "layer           | block  | stage | device | parameters",
-        "----------------+--------+-------+--------+-----------",
-        "stage0.flatten  | stage0 | 0     | cpu    | 0",
-        "stage0.dense256 | stage0 | 0     | cpu    | 200,960",
-        "stage0.relu256  | stage0 | 0     | cpu    | 0",
-        "stage1.dense128 | stage1 | 1     | cpu    | 32,896",
-        "stage1.relu128  | stage1 | 1     | cpu    | 0",
-        "stage2.dense64  | stage2 | 2     | cpu    | 8,256",
-        "stage2.relu64   | stage2 | 2     | cpu    | 0",
-        "stage2.dense32  | stage2 | 2     | cpu    | 2,080",
-        "stage2.relu32   | stage2 | 2     | cpu    | 0",
-        "stage2.logits   | stage2 | 2     | cpu    | 330",
-        "loss            | stage2 | 2     | cpu    | 0",
+        "layer           | block  | stage | ipu | device | parameters",
+        "----------------+--------+-------+-----+--------+-----------",
+        "stage0.flatten  | stage0 | 0     | 0   | cpu    | 0",
+        "stage0.dense256 | stage0 | 0     | 0   | cpu    | 200,960",
+        "stage0.relu256  | stage0 | 0     | 0   | cpu    | 0",
+        "stage1.dense128 | stage1 | 1     | 1   | cpu    | 32,896",
+        "stage1.relu128  | stage1 | 1     | 1   | cpu    | 0",
+        "stage2.dense64  | stage2 | 2     | 2   | cpu    | 8,256",
+        "stage2.relu64   | stage2 | 2     | 2   | cpu    | 0",
+        "stage2.dense32  | stage2 | 2     | 2   | cpu    | 2,080",
+        "stage2.relu32   | stage2 | 2     | 2   | cpu    | 0",
+        "stage2.logits   | stage2 | 2     | 2   | cpu    | 330",
+        "loss            | stage2 | 2     | 2   | cpu    | 0",
     ],
 }
 
@@ -203,3 +203,32 @@ def test_keras_mnist_two_stage_pipeline_with_replicas():
     # 768 images: 1 execution of 8 batches of 32 x 2 replicas is 512; the rest is trimmed.
     # 2 optimizer steps: only the format is checked.
     assert_trained_and_tested(lines, 512, 640, above=0.0)
+
+
+def test_mnist_failing_to_download_points_at_data_dir(tmp_path, monkeypatch):
+    import torchvision
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    import mnist
+
+    def offline(self):  # what torchvision raises once every mirror failed
+        raise RuntimeError("Error downloading train-images-idx3-ubyte.gz")
+
+    monkeypatch.setattr(torchvision.datasets.MNIST, "download", offline)
+    with pytest.raises(SystemExit, match=re.escape(
+            f"MNIST is not in '{tmp_path}' and could not be downloaded (Error downloading "
+            f"train-images-idx3-ubyte.gz). Offline, point --data-dir (or $MNIST_DATA) at a folder "
+            f"that holds MNIST/raw, e.g. --data-dir ../shared/data")):
+        mnist.open_mnist(str(tmp_path), True)
+
+
+def test_mnist_poptorch_runs_unmodified_through_the_alias():
+    result = subprocess.run(
+        [sys.executable, "-W", "ignore", "-m", "poptorch_lite", "run",
+         str(ROOT / "examples" / "mnist_poptorch.py"), "--data-dir", str(DATA), "--epochs", "1",
+         "--limit", "800", "--device-iterations", "5"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    accuracy = re.fullmatch(r"Accuracy on test set: ([0-9]+\.[0-9]{2})%", result.stdout.strip())
+    assert accuracy, result.stdout
+    assert 20.0 < float(accuracy.group(1)) <= 100.0  # 20 SGD steps learn far above chance
