@@ -48,6 +48,9 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import os
+import sys
+import sysconfig
 import traceback
 
 import torch
@@ -72,21 +75,33 @@ _PYTHON_READS = {torch.Tensor.item: "t.item()", torch.Tensor.tolist: "t.tolist()
 
 
 def _user_line(frames) -> str:
-    """The innermost frame of a file outside torch and poptorch_lite, for messages.
+    """The innermost frame of user code, for messages.
 
-    Frames of generated code (``<string>``: a dataclass's ``__init__``, code that
-    ``exec`` made; ``<eval_with_key>``: an fx graph) name no file a user can open,
-    so they are skipped, as are frames of test runners' and debuggers' plumbing.
+    Library frames are recognised by the folder they come from (torch's, this
+    package's, the standard library's, pytest's and pluggy's), never by a name in the
+    path: a clone of this project lives in a folder called ``poptorch_lite`` too, and
+    its tests are user code. Frames of generated code (``<string>``: a dataclass's
+    ``__init__``, code that ``exec`` made; ``<eval_with_key>``: an fx graph) name no
+    file a user can open, so they are skipped as well.
     """
+    library = _library_folders()
     for fr in reversed(frames):
-        name = fr.filename.replace("\\", "/")
-        if not name.startswith("<") and not any(part in name for part in _NOT_USER):
+        if fr.filename.startswith("<"):
+            continue
+        path = os.path.realpath(fr.filename)
+        if not path.startswith(library):
             return f'{fr.filename}:{fr.lineno}: {fr.line}'
     return "(no line of user code in the traceback)"
 
 
-# Folders of library code that runs the user's code but is not it.
-_NOT_USER = ("/torch/", "/poptorch_lite/", "/_pytest/", "/pluggy/", "/runpy.py")
+def _library_folders() -> tuple:
+    """The folders whose code runs the user's code but is not it (each ending in a separator)."""
+    folders = [sysconfig.get_paths()["stdlib"]]
+    for name in ("torch", __name__.split(".")[0], "_pytest", "pluggy"):
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "__file__", None):
+            folders.append(os.path.dirname(module.__file__))
+    return tuple(os.path.join(os.path.realpath(f), "") for f in folders)
 
 
 def _read_into_python(func, args: tuple, kwargs: dict):
