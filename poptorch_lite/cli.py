@@ -40,7 +40,8 @@ def alias_poptorch() -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="poptorch-lite", description="Run a PopTorch script on poptorch_lite, unmodified.",
-        epilog="example: python -m poptorch_lite run mnist_poptorch.py --epochs 1")
+        epilog="example: poptorch-lite run examples/mnist_poptorch.py --data-dir ../shared/data "
+               "--epochs 1")
     parser.add_argument("--version", action="version",
                         version=f"%(prog)s {_version()} (torch {_torch_version()})")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
