@@ -745,7 +745,8 @@ T = {
     "E-TF-08": lambda: tf1_refuses(outfeed_loss="yes"),
     "E-TF-09": lambda: tf1_refuses(loss="sparse_categorical_crossentropy"),
     "E-TF-10": lambda: tf1_refuses(optimizer="sgd"),
-    "E-TF-11": lambda: tf1_refuses(optimizer=optim.SGD(params(), lr=0.1)),
+    "E-TF-11": lambda: tf1_refuses(computational_stages=[torch.nn.Linear(4, 4)],
+                                   optimizer=optim.SGD(params(), lr=0.1)),
     "E-TF-12": lambda: (lambda layer: tf1_refuses(
         computational_stages=[layer, torch.nn.ReLU(), layer], gradient_accumulation_count=5))(
         torch.nn.Linear(4, 4)),
@@ -759,6 +760,21 @@ T = {
     "E-TF-16": lambda: tf1_first_call(poptorch.pipeline(
         [torch.nn.Linear(4, 2)], gradient_accumulation_count=1, loss=F.cross_entropy,
         optimizer=lambda p: optim.SGD(p, lr=0.1)), torch.randn(4, 4)),
+    "E-TF-17": lambda: tf1_refuses(optimizer_function=lambda *out: out),
+    "E-TF-18": lambda: tf1_refuses(optimizer=None, optimizer_function=0.1),
+    "E-TF-19": lambda: tf1_refuses(inputs=0.1),
+    "E-TF-20": lambda: tf1_refuses(outfeed_queue=[]),
+    "E-TF-21": lambda: tf1_first_call(poptorch.pipeline(
+        tf1_stages(), gradient_accumulation_count=3, optimizer_function=lambda loss: loss),
+        torch.randn(12, 4), torch.randint(0, 2, (12,))),
+    "E-TF-22": lambda: tf1_first_call(poptorch.pipeline(
+        tf1_stages(), gradient_accumulation_count=3,
+        optimizer_function=lambda loss: poptorch.OptimizerFunctionOutput("sgd", loss)),
+        torch.randn(12, 4), torch.randint(0, 2, (12,))),
+    "E-TF-23": lambda: poptorch.IPUInfeedQueue(3),
+    "E-TF-24": lambda: poptorch.pipeline(tf1_stages(), gradient_accumulation_count=3,
+                                         optimizer=lambda p: optim.SGD(p, lr=0.1),
+                                         infeed_queue=[]),
     "E-BAT-01": lambda: first_call(Two(), opts(G=2), rows=3),
     "E-BAT-02": lambda: poptorch.combined_batch_size(poptorch.Options(), 0),
     "E-BAT-03": lambda: call_with(np.zeros((2, 4), np.float32), torch.randn(2, 4)),
@@ -903,6 +919,8 @@ T = {
     "W-LITE-07": lambda: (lambda w: (w.compile(torch.randn(2, 4), torch.randn(2, 4)),
                                      w.compile(torch.randn(2, 4), torch.randn(2, 4))))(
         poptorch.inferenceModel(Two(tail="none"), opts())),
+    "W-LITE-09": lambda: tf1_refuses(gradient_accumulation_dtype=torch.float16,
+                                     computational_stages=[torch.nn.Linear(4, 4)], optimizer=None),
     "W-LITE-08": lambda: keras_model(spe=1).fit(torch.randn(10, 4), torch.randn(10, 2),
                                                batch_size=4, verbose=0, drop_remainder=True),
 }

@@ -16,7 +16,7 @@ from typing import Optional
 
 from ..annotations import Block
 from ..enums import OutputMode, PipelineSchedule
-from ..errors import OptionsError, PipelineError
+from ..errors import OptionsError, PipelineError, warn_once
 from ..ipu_options import TensorLocationSettings
 from ..options import Options
 from ..options_base import check_positive_int
@@ -70,19 +70,61 @@ class PipelineStage:
 class IPUConfig:
     """IPU Keras' system configuration: ``auto_select_ipus`` IPUs for the strategy's models.
 
+    ``configure_ipu_system()`` makes this configuration the process's IPU system, as
+    TF's does: an ``IPUStrategy()`` made afterwards without an argument uses it.
+    ``selection_order`` and ``device_connection`` are accepted, with one IPU-only
+    warning each when set (they choose and attach physical IPUs).
+
     Example:
         >>> config = IPUConfig()
         >>> config.auto_select_ipus = 4       # as the tutorials write it; or IPUConfig(4)
         >>> config.configure_ipu_system()
+        >>> IPUStrategy().config.auto_select_ipus
+        4
+        >>> reset_ipu_system()
     """
 
     def __init__(self, auto_select_ipus: int = 1):
         self.auto_select_ipus = auto_select_ipus
+        self.selection_order = None
+        self.device_connection = _DeviceConnection()
 
     def configure_ipu_system(self) -> None:
-        """Check the configuration (there is no IPU system to configure)."""
+        """Check the configuration and make it the process's IPU system (a snapshot: later
+        edits of this object need another ``configure_ipu_system()``).
+
+        Raises:
+            OptionsError: ``auto_select_ipus`` is not a positive int.
+        """
         check_positive_int(self.auto_select_ipus, "IPUConfig.auto_select_ipus",
                            "config.auto_select_ipus = 1")
+        if self.selection_order is not None:
+            warn_once("IPUConfig.selection_order", "IPUConfig.selection_order is IPU-only (the "
+                      "order of physical IPUs); ignored")
+        if self.device_connection.type is not None or self.device_connection.version is not None:
+            warn_once("IPUConfig.device_connection", "IPUConfig.device_connection is IPU-only "
+                      "(when to attach to the IPUs); ignored")
+        snapshot = IPUConfig(self.auto_select_ipus)
+        _SYSTEM[:] = [snapshot]
+
+
+class _DeviceConnection:
+    """``config.device_connection.type`` / ``.version``: IPU-only, accepted."""
+
+    def __init__(self):
+        self.type = self.version = self.enable_remote_buffers = None
+
+
+_SYSTEM: list = []  # the configuration of the last configure_ipu_system(), if any
+
+
+def reset_ipu_system() -> None:
+    """Forget the configured IPU system (``IPUStrategy()`` then uses one IPU per stage).
+
+    Example:
+        >>> reset_ipu_system()
+    """
+    _SYSTEM.clear()
 
 
 _SCOPE: list = []  # the IPUStrategy scopes entered, innermost last
@@ -91,6 +133,12 @@ _SCOPE: list = []  # the IPUStrategy scopes entered, innermost last
 class IPUStrategy:
     """Models created inside ``strategy.scope()`` use ``config.auto_select_ipus`` IPUs:
     ``auto_select_ipus / stages`` replicas of the pipeline.
+
+    Args:
+        config: the configuration to use; None (the tutorials' ``IPUStrategy()``): the
+            one of the last ``config.configure_ipu_system()``, or one IPU per stage when
+            none was configured. A configuration given here is used by this strategy
+            only (it does not configure the system).
 
     Raises:
         OptionsError: ``auto_select_ipus`` is not a positive int.
@@ -105,12 +153,16 @@ class IPUStrategy:
     """
 
     def __init__(self, config: Optional[IPUConfig] = None):
-        self.config = config or IPUConfig()
-        self.config.configure_ipu_system()
+        if config is None:
+            self.config = _SYSTEM[0] if _SYSTEM else None
+        else:  # this project's shortcut: this configuration, the system unchanged
+            check_positive_int(config.auto_select_ipus, "IPUConfig.auto_select_ipus",
+                               "config.auto_select_ipus = 1")
+            self.config = IPUConfig(config.auto_select_ipus)
 
     @contextlib.contextmanager
     def scope(self):
-        _SCOPE.append(self.config.auto_select_ipus)
+        _SCOPE.append(None if self.config is None else self.config.auto_select_ipus)
         try:
             yield self
         finally:
