@@ -129,6 +129,16 @@ def reset_ipu_system() -> None:
 
 _SCOPE: list = []  # the IPUStrategy scopes entered, innermost last
 
+# The porting table's keywords of compile / set_pipelining_options /
+# set_gradient_accumulation_options that only tune IPU memory or Poplar: accepted, one
+# IpuOnlyWarning each (W-IPU-10).
+IPU_ONLY_KEYWORDS = frozenset({
+    "batch_serialization_iterations", "replicated_optimizer_state_sharding",
+    "offload_activations", "offload_gradient_accumulation_buffers",
+    "replicated_weight_sharding", "offload_weights",
+    "forward_propagation_stages_poplar_options", "backward_propagation_stages_poplar_options",
+    "weight_update_poplar_options", "device_mapping"})
+
 
 class IPUStrategy:
     """Models created inside ``strategy.scope()`` use ``config.auto_select_ipus`` IPUs:
@@ -180,7 +190,7 @@ class IpuSettings:
     """A Keras model's IPU options: IPUs, G, schedule, recomputation, offloading.
 
     Example:
-        >>> IpuSettings(ipus=4, G=4).replicas(stages=2, spe=8, training=True)
+        >>> IpuSettings(ipus=4, G=4).replicas(stages=2)
         2
     """
 
@@ -190,13 +200,11 @@ class IpuSettings:
     recompute: Optional[RecomputationMode] = None
     offload: bool = False
 
-    def replicas(self, stages: int, spe: int, training: bool) -> int:
-        """The tutorials' rules for ``stages`` stages; returns ``ipus / stages``.
+    def replicas(self, stages: int) -> int:
+        """``ipus / stages``, the replicas of a ``stages``-stage pipeline.
 
         Raises:
-            OptionsError: ``ipus`` is not a multiple of ``stages``, or ``spe`` not a
-                multiple of G × replicas.
-            PipelineError: G does not suit the schedule (training with stages > 1).
+            OptionsError: ``ipus`` is not a multiple of ``stages``.
         """
         S = stages
         ipus = S if self.ipus is None else self.ipus
@@ -205,16 +213,23 @@ class IpuSettings:
                 f"auto_select_ipus ({ipus}) must be a multiple of the model's {S} pipeline "
                 f"stages: select {S * max(1, ipus // S)} or another multiple of {S} IPUs "
                 f"(each replica of the pipeline takes {S})")
-        R = ipus // S
+        return ipus // S
+
+    def check(self, stages: int, spe: int, R: int, training: bool) -> None:
+        """The tutorials' rules on the steps per execution and G ([Note: Keras steps]).
+
+        Raises:
+            OptionsError: ``spe`` not a multiple of G × replicas.
+            PipelineError: G does not suit the schedule (training with stages > 1).
+        """
         G = self.G if training else 1
         if spe % (G * R):
             raise OptionsError(
                 f"steps_per_execution ({spe}) must be a multiple of "
                 f"gradient_accumulation_steps_per_replica ({G}) x replicas ({R}) = {G * R}: "
                 f"compile(..., steps_per_execution={G * R * -(-spe // (G * R))})")
-        if training and S > 1:
-            self._check_schedule(S)
-        return R
+        if training and stages > 1:
+            self._check_schedule(stages)
 
     def _check_schedule(self, S: int) -> None:
         G = self.G
@@ -255,7 +270,8 @@ class IpuSettings:
 
         Raises:
             OptionsError: G is not a positive int, the schedule is unknown or not one of
-                Grouped, Interleaved, Sequential, or ``recompute`` not a RecomputationMode.
+                Grouped, Interleaved, Sequential, or ``recompute`` not a RecomputationMode
+                (or the name of one).
         """
         G = self.G if G is None else check_positive_int(
             G, "gradient_accumulation_steps_per_replica",
@@ -266,9 +282,14 @@ class IpuSettings:
             raise OptionsError(f"IPU Keras pipelines with the Grouped, Interleaved or Sequential "
                                f"schedule, got {schedule.name}; pass one of them to "
                                f"set_pipelining_options")
+        if isinstance(recompute, str):  # the mode's name or value, as pipeline() takes it
+            key = recompute.lower().replace("_", "")
+            recompute = next((m for m in RecomputationMode if key in (
+                m.name.lower(), m.value.replace("_", ""))), recompute)
         if recompute is not None and not isinstance(recompute, RecomputationMode):
-            raise OptionsError(f"recomputation_mode must be a keras.RecomputationMode, got "
-                               f"{recompute!r}; pass e.g. RecomputationMode.Auto")
+            raise OptionsError(f"recomputation_mode must be a keras.RecomputationMode or its "
+                               f"name, got {recompute!r}; pass e.g. RecomputationMode.Auto or "
+                               f"'Auto'")
         return dataclasses.replace(
             self, G=G, schedule=schedule, recompute=recompute or self.recompute,
             offload=self.offload if offload is None else bool(offload))
