@@ -70,8 +70,7 @@ class _TrainStep(torch.nn.Module):
 
     def forward(self, x, y, weight=None):
         y_pred = self.net(x)
-        loss = self.loss_fn(y_pred, y, weight)
-        return y_pred, loss if self.loss_weight is None else loss * self.loss_weight
+        return y_pred, self.loss_fn(y_pred, y, weight, self.loss_weight)
 
 
 class Model(StageTooling):
@@ -161,6 +160,10 @@ class Model(StageTooling):
                                f"sample_weight are not kept; pass them as metrics=[...] "
                                f"(unweighted)")
         _ipu_only("compile", ipu_only)
+        if weight is not None and isinstance(loss, torch.nn.Module):
+            raise OptionsError(f"loss_weights={loss_weights!r} needs a Keras loss (a name or a "
+                               f"keras.losses object); the torch loss module "
+                               f"{type(loss).__name__} is marked as the loss as it is")
         build = resolve_optimizer(optimizer)
         loss_fn = None if loss is None else resolve_loss(loss)
         metric_fns = resolve_metrics(metrics)
@@ -372,6 +375,7 @@ class Model(StageTooling):
         steps per execution)``."""
         self._require_compiled(method != "predict")
         data = Data(x, y, _batch_size(batch_size), method != "predict", method, sample_weight)
+        data.require_steps(steps, steps_name)
         if self._example is None:
             self._example = data.first(1)[0]
         self._apply_assignment()
@@ -390,8 +394,8 @@ class Model(StageTooling):
                       f"steps of this pass over the data; truncating it to {count} for this "
                       f"call, as Keras does", PoptorchLiteWarning)
             spe = count
-        data.check_executions(count, spe, steps_name)
         self._ipu.check(self._stages, spe, R, method == "fit")
+        data.check_executions(count, spe, steps_name)
         return count, spe
 
     def _require_compiled(self, needs_loss: bool) -> None:
@@ -402,10 +406,10 @@ class Model(StageTooling):
     def _num_stages(self, data: Data) -> int:
         """The stages of the model, from one trace of its first batch (once per assignment)."""
         if self._stages is None:
-            x, y = data.first(data.batch_size)
+            x, y, w = data.first(data.batch_size)
             probe = inferenceModel(self._step if y is not None else self.module,
                                    Options().setExecutionStrategy(ShardedExecution()))
-            probe.compile(*((x, y) if y is not None else (x,)))
+            probe.compile(*((x,) if y is None else (x, y) if w is None else (x, y, w)))
             self._stages = num_stages(probe)
             self._layer_stages = layer_stages(_last_program(probe).partition, "net." if y is not None else "",
                                               self.module)

@@ -134,10 +134,7 @@ class Data:
         n, b = self.samples, self.batch_size
         k = b * replicas
         if n is None:
-            if steps is None:
-                raise BatchSizeError(f"{self.what}: the data has no length (an infinite "
-                                     f"IterableDataset); pass {steps_name}=N, the batches of "
-                                     f"one epoch")
+            self.require_steps(steps, steps_name)
             self.continuing = True
             return steps
         if n % k:
@@ -174,11 +171,30 @@ class Data:
                 f"with a steps_per_execution that divides {count}")
 
     def first(self, rows: int) -> tuple:
-        """The first ``rows`` samples as ``(x, y)`` (``y`` None without labels), for tracing."""
+        """The first ``rows`` samples as ``(x, y, weight)`` (``y`` None without labels,
+        ``weight`` without sample weights), for tracing."""
         if self.loader is not None:
             x, y = self._split(self.peek())
-            return x[:rows], (None if y is None else y[:rows])
-        return next(self.executions(None, 1, rows, 1))[:2]
+            return x[:rows], (None if y is None else y[:rows]), None
+        return next(self.executions(None, 1, rows, 1))
+
+    def require_steps(self, steps, steps_name: str) -> None:
+        """The checks of a stream that come before reading it ([Note: Keras data streams]).
+
+        Raises:
+            BatchSizeError: a stream without a length and no ``steps``.
+            InputError: ``steps`` would read a loader past its partial last batch.
+        """
+        n, b = self.samples, self.batch_size
+        if n is None and steps is None:
+            raise BatchSizeError(f"{self.what}: the data has no length (an infinite "
+                                 f"IterableDataset); pass {steps_name}=N, the batches of "
+                                 f"one epoch")
+        if self.loader is not None and n is not None and steps is not None and n % b and \
+                steps > n // b:
+            raise InputError(f"{self.what}: the data's last batch has {n % b} samples, not "
+                             f"batch_size {b}, and {steps_name}={steps} reads past it; give the "
+                             f"DataLoader drop_last=True")
 
     def peek(self):
         """The stream's next batch, left in it."""
@@ -189,7 +205,7 @@ class Data:
     def _next_batch(self, fresh_pass: bool = False):
         if self._held:
             return self._held.pop(0)
-        if fresh_pass:
+        if fresh_pass or self._iterator is None:
             self._iterator = iter(self.loader)
         for restart in (False, True):
             if restart:
@@ -235,8 +251,8 @@ class Data:
                                      not self._held)
             x, y = self._split(batch)
             if len(x) != self.batch_size:
-                raise InputError(f"{self.what}: batch {k} of the data has {len(x)} samples, not "
-                                 f"batch_size {self.batch_size}; give the DataLoader "
+                raise InputError(f"{self.what}: batch {k} of an epoch has {len(x)} samples, "
+                                 f"not batch_size {self.batch_size}; give the DataLoader "
                                  f"drop_last=True")
             group.append((x, y))
             if len(group) == spe:

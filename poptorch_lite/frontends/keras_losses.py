@@ -268,8 +268,8 @@ class losses:  # noqa: N801 - Keras' namespace ``keras.losses``
 
 
 def resolve_loss(spec) -> Callable:
-    """``compile``'s ``loss`` as ``fn(y_pred, y_true, weight=None) -> scalar loss`` marked for
-    the trace.
+    """``compile``'s ``loss`` as ``fn(y_pred, y_true, weight=None, scale=None) -> scalar loss``
+    marked for the trace (``scale``: compile's ``loss_weights``).
 
     With ``weight`` (``fit(..., sample_weight=w)``), the per-sample losses are
     weighted and averaged over the batch, Keras' ``sum_over_batch_size``:
@@ -299,10 +299,10 @@ def resolve_loss(spec) -> Callable:
             raise OptionsError(f"unknown loss {spec!r}: use one of {sorted(_LOSSES)}, a torch "
                                f"loss module or a callable fn(y_true, y_pred)")
         fn = _LOSSES[spec]
-        return lambda y_pred, y_true, weight=None: identity_loss(
-            _weighted(fn(y_true, y_pred), weight, spec), "mean")
+        return lambda y_pred, y_true, weight=None, scale=None: identity_loss(
+            _weighted(fn(y_true, y_pred), weight, spec, scale), "mean")
     if isinstance(spec, torch.nn.Module):
-        def module_loss(y_pred, y_true, weight=None):
+        def module_loss(y_pred, y_true, weight=None, scale=None):
             if weight is not None:
                 raise InputError(f"sample_weight needs per-sample losses, but the torch loss "
                                  f"module {type(spec).__name__} returns them reduced; pass a "
@@ -310,19 +310,22 @@ def resolve_loss(spec) -> Callable:
             return spec(y_pred, y_true)
         return module_loss
     if callable(spec):
-        def loss(y_pred, y_true, weight=None):
+        def loss(y_pred, y_true, weight=None, scale=None):
             value = spec(y_true, y_pred)
             if not isinstance(value, torch.Tensor):
                 raise InputError(f"the loss {spec!r} returned {type(value).__name__}, not a "
                                  f"tensor; compute it with torch ops")
-            return identity_loss(_weighted(value, weight, spec), "mean")
+            return identity_loss(_weighted(value, weight, spec, scale), "mean")
         return loss
     raise OptionsError(f"loss must be a Keras name, a torch loss module or a callable "
                        f"fn(y_true, y_pred), got {type(spec).__name__} {spec!r}")
 
 
-def _weighted(per_sample: torch.Tensor, weight, spec) -> torch.Tensor:
-    """The per-sample losses times the sample weights (Keras' sample_weight)."""
+def _weighted(per_sample: torch.Tensor, weight, spec, scale=None) -> torch.Tensor:
+    """The per-sample losses times the sample weights (Keras' sample_weight) and the
+    ``loss_weights`` of compile (``scale``)."""
+    if scale is not None:
+        per_sample = per_sample * scale
     if weight is None:
         return per_sample
     if per_sample.shape != weight.shape:
