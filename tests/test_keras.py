@@ -27,7 +27,8 @@ import torch.nn.functional as F
 import poptorch_lite as poptorch
 from poptorch_lite import keras
 from poptorch_lite.frontends import keras as keras_model
-from poptorch_lite.frontends import keras_callbacks, keras_data, keras_ipu, keras_losses
+from poptorch_lite.frontends import (dry_run, keras_callbacks, keras_data, keras_ipu,
+                                     keras_losses, keras_stages)
 
 P = poptorch.PipelineSchedule
 EPS = 1e-7
@@ -649,7 +650,8 @@ def test_invalid_compile_and_options_change_nothing():
 
 
 def test_doctests_of_the_keras_modules():
-    for module in (keras_model, keras_ipu, keras_losses, keras_callbacks, keras_data):
+    for module in (keras_model, keras_ipu, keras_losses, keras_callbacks, keras_data,
+                   keras_stages, dry_run):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0 and result.attempted > 0, module.__name__
 

@@ -426,9 +426,10 @@ def test_mnist_splits_functional_route_equals_the_annotated_route():
 def test_docstring_examples_run():
     import doctest
 
-    from poptorch_lite.frontends import tf1
-    result = doctest.testmod(tf1)
-    assert result.attempted > 0 and result.failed == 0
+    from poptorch_lite.frontends import tf1, tf1_feeds, tf1_stages
+    for module in (tf1, tf1_feeds, tf1_stages):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__
 
 
 # -- the TF1 tutorial's own program shape (steps 3 and 4), translated to torch layers ---------

@@ -155,8 +155,11 @@ class StageModel(torch.nn.Module):
 
     def own(self, owned: dict) -> None:
         """Register the stages' modules (once, before wrapping)."""
+        loss = self._modules.pop("loss", None)
         for name, module in owned.items():
             self.add_module(name, module)
+        if loss is not None:  # the loss module after the stages' layers, as they run
+            self.add_module("loss", loss)
 
     def split(self, inputs) -> tuple:
         """``(first stage's arguments, labels)`` of one call's arguments."""
