@@ -612,3 +612,21 @@ def test_an_infeed_continues_across_calls_and_starts_a_new_pass_at_its_end():
     order = torch.cat([torch.arange(36), torch.arange(12)])
     _, ref, _ = reference_training(plain, sgd(plain.parameters()), x[order], y[order], 4, 3, 1)
     assert torch.equal(losses, torch.stack(ref))
+
+
+def test_compile_makes_the_models_of_function_stages_before_the_first_call():
+    tf1 = stages(2)
+    twin = copy.deepcopy(tf1)
+    x, y = data(4 * 3, WIDTH, CLASSES)
+    results = []
+    for layers, compile_first in ((tf1, True), (twin, False)):
+        pipe = poptorch.pipeline([lambda a, b: layers[0](a, b), lambda a, b: layers[1](a, b)],
+                                 gradient_accumulation_count=3, optimizer=sgd,
+                                 outfeed_loss=True)
+        assert pipe.training_model is None  # function stages: made at compile or first call
+        if compile_first:
+            pipe.compile(x, y)
+            assert pipe.training_model.isCompiled()
+        results.append(pipe(x, y))
+    assert torch.equal(results[0], results[1])
+    assert_same_weights(torch.nn.ModuleList(tf1), torch.nn.ModuleList(twin))

@@ -16,6 +16,7 @@ values copied back in place, before the result is returned or an error raised.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Callable
 
 import torch
@@ -60,8 +61,11 @@ def module_calls(fn: Callable, *args, **kwargs) -> tuple:
     """
     hooks = torch.nn.modules.module
     calls, seen, saved, stack = [], set(), [], []
+    caller = threading.get_ident()  # the hooks are global: other threads' modules are not ours
 
     def pre(module, _inputs):
+        if threading.get_ident() != caller:
+            return
         if id(module) not in seen:
             seen.add(id(module))
             calls.append((module, len(stack)))
@@ -70,7 +74,7 @@ def module_calls(fn: Callable, *args, **kwargs) -> tuple:
         stack.append(module)
 
     def post(module, _inputs, _output):
-        if stack and stack[-1] is module:
+        if threading.get_ident() == caller and stack and stack[-1] is module:
             stack.pop()
 
     handles = [hooks.register_module_forward_pre_hook(pre),

@@ -147,11 +147,11 @@ class Pipeline:
         if all_exact(stages) and optimizer_function is None:
             self._build(None, None)
         elif infeed is not None:
-            self._discover(self._micro_batch(self._feed_inputs(peek=True), training=True))
+            self._discover(self._feed_inputs(peek=True))  # one micro-batch already
 
     # -- making the PopTorch models -------------------------------------------------------
 
-    def _micro_batch(self, inputs: tuple, training: bool) -> tuple:
+    def _micro_batch(self, inputs: tuple) -> tuple:
         """The first micro-batch of one call's arguments (first rows of each tensor)."""
         n = self.options.replication_factor * self._repeat_count * self._G
         return tuple(v[:max(1, len(v) // n)] if isinstance(v, torch.Tensor) and v.dim() else v
@@ -184,14 +184,12 @@ class Pipeline:
                 raise OptimizerError(f"the optimizer of the OptimizerFunctionOutput is "
                                      f"{type(optimizer).__name__}, not a torch optimizer or a "
                                      f"function from parameters to one")
-            holder = torch.nn.Module()
-            for name, module in owned.items():
-                holder.add_module(name, module)
-            optimizer = optimizer(holder.parameters())
+        self.model.own(owned)  # our own containers: nothing of the user's changes here
+        self._predictor.own(owned)
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            optimizer = optimizer(self.model.parameters())
         if optimizer is not None:
             check_optimizer_params(optimizer, owned)
-        self.model.own(owned)
-        self._predictor.own(owned)
         self.training_model = None if optimizer is None else trainingModel(
             self.model, self.options, optimizer)
         self.inference_model = inferenceModel(self._predictor, self._infer)
@@ -205,7 +203,7 @@ class Pipeline:
             >>> pipe.compile(images, labels)  # doctest: +SKIP
         """
         if not self._built:
-            self._discover(self._micro_batch(inputs, training=True))
+            self._discover(self._micro_batch(inputs))
         (self.training_model or self.inference_model).compile(*inputs)
 
     # -- running ---------------------------------------------------------------------------
@@ -237,7 +235,7 @@ class Pipeline:
         if not inputs and self._infeed is not None:
             inputs = self._feed_inputs()
         if not self._built:
-            self._discover(self._micro_batch(inputs, training=True))
+            self._discover(self._micro_batch(inputs))
         outputs, losses = self.training_model(*inputs)
         result = losses if self._outfeed_loss else outputs
         if self._outfeed is not None:
@@ -263,7 +261,7 @@ class Pipeline:
         if not inputs and self._infeed is not None:
             inputs = self._feed_inputs()
         if not self._built:
-            first = self._micro_batch(inputs, training=False)
+            first = self._micro_batch(inputs)
             if self._optimizer_function is not None:
                 self._discover(first)
             else:
