@@ -188,7 +188,7 @@ def test_a_functional_models_assignment_follows_the_order_its_layers_run():
     x, y = data(32)
     with pytest.raises(poptorch.InputError, match="call the model once on a batch"):
         model.get_pipeline_stage_assignment()
-    model(x[:1])  # one call: the order is known (no state changes)
+    model(x[:4])  # one call: the order is known (no state changes)
     assignment = model.get_pipeline_stage_assignment()
     assert [(a.layer, a.pipeline_stage) for a in assignment] == [
         (model.module.body, None), (model.module.head, None)]
@@ -215,6 +215,39 @@ def test_an_assignment_before_any_batch_is_applied_in_call_order():
     assert model._stages == 2
     plain_fit(ref, split(x, y, 2), per_step=4)
     assert_same(model.module, ref)
+
+
+class OutOfOrderNorm(torch.nn.Module):
+    """Declared head first, with running statistics the order-finding run must not touch."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = torch.nn.Linear(8, 4)
+        self.norm = torch.nn.BatchNorm1d(8)
+        self.body = torch.nn.Linear(6, 8)
+
+    def forward(self, x):
+        return self.head(self.norm(torch.relu(self.body(x))))
+
+
+def test_finding_the_call_order_changes_no_buffer_and_no_random_state():
+    model = keras.Model(OutOfOrderNorm())
+    ref = copy.deepcopy(model.module)
+    x, y = data(16)
+    rng = torch.get_rng_state()
+    model(x[:4])
+    ref(x[:4])  # the user's own call runs, as in Keras
+    assert [a.layer for a in model.get_pipeline_stage_assignment()] == [
+        model.module.body, model.module.norm, model.module.head]
+    assert torch.equal(torch.get_rng_state(), rng)
+    model.set_pipeline_stage_assignment([0, 1, 1])
+    model.set_pipelining_options(gradient_accumulation_steps_per_replica=4)
+    model.compile(sgd, LOSS, steps_per_execution=4)
+    model.fit(x, y, batch_size=2, shuffle=False, verbose=0)
+    plain_fit(ref, split(x, y, 2), per_step=4)
+    for (name, t), u in zip(model.module.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(t, u, atol=1e-6, rtol=0, msg=name)
 
 
 class Staged(torch.nn.Module):

@@ -97,7 +97,7 @@ class Model(StageTooling, Executions):
 
     def __call__(self, *args, **kwargs):
         if self._example is None and args and isinstance(args[0], torch.Tensor):
-            self._example = args[0][:1]
+            self._example = args[0]
         return self.module(*args, **kwargs)
 
     @property

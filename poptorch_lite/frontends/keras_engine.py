@@ -50,7 +50,7 @@ class Executions:
         data = Data(x, y, _batch_size(batch_size), method != "predict", method, sample_weight)
         data.require_steps(steps, steps_name)
         if self._example is None:
-            self._example = data.first(1)[0]
+            self._example = data.first(data.batch_size)[0]
         self._apply_assignment()
         R = self._ipu.replicas(self._num_stages(data))
         count, spe = self._plan(data, method, R, steps, drop_remainder, steps_name)

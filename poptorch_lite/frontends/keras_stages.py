@@ -136,7 +136,7 @@ class StageTooling:
         if order is None:
             raise InputError(f"{self.name} is not an nn.Sequential, so the order in which it "
                              f"calls its layers is read off one run: call the model once on a "
-                             f"batch (model(x[:1])), or fit/evaluate/predict, first")
+                             f"batch (model(x)), or fit/evaluate/predict, first")
         stages = self._stage_list(order)
         return [PipelineStageAssignment(m, s, name) for (name, m), s in zip(order, stages)]
 

@@ -187,6 +187,10 @@ class Pipeline:
         self.model.own(owned)  # our own containers: nothing of the user's changes here
         self._predictor.own(owned)
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            if not any(True for _ in self.model.parameters()):
+                raise OptimizerError("the stages use no parameters, so the optimizer has nothing "
+                                     "to train: no stage is, or calls, a module with parameters; "
+                                     "call the layers as modules in the stages (layer(x))")
             optimizer = optimizer(self.model.parameters())
         if optimizer is not None:
             check_optimizer_params(optimizer, owned)
