@@ -28,8 +28,9 @@ Keras tutorial's per-replica figures are the same counts divided by the
 replicas: each replica runs its own program of ``steps_per_execution /
 replicas`` steps, and an epoch holds ``samples // (batch_size × replicas)``
 steps per replica. A ``steps_per_execution`` larger than an epoch's steps is
-truncated to them for that call, with one warning, as Keras does. The effective batch of an optimizer step is
-``batch_size × G × replicas``. Changing ``steps_per_execution`` (``compile``
+truncated to them for that call, with one warning, as Keras does.
+
+The effective batch of an optimizer step is ``batch_size × G × replicas``. Changing ``steps_per_execution`` (``compile``
 again) or an IPU option destroys the wrappers; the next call wraps again, and the
 module keeps its weights and the optimizer its state.
 """

@@ -84,8 +84,8 @@ class Executions:
                                    Options().setExecutionStrategy(ShardedExecution()))
             probe.compile(*((x,) if y is None else (x, y) if w is None else (x, y, w)))
             self._stages = num_stages(probe)
-            self._layer_stages = layer_stages(_last_program(probe).partition, "net." if y is not None else "",
-                                              self.module)
+            self._layer_stages = layer_stages(_last_program(probe).partition,
+                                              "" if y is None else "net.", self.module)
             probe.destroy()
         return self._stages
 
@@ -94,8 +94,7 @@ class Executions:
         of the first batch it saw."""
         probe = inferenceModel(self.module, Options().setExecutionStrategy(ShardedExecution()))
         probe.compile(self._example)
-        self._layer_stages = layer_stages(
-            _last_program(probe).partition, "", self.module)
+        self._layer_stages = layer_stages(_last_program(probe).partition, "", self.module)
         probe.destroy()
 
     def _wrapper(self, kind: str, R: int, spe: int):
@@ -107,8 +106,9 @@ class Executions:
             self.module.train(kind == "train")  # Keras' training flag; traced with these modes
             opts = self._ipu.options(kind, spe, R)
             try:
-                self._wrappers[(kind, spe)] = (trainingModel(module, opts, self.optimizer)
-                                        if kind == "train" else inferenceModel(module, opts))
+                self._wrappers[(kind, spe)] = (
+                    trainingModel(module, opts, self.optimizer) if kind == "train"
+                    else inferenceModel(module, opts))
             finally:
                 for m, flag in modes.items():
                     m.training = flag
