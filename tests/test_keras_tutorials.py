@@ -416,3 +416,20 @@ def test_recomputation_mode_names_and_the_ipu_config_attributes():
     assert {str(w.message) for w in caught if w.category is poptorch.IpuOnlyWarning} == {
         "IPUConfig.selection_order is IPU-only (the order of physical IPUs); ignored",
         "IPUConfig.device_connection is IPU-only (when to attach to the IPUs); ignored"}
+
+
+def test_truncation_keeps_a_multiple_of_accumulation_times_replicas():
+    with keras.IPUStrategy(keras.IPUConfig(2)).scope():
+        model = keras.Sequential(layers())
+    ref = copy.deepcopy(model.module)
+    model.set_gradient_accumulation_options(gradient_accumulation_steps_per_replica=2)
+    model.compile(sgd, LOSS, steps_per_execution=16)
+    x, y = data(24)  # 12 steps of 2: truncated to 12, a multiple of G x replicas = 4
+    with pytest.warns(poptorch.PoptorchLiteWarning, match="truncating it to 12 for this call"):
+        model.fit(x, y, batch_size=2, shuffle=False, verbose=0)
+    plain_fit(ref, split(x, y, 2), per_step=4)
+    assert_same(model.module, ref)
+    # 10 steps: truncated to 8, a multiple of 4, and the refusal says what runs
+    with pytest.warns(poptorch.PoptorchLiteWarning, match="truncating it to 8"), \
+            pytest.raises(poptorch.BatchSizeError, match="pass steps_per_epoch=8"):
+        model.fit(*data(20), batch_size=2, verbose=0)

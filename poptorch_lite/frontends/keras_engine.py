@@ -61,12 +61,14 @@ class Executions:
         """Steps of one pass and the steps per execution for it ([Note: Keras steps])."""
         count = data.batches(R, steps, drop_remainder, steps_name)
         spe = self._spe
-        if spe > count:
-            warn_once(f"keras.truncate.{data.what}.{spe}.{count}",
+        if spe > count:  # to the steps of the pass, kept a multiple of G x replicas if it can
+            unit = R * (self._ipu.G if method == "fit" else 1)
+            cut = count - count % unit if count >= unit else count
+            warn_once(f"keras.truncate.{data.what}.{spe}.{cut}",
                       f"{data.what}: steps_per_execution ({spe}) is larger than the {count} "
-                      f"steps of this pass over the data; truncating it to {count} for this "
+                      f"steps of this pass over the data; truncating it to {cut} for this "
                       f"call, as Keras does", PoptorchLiteWarning)
-            spe = count
+            spe = cut
         self._ipu.check(self._stages, spe, R, method == "fit")
         data.check_executions(count, spe, steps_name)
         return count, spe
