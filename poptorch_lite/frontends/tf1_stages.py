@@ -5,10 +5,12 @@ A stage is an ``nn.Module``, a bound method of one, or a function. A function
 stage may reach its layers any way Python allows: layer functions it calls
 (the TF1 tutorial's ``layer2_dense256``), globals, closures, attributes of
 objects, a list its ``make_pipeline_stage`` closure was built from. Its
-modules are therefore found by what it actually calls: the stages run once on
-the first micro-batch under a module-call hook ([Note: dry run] in
-``dry_run``, which changes no state), and every module a stage calls (the
-outermost ones) is registered in the pipeline's module. The modules a function
+modules are therefore found by what it actually calls: the stages run on the
+first micro-batch under a module-call hook ([Note: dry run] in ``dry_run``,
+which changes no state), and every module a stage calls (the outermost ones)
+is registered in the pipeline's module. Each stage runs twice, so that a stage
+making new modules on every run (TF1's ``layers.Dense(256)(x)`` translated
+word for word) is refused: its weights would never train. The modules a function
 reaches directly through its closure and globals are registered too (a
 parameter used without calling its module, ``F.linear(x, layer.weight)``, is
 still trained). Module stages and bound methods are known without running.
@@ -63,7 +65,11 @@ def all_exact(stages) -> bool:
 
 
 def called_modules(stages, values, tail=None) -> tuple:
-    """Run the stages once on ``values`` ([Note: dry run]); the modules each one calls.
+    """Run the stages on ``values`` ([Note: dry run]); the modules each one calls.
+
+    Each stage runs twice, to refuse a stage that makes new modules on each run
+    (a literal translation of TF1's ``layers.Dense(256)(x)``), whose weights
+    would never train.
 
     Args:
         stages: the computational stages.
@@ -74,6 +80,9 @@ def called_modules(stages, values, tail=None) -> tuple:
     Returns:
         ``(per_stage, tail_result)``: for each stage, the outermost modules it calls,
         in the order of their first call; and what ``tail`` returned.
+
+    Raises:
+        OptionsError: a stage makes new modules each time it runs.
     """
     per_stage, result = [], None
     for k, stage in enumerate(stages):
@@ -82,8 +91,18 @@ def called_modules(stages, values, tail=None) -> tuple:
         def run(v, stage=stage, last=last):
             out = call(stage, v)
             return (out, tail(out)) if last and tail is not None else (out, None)
-        (values, result), calls = module_calls(run, values)
+        (out, result), calls = module_calls(run, values)
+        _, again = module_calls(run, values)  # the first run's modules are still alive here
+        if len(calls) != len(again) or any(a is not b for (a, _), (b, _) in zip(calls, again)):
+            fresh = next((type(b).__name__ for (a, _), (b, _) in zip(calls, again)
+                          if a is not b), "a module")
+            raise OptionsError(f"stage {k} makes new modules each time it runs ({fresh} is a "
+                               f"new object on the second run), so their weights would never "
+                               f"train: create the layers once, outside the stage function "
+                               f"(TF1's layers.Dense(...) inside it becomes a torch module made "
+                               f"beforehand, e.g. a global or an attribute of an object)")
         per_stage.append(outermost(calls))
+        values = out
     return per_stage, result
 
 
