@@ -40,9 +40,13 @@ def _state_restored(called: list):
         with torch.no_grad():
             for module, saved in reversed(called):
                 for name, value in saved.items():
-                    buf = module.get_buffer(name)
-                    if buf is not None:
-                        buf.copy_(value)
+                    owner, _, leaf = name.rpartition(".")
+                    holder = module.get_submodule(owner) if owner else module
+                    now = holder._buffers.get(leaf)
+                    if isinstance(now, torch.Tensor) and now.shape == value.shape:
+                        now.copy_(value)  # in place: views and optimizers keep seeing it
+                    else:  # replaced or removed by the run: put the tensor back
+                        holder._buffers[leaf] = value
 
 
 def module_calls(fn: Callable, *args, **kwargs) -> tuple:
