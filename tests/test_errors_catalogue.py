@@ -827,6 +827,7 @@ T = {
         [lambda x, y: (torch.nn.Linear(4, 4)(x), y), lambda h, y: F.cross_entropy(h, y)],
         gradient_accumulation_count=3, optimizer=lambda p: optim.SGD(p, lr=0.1)),
         torch.randn(12, 4), torch.randint(0, 4, (12,))),
+    "E-TF-27": lambda: tf1_refuses(inputs=[torch.ones(2)]),
     "E-BAT-01": lambda: first_call(Two(), opts(G=2), rows=3),
     "E-BAT-02": lambda: poptorch.combined_batch_size(poptorch.Options(), 0),
     "E-BAT-03": lambda: call_with(np.zeros((2, 4), np.float32), torch.randn(2, 4)),

@@ -321,7 +321,8 @@ def pipeline(computational_stages: Sequence, gradient_accumulation_count: int,
             ``OptimizerFunctionOutput(optimizer, loss)`` (instead of ``optimizer``
             and ``loss``); see [Note: TF1 loss and labels].
         inputs: values given to the first stage ahead of each call's arguments
-            (TF1's ``inputs=[learning_rate]``).
+            (TF1's ``inputs=[learning_rate]``): Python numbers (or 0-dim tensors, read
+            as numbers) and other non-tensor values.
         infeed_queue, outfeed_queue: TF1's feeds ([Note: TF1 feeds]): a call with
             no arguments takes its micro-batches from the infeed, and each call's
             result is enqueued on the outfeed.
@@ -386,6 +387,13 @@ def pipeline(computational_stages: Sequence, gradient_accumulation_count: int,
         raise OptionsError(f"inputs must be a list of values given to the first stage ahead of "
                            f"each call's arguments (TF1's inputs=[learning_rate]), got "
                            f"{type(inputs).__name__}")
+    inputs = [v.item() if isinstance(v, torch.Tensor) and v.dim() == 0 else v for v in inputs]
+    for k, v in enumerate(inputs):
+        if isinstance(v, torch.Tensor):
+            raise OptionsError(f"inputs[{k}] is a tensor of shape {tuple(v.shape)}; TF1's inputs "
+                               f"are constants of each call: pass a Python number (a 0-dim "
+                               f"tensor is read as one), or let the stage reach the tensor "
+                               f"through its closure")
     if infeed_queue is not None and not isinstance(infeed_queue, IPUInfeedQueue):
         infeed_queue = IPUInfeedQueue(infeed_queue)
     if outfeed_queue is not None and not isinstance(outfeed_queue, IPUOutfeedQueue):
