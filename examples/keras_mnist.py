@@ -32,7 +32,7 @@ parser.add_argument("--data-dir", default=os.environ.get("MNIST_DATA", "data"),
 parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
 parser.add_argument("--batch-size", type=int, default=32, help="batch size (per replica)")
 parser.add_argument("--steps-per-execution", type=int, default=24,
-                    help="batches per execution (one call of the PopTorch model)")
+                    help="steps (batches, all replicas' together) per execution")
 parser.add_argument("--replicas", type=int, default=1, help="copies of the model (or pipeline)")
 parser.add_argument("--pipeline", action="store_true", help="split the model into 2 stages")
 parser.add_argument("--schedule", default="grouped",
@@ -73,10 +73,11 @@ def main(argv=None):
     stages = 2 if args.pipeline else 1
     per_step = args.gradient_accumulation if args.pipeline else 1
 
-    # Every execution runs steps_per_execution batches of batch_size × replicas: trim both
-    # sets to a whole number of executions.
+    # An execution runs steps_per_execution steps of batch_size samples, all replicas'
+    # together (steps_per_execution / replicas on each): trim both sets to a whole number
+    # of executions.
     spe = args.steps_per_execution
-    train_len = make_divisible(len(x_train), args.batch_size * args.replicas * spe)
+    train_len = make_divisible(len(x_train), args.batch_size * spe)
     test_spe = 5 * args.replicas * stages  # inference: at least a batch per stage and replica
     test_len = make_divisible(len(x_test), args.batch_size * test_spe)
     x_train, y_train = x_train[:train_len], y_train[:train_len]
@@ -84,8 +85,8 @@ def main(argv=None):
 
     config = keras.IPUConfig()
     config.auto_select_ipus = args.replicas * stages
-    config.configure_ipu_system()
-    strategy = keras.IPUStrategy(config)
+    config.configure_ipu_system()  # the process's IPU system, which IPUStrategy() uses
+    strategy = keras.IPUStrategy()
     with strategy.scope():
         model = create_model()
         if args.pipeline:
@@ -98,8 +99,8 @@ def main(argv=None):
                       metrics=["accuracy"], steps_per_execution=spe)
         print(f"effective batch: {args.batch_size} x {per_step} accumulation x {args.replicas} "
               f"replicas = {args.batch_size * per_step * args.replicas} per step, "
-              f"{args.batch_size * spe * args.replicas} per execution "
-              f"(steps_per_execution {spe})")
+              f"{args.batch_size * spe} per execution "
+              f"(steps_per_execution {spe}: {spe // args.replicas} steps on each replica)")
         start = time.perf_counter()
         history = model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs)
         elapsed, seen = time.perf_counter() - start, len(x_train) * args.epochs

@@ -154,6 +154,24 @@ def keras_model(spe=4, G=1, schedule=P.Grouped, stages=1, ipus=None, loss="mse")
     return model
 
 
+class Endless(torch.utils.data.IterableDataset):
+    """``dataset.repeat()``: the samples of (x, y) again and again, with no length."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __iter__(self):
+        while len(self.x):
+            yield from zip(self.x, self.y)
+
+
+class Finite(Endless):
+    """The samples of (x, y) once, with no length."""
+
+    def __iter__(self):
+        return zip(self.x, self.y)
+
+
 def keras_refuses(call, n=32, strict=True, **kw):
     """``call(model, x, y)`` must raise and leave weights, optimizer, settings, wrappers and RNG
     as they were (``strict=False``: a callback raised after fit began; the weights only)."""
@@ -748,7 +766,8 @@ T = {
     "E-TF-08": lambda: tf1_refuses(outfeed_loss="yes"),
     "E-TF-09": lambda: tf1_refuses(loss="sparse_categorical_crossentropy"),
     "E-TF-10": lambda: tf1_refuses(optimizer="sgd"),
-    "E-TF-11": lambda: tf1_refuses(optimizer=optim.SGD(params(), lr=0.1)),
+    "E-TF-11": lambda: tf1_refuses(computational_stages=[torch.nn.Linear(4, 4)],
+                                   optimizer=optim.SGD(params(), lr=0.1)),
     "E-TF-12": lambda: (lambda layer: tf1_refuses(
         computational_stages=[layer, torch.nn.ReLU(), layer], gradient_accumulation_count=5))(
         torch.nn.Linear(4, 4)),
@@ -762,6 +781,56 @@ T = {
     "E-TF-16": lambda: tf1_first_call(poptorch.pipeline(
         [torch.nn.Linear(4, 2)], gradient_accumulation_count=1, loss=F.cross_entropy,
         optimizer=lambda p: optim.SGD(p, lr=0.1)), torch.randn(4, 4)),
+    "E-KER-32": lambda: keras_refuses(lambda m, x, y: m.set_pipelining_options(offload_all=1)),
+    "E-KER-33": lambda: keras_refuses(lambda m, x, y: m.compile("sgd", "mse", None, [1, 2])),
+    "E-KER-34": lambda: keras_refuses(lambda m, x, y: m.compile("sgd", "mse",
+                                                                weighted_metrics=["mae"])),
+    "E-KER-35": lambda: keras_refuses(lambda m, x, y: m.compile("sgd", torch.nn.MSELoss(),
+                                                                loss_weights=0.5)),
+    "E-KER-36": lambda: keras_refuses(lambda m, x, y: m.fit(
+        torch.utils.data.TensorDataset(x, y), verbose=0, sample_weight=torch.ones(32))),
+    "E-KER-37": lambda: keras_refuses(lambda m, x, y: m.fit(x, y, verbose=0,
+                                                            sample_weight=torch.ones(31))),
+    "E-KER-38": lambda: keras_refuses(lambda m, x, y: m.fit(x, y, 8, verbose=0,
+                                                            sample_weight=torch.ones(32)),
+                                      loss=torch.nn.MSELoss()),
+    "E-KER-39": lambda: keras_refuses(lambda m, x, y: m.fit(x, y, 8, verbose=0,
+                                                            sample_weight=torch.ones(32)),
+                                      loss=lambda t, p: ((t - p) ** 2).mean()),
+    "E-KER-40": lambda: keras_refuses(lambda m, x, y: m.fit(Endless(x, y), verbose=0)),
+    "E-KER-41": lambda: keras_refuses(lambda m, x, y: m.fit(torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x[:30], y[:30]), batch_size=4), verbose=0,
+        steps_per_epoch=8, drop_remainder=True)),
+    "E-KER-42": lambda: keras_refuses(lambda m, x, y: m.fit(
+        poptorch.AsynchronousDataAccessor([]), verbose=0, steps_per_epoch=4)),
+    "E-KER-44": lambda: keras_refuses(lambda m, x, y: m.fit(
+        Finite(x[:30], y[:30]), batch_size=4, verbose=0, steps_per_epoch=8), strict=False,
+        spe=8),
+    "E-KER-43": lambda: keras.Model(torch.nn.Linear(2, 2)).get_pipeline_stage_assignment(),
+    "E-TF-17": lambda: tf1_refuses(optimizer_function=lambda *out: out),
+    "E-TF-18": lambda: tf1_refuses(optimizer=None, optimizer_function=0.1),
+    "E-TF-19": lambda: tf1_refuses(inputs=0.1),
+    "E-TF-20": lambda: tf1_refuses(outfeed_queue=[]),
+    "E-TF-21": lambda: tf1_first_call(poptorch.pipeline(
+        tf1_stages(), gradient_accumulation_count=3, optimizer_function=lambda loss: loss),
+        torch.randn(12, 4), torch.randint(0, 2, (12,))),
+    "E-TF-22": lambda: tf1_first_call(poptorch.pipeline(
+        tf1_stages(), gradient_accumulation_count=3,
+        optimizer_function=lambda loss: poptorch.OptimizerFunctionOutput("sgd", loss)),
+        torch.randn(12, 4), torch.randint(0, 2, (12,))),
+    "E-TF-23": lambda: poptorch.IPUInfeedQueue(3),
+    "E-TF-24": lambda: poptorch.pipeline(tf1_stages(), gradient_accumulation_count=3,
+                                         optimizer=lambda p: optim.SGD(p, lr=0.1),
+                                         infeed_queue=[]),
+    "E-TF-25": lambda: tf1_first_call(poptorch.pipeline(
+        [lambda x, y: (x * 2, y), lambda h, y: F.cross_entropy(h, y)],
+        gradient_accumulation_count=3, optimizer=lambda p: optim.SGD(p, lr=0.1)),
+        torch.randn(12, 4), torch.randint(0, 2, (12,))),
+    "E-TF-26": lambda: tf1_first_call(poptorch.pipeline(
+        [lambda x, y: (torch.nn.Linear(4, 4)(x), y), lambda h, y: F.cross_entropy(h, y)],
+        gradient_accumulation_count=3, optimizer=lambda p: optim.SGD(p, lr=0.1)),
+        torch.randn(12, 4), torch.randint(0, 4, (12,))),
+    "E-TF-27": lambda: tf1_refuses(inputs=[torch.ones(2)]),
     "E-BAT-01": lambda: first_call(Two(), opts(G=2), rows=3),
     "E-BAT-02": lambda: poptorch.combined_batch_size(poptorch.Options(), 0),
     "E-BAT-03": lambda: call_with(np.zeros((2, 4), np.float32), torch.randn(2, 4)),
@@ -907,10 +976,19 @@ T = {
     "W-LITE-07": lambda: (lambda w: (w.compile(torch.randn(2, 4), torch.randn(2, 4)),
                                      w.compile(torch.randn(2, 4), torch.randn(2, 4))))(
         poptorch.inferenceModel(Two(tail="none"), opts())),
-    "W-LITE-09": lambda: (lambda w: (w(torch.randn(2, 4), torch.randn(2, 4)), w.destroy(),
+    "W-LITE-09": lambda: tf1_refuses(gradient_accumulation_dtype=torch.float16,
+                                     computational_stages=[torch.nn.Linear(4, 4)], optimizer=None),
+    "W-IPU-10": lambda: keras_model().set_pipelining_options(offload_activations=True),
+    "W-IPU-11": lambda: (lambda c: (setattr(c, "selection_order", "SNAKE"),
+                                    c.configure_ipu_system()))(keras.IPUConfig()),
+    "W-IPU-12": lambda: (lambda c: (setattr(c.device_connection, "type", "ON_DEMAND"),
+                                    c.configure_ipu_system()))(keras.IPUConfig()),
+    "W-LITE-10": lambda: keras_model(spe=8).evaluate(torch.randn(16, 4), torch.randn(16, 2),
+                                                     batch_size=4, verbose=0),
+    "W-LITE-11": lambda: (lambda w: (w(torch.randn(2, 4), torch.randn(2, 4)), w.destroy(),
                                      w(torch.randn(2, 4), torch.randn(2, 4))))(
         poptorch.trainingModel(Two(), opts())),
-    "W-LITE-10": lambda: poptorch.trainingModel(Two(tail="none_mse"), opts())(
+    "W-LITE-12": lambda: poptorch.trainingModel(Two(tail="none_mse"), opts())(
         torch.randn(2, 4), torch.randn(2, 4)),
     "W-LITE-08": lambda: keras_model(spe=1).fit(torch.randn(10, 4), torch.randn(10, 2),
                                                batch_size=4, verbose=0, drop_remainder=True),

@@ -178,7 +178,7 @@ def test_keras_mnist_fits_and_evaluates_with_steps_per_execution():
     lines = run_example("keras_mnist.py", "--limit", "1536")
     # 1536 images: 2 executions of 24 batches of 32; the test set is trimmed to 1440 (9 x 160)
     assert lines[0] == ("effective batch: 32 x 1 accumulation x 1 replicas = 32 per step, "
-                        "768 per execution (steps_per_execution 24)")
+                        "768 per execution (steps_per_execution 24: 24 steps on each replica)")
     assert re.fullmatch(r"loss per epoch: [0-9]+\.[0-9]{4}", lines[1])
     assert len(lines) == 5
     assert_trained_and_tested(lines, 1536, 1440)
@@ -199,10 +199,10 @@ def test_keras_mnist_two_stage_pipeline_with_replicas():
         "6     | Softmax   | 1     | 0",
     ]
     assert lines[9] == ("effective batch: 32 x 4 accumulation x 2 replicas = 256 per step, "
-                        "512 per execution (steps_per_execution 8)")
-    # 768 images: 1 execution of 8 batches of 32 x 2 replicas is 512; the rest is trimmed.
-    # 2 optimizer steps: only the format is checked.
-    assert_trained_and_tested(lines, 512, 640, above=0.0)
+                        "256 per execution (steps_per_execution 8: 4 steps on each replica)")
+    # 768 images: 3 executions of 8 steps of 32 (4 on each replica), 3 optimizer steps:
+    # only the format is checked.
+    assert_trained_and_tested(lines, 768, 640, above=0.0)
 
 
 def test_mnist_failing_to_download_points_at_data_dir(tmp_path, monkeypatch):

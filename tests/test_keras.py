@@ -27,7 +27,8 @@ import torch.nn.functional as F
 import poptorch_lite as poptorch
 from poptorch_lite import keras
 from poptorch_lite.frontends import keras as keras_model
-from poptorch_lite.frontends import keras_callbacks, keras_data, keras_ipu, keras_losses
+from poptorch_lite.frontends import (dry_run, keras_callbacks, keras_data, keras_ipu,
+                                     keras_losses, keras_stages)
 
 P = poptorch.PipelineSchedule
 EPS = 1e-7
@@ -152,6 +153,12 @@ def build(kind, stages, ipus=None, seed=0):
     return model
 
 
+def wrapper(model, kind):
+    """The model's PopTorch wrapper of ``kind`` (one per steps per execution)."""
+    (found,) = [w for (k, _), w in model._wrappers.items() if k == kind]
+    return found
+
+
 def _config(ipus):
     config = keras.IPUConfig()
     config.auto_select_ipus = ipus
@@ -201,7 +208,7 @@ def test_fit_equals_the_poptorch_face_and_plain_pytorch(B, spe, G, R, S, schedul
                   ["accuracy"], steps_per_execution=spe)
     torch.manual_seed(7)
     history = model.fit(x, y, batch_size=B, epochs=epochs, verbose=0)
-    assert model._wrappers["train"].options.replication_factor == R
+    assert wrapper(model, "train").options.replication_factor == R
 
     torch.manual_seed(7)
     order_list = orders(n, epochs, True)
@@ -234,7 +241,7 @@ def test_recomputation_and_offloading_keep_the_numbers():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", poptorch.IpuOnlyWarning)
         model.fit(x, y, batch_size=B, verbose=0, shuffle=False)
-    opts = model._wrappers["train"].options
+    opts = wrapper(model, "train").options
     assert opts.auto_recomputation == 3
     assert opts.TensorLocations.location_optimizer == {"onChip": 0}
     plain(ref_net, x, y, B, G, 1, orders(B * spe, 1, False))
@@ -366,13 +373,13 @@ def test_recompiling_with_another_steps_per_execution_keeps_weights_and_optimize
     opt = sgd(model.module.parameters())
     model.compile(opt, loss, steps_per_execution=2)
     model.fit(x, y, batch_size=B, verbose=0, shuffle=False)
-    first = model._wrappers["train"]
+    first = wrapper(model, "train")
     model.compile(opt, loss, steps_per_execution=8)
     assert not first.isCompiled()  # destroyed; the next fit wraps again
     assert model.optimizer is opt and len(opt.state) > 0
     model.evaluate(x, y, batch_size=B, verbose=0)
     model.fit(x, y, batch_size=B, verbose=0, shuffle=False)
-    assert model._wrappers["train"].options.device_iterations == 8
+    assert wrapper(model, "train").options.device_iterations == 8
     plain(ref_net, x, y, B, 1, 1, orders(B * 8, 2, False))
     assert_same_weights(model.module, ref_net)
 
@@ -508,9 +515,9 @@ def test_ipu_strategy_gives_ipus_over_stages_replicas():
     model.compile("sgd", "mse", steps_per_execution=16)
     x = torch.randn(64, 6)
     model.fit(x, torch.zeros(64, 4), batch_size=2, verbose=0)
-    assert model._wrappers["train"].options.replication_factor == 4
+    assert wrapper(model, "train").options.replication_factor == 4
     assert model.predict(x, batch_size=2).shape == (64, 4)
-    assert model._wrappers["predict"].options.device_iterations == 4  # 16 / 4 replicas
+    assert wrapper(model, "predict").options.device_iterations == 4  # 16 / 4 replicas
     outside = keras.Sequential(layers())
     assert outside._ipu.ipus is None
     with keras.IPUStrategy(keras.IPUConfig(auto_select_ipus=6)).scope():
@@ -643,7 +650,8 @@ def test_invalid_compile_and_options_change_nothing():
 
 
 def test_doctests_of_the_keras_modules():
-    for module in (keras_model, keras_ipu, keras_losses, keras_callbacks, keras_data):
+    for module in (keras_model, keras_ipu, keras_losses, keras_callbacks, keras_data,
+                   keras_stages, dry_run):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0 and result.attempted > 0, module.__name__
 

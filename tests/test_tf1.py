@@ -114,7 +114,7 @@ def test_equal_to_the_annotated_model_and_to_plain_pytorch(S, mapping, schedule,
 
     pipe = poptorch.pipeline(tf1, gradient_accumulation_count=G, repeat_count=D,
                              optimizer=sgd, pipeline_schedule=schedule, device_mapping=mapping,
-                             recomputation_mode="Auto" if recompute else None)
+                             recomputation_mode="Auto" if recompute else None, outfeed_loss=True)
     losses = pipe(x, y)
 
     model = Annotated(ann, ipus)
@@ -137,7 +137,8 @@ def test_several_calls_keep_matching_plain_pytorch():
     tf1 = stages(3)
     plain = Plain(copy.deepcopy(tf1))
     pipe = poptorch.pipeline(tf1, gradient_accumulation_count=5, repeat_count=2,
-                             optimizer=lambda params: torch.optim.Adam(params, lr=0.01))
+                             optimizer=lambda params: torch.optim.Adam(params, lr=0.01),
+                             outfeed_loss=True)
     optimizer = torch.optim.Adam(plain.parameters(), lr=0.01)
     for seed in range(3):
         x, y = data(4 * 5 * 2, WIDTH, CLASSES, seed=seed)
@@ -176,11 +177,11 @@ def test_function_stages_with_a_loss_function_of_outputs_and_labels():
 
     params = list(l1.parameters()) + list(l2.parameters()) + list(l3.parameters())
     pipe = poptorch.pipeline([stage1, stage2], gradient_accumulation_count=3, repeat_count=2,
-                             optimizer=sgd(params), loss=F.cross_entropy)
-    assert sorted(n for n, _ in pipe.model.named_children()) == ["stage0_0", "stage0_1",
-                                                                "stage1_0"]
+                             optimizer=sgd(params), loss=F.cross_entropy, outfeed_loss=True)
     x, y = data(4 * 3 * 2, WIDTH, CLASSES)
     losses = pipe(x, y)
+    assert sorted(n for n, _ in pipe.model.named_children()) == ["stage0_0", "stage0_1",
+                                                                "stage1_0"]
     optimizer = sgd(plain.parameters())
     ref = []
     for d in range(2):
@@ -206,12 +207,12 @@ def test_dict_outputs_give_keywords_and_a_bound_method_is_a_stage():
         return {"x": x * 2, "labels": labels}
 
     pipe = poptorch.pipeline([stage1, head.forward], gradient_accumulation_count=3,
-                             optimizer=sgd)
-    assert [n for n, _ in pipe.model.named_children()] == ["stage1_0"]
+                             optimizer=sgd, outfeed_loss=True)
     x, y = data(12, WIDTH, CLASSES)
     with torch.no_grad():  # one step after the 3 micro-batches: losses use the first weights
         expected = torch.stack([head(2 * x[k:k + 4], y[k:k + 4])[1] for k in range(0, 12, 4)])
     assert torch.equal(pipe(x, y), expected)
+    assert [n for n, _ in pipe.model.named_children()] == ["stage1_0"]
 
 
 def test_the_loss_is_the_last_of_a_list_too():
@@ -263,7 +264,7 @@ def test_an_inference_only_pipeline():
 
 def test_the_batch_arithmetic_of_a_call_and_the_dataloader():
     pipe = poptorch.pipeline(stages(2), gradient_accumulation_count=4, repeat_count=3,
-                             optimizer=sgd)
+                             optimizer=sgd, outfeed_loss=True)
     x, y = data(12 * 5, WIDTH, CLASSES)
     loader = poptorch.DataLoader(pipe.options, torch.utils.data.TensorDataset(x, y), batch_size=5)
     bx, by = next(iter(loader))
@@ -302,7 +303,7 @@ def test_a_failing_first_call_changes_nothing():
     (dict(loss="mse"), poptorch.InputError, "loss must be None or a function"),
     (dict(optimizer="sgd"), poptorch.OptimizerError, "optimizer must be a torch.optim"),
     (dict(optimizer=torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)),
-     poptorch.OptimizerError, r"trains a parameter of shape \(1, 1\) that no stage holds"),
+     poptorch.OptimizerError, r"trains a parameter of shape \(1, 1\) that no stage uses"),
 ])
 def test_refusals_before_anything_is_wrapped(kwargs, error, match):
     layers = stages(2)
@@ -339,9 +340,9 @@ def test_functions_sharing_out_one_models_layers_over_ipus():
     plain = copy.deepcopy(SHARED)
     pipe = poptorch.pipeline([shared_body, shared_head], gradient_accumulation_count=3,
                              optimizer=sgd(SHARED.parameters()))
-    assert [n for n, _ in pipe.model.named_children()] == ["stage0_0"]  # registered once
     x, y = data(12, WIDTH, CLASSES)
     pipe(x, y)
+    assert [n for n, _ in pipe.model.named_children()] == ["stage0_0"]  # registered once
     optimizer = sgd(plain.parameters())
     for k in range(0, 12, 4):
         F.cross_entropy(plain["head"](torch.relu(plain["body"](x[k:k + 4]))), y[k:k + 4]).backward()
@@ -425,6 +426,208 @@ def test_mnist_splits_functional_route_equals_the_annotated_route():
 def test_docstring_examples_run():
     import doctest
 
-    from poptorch_lite.frontends import tf1
-    result = doctest.testmod(tf1)
-    assert result.attempted > 0 and result.failed == 0
+    from poptorch_lite.frontends import tf1, tf1_feeds, tf1_stages
+    for module in (tf1, tf1_feeds, tf1_stages):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__
+
+
+# -- the TF1 tutorial's own program shape (steps 3 and 4), translated to torch layers ---------
+# The layers live in a global object the layer functions reach; the stage functions call the
+# layer functions, and step 4's make_pipeline_stage closure builds the stages from the list
+# discover_layers() finds in globals(). No stage holds a module directly.
+
+class _Layers:
+    def __init__(self):
+        torch.manual_seed(3)
+        self.dense256 = torch.nn.Linear(WIDTH, 16)
+        self.dense128 = torch.nn.Linear(16, 12)
+        self.dense32 = torch.nn.Linear(12, 8)
+        self.logits = torch.nn.Linear(8, CLASSES)
+
+
+MODEL = _Layers()
+
+
+def layer1_flatten(learning_rate, images, labels):
+    return learning_rate, images.flatten(1), labels
+
+
+def layer2_dense256(learning_rate, activations, labels):
+    return learning_rate, torch.relu(MODEL.dense256(activations)), labels
+
+
+def layer3_dense128(learning_rate, activations, labels):
+    return learning_rate, torch.relu(MODEL.dense128(activations)), labels
+
+
+def layer5_dense32(learning_rate, activations, labels):
+    return learning_rate, torch.relu(MODEL.dense32(activations)), labels
+
+
+def layer6_logits(learning_rate, activations, labels):
+    return learning_rate, MODEL.logits(activations), labels
+
+
+def layer7_cel(learning_rate, logits, labels):
+    return learning_rate, F.cross_entropy(logits, labels)
+
+
+def optimizer_function(learning_rate, loss):
+    return poptorch.OptimizerFunctionOutput(
+        lambda params: torch.optim.SGD(params, lr=learning_rate), loss)
+
+
+def discover_layers():
+    """Step 4's discover_layers: the global functions named layer<idx>_<id>, by idx."""
+    found = []
+    for key, value in globals().items():
+        if key.startswith("layer") and "_" in key and key[5:].split("_")[0].isdigit():
+            idx, name = key[5:].split("_", 1)
+            found.append({"func": value, "id": name, "idx": int(idx)})
+    return sorted(found, key=lambda e: e["idx"])
+
+
+def make_pipeline_stage(layers):
+    def _stage(*args):
+        for layer in layers:
+            args = layer["func"](*args)
+        return args
+    return _stage
+
+
+def plain_tutorial_model(model, x, y, lr, G, D):
+    """Plain PyTorch: the same layers, SGD(lr), a step per G micro-batches (mean)."""
+    params = [p for m in (model.dense256, model.dense128, model.dense32, model.logits)
+              for p in m.parameters()]
+    opt = torch.optim.SGD(params, lr=lr)
+    losses, b = [], len(x) // (G * D)
+    for d in range(D):
+        opt.zero_grad()
+        for j in range(G):
+            k = slice((d * G + j) * b, (d * G + j + 1) * b)
+            h = torch.relu(model.dense128(torch.relu(model.dense256(x[k].flatten(1)))))
+            loss = F.cross_entropy(model.logits(torch.relu(model.dense32(h))), y[k])
+            loss.backward()
+            losses.append(loss.detach())
+        for p in params:
+            p.grad.div_(G)
+        opt.step()
+    return torch.stack(losses)
+
+
+@pytest.mark.parametrize("step", [3, 4])
+def test_the_tf1_tutorials_stages_reach_their_layers_through_layer_functions(step):
+    global MODEL
+    MODEL = _Layers()
+    plain = copy.deepcopy(MODEL)
+    G, D, lr = 4, 2, 0.05
+    if step == 3:
+        def stage1(learning_rate, images, labels):
+            r = layer1_flatten(learning_rate, images, labels)
+            r = layer2_dense256(*r)
+            return layer3_dense128(*r)
+
+        def stage2(*r):
+            r = layer5_dense32(*r)
+            r = layer6_logits(*r)
+            return layer7_cel(*r)
+        computational_stages = [stage1, stage2]
+    else:
+        layers = discover_layers()
+        assert [e["id"] for e in layers] == ["flatten", "dense256", "dense128", "dense32",
+                                             "logits", "cel"]
+        computational_stages = [make_pipeline_stage(layers[:3]), make_pipeline_stage(layers[3:])]
+    x, y = data(5 * G * D, WIDTH, CLASSES)
+    dataset = [(x[k:k + 5], y[k:k + 5]) for k in range(0, len(x), 5)]
+    infeed = poptorch.IPUInfeedQueue(dataset)
+    outfeed = poptorch.IPUOutfeedQueue()
+    pipe = poptorch.pipeline(computational_stages=computational_stages,
+                             gradient_accumulation_count=G, repeat_count=D,
+                             inputs=[lr if step == 3 else torch.tensor(lr)],  # read as a number
+                             infeed_queue=infeed, outfeed_queue=outfeed,
+                             optimizer_function=optimizer_function,
+                             pipeline_schedule=poptorch.PipelineSchedule.Grouped, name="Pipeline")
+    assert pipe.name == "Pipeline" and pipe.training_model is not None  # built from the infeed
+    assert [n for n, _ in pipe.model.named_children()] == [
+        "stage0_0", "stage0_1", "stage1_0", "stage1_1"]
+    result = pipe()  # the infeed gives the micro-batches; outfeed_loss is False, as in TF1
+    learning_rates, losses = outfeed.dequeue()
+    assert torch.equal(result[1], losses) and learning_rates == [pytest.approx(lr)]  # once
+    expected = plain_tutorial_model(plain, x, y, lr, G, D)
+    torch.testing.assert_close(losses, expected, atol=1e-6, rtol=0)
+    for name in ("dense256", "dense128", "dense32", "logits"):
+        for p, q in zip(getattr(MODEL, name).parameters(), getattr(plain, name).parameters()):
+            torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
+    pipe.destroy()
+
+
+class NormStage(torch.nn.Module):
+    """A stage with running statistics and dropout: what a dry run must not disturb."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.bn, self.drop = (torch.nn.Linear(WIDTH, WIDTH), torch.nn.BatchNorm1d(WIDTH),
+                                       torch.nn.Dropout(0.5))
+
+    def forward(self, x, labels):
+        return self.drop(self.bn(self.fc(x))), labels
+
+
+def test_the_dry_run_that_finds_a_function_stages_modules_changes_no_state():
+    # The same stages as module stages (no dry run) and reached through functions (a dry
+    # run at the first call): the same random stream, buffers, losses and weights, bit for bit.
+    torch.manual_seed(0)
+    modules = [NormStage(), Head()]
+    reached = copy.deepcopy(modules)
+    holder = {"layers": reached}
+
+    def first(x, labels):
+        return holder["layers"][0](x, labels)  # reached through a dict: found by running it
+
+    def second(h, labels):
+        return holder["layers"][1](h, labels)
+
+    x, y = data(4 * 3 * 2, WIDTH, CLASSES)
+    results = []
+    for stage_list in ([*modules], [first, second]):
+        torch.manual_seed(5)
+        pipe = poptorch.pipeline(stage_list, gradient_accumulation_count=3, repeat_count=2,
+                                 optimizer=sgd, outfeed_loss=True)
+        results.append((pipe(x, y), torch.get_rng_state()))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+    for a, b in zip(modules, reached):
+        for (name, t), u in zip(a.state_dict().items(), b.state_dict().values()):
+            assert torch.equal(t, u), name
+
+
+def test_an_infeed_continues_across_calls_and_starts_a_new_pass_at_its_end():
+    tf1 = stages(2)
+    plain = Plain(copy.deepcopy(tf1))
+    x, y = data(4 * 3 * 3, WIDTH, CLASSES)  # 9 micro-batches: 3 calls of 3, then a new pass
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    pipe = poptorch.pipeline(tf1, gradient_accumulation_count=3, optimizer=sgd,
+                             infeed_queue=poptorch.IPUInfeedQueue(loader), outfeed_loss=True)
+    losses = torch.cat([pipe() for _ in range(4)])
+    order = torch.cat([torch.arange(36), torch.arange(12)])
+    _, ref, _ = reference_training(plain, sgd(plain.parameters()), x[order], y[order], 4, 3, 1)
+    assert torch.equal(losses, torch.stack(ref))
+
+
+def test_compile_makes_the_models_of_function_stages_before_the_first_call():
+    tf1 = stages(2)
+    twin = copy.deepcopy(tf1)
+    x, y = data(4 * 3, WIDTH, CLASSES)
+    results = []
+    for layers, compile_first in ((tf1, True), (twin, False)):
+        pipe = poptorch.pipeline([lambda a, b: layers[0](a, b), lambda a, b: layers[1](a, b)],
+                                 gradient_accumulation_count=3, optimizer=sgd,
+                                 outfeed_loss=True)
+        assert pipe.training_model is None  # function stages: made at compile or first call
+        if compile_first:
+            pipe.compile(x, y)
+            assert pipe.training_model.isCompiled()
+        results.append(pipe(x, y))
+    assert torch.equal(results[0], results[1])
+    assert_same_weights(torch.nn.ModuleList(tf1), torch.nn.ModuleList(twin))

@@ -16,7 +16,7 @@ from typing import Optional
 
 from ..annotations import Block
 from ..enums import OutputMode, PipelineSchedule
-from ..errors import OptionsError, PipelineError
+from ..errors import OptionsError, PipelineError, warn_once
 from ..ipu_options import TensorLocationSettings
 from ..options import Options
 from ..options_base import check_positive_int
@@ -70,27 +70,85 @@ class PipelineStage:
 class IPUConfig:
     """IPU Keras' system configuration: ``auto_select_ipus`` IPUs for the strategy's models.
 
+    ``configure_ipu_system()`` makes this configuration the process's IPU system, as
+    TF's does: an ``IPUStrategy()`` made afterwards without an argument uses it.
+    ``selection_order`` and ``device_connection`` are accepted, with one IPU-only
+    warning each when set (they choose and attach physical IPUs).
+
     Example:
         >>> config = IPUConfig()
         >>> config.auto_select_ipus = 4       # as the tutorials write it; or IPUConfig(4)
         >>> config.configure_ipu_system()
+        >>> IPUStrategy().config.auto_select_ipus
+        4
+        >>> reset_ipu_system()
     """
 
     def __init__(self, auto_select_ipus: int = 1):
         self.auto_select_ipus = auto_select_ipus
+        self.selection_order = None
+        self.device_connection = _DeviceConnection()
 
     def configure_ipu_system(self) -> None:
-        """Check the configuration (there is no IPU system to configure)."""
+        """Check the configuration and make it the process's IPU system (a snapshot: later
+        edits of this object need another ``configure_ipu_system()``).
+
+        Raises:
+            OptionsError: ``auto_select_ipus`` is not a positive int.
+        """
         check_positive_int(self.auto_select_ipus, "IPUConfig.auto_select_ipus",
                            "config.auto_select_ipus = 1")
+        if self.selection_order is not None:
+            warn_once("IPUConfig.selection_order", "IPUConfig.selection_order is IPU-only (the "
+                      "order of physical IPUs); ignored")
+        if self.device_connection.type is not None or self.device_connection.version is not None:
+            warn_once("IPUConfig.device_connection", "IPUConfig.device_connection is IPU-only "
+                      "(when to attach to the IPUs); ignored")
+        snapshot = IPUConfig(self.auto_select_ipus)
+        _SYSTEM[:] = [snapshot]
+
+
+class _DeviceConnection:
+    """``config.device_connection.type`` / ``.version``: IPU-only, accepted."""
+
+    def __init__(self):
+        self.type = self.version = self.enable_remote_buffers = None
+
+
+_SYSTEM: list = []  # the configuration of the last configure_ipu_system(), if any
+
+
+def reset_ipu_system() -> None:
+    """Forget the configured IPU system (``IPUStrategy()`` then uses one IPU per stage).
+
+    Example:
+        >>> reset_ipu_system()
+    """
+    _SYSTEM.clear()
 
 
 _SCOPE: list = []  # the IPUStrategy scopes entered, innermost last
+
+# The porting table's keywords of compile / set_pipelining_options /
+# set_gradient_accumulation_options that only tune IPU memory or Poplar: accepted, one
+# IpuOnlyWarning each (W-IPU-10).
+IPU_ONLY_KEYWORDS = frozenset({
+    "batch_serialization_iterations", "replicated_optimizer_state_sharding",
+    "offload_activations", "offload_gradient_accumulation_buffers",
+    "replicated_weight_sharding", "offload_weights",
+    "forward_propagation_stages_poplar_options", "backward_propagation_stages_poplar_options",
+    "weight_update_poplar_options", "device_mapping"})
 
 
 class IPUStrategy:
     """Models created inside ``strategy.scope()`` use ``config.auto_select_ipus`` IPUs:
     ``auto_select_ipus / stages`` replicas of the pipeline.
+
+    Args:
+        config: the configuration to use; None (the tutorials' ``IPUStrategy()``): the
+            one of the last ``config.configure_ipu_system()``, or one IPU per stage when
+            none was configured. A configuration given here is used by this strategy
+            only (it does not configure the system).
 
     Raises:
         OptionsError: ``auto_select_ipus`` is not a positive int.
@@ -105,12 +163,16 @@ class IPUStrategy:
     """
 
     def __init__(self, config: Optional[IPUConfig] = None):
-        self.config = config or IPUConfig()
-        self.config.configure_ipu_system()
+        if config is None:
+            self.config = _SYSTEM[0] if _SYSTEM else None
+        else:  # this project's shortcut: this configuration, the system unchanged
+            check_positive_int(config.auto_select_ipus, "IPUConfig.auto_select_ipus",
+                               "config.auto_select_ipus = 1")
+            self.config = IPUConfig(config.auto_select_ipus)
 
     @contextlib.contextmanager
     def scope(self):
-        _SCOPE.append(self.config.auto_select_ipus)
+        _SCOPE.append(None if self.config is None else self.config.auto_select_ipus)
         try:
             yield self
         finally:
@@ -128,7 +190,7 @@ class IpuSettings:
     """A Keras model's IPU options: IPUs, G, schedule, recomputation, offloading.
 
     Example:
-        >>> IpuSettings(ipus=4, G=4).replicas(stages=2, spe=8, training=True)
+        >>> IpuSettings(ipus=4, G=4).replicas(stages=2)
         2
     """
 
@@ -138,13 +200,11 @@ class IpuSettings:
     recompute: Optional[RecomputationMode] = None
     offload: bool = False
 
-    def replicas(self, stages: int, spe: int, training: bool) -> int:
-        """The tutorials' rules for ``stages`` stages; returns ``ipus / stages``.
+    def replicas(self, stages: int) -> int:
+        """``ipus / stages``, the replicas of a ``stages``-stage pipeline.
 
         Raises:
-            OptionsError: ``ipus`` is not a multiple of ``stages``, or ``spe`` not a
-                multiple of G × replicas.
-            PipelineError: G does not suit the schedule (training with stages > 1).
+            OptionsError: ``ipus`` is not a multiple of ``stages``.
         """
         S = stages
         ipus = S if self.ipus is None else self.ipus
@@ -153,16 +213,23 @@ class IpuSettings:
                 f"auto_select_ipus ({ipus}) must be a multiple of the model's {S} pipeline "
                 f"stages: select {S * max(1, ipus // S)} or another multiple of {S} IPUs "
                 f"(each replica of the pipeline takes {S})")
-        R = ipus // S
+        return ipus // S
+
+    def check(self, stages: int, spe: int, R: int, training: bool) -> None:
+        """The tutorials' rules on the steps per execution and G ([Note: Keras steps]).
+
+        Raises:
+            OptionsError: ``spe`` not a multiple of G × replicas.
+            PipelineError: G does not suit the schedule (training with stages > 1).
+        """
         G = self.G if training else 1
         if spe % (G * R):
             raise OptionsError(
                 f"steps_per_execution ({spe}) must be a multiple of "
                 f"gradient_accumulation_steps_per_replica ({G}) x replicas ({R}) = {G * R}: "
                 f"compile(..., steps_per_execution={G * R * -(-spe // (G * R))})")
-        if training and S > 1:
-            self._check_schedule(S)
-        return R
+        if training and stages > 1:
+            self._check_schedule(stages)
 
     def _check_schedule(self, S: int) -> None:
         G = self.G
@@ -203,7 +270,8 @@ class IpuSettings:
 
         Raises:
             OptionsError: G is not a positive int, the schedule is unknown or not one of
-                Grouped, Interleaved, Sequential, or ``recompute`` not a RecomputationMode.
+                Grouped, Interleaved, Sequential, or ``recompute`` not a RecomputationMode
+                (or the name of one).
         """
         G = self.G if G is None else check_positive_int(
             G, "gradient_accumulation_steps_per_replica",
@@ -214,9 +282,14 @@ class IpuSettings:
             raise OptionsError(f"IPU Keras pipelines with the Grouped, Interleaved or Sequential "
                                f"schedule, got {schedule.name}; pass one of them to "
                                f"set_pipelining_options")
+        if isinstance(recompute, str):  # the mode's name or value, as pipeline() takes it
+            key = recompute.lower().replace("_", "")
+            recompute = next((m for m in RecomputationMode if key in (
+                m.name.lower(), m.value.replace("_", ""))), recompute)
         if recompute is not None and not isinstance(recompute, RecomputationMode):
-            raise OptionsError(f"recomputation_mode must be a keras.RecomputationMode, got "
-                               f"{recompute!r}; pass e.g. RecomputationMode.Auto")
+            raise OptionsError(f"recomputation_mode must be a keras.RecomputationMode or its "
+                               f"name, got {recompute!r}; pass e.g. RecomputationMode.Auto or "
+                               f"'Auto'")
         return dataclasses.replace(
             self, G=G, schedule=schedule, recompute=recompute or self.recompute,
             offload=self.offload if offload is None else bool(offload))

@@ -268,7 +268,12 @@ class losses:  # noqa: N801 - Keras' namespace ``keras.losses``
 
 
 def resolve_loss(spec) -> Callable:
-    """``compile``'s ``loss`` as ``fn(y_pred, y_true) -> scalar loss`` marked for the trace.
+    """``compile``'s ``loss`` as ``fn(y_pred, y_true, weight=None, scale=None) -> scalar loss``
+    marked for the trace (``scale``: compile's ``loss_weights``).
+
+    With ``weight`` (``fit(..., sample_weight=w)``), the per-sample losses are
+    weighted and averaged over the batch, Keras' ``sum_over_batch_size``:
+    ``sum(w * loss) / batch_size``.
 
     Args:
         spec: a Keras name (``"sparse_categorical_crossentropy"``, ..., ``"mse"``), a
@@ -283,6 +288,8 @@ def resolve_loss(spec) -> Callable:
         >>> fn = resolve_loss("mse")
         >>> fn(torch.ones(2, 1), torch.zeros(2, 1))
         tensor(1.)
+        >>> fn(torch.ones(2, 1), torch.zeros(2, 1), torch.tensor([1.0, 0.0]))
+        tensor(0.5000)
     """
     if spec is None:
         raise OptionsError("compile() needs a loss to train or evaluate: pass e.g. "
@@ -292,19 +299,39 @@ def resolve_loss(spec) -> Callable:
             raise OptionsError(f"unknown loss {spec!r}: use one of {sorted(_LOSSES)}, a torch "
                                f"loss module or a callable fn(y_true, y_pred)")
         fn = _LOSSES[spec]
-        return lambda y_pred, y_true: identity_loss(fn(y_true, y_pred), "mean")
+        return lambda y_pred, y_true, weight=None, scale=None: identity_loss(
+            _weighted(fn(y_true, y_pred), weight, spec, scale), "mean")
     if isinstance(spec, torch.nn.Module):
-        return lambda y_pred, y_true: spec(y_pred, y_true)
+        def module_loss(y_pred, y_true, weight=None, scale=None):
+            if weight is not None:
+                raise InputError(f"sample_weight needs per-sample losses, but the torch loss "
+                                 f"module {type(spec).__name__} returns them reduced; pass a "
+                                 f"Keras loss name or keras.losses object")
+            return spec(y_pred, y_true)
+        return module_loss
     if callable(spec):
-        def loss(y_pred, y_true):
+        def loss(y_pred, y_true, weight=None, scale=None):
             value = spec(y_true, y_pred)
             if not isinstance(value, torch.Tensor):
                 raise InputError(f"the loss {spec!r} returned {type(value).__name__}, not a "
                                  f"tensor; compute it with torch ops")
-            return identity_loss(value, "mean")
+            return identity_loss(_weighted(value, weight, spec, scale), "mean")
         return loss
     raise OptionsError(f"loss must be a Keras name, a torch loss module or a callable "
                        f"fn(y_true, y_pred), got {type(spec).__name__} {spec!r}")
+
+
+def _weighted(per_sample: torch.Tensor, weight, spec, scale=None) -> torch.Tensor:
+    """The per-sample losses times the sample weights (Keras' sample_weight) and the
+    ``loss_weights`` of compile (``scale``)."""
+    if scale is not None:
+        per_sample = per_sample * scale
+    if weight is None:
+        return per_sample
+    if per_sample.shape != weight.shape:
+        raise InputError(f"sample_weight needs one loss per sample, but the loss {spec!r} "
+                         f"returned shape {tuple(per_sample.shape)} for {len(weight)} samples")
+    return per_sample * weight
 
 
 # -- metrics -------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ with ``PipelinedExecution(Stage("stage0").ipu(..), ...)``,
 numbers are therefore the PopTorch face's, and plain PyTorch's.
 
 [Note: TF1 loss and labels]
-Two ways, decided by ``loss``:
+Three ways, decided by ``loss`` and ``optimizer_function``:
 
 * ``loss=None`` (TF1's way): the labels travel through the stages like any
   other value (``def stage1(x, labels): return h, labels``) and the last stage
@@ -21,6 +21,17 @@ Two ways, decided by ``loss``:
 * ``loss=fn``: ``fn(outputs, labels)`` computes the loss from the last stage's
   outputs, on the last stage's IPU. A training call is then ``pipe(*inputs,
   labels)``: the last argument is the labels, the others go to the first stage.
+* ``optimizer_function=fn`` (the TF1 tutorial's way): ``fn(*last stage's
+  outputs)`` returns ``OptimizerFunctionOutput(optimizer, loss)``; its loss is
+  the loss, and its optimizer (read once, from the dry run of [Note: TF1 stage
+  modules]) trains the stages' parameters.
+
+TF1's ``inputs=[learning_rate]`` go to the first stage ahead of each call's
+arguments, as ``stage1(learning_rate, images, labels)`` receives them; they are
+fixed when the pipeline is made (a Python number is a constant of the traced
+graph; to change the learning rate, set the optimizer's ``param_groups``). With
+``outfeed_loss=False`` (TF1's default) a training call returns the last stage's
+outputs, with True the losses.
 
 Either way the loss must be a scalar tensor; it is marked with
 ``identity_loss(loss, "none")`` (no change to its value or gradient).
@@ -30,19 +41,19 @@ and returns the last stage's outputs.
 
 from __future__ import annotations
 
-import inspect
 from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..annotations import Block
 from ..enums import OutputMode, PipelineSchedule, ReductionType
-from ..errors import (InputError, LossError, OptimizerError, OptionsError, PipelineError,
-                      WrapError)
-from ..ops import identity_loss
+from ..errors import (InputError, OptimizerError, OptionsError, PipelineError,
+                      PoptorchLiteWarning, WrapError, warn_once)
 from ..options import Options
 from ..strategies import PipelinedExecution, Stage
 from ..wrapper import inferenceModel, trainingModel
+from .tf1_feeds import IPUInfeedQueue, IPUOutfeedQueue
+from .tf1_stages import (StageModel, all_exact, called_modules, check_optimizer_params,
+                         optimizer_output, owned_modules)
 
 
 def _positive(value, name: str, example: int) -> int:
@@ -94,146 +105,153 @@ def _runs(mapping: Sequence[int]) -> int:
     return sum(1 for k, ipu in enumerate(mapping) if k == 0 or ipu != mapping[k - 1])
 
 
-def _modules_of(stage) -> tuple:
-    """The modules a stage computes with, and whether exactly those (not merely reachable).
-
-    A module stage or a bound method of a module computes with that module; a
-    function may use only part of the modules its closure and globals reach (a
-    global ``model`` whose layers several stages share out).
-    """
-    if isinstance(stage, torch.nn.Module):
-        return [stage], True
-    owner = getattr(stage, "__self__", None)
-    if isinstance(owner, torch.nn.Module):
-        return [owner], True
-    found = []
-    try:
-        refs = inspect.getclosurevars(stage)
-        values = list(refs.nonlocals.values()) + list(refs.globals.values())
-    except TypeError:  # a builtin or a callable object: nothing to inspect
-        values = [vars(stage)] if hasattr(stage, "__dict__") else []
-    for v in values:
-        items = list(v.values()) if isinstance(v, dict) else (
-            list(v) if isinstance(v, (list, tuple)) else [v])
-        found += [m for m in items if isinstance(m, torch.nn.Module)]
-    return found, False
-
-
-class _StageModel(torch.nn.Module):
-    """The computational stages as one module: stage k in ``Block("stage<k>")`` on its IPU.
-
-    ``training`` containers return ``(last stage's outputs, loss)``; see
-    [Note: TF1 loss and labels] for where the loss and labels come from.
-    """
-
-    def __init__(self, stages, owned: dict, mapping, loss, training: bool):
-        super().__init__()
-        for name, module in owned.items():
-            self.add_module(name, module)
-        if isinstance(loss, torch.nn.Module):  # a loss module (nn.CrossEntropyLoss()) is a layer
-            self.add_module("loss", loss)
-        self._stages, self._mapping, self._with_loss = stages, mapping, training
-        object.__setattr__(self, "_loss", loss)  # not registered a second time
-
-    def forward(self, *inputs):
-        labels = None
-        if self._with_loss and self._loss is not None:
-            if len(inputs) < 2:
-                raise InputError(f"with loss=..., a training call takes the first stage's inputs "
-                                 f"and then the labels, pipe(*inputs, labels); got {len(inputs)} "
-                                 f"argument(s)")
-            *inputs, labels = inputs
-        values, last = tuple(inputs), len(self._stages) - 1
-        for k, stage in enumerate(self._stages):
-            with Block(f"stage{k}", ipu_id=self._mapping[k]):
-                values = _call(stage, values)
-                if k == last and self._with_loss:
-                    return values, _mark_loss(self._loss(values, labels) if self._loss else (
-                        values[-1] if isinstance(values, (tuple, list)) and values else values))
-        return values
-
-
-def _call(stage, values):
-    """Stage k+1 of stage k's outputs: a tuple or list unpacks, a dict gives keywords."""
-    if isinstance(values, dict):
-        return stage(**values)
-    if isinstance(values, (tuple, list)):
-        return stage(*values)
-    return stage(values)
-
-
-def _mark_loss(loss):
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else \
-            f"{type(loss).__name__} {loss!r}"
-        raise LossError(f"the pipeline's loss must be a scalar tensor, got {got}; with loss=None "
-                        f"the last stage returns the loss alone or last in a tuple (return logits, "
-                        f"loss), with loss=fn fn(outputs, labels) returns it; reduce it with "
-                        f".mean() or .sum()")
-    return identity_loss(loss, reduction="none")
-
-
 class Pipeline:
     """What :func:`pipeline` returns: call it to train, ``inference(...)`` to predict.
+
+    The PopTorch models are made once the stages' modules are known ([Note: TF1
+    stage modules]): at once when every stage is a module or a bound method of one
+    (or an ``infeed_queue`` gives a first micro-batch), otherwise at the first call
+    (or ``compile``), after the stages ran once on its first micro-batch.
 
     Attributes:
         model: the ``nn.Module`` that holds every stage's modules (its
             ``state_dict()``, ``parameters()``).
         options: the training options (``poptorch_lite.DataLoader(pipe.options,
             dataset, batch_size=b)`` yields one call's combined batch).
-        training_model: the ``trainingModel`` (None without an optimizer);
-            ``runStatistics()``, ``setOptimizer`` and the rest of PopTorch's API.
-        inference_model: the ``inferenceModel``.
+        training_model: the ``trainingModel`` (None without an optimizer, or
+            before the models are made).
+        inference_model: the ``inferenceModel`` (None before the models are made).
+        name: TF1's ``name`` (only kept).
     """
 
-    def __init__(self, stages, owned, mapping, loss, optimizer, strategy, base: Options,
-                 repeat_count: int, G: int, outfeed_loss: bool, reduction):
+    def __init__(self, stages, mapping, loss, optimizer, optimizer_function, strategy,
+                 base: Options, repeat_count: int, G: int, outfeed_loss: bool, reduction,
+                 prefix, infeed, outfeed, name):
+        self._stages, self._mapping, self._loss = stages, mapping, loss
         self._repeat_count, self._G, self._S = repeat_count, G, _runs(mapping)
-        self._outfeed_loss = outfeed_loss
-        self._schedule = strategy.schedule
-        self.model = _StageModel(stages, owned, mapping, loss, True)
-        self._predictor = _StageModel(stages, owned, mapping, loss, False)
+        self._outfeed_loss, self._schedule = outfeed_loss, strategy.schedule
+        self._optimizer, self._optimizer_function = optimizer, optimizer_function
+        self._infeed, self._outfeed, self.name = infeed, outfeed, name
+        self.model = StageModel(stages, mapping, loss, True, prefix, optimizer_function)
+        self._predictor = StageModel(stages, mapping, loss, False, prefix)
         self.options = base.clone().deviceIterations(repeat_count).setExecutionStrategy(strategy)
         self.options.Training.gradientAccumulation(G)
         self.options.Training.accumulationAndReplicationReductionType(reduction)
         self.options.outputMode(OutputMode.All)
-        if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+        self._infer = base.clone().deviceIterations(repeat_count * G).setExecutionStrategy(
+            strategy)
+        self._infer.Training.gradientAccumulation(1)  # an inference model accumulates nothing
+        self._infer.outputMode(OutputMode.All)
+        self.training_model = self.inference_model = None
+        self._built = False
+        if all_exact(stages) and optimizer_function is None:
+            self._build(None, None)
+        elif infeed is not None:
+            self._discover(self._feed_inputs(peek=True))  # one micro-batch already
+
+    # -- making the PopTorch models -------------------------------------------------------
+
+    def _micro_batch(self, inputs: tuple) -> tuple:
+        """The first micro-batch of one call's arguments (first rows of each tensor)."""
+        n = self.options.replication_factor * self._repeat_count * self._G
+        return tuple(v[:max(1, len(v) // n)] if isinstance(v, torch.Tensor) and v.dim() else v
+                     for v in inputs)
+
+    def _feed_inputs(self, peek: bool = False) -> tuple:
+        if peek:
+            item = self._infeed.peek()
+            return (item,) if isinstance(item, torch.Tensor) else tuple(item)
+        n = self.options.replication_factor * self._repeat_count * self._G
+        return self._infeed.take(n)
+
+    def _discover(self, inputs: tuple) -> None:
+        """Run the stages once on a micro-batch ([Note: dry run]) and make the models."""
+        values, labels = self.model.split(inputs)
+        tail = None
+        if self._optimizer_function is not None:
+            tail = lambda out: optimizer_output(self._optimizer_function, out)  # noqa: E731
+        elif self._loss is not None:
+            tail = lambda out: self._loss(out, labels)  # noqa: E731
+        called, result = called_modules(self._stages, values, tail)
+        optimizer = result.optimizer if self._optimizer_function is not None else None
+        self._build(called, optimizer)
+
+    def _build(self, called, optimizer) -> None:
+        owned = owned_modules(self._stages, self._mapping, called)
+        optimizer = self._optimizer if optimizer is None else optimizer
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            if not callable(optimizer):
+                raise OptimizerError(f"the optimizer of the OptimizerFunctionOutput is "
+                                     f"{type(optimizer).__name__}, not a torch optimizer or a "
+                                     f"function from parameters to one")
+        self.model.own(owned)  # our own containers: nothing of the user's changes here
+        self._predictor.own(owned)
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            if not any(True for _ in self.model.parameters()):
+                raise OptimizerError("the stages use no parameters, so the optimizer has nothing "
+                                     "to train: no stage is, or calls, a module with parameters; "
+                                     "call the layers as modules in the stages (layer(x))")
             optimizer = optimizer(self.model.parameters())
+        if optimizer is not None:
+            check_optimizer_params(optimizer, owned)
         self.training_model = None if optimizer is None else trainingModel(
             self.model, self.options, optimizer)
-        infer = base.clone().deviceIterations(repeat_count * G).setExecutionStrategy(strategy)
-        infer.Training.gradientAccumulation(1)  # an inference model accumulates nothing
-        self.inference_model = inferenceModel(self._predictor, infer.outputMode(OutputMode.All))
+        self.inference_model = inferenceModel(self._predictor, self._infer)
+        self._built = True
+
+    def compile(self, *inputs) -> None:
+        """Make the models (running the stages once if needed) and compile the training
+        model for ``inputs`` (TF1's ``ipu_compiler.compile``), without training.
+
+        Example:
+            >>> pipe.compile(images, labels)  # doctest: +SKIP
+        """
+        if not self._built:
+            self._discover(self._micro_batch(inputs))
+        (self.training_model or self.inference_model).compile(*inputs)
+
+    # -- running ---------------------------------------------------------------------------
 
     def __call__(self, *inputs):
         """Train on ``repeat_count x G`` micro-batches: ``repeat_count`` optimizer steps.
 
         Args:
             *inputs: the first stage's inputs (then the labels when ``loss`` is a
-                function), each with ``micro-batch x G x repeat_count`` rows.
+                function), each with ``micro-batch x G x repeat_count`` rows; none
+                with an ``infeed_queue``, which gives them ([Note: TF1 feeds]).
 
         Returns:
-            The outfeed: with ``outfeed_loss`` the loss of every micro-batch, shape
-            ``(repeat_count * G,)`` in order (``.view(repeat_count, G)`` per step;
-            ``× replicas`` with a base ``options.replicationFactor``);
-            otherwise the last stage's outputs, every micro-batch's concatenated
-            along dim 0 (scalars stacked), as PopTorch's ``OutputMode.All``.
+            The outfeed (also enqueued on the ``outfeed_queue``, if any): with
+            ``outfeed_loss`` the loss of every micro-batch, shape
+            ``(repeat_count * G,)`` in order (``× replicas`` with a base
+            ``options.replicationFactor``); otherwise the last stage's outputs,
+            every micro-batch's concatenated along dim 0 (scalars stacked), as
+            PopTorch's ``OutputMode.All``.
 
         Raises:
             WrapError: the pipeline has no optimizer.
         """
-        if self.training_model is None:
+        if self._optimizer is None and self._optimizer_function is None:
             raise WrapError("this pipeline has no optimizer, so it cannot train: pass "
-                            "optimizer=... to poptorch_lite.pipeline(), or call "
-                            "pipe.inference(*inputs) to run it forward only")
+                            "optimizer=... (or optimizer_function=...) to "
+                            "poptorch_lite.pipeline(), or call pipe.inference(*inputs) to run "
+                            "it forward only")
+        if not inputs and self._infeed is not None:
+            inputs = self._feed_inputs()
+        if not self._built:
+            self._discover(self._micro_batch(inputs))
         outputs, losses = self.training_model(*inputs)
-        return losses if self._outfeed_loss else outputs
+        result = losses if self._outfeed_loss else outputs
+        if self._outfeed is not None:
+            self._outfeed.enqueue(result)
+        return result
 
     def inference(self, *inputs):
         """Run the stages forward on ``repeat_count x G`` micro-batches, without an optimizer.
 
-        Every argument goes to the first stage. Returns the last stage's outputs,
-        every micro-batch's concatenated along dim 0 (scalars stacked).
+        Every argument goes to the first stage (after TF1's ``inputs``). Returns the
+        last stage's outputs, every micro-batch's concatenated along dim 0 (scalars
+        stacked).
 
         Raises:
             PipelineError: fewer micro-batches per call than pipeline stages.
@@ -244,27 +262,40 @@ class Pipeline:
                 f"an inference pipeline of {S} stages needs at least {S} micro-batches per call "
                 f"to fill, but repeat_count x gradient_accumulation_count = {self._repeat_count} x "
                 f"{self._G} = {D}; raise repeat_count to {-(-S // self._G)} or more")
+        if not inputs and self._infeed is not None:
+            inputs = self._feed_inputs()
+        if not self._built:
+            first = self._micro_batch(inputs)
+            if self._optimizer_function is not None:
+                self._discover(first)
+            else:
+                values, _ = self._predictor.split(first)
+                self._build(called_modules(self._stages, values)[0], None)
         return self.inference_model(*inputs)
 
     def destroy(self) -> None:
         """Release both wrapped models (the stages' modules keep their trained weights)."""
         if self.training_model is not None:
             self.training_model.destroy()
-        self.inference_model.destroy()
+        if self.inference_model is not None:
+            self.inference_model.destroy()
 
 
 def pipeline(computational_stages: Sequence, gradient_accumulation_count: int,
              repeat_count: int = 1, optimizer=None, loss: Optional[Callable] = None,
              pipeline_schedule=PipelineSchedule.Grouped, device_mapping=None,
-             recomputation_mode=None, outfeed_loss: bool = True,
-             reduction_method=ReductionType.Mean, options: Optional[Options] = None) -> Pipeline:
+             recomputation_mode=None, outfeed_loss: bool = False,
+             reduction_method=ReductionType.Mean, options: Optional[Options] = None, *,
+             optimizer_function: Optional[Callable] = None, inputs: Sequence = (),
+             infeed_queue=None, outfeed_queue=None, name: Optional[str] = None,
+             gradient_accumulation_dtype=None) -> Pipeline:
     """TF1's ``pipelining_ops.pipeline`` on torch: a list of stages, pipelined over IPUs.
 
     Args:
         computational_stages: ``nn.Module``s or functions; stage k+1 takes stage
             k's outputs (a tuple unpacks into its arguments, a dict into keywords).
-            A function's parameters must belong to modules it reaches: itself as a
-            bound method, or modules (or lists of them) in its closure or globals.
+            A function stage's modules are the modules it calls, however it reaches
+            them ([Note: TF1 stage modules]).
         gradient_accumulation_count: G, micro-batches per optimizer step (each
             stage runs G times per step). Pipelined schedules need G >= 2S-1 for S
             pipeline stages (consecutive stages on one IPU count as one).
@@ -281,11 +312,24 @@ def pipeline(computational_stages: Sequence, gradient_accumulation_count: int,
             ``RecomputationMode`` name (``"Auto"``, ...) recomputes every stage's
             forward in its backward; or a list of one bool per stage.
         outfeed_loss: a training call returns the losses (True) or the last
-            stage's outputs (False).
+            stage's outputs (False, TF1's default).
         reduction_method: ``ReductionType.Mean`` (PopTorch's default) or ``Sum``
             (TF1's default) over the G micro-batches of a step.
         options: base ``Options`` (devices, seeds, replication), cloned; the
             pipeline sets device iterations, accumulation, strategy and output mode.
+        optimizer_function: TF1's: a function of the last stage's outputs returning
+            ``OptimizerFunctionOutput(optimizer, loss)`` (instead of ``optimizer``
+            and ``loss``); see [Note: TF1 loss and labels].
+        inputs: values given to the first stage ahead of each call's arguments
+            (TF1's ``inputs=[learning_rate]``): Python numbers (or 0-dim tensors, read
+            as numbers) and other non-tensor values.
+        infeed_queue, outfeed_queue: TF1's feeds ([Note: TF1 feeds]): a call with
+            no arguments takes its micro-batches from the infeed, and each call's
+            result is enqueued on the outfeed.
+        name: TF1's name of the pipeline (kept as ``pipe.name``).
+        gradient_accumulation_dtype: None or torch.float32; another dtype is
+            accepted with one warning and ignored (give a ``poptorch_lite.optim``
+            optimizer ``accum_type=...`` for another accumulator).
 
     Returns:
         A :class:`Pipeline`.
@@ -332,52 +376,43 @@ def pipeline(computational_stages: Sequence, gradient_accumulation_count: int,
                              f"parameters to one, got {type(optimizer).__name__}; pass e.g. "
                              f"optimizer=lambda params: torch.optim.SGD(params, lr=0.01)")
     n = _runs(mapping)
-    if optimizer is not None and schedule is not PipelineSchedule.Sequential and n > 1 \
-            and G < 2 * n - 1:
+    if optimizer_function is not None and (optimizer is not None or loss is not None):
+        raise OptionsError("optimizer_function gives both the optimizer and the loss: pass it "
+                           "alone, without optimizer= or loss=")
+    if optimizer_function is not None and not callable(optimizer_function):
+        raise OptionsError(f"optimizer_function must be a function of the last stage's outputs "
+                           f"returning OptimizerFunctionOutput(optimizer, loss), got "
+                           f"{type(optimizer_function).__name__}")
+    if not isinstance(inputs, (list, tuple)):
+        raise OptionsError(f"inputs must be a list of values given to the first stage ahead of "
+                           f"each call's arguments (TF1's inputs=[learning_rate]), got "
+                           f"{type(inputs).__name__}")
+    inputs = [v.item() if isinstance(v, torch.Tensor) and v.dim() == 0 else v for v in inputs]
+    for k, v in enumerate(inputs):
+        if isinstance(v, torch.Tensor):
+            raise OptionsError(f"inputs[{k}] is a tensor of shape {tuple(v.shape)}; TF1's inputs "
+                               f"are constants of each call: pass a Python number (a 0-dim "
+                               f"tensor is read as one), or let the stage reach the tensor "
+                               f"through its closure")
+    if infeed_queue is not None and not isinstance(infeed_queue, IPUInfeedQueue):
+        infeed_queue = IPUInfeedQueue(infeed_queue)
+    if outfeed_queue is not None and not isinstance(outfeed_queue, IPUOutfeedQueue):
+        raise OptionsError(f"outfeed_queue must be a poptorch_lite.IPUOutfeedQueue, got "
+                           f"{type(outfeed_queue).__name__}")
+    if gradient_accumulation_dtype not in (None, torch.float32):
+        warn_once("pipeline.gradient_accumulation_dtype",
+                  "pipeline(gradient_accumulation_dtype=...) is ignored: gradients accumulate in "
+                  "the parameters' dtype (for another accumulator, give a poptorch_lite.optim "
+                  "optimizer accum_type=...)", PoptorchLiteWarning)
+    training = optimizer is not None or optimizer_function is not None
+    if training and schedule is not PipelineSchedule.Sequential and n > 1 and G < 2 * n - 1:
         raise PipelineError(
             f"gradient_accumulation_count({G}) is too small for the {schedule.name} schedule of "
             f"{n} pipeline stages: it needs at least {2 * n - 1} (2 x stages - 1); pass "
             f"gradient_accumulation_count={2 * n - 1} or more, or "
             f"pipeline_schedule=PipelineSchedule.Sequential")
-    owned = _owned_modules(stages, mapping)
-    if isinstance(optimizer, torch.optim.Optimizer):
-        held = {id(p) for m in owned.values() for p in m.parameters()}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) not in held:
-                    raise OptimizerError(
-                        f"the optimizer trains a parameter of shape {tuple(p.shape)} that no "
-                        f"stage holds: a function stage reaches its modules only as a bound "
-                        f"method or through its closure or globals; make the stage an nn.Module "
-                        f"(or a method of one) that owns the layer")
     strategy = PipelinedExecution(*[Stage(f"stage{k}").ipu(mapping[k]).recompute(recompute[k])
                                     for k in range(S)], schedule=schedule)
-    return Pipeline(list(stages), owned, mapping, loss, optimizer, strategy,
+    return Pipeline(list(stages), mapping, loss, optimizer, optimizer_function, strategy,
                     Options() if options is None else options, repeat_count, G, outfeed_loss,
-                    reduction_method)
-
-
-def _owned_modules(stages, mapping) -> dict:
-    """Every module the stages use, once, named ``stage<k>`` or ``stage<k>_<j>``.
-
-    Raises:
-        OptionsError: two stages on different IPUs share a parameter (TF1: stages
-            that share variables must be placed on the same IPU); checked for
-            module stages and bound methods, whose modules are known to be used.
-    """
-    owned, seen, home = {}, set(), {}
-    for k, stage in enumerate(stages):
-        modules, exact = _modules_of(stage)
-        for j, m in enumerate(modules):
-            for p in (m.parameters() if exact else ()):
-                s = home.setdefault(id(p), k)
-                if mapping[s] != mapping[k]:
-                    raise OptionsError(
-                        f"stages {s} and {k} share a parameter of shape {tuple(p.shape)} but "
-                        f"device_mapping puts them on IPUs {mapping[s]} and {mapping[k]}; map "
-                        f"stages that share parameters to one IPU, as TF1 requires")
-            if id(m) in seen:
-                continue
-            seen.update(id(sub) for sub in m.modules())
-            owned[f"stage{k}" if isinstance(stage, torch.nn.Module) else f"stage{k}_{j}"] = m
-    return owned
+                    reduction_method, list(inputs), infeed_queue, outfeed_queue, name)
