@@ -251,6 +251,37 @@ def _check_buffers_kept(model: torch.nn.Module, values: dict) -> None:
                 f"from a source tensor, where src is the name of the source tensor.")
 
 
+def _constant_outputs(gm: torch.fx.GraphModule, consts: list) -> list:
+    """Take the outputs that are constants of the trace out of the graph.
+
+    A tensor the forward returns as it is, made outside the graph (a global, a
+    ``torch.tensor`` of Python numbers), is a constant of the trace: no stage computes
+    it, and every call returns it, as every call of the plain forward does.
+
+    Args:
+        consts: per output leaf, ``("const", value)`` or None for a tensor.
+
+    Returns:
+        ``consts`` with such tensors as ``("const", tensor)``; the graph then outputs
+        only the tensors its stages compute.
+    """
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    values, kept = iter(out.args[0]), []
+    result = []
+    for c in consts:
+        v = next(values) if c is None else None
+        if isinstance(v, torch.fx.Node) and v.op == "get_attr":
+            result.append(("const", getattr(gm, v.target)))
+            continue
+        result.append(c)
+        if c is None:
+            kept.append(v)
+    if len(kept) < len(out.args[0]):
+        out.args = (kept,)
+        gm.recompile()
+    return result
+
+
 def _drop_unused_getitems(gm: torch.fx.GraphModule) -> None:
     """Remove the picks of a multi-output op's results that nothing reads.
 
@@ -350,7 +381,8 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
         hook.remove()
         torch._C._set_mkldnn_enabled(onednn)
     _drop_unused_getitems(gm)
-    consts = [None if isinstance(v, torch.Tensor) else ("const", v) for v in result["leaves"]]
+    consts = _constant_outputs(gm, [None if isinstance(v, torch.Tensor) else ("const", v)
+                                    for v in result["leaves"]])
     layer_blocks = {name: module_blocks[m] for name, m in model.named_modules()
                     if m in module_blocks and name}
     return gm, list(params), list(buffers), result["spec"], consts, layer_blocks, mutated

@@ -351,6 +351,42 @@ def test_the_first_call_logs_stages_devices_schedule_and_batch(caplog):
         "step, x deviceIterations 2 = 12 per call"]
 
 
+SCALE = torch.tensor(0.1)  # a tensor made outside the forward, returned as it is
+
+
+class ReturnsAConstant(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 4)
+        self.with_scale = True  # the plain reference returns (out, loss)
+
+    def forward(self, x, y):
+        out = self.fc(x)
+        return (SCALE, out, F.cross_entropy(out, y)) if self.with_scale else \
+            (out, F.cross_entropy(out, y))
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["training", "inference"])
+def test_a_constant_tensor_returned_as_it_is_comes_back_from_every_call(training, device):
+    torch.manual_seed(0)
+    model = ReturnsAConstant()
+    ref = twin(model)
+    ref.with_scale = False
+    x, y = data(B * 2)
+    opts = options(device, D=2)
+    wrapped = poptorch.trainingModel(model, opts, sgd(model)) if training else \
+        poptorch.inferenceModel(model, opts)
+    ref_opt = sgd(ref)
+    for _ in range(2):
+        scale, out, loss = wrapped(x, y)
+        assert torch.equal(scale, SCALE)
+        if training:
+            _, ref_losses, _ = reference_training(ref, ref_opt, x, y, 2, 1, 1)
+            assert_close(loss, ref_losses[-1], atol=ATOL, rtol=0)
+    if training:
+        assert_same_weights(model, ref)
+
+
 class KeepsItsLoss(torch.nn.Module):
     def __init__(self, returns):
         super().__init__()
