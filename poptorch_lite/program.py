@@ -46,6 +46,28 @@ class Program:
         return self._schedules[m, training]
 
 
+    def describe(self, training: bool, D: int, R: int, G: int, b: int) -> str:
+        """One line on what the program runs: stages, devices, schedule, the batch.
+
+        Args:
+            training: a training program; D, R, G: device iterations, the replicas in
+                this process, gradient accumulation; b: the micro-batch size.
+        """
+        part, placement = self.partition, self.executor.placement
+        stages = "; ".join(
+            f"{st.index}: IPU {st.ipu} on {placement.device(st.ipu)}"
+            if st.ipu in placement.devices else f"{st.index}: IPU {st.ipu} in another process"
+            for st in part.stages)
+        batch = (f"micro-batch {b} x gradientAccumulation {G} x replicas {R} = {b * G * R} per "
+                 f"optimizer step, x deviceIterations {D} = {b * G * R * D} per call"
+                 if training else
+                 f"micro-batch {b} x replicas {R} x deviceIterations {D} = {b * R * D} per call")
+        S = part.num_stages
+        return (f"{'trainingModel' if training else 'inferenceModel'} compiled: {S} "
+                f"stage{'s' if S > 1 else ''} ({stages}), schedule "
+                f"{self.schedule(G * R if training else D * R, training).name}; {batch}")
+
+
 def recomputed(options: Options, stage) -> bool:
     """Whether a stage is recomputed: its Stage's ``recompute()``, else autoRecomputation."""
     strategy = options.execution_strategy

@@ -460,27 +460,12 @@ class PoplarExecutor(perf_counters.Latencies):
                 self._replicas(), self._weights, self._placement, self._processes)
             self._programs[key] = program
             self._compiled = True
-            _LOG.info("%s", self._describe(program, mbs))
+            o = self._options
+            _LOG.info("%s", program.describe(
+                self._training, o.device_iterations, self._replicas(),
+                o.Training.gradient_accumulation,
+                next((t.shape[0] for t in mbs.tensors(0) if t.dim() > 0), 1)))
         return program
-
-    def _describe(self, program: Program, mbs: MicroBatches) -> str:
-        """One line on what a compiled program runs: stages, devices, schedule, batch."""
-        o, part = self._options, program.partition
-        D, R, G = o.device_iterations, self._replicas(), o.Training.gradient_accumulation
-        placement = program.executor.placement
-        stages = "; ".join(
-            f"{st.index}: IPU {st.ipu} on {placement.device(st.ipu)}"
-            if st.ipu in placement.devices else f"{st.index}: IPU {st.ipu} in another process"
-            for st in part.stages)
-        m = G * R if self._training else D * R
-        b = next((t.shape[0] for t in mbs.tensors(0) if t.dim() > 0), 1)
-        batch = (f"micro-batch {b} x gradientAccumulation {G} x replicas {R} = {b * G * R} per "
-                 f"optimizer step, x deviceIterations {D} = {b * G * R * D} per call"
-                 if self._training else
-                 f"micro-batch {b} x replicas {R} x deviceIterations {D} = {b * R * D} per call")
-        kind = "trainingModel" if self._training else "inferenceModel"
-        return (f"{kind} compiled: {part.num_stages} stage{'s' if part.num_stages > 1 else ''} "
-                f"({stages}), schedule {program.schedule(m, self._training).name}; {batch}")
 
     def _attach(self) -> None:
         if self._processes is not None and self._training:  # every replica starts the same
