@@ -57,7 +57,7 @@ from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from . import markers
+from . import markers, structures
 from .annotations import _current, trace_context
 from .errors import Error, TraceError
 from .ops import LOSS_FUNCTIONS
@@ -226,6 +226,28 @@ def _check_buffers_kept(model: torch.nn.Module, values: dict) -> None:
                 f"from a source tensor, where src is the name of the source tensor.")
 
 
+def _check_output(out, leaves: list) -> None:
+    """Refuse an output that would come back frozen ([Note: container subclasses])."""
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor) and structures.tensor_holder(leaf):
+            kind = structures.describe_type(type(leaf))
+            raise TraceError(
+                f"the forward returns a {kind} that holds tensors, which cannot be flattened: "
+                f"it is not a tuple, list or dict, nor a type registered with "
+                f"torch.utils._pytree, so every call would return the traced object with the "
+                f"first micro-batch's tensors. Return its tensors in a tuple, list or dict, or "
+                f"register {type(leaf).__name__} (torch.export.register_dataclass for a "
+                f"dataclass, torch.utils._pytree.register_pytree_node otherwise)")
+    broken = structures.unrebuildable(out)
+    if broken is not None:
+        raise TraceError(
+            f"the forward returns a {broken[0]}, which cannot be built again from its items "
+            f"({broken[1]}): every call rebuilds it as PopTorch does, type(x)({{key: value}}) "
+            f"for a dict subclass and type(x)(items) for a list or tuple subclass. Give it a "
+            f"constructor that takes that, or register it with "
+            f"torch.utils._pytree.register_pytree_node")
+
+
 def _drop_unused_getitems(gm: torch.fx.GraphModule) -> None:
     """Remove the picks of a multi-output op's results that nothing reads.
 
@@ -273,7 +295,7 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     names = list(params) + list(buffers)
-    leaves, in_spec = pytree.tree_flatten((args, kwargs))
+    leaves, in_spec = structures.flatten((args, kwargs))
     tensor_pos = [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
     result: dict = {}
     module_blocks: dict = {}
@@ -290,7 +312,8 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
             out = functional_call(model, values, a, kw)
         finally:
             check.remove()
-        out_leaves, result["spec"] = pytree.tree_flatten(out)
+        out_leaves, result["spec"] = structures.flatten(out)
+        _check_output(out, out_leaves)
         result["leaves"] = out_leaves
         return [v for v in out_leaves if isinstance(v, torch.Tensor)]
 
