@@ -42,6 +42,23 @@ value for every later one (PopTorch's tracer fixes it the same way, silently).
 width would be the first micro-batch's largest class. A tensor passed where
 torch wants a Python number (``torch.arange(t)``) is converted inside torch's
 C++ and cannot be told apart from an op's own read; it is fixed at trace time.
+
+[Note: an export-style trace]
+The trace records one graph that every later micro-batch and call replays, which
+is what ``torch.export`` does, and its non-strict mode records it the same way,
+with ``make_fx`` on the module's own Python. So the trace says so through torch's
+public signals, as non-strict export does (``torch._export.utils.
+_compiling_state_context``): ``torch.compiler.is_compiling()`` and
+``torch.compiler.is_exporting()`` are True while it runs. Libraries written to be
+exported ask exactly these (transformers' ``is_tracing`` and
+``is_torchdynamo_exporting``, timm, torchvision) and then keep data-dependent
+shortcuts out of the forward: transformers' masks skip their "every position is
+attended" test (``padding_mask.all()``), which would otherwise be read into Python
+and fix micro-batch 0's branch for all; the mask is then computed as tensor ops, so
+a micro-batch with padding gets its own mask, as in plain PyTorch. A model that
+still reads a traced value into Python is refused as before. The flags are
+torch's module globals (as export's are), set only for the trace; the stages run
+recorded graphs, never the module's Python, so nothing else reads them.
 """
 
 from __future__ import annotations
@@ -205,6 +222,25 @@ def _preserved_state(model: torch.nn.Module, modes: dict):
             torch.cuda.set_rng_state_all(cuda_rng)
 
 
+@contextlib.contextmanager
+def _export_style():
+    """Say to the model's code that it is being exported ([Note: an export-style trace]).
+
+    The flags are the ones ``torch.compiler.is_compiling``/``is_exporting`` return (and
+    non-strict ``torch.export`` sets); a torch without them traces as before.
+    """
+    compiler = torch.compiler
+    flags = [f for f in ("_is_compiling_flag", "_is_exporting_flag") if hasattr(compiler, f)]
+    saved = {f: getattr(compiler, f) for f in flags}
+    for f in flags:
+        setattr(compiler, f, True)
+    try:
+        yield
+    finally:
+        for f, value in saved.items():
+            setattr(compiler, f, value)
+
+
 def _check_buffers_kept(model: torch.nn.Module, values: dict) -> None:
     """Refuse a forward that deleted or replaced a registered buffer, as PopTorch does.
 
@@ -331,7 +367,8 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
     try:
         # The session is entered last, so it sees a dropout first ([Note: inference session]):
         # _TraceMode would otherwise turn F.dropout into native_dropout before it could.
-        with _preserved_state(model, modes) as before, trace_context(), grad, _TraceMode(), session:
+        with _preserved_state(model, modes) as before, trace_context(), _export_style(), grad, \
+                _TraceMode(), session:
             versions = {n: b._version for n, b in buffers.items()}
             gm = make_fx(run, tracing_mode="real", record_stack_traces=True,
                          _error_on_data_dependent_ops=False)(*flat)
