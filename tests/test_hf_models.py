@@ -118,11 +118,29 @@ def test_gpt2_inference_of_a_train_mode_model_equals_plain_eval():
     assert model.training  # the user's flags are untouched
 
 
-def test_gpt2_key_value_cache_output_is_refused_by_name():
-    """With ``use_cache`` the output holds a DynamicCache, which pytree cannot walk (unless
-    registered): it would be the trace's cache at every call, so it is refused."""
-    model = gpt2(use_cache=True)
-    wrapped = poptorch.inferenceModel(model)
-    with pytest.raises(poptorch.TraceError, match=r"returns a transformers\.cache_utils\."
-                                                  r"DynamicCache that holds tensors"):
-        wrapped(input_ids=torch.randint(1, VOCAB, (2, SEQ)))
+def test_gpt2_key_value_cache_is_refused_by_name_until_registered_with_pytree():
+    """With ``use_cache`` the output holds a DynamicCache, which pytree cannot walk: it would be
+    the trace's cache at every call, so it is refused. Registered with pytree (transformers'
+    own export support), it comes back with each call's keys and values."""
+    from transformers.cache_utils import DynamicCache
+    from transformers.integrations.executorch import register_dynamic_cache_export_support
+
+    model = gpt2(use_cache=True).eval()
+    poptorch.BeginBlock(model.transformer.h[2], "second", ipu_id=1)
+    opts = poptorch.Options().deviceIterations(2)
+    if torch.utils._pytree.tree_flatten(DynamicCache())[1].is_leaf():  # not yet registered
+        with pytest.raises(poptorch.TraceError, match=r"returns a transformers\.cache_utils\."
+                                                      r"DynamicCache that holds tensors"):
+            poptorch.inferenceModel(model, opts)(input_ids=torch.randint(1, VOCAB, (4, SEQ)))
+    register_dynamic_cache_export_support()
+    wrapped = poptorch.inferenceModel(model, opts)
+    for seed in (1, 2):
+        ids = torch.randint(1, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(seed))
+        out = wrapped(input_ids=ids)
+        with torch.no_grad():
+            ref = model(input_ids=ids)
+        assert type(out.past_key_values) is DynamicCache
+        torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=0)
+        for got, want in zip(out.past_key_values.layers, ref.past_key_values.layers):
+            torch.testing.assert_close(got.keys, want.keys, atol=1e-5, rtol=0)
+            torch.testing.assert_close(got.values, want.values, atol=1e-5, rtol=0)
