@@ -48,8 +48,9 @@ class MicroBatches:
 
     def __init__(self, args: tuple, kwargs: dict, factor: int, explain: str):
         _check_number_lists(list(args) + list(kwargs.values()))
-        leaves, self.spec = structures.flatten((tuple(args), dict(kwargs)))
-        broken = structures.unrebuildable((args, kwargs))
+        lifted = structures.lift((tuple(args), dict(kwargs)))
+        leaves, self.spec = pytree.tree_flatten(lifted)
+        broken = structures.unrebuildable(lifted)
         if broken is not None:
             raise InputError(
                 f"an input is a {broken[0]}, which cannot be built again from its items "

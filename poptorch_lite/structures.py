@@ -54,19 +54,18 @@ pytree.register_pytree_node(_Container, _flatten_container, _rebuild,
                             serialized_type_name="poptorch_lite.structures._Container")
 
 
-def _unregistered(x: Any) -> bool:
-    """A dict, list or tuple subclass that pytree would take whole, as one leaf."""
-    return isinstance(x, (dict, list, tuple)) and pytree.tree_flatten(x)[1].is_leaf()
+def lift(x: Any) -> Any:
+    """``x`` with every unregistered container subclass in it turned into a ``_Container``.
 
-
-def _lift(x: Any) -> Any:
-    """``x`` with every unregistered container subclass in it turned into a ``_Container``."""
+    pytree takes a ``dict``, ``list`` or ``tuple`` it does not know whole, as one leaf, so a
+    leaf of that kind is exactly an unregistered subclass.
+    """
     def one(leaf):
-        if not _unregistered(leaf):
-            return leaf
         if isinstance(leaf, dict):
-            return _Container(type(leaf), tuple(leaf), [_lift(v) for v in leaf.values()])
-        return _Container(type(leaf), None, [_lift(v) for v in leaf])
+            return _Container(type(leaf), tuple(leaf), [lift(v) for v in leaf.values()])
+        if isinstance(leaf, (list, tuple)):
+            return _Container(type(leaf), None, [lift(v) for v in leaf])
+        return leaf
     return pytree.tree_map(one, x)
 
 
@@ -83,13 +82,14 @@ def flatten(x: Any) -> tuple:
         >>> type(pytree.tree_unflatten([torch.ones(1), 2], spec)).__name__
         'Out'
     """
-    return pytree.tree_flatten(_lift(x))
+    return pytree.tree_flatten(lift(x))
 
 
-def unrebuildable(x: Any) -> Optional[tuple]:
-    """``(type name, why)`` of the first container subclass in ``x`` that cannot be built
-    again from its own items as PopTorch builds it; None when every one can."""
-    pending = [_lift(x)]
+def unrebuildable(lifted: Any) -> Optional[tuple]:
+    """``(type name, why)`` of the first container subclass in ``lifted`` (a :func:`lift`
+    result) that cannot be built again from its own items as PopTorch builds it; None when
+    every one can."""
+    pending = [lifted]
     while pending:
         leaves, _ = pytree.tree_flatten(pending.pop(), is_leaf=lambda n: isinstance(n, _Container))
         for node in (n for n in leaves if isinstance(n, _Container)):

@@ -262,8 +262,11 @@ def _check_buffers_kept(model: torch.nn.Module, values: dict) -> None:
                 f"from a source tensor, where src is the name of the source tensor.")
 
 
-def _check_output(out, leaves: list) -> None:
-    """Refuse an output that would come back frozen ([Note: container subclasses])."""
+def _check_output(lifted, leaves: list) -> None:
+    """Refuse an output that would come back frozen ([Note: container subclasses]).
+
+    ``lifted`` is the output as ``structures.lift`` gives it; ``leaves`` its leaves.
+    """
     for leaf in leaves:
         if not isinstance(leaf, torch.Tensor) and structures.tensor_holder(leaf):
             kind = structures.describe_type(type(leaf))
@@ -274,7 +277,7 @@ def _check_output(out, leaves: list) -> None:
                 f"first micro-batch's tensors. Return its tensors in a tuple, list or dict, or "
                 f"register {type(leaf).__name__} (torch.export.register_dataclass for a "
                 f"dataclass, torch.utils._pytree.register_pytree_node otherwise)")
-    broken = structures.unrebuildable(out)
+    broken = structures.unrebuildable(lifted)
     if broken is not None:
         raise TraceError(
             f"the forward returns a {broken[0]}, which cannot be built again from its items "
@@ -348,8 +351,9 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
             out = functional_call(model, values, a, kw)
         finally:
             check.remove()
-        out_leaves, result["spec"] = structures.flatten(out)
-        _check_output(out, out_leaves)
+        lifted = structures.lift(out)
+        out_leaves, result["spec"] = pytree.tree_flatten(lifted)
+        _check_output(lifted, out_leaves)
         result["leaves"] = out_leaves
         return [v for v in out_leaves if isinstance(v, torch.Tensor)]
 
