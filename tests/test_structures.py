@@ -250,3 +250,12 @@ def test_container_subclass_that_cannot_be_rebuilt_is_refused():
         wrapped(torch.randn(2, 6), torch.randint(0, 3, (2,)))
     with pytest.raises(poptorch.InputError, match=r"an input is a test_structures\.NeedsTwo"):
         poptorch.inferenceModel(torch.nn.Identity())(NeedsTwo(torch.ones(2), torch.ones(2)))
+
+
+def test_doctests_of_structures():
+    import doctest
+
+    from poptorch_lite import structures
+
+    result = doctest.testmod(structures, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
