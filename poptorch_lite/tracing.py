@@ -51,7 +51,7 @@ public signals, as non-strict export does (``torch._export.utils.
 _compiling_state_context``): ``torch.compiler.is_compiling()`` and
 ``torch.compiler.is_exporting()`` are True while it runs. Libraries written to be
 exported ask exactly these (transformers' ``is_tracing`` and
-``is_torchdynamo_exporting``, timm, torchvision) and then keep data-dependent
+``is_torchdynamo_exporting``, timm's ``is_exporting``) and then keep data-dependent
 shortcuts out of the forward: transformers' masks skip their "every position is
 attended" test (``padding_mask.all()``), which would otherwise be read into Python
 and fix micro-batch 0's branch for all; the mask is then computed as tensor ops, so
