@@ -78,11 +78,59 @@ def conv_stages():
     return first, second
 
 
+GPT2_SEQ = 128  # bytes per window of benchmarks/gpt2.py
+
+
+def gpt2(width, layers, seq_len=GPT2_SEQ):
+    """benchmarks/gpt2.py's model: transformers' GPT-2 from a config (vocabulary 256: bytes),
+    built from seed 0."""
+    import transformers  # the .[hf] extra; only the GPT-2 benchmark needs it
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=256, n_positions=seq_len, n_embd=width,
+                                     n_layer=layers, n_head=4, bos_token_id=0, eos_token_id=0,
+                                     use_cache=False)
+    return transformers.GPT2LMHeadModel(config)
+
+
+class _GPT2Part(torch.nn.Module):
+    """Layers ``lo:hi`` of a GPT-2 as a stage of its own: the first part also embeds the
+    tokens, the last also applies the final norm and the (untied copy of the) output head.
+    Attention is causal as in the model (no mask: transformers' SDPA takes ``is_causal``)."""
+
+    def __init__(self, lm, lo, hi):
+        super().__init__()
+        import copy
+        t = lm.transformer
+        self.first, self.last = lo == 0, hi == len(t.h)
+        self.embed = torch.nn.ModuleList([t.wte, t.wpe, t.drop]) if self.first else None
+        self.blocks = torch.nn.ModuleList(t.h[lo:hi])
+        self.head = (torch.nn.ModuleList([t.ln_f, copy.deepcopy(lm.lm_head)]) if self.last
+                     else None)
+
+    def forward(self, x):
+        if self.first:
+            wte, wpe, drop = self.embed
+            x = drop(wte(x) + wpe(torch.arange(x.shape[1], device=x.device)))
+        for block in self.blocks:
+            x = block(x)
+        if self.last:
+            x = self.head[1](self.head[0](x))
+        return x
+
+
+def gpt2_loss(logits, ids):
+    """transformers' causal LM loss: each position predicts the next byte, mean over tokens."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
 def stages(model, S, width, layers):
-    """The S stage modules of ``model`` ("mlp" or "conv"), built from seed 0."""
+    """The S stage modules of ``model`` ("mlp", "conv" or "gpt2"), built from seed 0."""
     torch.manual_seed(0)
     if model == "conv":
         return list(conv_stages())
+    if model == "gpt2":
+        lm, per = gpt2(width, layers), layers // S
+        return [_GPT2Part(lm, s * per, layers if s == S - 1 else (s + 1) * per) for s in range(S)]
     body = mlp(width, layers)
     return [body[stage_slice(s, S, layers)] for s in range(S)]
 
@@ -90,13 +138,16 @@ def stages(model, S, width, layers):
 def batch(model, rows, width, seed=1):
     """One step's inputs and targets."""
     g = torch.Generator().manual_seed(seed)
+    if model == "gpt2":  # windows of GPT2_SEQ bytes, each its own target
+        ids = torch.randint(0, 256, (rows, GPT2_SEQ), generator=g)
+        return ids, ids
     if model == "conv":
         return torch.randn(rows, 1, 28, 28, generator=g), torch.randint(0, 10, (rows,), generator=g)
     return torch.randn(rows, width, generator=g), torch.randn(rows, width, generator=g)
 
 
 def loss_of(model):
-    return F.nll_loss if model == "conv" else F.mse_loss
+    return {"conv": F.nll_loss, "gpt2": gpt2_loss}.get(model, F.mse_loss)
 
 
 class Pipelined(torch.nn.Module):

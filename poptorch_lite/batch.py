@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
+from . import structures
 from .enums import OutputMode
 from .errors import BatchSizeError, InputError, OptionsError, warn_once, PoptorchLiteWarning
 
@@ -47,7 +48,15 @@ class MicroBatches:
 
     def __init__(self, args: tuple, kwargs: dict, factor: int, explain: str):
         _check_number_lists(list(args) + list(kwargs.values()))
-        leaves, self.spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        lifted = structures.lift((tuple(args), dict(kwargs)))
+        leaves, self.spec = pytree.tree_flatten(lifted)
+        broken = structures.unrebuildable(lifted)
+        if broken is not None:
+            raise InputError(
+                f"an input is a {broken[0]}, which cannot be built again from its items "
+                f"({broken[1]}): each micro-batch gets it rebuilt as PopTorch does, "
+                f"type(x)({{key: value}}) for a dict subclass and type(x)(items) for a list or "
+                f"tuple subclass. Give it a constructor that takes that, or pass a plain dict")
         self.factor = factor
         for leaf in leaves:
             _check_leaf(leaf)

@@ -42,6 +42,23 @@ value for every later one (PopTorch's tracer fixes it the same way, silently).
 width would be the first micro-batch's largest class. A tensor passed where
 torch wants a Python number (``torch.arange(t)``) is converted inside torch's
 C++ and cannot be told apart from an op's own read; it is fixed at trace time.
+
+[Note: an export-style trace]
+The trace records one graph that every later micro-batch and call replays, which
+is what ``torch.export`` does, and its non-strict mode records it the same way,
+with ``make_fx`` on the module's own Python. So the trace says so through torch's
+public signals, as non-strict export does (``torch._export.utils.
+_compiling_state_context``): ``torch.compiler.is_compiling()`` and
+``torch.compiler.is_exporting()`` are True while it runs. Libraries written to be
+exported ask exactly these (transformers' ``is_tracing`` and
+``is_torchdynamo_exporting``, timm's ``is_exporting``) and then keep data-dependent
+shortcuts out of the forward: transformers' masks skip their "every position is
+attended" test (``padding_mask.all()``), which would otherwise be read into Python
+and fix micro-batch 0's branch for all; the mask is then computed as tensor ops, so
+a micro-batch with padding gets its own mask, as in plain PyTorch. A model that
+still reads a traced value into Python is refused as before. The flags are
+torch's module globals (as export's are), set only for the trace; the stages run
+recorded graphs, never the module's Python, so nothing else reads them.
 """
 
 from __future__ import annotations
@@ -60,7 +77,7 @@ from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from . import markers
+from . import markers, structures
 from .annotations import _current, trace_context
 from .errors import Error, TraceError
 from .ops import LOSS_FUNCTIONS
@@ -230,6 +247,25 @@ def _preserved_state(model: torch.nn.Module, modes: dict):
             torch.cuda.set_rng_state_all(cuda_rng)
 
 
+@contextlib.contextmanager
+def _export_style():
+    """Say to the model's code that it is being exported ([Note: an export-style trace]).
+
+    The flags are the ones ``torch.compiler.is_compiling``/``is_exporting`` return (and
+    non-strict ``torch.export`` sets); a torch without them traces as before.
+    """
+    compiler = torch.compiler
+    flags = [f for f in ("_is_compiling_flag", "_is_exporting_flag") if hasattr(compiler, f)]
+    saved = {f: getattr(compiler, f) for f in flags}
+    for f in flags:
+        setattr(compiler, f, True)
+    try:
+        yield
+    finally:
+        for f, value in saved.items():
+            setattr(compiler, f, value)
+
+
 def _check_buffers_kept(model: torch.nn.Module, values: dict) -> None:
     """Refuse a forward that deleted or replaced a registered buffer, as PopTorch does.
 
@@ -282,6 +318,31 @@ def _constant_outputs(gm: torch.fx.GraphModule, consts: list) -> list:
     return result
 
 
+def _check_output(lifted, leaves: list) -> None:
+    """Refuse an output that would come back frozen ([Note: container subclasses]).
+
+    ``lifted`` is the output as ``structures.lift`` gives it; ``leaves`` its leaves.
+    """
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor) and structures.tensor_holder(leaf):
+            kind = structures.describe_type(type(leaf))
+            raise TraceError(
+                f"the forward returns a {kind} that holds tensors, which cannot be flattened: "
+                f"it is not a tuple, list or dict, nor a type registered with "
+                f"torch.utils._pytree, so every call would return the traced object with the "
+                f"first micro-batch's tensors. Return its tensors in a tuple, list or dict, or "
+                f"register {type(leaf).__name__} (torch.export.register_dataclass for a "
+                f"dataclass, torch.utils._pytree.register_pytree_node otherwise)")
+    broken = structures.unrebuildable(lifted)
+    if broken is not None:
+        raise TraceError(
+            f"the forward returns a {broken[0]}, which cannot be built again from its items "
+            f"({broken[1]}): every call rebuilds it as PopTorch does, type(x)({{key: value}}) "
+            f"for a dict subclass and type(x)(items) for a list or tuple subclass. Give it a "
+            f"constructor that takes that, or register it with "
+            f"torch.utils._pytree.register_pytree_node")
+
+
 def _drop_unused_getitems(gm: torch.fx.GraphModule) -> None:
     """Remove the picks of a multi-output op's results that nothing reads.
 
@@ -329,7 +390,7 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     names = list(params) + list(buffers)
-    leaves, in_spec = pytree.tree_flatten((args, kwargs))
+    leaves, in_spec = structures.flatten((args, kwargs))
     tensor_pos = [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
     result: dict = {}
     module_blocks: dict = {}
@@ -346,7 +407,9 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
             out = functional_call(model, values, a, kw)
         finally:
             check.remove()
-        out_leaves, result["spec"] = pytree.tree_flatten(out)
+        lifted = structures.lift(out)
+        out_leaves, result["spec"] = pytree.tree_flatten(lifted)
+        _check_output(lifted, out_leaves)
         result["leaves"] = out_leaves
         return [v for v in out_leaves if isinstance(v, torch.Tensor)]
 
@@ -364,7 +427,8 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
     try:
         # The session is entered last, so it sees a dropout first ([Note: inference session]):
         # _TraceMode would otherwise turn F.dropout into native_dropout before it could.
-        with _preserved_state(model, modes) as before, trace_context(), grad, _TraceMode(), session:
+        with _preserved_state(model, modes) as before, trace_context(), _export_style(), grad, \
+                _TraceMode(), session:
             versions = {n: b._version for n, b in buffers.items()}
             gm = make_fx(run, tracing_mode="real", record_stack_traces=True,
                          _error_on_data_dependent_ops=False)(*flat)

@@ -42,3 +42,17 @@ def test_pipeline_benchmark_runs_the_conv_net_with_a_stage_per_process():
     for row in ("plain PyTorch, micro-batched (8 x 8 rows)", "poptorch_lite grouped",
                 "poptorch_lite interleaved (2 processes)", "torch Schedule1F1B (2 processes)"):
         assert row in rows, done.stdout
+
+
+def test_gpt2_benchmark_runs_every_kind_of_row():
+    """A smoke run of benchmarks/gpt2.py on a 2-layer GPT-2 (needs transformers)."""
+    pytest.importorskip("transformers")
+    done = subprocess.run([sys.executable, "-W", "ignore", str(BENCH / "gpt2.py"), "--layers", "2",
+                           "--width", "32", "--repeats", "1", "--warmup", "0", "--schedules",
+                           "sequential,grouped", "--torch-schedules", "1f1b"],
+                          capture_output=True, text=True, timeout=300, cwd=BENCH.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split("  ")[0] for line in done.stdout.splitlines()]
+    for row in ("plain PyTorch, micro-batched (8 x 4)", "poptorch_lite sequential",
+                "poptorch_lite grouped", "torch Schedule1F1B (2 processes)"):
+        assert row in rows, done.stdout

@@ -221,6 +221,32 @@ def call_with(*inputs):
         wrapped(*inputs)
 
 
+class Holder:
+    """An object holding a tensor that pytree cannot walk (E-PART-16)."""
+
+    def __init__(self, t):
+        self.t = t
+
+
+class NeedsTwo(dict):
+    """A dict subclass whose constructor does not take its items (E-PART-17, E-BAT-06)."""
+
+    def __init__(self, a, b):
+        super().__init__(a=a, b=b)
+
+
+class Returning(torch.nn.Module):
+    """Returns its loss beside ``wrap(out)``."""
+
+    def __init__(self, wrap):
+        super().__init__()
+        self.l1, self.wrap = torch.nn.Linear(4, 4), wrap
+
+    def forward(self, x, y):
+        out = self.l1(x)
+        return self.wrap(out), F.mse_loss(out, y)
+
+
 def ds(n=20):
     return torch.utils.data.TensorDataset(torch.arange(float(n)).reshape(n, 1))
 
@@ -735,6 +761,8 @@ T = {
     "E-PART-13": lambda: buffer_kept(Two(tail="del_buffer", bn=True)),
     "E-PART-14": lambda: buffer_kept(Two(tail="reassign_buffer", bn=True)),
     "E-PART-10": lambda: first_call(Two(bn=True), opts(R=2)),
+    "E-PART-16": lambda: first_call(Returning(Holder), opts()),
+    "E-PART-17": lambda: first_call(Returning(lambda t: NeedsTwo(t, t)), opts()),
     "E-PART-15": lambda: without_kernel("aten::addmm", lambda: first_call(
         Two(), opts(strategy=poptorch.PipelinedExecution("a", "b"), G=4))),
     # pipelining
@@ -836,6 +864,8 @@ T = {
     "E-BAT-03": lambda: call_with(np.zeros((2, 4), np.float32), torch.randn(2, 4)),
     "E-BAT-04": lambda: call_with(torch.randn(2, 4), object()),
     "E-BAT-05": lambda: call_with(torch.randn(2, 4), [0.0, 1.0]),
+    "E-BAT-06": lambda: poptorch.inferenceModel(torch.nn.Identity())(
+        NeedsTwo(torch.ones(2), torch.ones(2))),
     # optimizers
     "E-OPTIM-01": lambda: optim.SGD(params(), lr=0.1).variable_attrs.isConstant("nope"),
     "E-OPTIM-02": lambda: optim.SGD(params(), lr=-1),

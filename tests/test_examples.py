@@ -232,3 +232,25 @@ def test_mnist_poptorch_runs_unmodified_through_the_alias():
     accuracy = re.fullmatch(r"Accuracy on test set: ([0-9]+\.[0-9]{2})%", result.stdout.strip())
     assert accuracy, result.stdout
     assert 20.0 < float(accuracy.group(1)) <= 100.0  # 20 SGD steps learn far above chance
+
+
+def test_gpt2_pipelined_trains_transformers_gpt2_on_the_standard_library():
+    """Needs transformers (the .[hf] extra), not MNIST's images: 64 windows, 2 steps of 32."""
+    pytest.importorskip("transformers")
+    result = subprocess.run(
+        [sys.executable, "-W", "ignore", str(ROOT / "examples" / "gpt2_pipelined.py"),
+         "--limit", "64", "--stages", "4", "--recompute", "--corpus-bytes", "300000"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.strip().splitlines()
+             if not line.startswith("[transformers]")]
+    assert re.fullmatch(r"corpus: 300000 bytes from [0-9]+ files of the standard library, "
+                        r"64 training and 64 held-out windows of 128", lines[0]), lines[0]
+    assert lines[1] == "4 stages (recompute on), 842496 parameters, 4 x 8 = 32 windows per step"
+    assert re.fullmatch(r"trained 2 steps in [0-9.]+ s: loss [0-9.]+ at the first step, "
+                        r"[0-9.]+ \(running mean\) at the last", lines[2]), lines[2]
+    held = re.fullmatch(r"held-out loss: ([0-9.]+) before training, ([0-9.]+) after "
+                        r"\([0-9.]+ bits per byte\)", lines[3])
+    assert held and float(held.group(2)) < float(held.group(1)) <= 6.0, lines[3]
+    assert "loss=" in result.stderr  # the tqdm bar shows the running loss

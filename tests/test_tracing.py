@@ -194,3 +194,47 @@ def test_dropout_is_traced_as_the_kernel_plain_pytorch_fuses_on_a_gpu():
     seed = rng.microbatch_seed(rng.draw_base(), 0)
     torch.manual_seed(seed)
     assert torch.equal(out, ref(x)[0].detach())
+
+
+class MaskShortcut(torch.nn.Module):
+    """Masks its input as export-friendly libraries do ([Note: an export-style trace]):
+    eagerly it skips the mask when every position is kept (a value read into Python);
+    exported, it always applies the mask as tensor ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = torch.nn.Linear(6, 6), torch.nn.Linear(6, 3)
+        self.seen = []
+
+    def forward(self, x, mask, y):
+        self.seen.append((torch.compiler.is_compiling(), torch.compiler.is_exporting()))
+        h = self.fc(x)
+        if torch.compiler.is_exporting() or not bool(mask.all()):
+            h = h.masked_fill(~mask, 0.0)
+        poptorch.Block.start("b1", ipu_id=1)
+        out = self.head(h)
+        return out, F.cross_entropy(out, y)
+
+
+def test_the_trace_is_export_style_and_each_microbatch_masks_as_plain_pytorch():
+    """Micro-batch 0 has no padding, micro-batch 1 has: each gets plain PyTorch's numbers
+    (the trace takes the exported branch, so it does not fix micro-batch 0's)."""
+    torch.manual_seed(0)
+    model = MaskShortcut()
+    ref = twin(model)
+    opts = poptorch.Options()
+    opts.Training.gradientAccumulation(4)
+    opts.outputMode(poptorch.OutputMode.All)
+    wrapped = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.5))
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    mask = torch.ones(8, 6, dtype=torch.bool)
+    mask[2:, 4:] = False  # micro-batches 1..3 are padded, micro-batch 0 is not
+    out, loss = wrapped(x, mask, y)
+    assert model.seen == [(True, True)]  # traced once, as an export
+    assert not torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+    for k in range(4):
+        rows = slice(2 * k, 2 * k + 2)
+        o, l = ref(x[rows], mask[rows], y[rows])
+        assert_close(out[rows], o.detach(), atol=1e-6, rtol=0)
+        assert_close(loss[k], l.detach(), atol=1e-6, rtol=0)
+    assert ref.seen == [(False, False)] * 4
