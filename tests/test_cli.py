@@ -88,9 +88,11 @@ def test_usage_errors_exit_2_with_the_usage(tmp_path):
 
 def test_version_names_the_package_and_torch(tmp_path):
     import importlib.metadata
+
+    import poptorch_lite
     result = run_cli("--version", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert result.stdout == (f"poptorch-lite {importlib.metadata.version('poptorch-lite')} "
+    assert result.stdout == (f"poptorch-lite {poptorch_lite.__version__} "
                              f"(torch {importlib.metadata.version('torch')})\n")
 
 
