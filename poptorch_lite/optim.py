@@ -8,13 +8,14 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from . import errors
+from . import errors, optim_precision
 from .errors import OptimizerError
 from .optim_extras import _EXTRAS, _MOMENT_TYPES, _Global, _global_value, _refuse_amsgrad
 from .optim_rules import (_adamw_step_without_bias_correction, _lamb_init, _lamb_step,
                           _rmsprop_tf_step)
 
-__all__ = ["SGD", "Adam", "AdamW", "RMSprop", "LAMB", "VariableAttributes", "check_optimizer",
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "LAMB", "VariableAttributes",
+           "check_optimizer",
            "loss_scaling", "max_grad_norm", "copy_hyperparameters"]
 
 
@@ -53,7 +54,24 @@ class VariableAttributes:
         self._variables.add(self._check(name))
 
 
-class _PopTorchOptimizer:
+class Optimizer:
+    """PopTorch's optimizer base class: every optimizer of this module derives from it.
+
+    ``isinstance(opt, poptorch.optim.Optimizer)`` tells PopTorch's optimizers from torch's
+    (optimum-graphcore converts a torch optimizer when it is not one). Each optimizer also
+    derives from its torch class (LAMB from ``torch.optim.Optimizer``); ``state_dict()`` is
+    torch's (PopTorch adds its device state under ``ipu_state``/``ipu_param``; here the state
+    is the torch optimizer's own).
+
+    Example:
+        >>> isinstance(SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1), Optimizer)
+        True
+        >>> isinstance(torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1), Optimizer)
+        False
+    """
+
+
+class _PopTorchOptimizer(Optimizer):
     """Mixin: the global extras named in ``_GLOBALS``, and ``variable_attrs``."""
 
     _GLOBALS: tuple[str, ...] = ()
@@ -133,6 +151,13 @@ class SGD(_PopTorchOptimizer, torch.optim.SGD):
                              "tensor variant); pass use_combined_accum=True or drop it",
                              errors.PoptorchLiteWarning)
 
+    def step(self, closure: Callable | None = None) -> Any:
+        """One update: torch's, or with the momentum in ``velocity_accum_type``
+        ([Note: optimizer state dtypes] in ``optim_precision``)."""
+        if optim_precision.differs(self):
+            return optim_precision.sgd_step(self, closure)
+        return _torch_step(torch.optim.SGD, self, closure)
+
 
 class Adam(_PopTorchOptimizer, torch.optim.Adam):
     """``torch.optim.Adam`` plus PopTorch's extras; ``step()`` is torch's; no amsgrad.
@@ -163,6 +188,14 @@ class Adam(_PopTorchOptimizer, torch.optim.Adam):
                  second_order_momentum_accum_type: torch.dtype | None = None,
                  max_grad_norm: float | None = None, **torch_kwargs: Any):
         self._init(torch.optim.Adam.__init__, locals())
+
+    def step(self, closure: Callable | None = None) -> Any:
+        """One update: torch's, or with the moments in their dtypes
+        ([Note: optimizer state dtypes] in ``optim_precision``)."""
+        if optim_precision.differs(self):
+            return optim_precision.adam_step(self, closure, decoupled=False,
+                                             bias_correction=True)
+        return _torch_step(torch.optim.Adam, self, closure)
 
 
 class AdamW(_PopTorchOptimizer, torch.optim.AdamW):
@@ -198,7 +231,11 @@ class AdamW(_PopTorchOptimizer, torch.optim.AdamW):
         self._init(torch.optim.AdamW.__init__, locals())
 
     def step(self, closure: Callable | None = None) -> Any:
-        """One update: torch's AdamW, or the formulas above without bias correction."""
+        """One update: torch's AdamW, or the formulas above without bias correction; with
+        the moments in their dtypes ([Note: optimizer state dtypes] in ``optim_precision``)."""
+        if optim_precision.differs(self):
+            return optim_precision.adam_step(self, closure, decoupled=True,
+                                             bias_correction=self.bias_correction)
         if self.bias_correction:
             return _torch_step(torch.optim.AdamW, self, closure)
         return _adamw_step_without_bias_correction(self, closure)
@@ -240,7 +277,10 @@ class RMSprop(_PopTorchOptimizer, torch.optim.RMSprop):
         self._init(torch.optim.RMSprop.__init__, locals())
 
     def step(self, closure: Callable | None = None) -> Any:
-        """One update: torch's RMSprop, or TensorFlow's (the formulas above)."""
+        """One update: torch's RMSprop, or TensorFlow's (the formulas above); with the state
+        in its dtypes ([Note: optimizer state dtypes] in ``optim_precision``)."""
+        if optim_precision.differs(self):
+            return optim_precision.rmsprop_step(self, closure, self.use_tf_variant)
         if not self.use_tf_variant:
             return _torch_step(torch.optim.RMSprop, self, closure)
         return _rmsprop_tf_step(self, closure)
@@ -284,7 +324,11 @@ class LAMB(_PopTorchOptimizer, torch.optim.Optimizer):
         self._init(_lamb_init, locals())
 
     def step(self, closure: Callable | None = None) -> Any:
-        """One LAMB update of every parameter that has a gradient (the formulas above)."""
+        """One LAMB update of every parameter that has a gradient (the formulas above); with
+        the moments in their dtypes ([Note: optimizer state dtypes] in ``optim_precision``)."""
+        if optim_precision.differs(self):
+            return optim_precision.adam_step(self, closure, decoupled=True,
+                                             bias_correction=self.bias_correction, lamb=True)
         return _lamb_step(self, closure)
 
 
