@@ -593,6 +593,10 @@ T = {
     "E-OPT-34": lambda: refuse(lambda o: o.Distributed.set_ipu_processes([[0], []])),
     "E-OPT-35": lambda: refuse(lambda o: o.Distributed.set_ipu_processes([[0], [1.5]])),
     "E-OPT-36": lambda: refuse(lambda o: o.Distributed.set_ipu_processes([[0, 1], [1]])),
+    "E-OPT-37": lambda: refuse(lambda o: o.anchorTensor("g", 3)),
+    "E-OPT-38": lambda: first_call(Two(), opts().anchorTensor("g", "MatMul:0")),
+    "E-OPT-39": lambda: first_call(Two(), opts().anchorTensor("g", "l1.bias",
+                                                              poptorch.OutputMode.All)),
     # options files and JSON
     "E-CFG-01": lambda tmp_path: poptorch.Options().loadFromFile(tmp_path / "missing.conf"),
     "E-CFG-02": lambda tmp_path: config_line(tmp_path, "deviceIterations(4"),
@@ -734,6 +738,7 @@ T = {
     "E-WRAP-08": lambda: poptorch.inferenceModel(Two()).detachFromDevice(),
     "E-WRAP-09": lambda: compiled_model().attachToDevice(),
     "E-WRAP-10": lambda: poptorch.inferenceModel(Two()).attachToDevice(),
+    "E-WRAP-11": lambda: compiled_model().getAnchoredTensor("grad"),
     # batch sizes and inputs
     "E-TF-01": lambda: tf1_refuses(computational_stages=[]),
     "E-TF-02": lambda: tf1_refuses(computational_stages=[torch.nn.Linear(4, 4), 3]),
