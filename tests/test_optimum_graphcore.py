@@ -25,6 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_ipu_trainer_trains_and_evaluates_like_plain_pytorch(tmp_path):
+    """See tests/optimum_graphcore_script.py for what runs."""
     out = tmp_path / "result.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-m", "poptorch_lite", "run",
@@ -36,5 +37,7 @@ def test_ipu_trainer_trains_and_evaluates_like_plain_pytorch(tmp_path):
     assert result["steps"] == 12 and len(result["losses"]) == 12
     first, last = result["losses"][:3], result["losses"][-3:]
     assert max(last) < min(first) - 0.2, result["losses"]  # the loss falls
-    # the trained model's evaluation is plain PyTorch's on the same weights and batches
+    # the same training replayed in plain PyTorch ends with the same weights, and the trained
+    # model's evaluation is plain PyTorch's on the same weights and batches
+    assert result["max_weight_difference"] < 1e-5, result
     assert abs(result["eval_loss"] - result["plain_eval_loss"]) < 1e-5, result
