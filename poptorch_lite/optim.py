@@ -104,6 +104,12 @@ class _PopTorchOptimizer(Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "variable_attrs": self.variable_attrs}
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, keeping each state tensor in its PopTorch dtype ([Note: optimizer state
+        dtypes]): torch casts loaded state to the parameter's dtype."""
+        super().load_state_dict(state_dict)
+        optim_precision.keep_loaded_dtypes(self, state_dict)
+
 
 def _torch_step(torch_cls: type, opt: Any, closure: Callable | None) -> Any:
     """torch's step without the hook wrapper torch patches onto classes (ours already ran)."""

@@ -87,8 +87,23 @@ def _state(opt: Any, p: torch.Tensor, dtypes: dict, init: Optional[dict] = None)
         for name, dtype in dtypes.items():
             fill = (init or {}).get(name, 0.0)
             state[name] = torch.full_like(p, fill, dtype=dtype, memory_format=torch.preserve_format)
+    for name, dtype in dtypes.items():  # state made by torch's step keeps the parameter's
+        if state[name].dtype != dtype:
+            state[name] = state[name].to(dtype)
     state["step"] += 1
     return state
+
+
+def keep_loaded_dtypes(opt: Any, state_dict: dict) -> None:
+    """After torch's ``load_state_dict`` (which casts state to each parameter's dtype), put
+    back the loaded tensors whose dtype is the one ``opt`` keeps that state in."""
+    dtypes = state_dtypes(opt)
+    params = [p for group in opt.param_groups for p in group["params"]]
+    for index, saved in state_dict["state"].items():
+        state = opt.state.get(params[index]) if index < len(params) else None
+        for name, tensor in saved.items():
+            if state is not None and name in state and dtypes.get(name) == tensor.dtype:
+                state[name] = tensor.to(state[name].device, copy=True)
 
 
 def _closure(closure: Optional[Callable]) -> Any:

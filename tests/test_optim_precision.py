@@ -185,3 +185,30 @@ def test_torchs_adamw_on_float16_state_gives_nan_where_poptorchs_trains():
         assert torch.isfinite(p).all(), name
         assert_close(p.detach(), q, msg=name)
     assert all(s["exp_avg_sq"].dtype == F32 for s in opt.state.values())
+
+
+@pytest.mark.parametrize("cls, kwargs", [(AdamW, {}), (LAMB, {}), (SGD, dict(lr=0.1, momentum=0.9)),
+                                         (RMSprop, dict(momentum=0.9))])
+def test_a_loaded_state_keeps_its_dtypes_and_values(cls, kwargs):
+    """torch's load_state_dict casts state to the parameter's dtype (float16 here); PopTorch's
+    state stays in its own: a resumed run continues exactly."""
+    model, twin_model = fp16_model(), fp16_model()
+    opt = cls(model.parameters(), **kwargs)
+    for x, y in batches(2):
+        opt.zero_grad()
+        loss_of(model, x, y).backward()
+        opt.step()
+    twin_opt = cls(twin_model.parameters(), **kwargs)
+    twin_model.load_state_dict(model.state_dict())
+    twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for p, q in zip(model.parameters(), twin_model.parameters()):
+        for key, value in opt.state[p].items():
+            assert twin_opt.state[q][key].dtype == value.dtype, key
+            assert torch.equal(twin_opt.state[q][key], value), key
+    for m, o in ((model, opt), (twin_model, twin_opt)):
+        x, y = next(batches(1))
+        o.zero_grad()
+        loss_of(m, x, y).backward()
+        o.step()
+    for p, q in zip(model.parameters(), twin_model.parameters()):
+        assert torch.equal(p, q)
