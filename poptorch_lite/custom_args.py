@@ -70,7 +70,8 @@ def registerCustomArgParser(arg_type: type, parser: ICustomArgParser) -> None:  
     if not isinstance(parser, ICustomArgParser) or not isinstance(arg_type, type):
         raise InputError(f"registerCustomArgParser needs a type and an ICustomArgParser, got "
                          f"{arg_type!r} and {type(parser).__name__}; subclass "
-                         f"poptorch.ICustomArgParser and pass registerCustomArgParser(Type, Parser())")
+                         f"poptorch.ICustomArgParser and pass "
+                         f"registerCustomArgParser(Type, Parser())")
 
     def flatten(struct):
         return list(parser.yieldTensors(struct)), _Original(struct)

@@ -1,4 +1,4 @@
-"""Optimizer state in PopTorch's accumulator dtypes: the update rules with each state tensor in its own dtype.
+"""Optimizer state in PopTorch's dtypes: the update rules, each state tensor in its own dtype.
 
 [Note: optimizer state dtypes]
 PopTorch's optimizers store each state tensor in the dtype their arguments name, whatever the
@@ -120,7 +120,8 @@ def adam_step(opt: Any, closure: Optional[Callable], decoupled: bool, bias_corre
     loss = _closure(closure)
     dtypes = state_dtypes(opt)
     for group in opt.param_groups:
-        (beta1, beta2), lr, wd, eps = group["betas"], group["lr"], group["weight_decay"], group["eps"]
+        (beta1, beta2), lr, eps = group["betas"], group["lr"], group["eps"]
+        wd = group["weight_decay"]
         for p, g in _grads(group):
             state = _state(opt, p, dtypes)
             m, v = state["exp_avg"], state["exp_avg_sq"]

@@ -1,4 +1,4 @@
-"""What PopTorch scripts import beside ``poptorch``: PopART's option enums and a single-instance PopDist.
+"""What PopTorch scripts import beside ``poptorch``: PopART's enums, a single-instance PopDist.
 
 ``poptorch-lite run`` installs them as ``popart``, ``popdist`` and ``popdist.poptorch`` when no
 real module of that name can be imported (``cli.alias_poptorch``). Scripts use ``popart`` only
