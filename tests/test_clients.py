@@ -254,3 +254,16 @@ class _Unpacked(torch.nn.Module):
 
     def forward(self, x, y):
         return self.inner(Batch(x, y))
+
+
+def test_doctests_of_the_client_modules():
+    import doctest
+    import warnings
+
+    from poptorch_lite import anchors, custom_args, ops, optim_precision
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", errors.IpuOnlyWarning)
+        for module in (_impl, anchors, custom_args, ops, optim_precision, side_modules):
+            result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+            assert result.failed == 0 and result.attempted > 0, module.__name__
