@@ -79,4 +79,10 @@ def registerCustomArgParser(arg_type: type, parser: ICustomArgParser) -> None:  
     def unflatten(values, context):
         return parser.reconstruct(context.struct, iter(values))
 
+    if arg_type in pytree.SUPPORTED_NODES:  # PopTorch: a later parser replaces the earlier
+        deregister = getattr(pytree, "_deregister_pytree_node", None)
+        if deregister is not None:
+            deregister(arg_type)
+        else:
+            pytree.SUPPORTED_NODES.pop(arg_type)
     pytree.register_pytree_node(arg_type, flatten, unflatten)

@@ -247,6 +247,35 @@ def test_custom_arg_parser_cuts_a_user_type_into_micro_batches():
     assert_close(torch.cat([loss, loss2]), torch.stack(ref_losses), atol=1e-5, rtol=0)
 
 
+def test_a_second_parser_for_a_type_replaces_the_first():
+    class Pair:
+        def __init__(self, a, b):
+            self.a, self.b = a, b
+
+    class First(poptorch.ICustomArgParser):
+        def yieldTensors(self, struct):
+            yield struct.a
+
+        def reconstruct(self, original, tensors):
+            return Pair(next(tensors), original.b)
+
+    class Both(First):
+        def yieldTensors(self, struct):
+            yield struct.a
+            yield struct.b
+
+        def reconstruct(self, original, tensors):
+            return Pair(next(tensors), next(tensors))
+
+    from torch.utils import _pytree as pytree
+    poptorch.registerCustomArgParser(Pair, First())
+    assert len(pytree.tree_flatten(Pair(torch.zeros(1), torch.ones(1)))[0]) == 1
+    poptorch.registerCustomArgParser(Pair, Both())
+    leaves, spec = pytree.tree_flatten(Pair(torch.zeros(1), torch.ones(1)))
+    assert [t.item() for t in leaves] == [0.0, 1.0]
+    assert pytree.tree_unflatten([torch.full((1,), 5.0), torch.full((1,), 6.0)], spec).b == 6.0
+
+
 class _Unpacked(torch.nn.Module):
     def __init__(self, inner):
         super().__init__()
