@@ -66,8 +66,6 @@ class Optimizer:
     Example:
         >>> isinstance(SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1), Optimizer)
         True
-        >>> isinstance(torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1), Optimizer)
-        False
     """
 
 
@@ -126,7 +124,9 @@ class SGD(_PopTorchOptimizer, torch.optim.SGD):
         velocity_scaling: per group, only with ``use_combined_accum=True``; otherwise
             ignored with a warning, as PopTorch's separate-tensor variant does.
         use_combined_accum: PopTorch's combined-accumulator variant (default False).
-        accum_type, velocity_accum_type: torch.float32 or torch.float16 (IPU storage).
+        accum_type: the gradient accumulators' dtype; velocity_accum_type: the momentum
+            buffer's (torch.float32, the default, or torch.float16; ignored with
+            use_combined_accum=True).
         max_grad_norm: clip gradients to this global norm (default inf: no clipping).
         **torch_kwargs: torch's other arguments (maximize, foreach, ...).
 
@@ -171,8 +171,8 @@ class Adam(_PopTorchOptimizer, torch.optim.Adam):
     Args:
         params, lr, betas, eps, weight_decay, amsgrad: torch's (None: default).
         loss_scaling, accum_type, max_grad_norm: as :class:`SGD`.
-        first_order_momentum_accum_type, second_order_momentum_accum_type: IPU storage
-            dtypes of the two moments (torch.float32 or torch.float16).
+        first_order_momentum_accum_type, second_order_momentum_accum_type: the dtypes of
+            the two moments (torch.float32, the default, or torch.float16).
         **torch_kwargs: torch's other arguments (maximize, foreach, ...).
 
     Raises:
