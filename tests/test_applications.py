@@ -109,6 +109,7 @@ def test_begin_block_takes_poptorchs_keyword_and_trains_like_plain_pytorch():
     assert_close(loss, ref_losses[-1], atol=1e-5, rtol=0)
     for p, q in zip(model.parameters(), ref.parameters()):
         assert_close(p, q, atol=1e-5, rtol=0)
+    train.destroy()  # its stream workers exit now, not at the next garbage collection
 
 
 # -- copy.deepcopy of frozen Options ---------------------------------------------------------------

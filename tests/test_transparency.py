@@ -249,3 +249,4 @@ def test_a_buffer_written_with_gradients_in_forward_matches_plain_pytorch(
             assert_close(a, b.detach().cpu(), atol=ATOL, rtol=0, msg=name)
         assert model.queue.grad_fn is None and not model.queue.requires_grad
         assert not torch.equal(model.queue, torch.zeros(2, 8))
+    train.destroy()  # its stream workers exit now, not at the next garbage collection
