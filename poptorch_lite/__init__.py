@@ -8,6 +8,7 @@ schedule -> executor -> wrapper (see the modules of the same names).
 from . import keras, optim
 from .annotations import BeginBlock, Block, BlockFunction, recomputationCheckpoint, removeBlocks
 from .checkpoint import CheckpointInfo, load_checkpoint, save_checkpoint
+from .custom_args import ICustomArgParser, registerCustomArgParser
 from .dataloader import AsynchronousDataAccessor, DataLoader
 from .distributed import is_main_process
 from .enums import (AnchorMode, AutoStage, CommGroupType, ConnectionType, DataLoaderMode,
@@ -22,9 +23,11 @@ from .errors import (BatchSizeError, BlockError, ChannelError, CheckpointError, 
 from .frontends import (IPUInfeedQueue, IPUOutfeedQueue, OptimizerFunctionOutput, pipeline,
                         print_pipeline_stage_assignment_summary,
                         set_pipeline_stage_assignment, split_at, stage_summary)
-from .ops import (NameScope, identity_loss, ipuHardwareIsAvailable, ipuHardwareVersion,
-                  ipu_print_tensor, isRunningOnIpu, nop, serializedMatMul, setLogLevel,
-                  set_available_memory, set_overlap_for_input, set_overlap_for_output)
+from . import ops_namespace  # registers torch.ops.poptorch.*
+from .ops import (Attribute, MultiConv, NameScope, identity_loss, ipuHardwareIsAvailable,
+                  ipuHardwareVersion, ipu_print_tensor, isRunningOnIpu, nop, serializedMatMul,
+                  setLogLevel, set_available_memory, set_overlap_for_input,
+                  set_overlap_for_output)
 from .ipu_options import TensorLocationSettings
 from .options import Options, combined_batch_size
 from .strategies import (ExecutionStrategy, ParallelPhasedExecution, Phase, PipelinedExecution,
@@ -34,13 +37,13 @@ from .wrapper import PoplarExecutor, inferenceModel, trainingModel
 __version__ = "0.1.0"
 
 __all__ = [
-    "AnchorMode", "AsynchronousDataAccessor", "AutoStage", "BatchSizeError", "BeginBlock", "Block",
+    "AnchorMode", "AsynchronousDataAccessor", "Attribute", "AutoStage", "BatchSizeError", "BeginBlock", "Block",
     "BlockError", "BlockFunction", "ChannelError", "CheckpointError", "CheckpointInfo", "CommGroupType",
     "ConfigFileError", "ConnectionType", "DataLoader", "DataLoaderError", "DataLoaderMode",
     "DeviceError", "Error", "ExecutionError", "ExecutionStrategy", "FrozenOptionsError",
-    "HalfFloatCastingBehavior", "IPUInfeedQueue", "IPUOutfeedQueue", "InputError", "IpuOnlyWarning", "MultiConvPlanType", "Liveness",
-    "LossError", "MatMulSerializationMode", "MeanReductionStrategy", "NameScope", "OptimizerError",
-    "OptimizerFunctionOutput",
+    "HalfFloatCastingBehavior", "ICustomArgParser", "IPUInfeedQueue", "IPUOutfeedQueue", "InputError",
+    "IpuOnlyWarning", "MultiConvPlanType", "Liveness", "LossError", "MatMulSerializationMode",
+    "MeanReductionStrategy", "MultiConv", "NameScope", "OptimizerError", "OptimizerFunctionOutput",
     "Options", "OptionsError", "OutputMode", "OverlapMode", "ParallelPhasedExecution", "Phase",
     "PipelineError", "PipelineSchedule", "PipelinedExecution", "PoplarExecutor",
     "PoptorchLiteWarning", "RecoverableError", "ReductionType", "ScheduleError",
@@ -50,7 +53,7 @@ __all__ = [
     "ipuHardwareIsAvailable", "ipuHardwareVersion", "ipu_print_tensor", "isRunningOnIpu",
     "is_main_process", "keras",
     "load_checkpoint", "nop", "optim", "pipeline", "print_pipeline_stage_assignment_summary",
-    "recomputationCheckpoint", "removeBlocks", "save_checkpoint", "serializedMatMul",
+    "recomputationCheckpoint", "registerCustomArgParser", "removeBlocks", "save_checkpoint", "serializedMatMul",
     "setLogLevel", "set_available_memory", "set_overlap_for_input", "set_overlap_for_output",
     "set_pipeline_stage_assignment", "split_at", "stage_summary", "trainingModel",
 ]

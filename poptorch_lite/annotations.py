@@ -96,15 +96,16 @@ class _BlockHook:
         return f"BeginBlock(user_id={self.user_id!r}, ipu_id={self.ipu_id!r})"
 
 
-def BeginBlock(module, user_id: Optional[str] = None, ipu_id: Optional[int] = None):
+def BeginBlock(layer_to_call, user_id: Optional[str] = None, ipu_id: Optional[int] = None):
     """Start a block at ``module``: it and everything run after it belong to the block.
 
     Layers after a BeginBlock inherit its block until the next one starts; ops
     before the first block run on IPU 0.
 
     Args:
-        module: an ``nn.Module`` (returned unchanged, parameter names intact),
-            or a plain callable (returned wrapped so that calling it starts the block).
+        layer_to_call: an ``nn.Module`` (returned unchanged, parameter names intact),
+            or a plain callable (returned wrapped so that calling it starts the block);
+            PopTorch's keyword name.
         user_id: the block's name (``Stage`` refers to it); auto-numbered if None.
         ipu_id: the IPU the block runs on.
 
@@ -117,6 +118,7 @@ def BeginBlock(module, user_id: Optional[str] = None, ipu_id: Optional[int] = No
         >>> layer = BeginBlock(torch.nn.Linear(2, 2), "B1", ipu_id=1)
     """
     _check_ids(user_id, ipu_id)
+    module = layer_to_call
     if isinstance(module, torch.nn.Module):
         if block_of(module) is not None:
             raise BlockError(f"module {type(module).__name__} has already been assigned to a "

@@ -18,11 +18,13 @@ import runpy
 import sys
 from typing import Optional, Sequence
 
-_NOT_ALIASED = {"__main__", "cli"}  # the runner itself is no part of PopTorch's API
+_NOT_ALIASED = {"__main__", "cli", "side_modules"}  # no part of PopTorch's API
 
 
 def alias_poptorch() -> None:
-    """Make ``import poptorch`` and ``import poptorch.X`` give poptorch_lite and its modules.
+    """Make ``import poptorch`` and ``import poptorch.X`` give poptorch_lite and its modules,
+    and ``import popart`` / ``import popdist`` the stand-ins of ``side_modules`` where no real
+    one is installed.
 
     Example:
         >>> alias_poptorch()
@@ -35,6 +37,7 @@ def alias_poptorch() -> None:
     for info in pkgutil.iter_modules(package.__path__):
         if info.name not in _NOT_ALIASED:
             sys.modules[f"poptorch.{info.name}"] = importlib.import_module(f"poptorch_lite.{info.name}")
+    importlib.import_module("poptorch_lite.side_modules").install()
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -99,7 +99,8 @@ class DataLoader(torch.utils.data.DataLoader):
         mode: a ``DataLoaderMode``; Async with drop_last=False acts as AsyncRebatched.
         async_options: keyword arguments of the accessor (not ``rebatched_size``).
         rebatched_worker_size: AsyncRebatched: an IterableDataset's torch batch
-            size before the accessor rebatches (default: the combined batch).
+            size before the accessor rebatches (default: the combined batch); ignored in
+            the other modes, as PopTorch does.
         batch_sampler: yields micro-batches of indices; a combined batch joins
             ``combined_batch_size(options, 1)`` consecutive ones.
         **kwargs: passed to ``torch.utils.data.DataLoader``.
@@ -193,12 +194,14 @@ class DataLoader(torch.utils.data.DataLoader):
 
         if mode == DataLoaderMode.Async and not drop_last:
             mode = DataLoaderMode.AsyncRebatched
-        if rebatched_worker_size is not None and (
-                mode != DataLoaderMode.AsyncRebatched or self._combined is None
-                or not 1 <= rebatched_worker_size <= self._combined):
+        # PopTorch reads rebatched_worker_size only in AsyncRebatched mode; elsewhere it is
+        # ignored (optimum-graphcore passes it with Sync loaders).
+        if mode == DataLoaderMode.AsyncRebatched and rebatched_worker_size is not None and (
+                self._combined is None or not 1 <= rebatched_worker_size <= self._combined):
             raise errors.DataLoaderError(
-                f"rebatched_worker_size ({rebatched_worker_size}) needs mode=DataLoaderMode."
-                f"AsyncRebatched (got {mode.name}) and 1 <= it <= the combined batch ({self._combined})")
+                f"rebatched_worker_size ({rebatched_worker_size}) must be 1 <= it <= the "
+                f"combined batch ({self._combined}) with mode=DataLoaderMode.AsyncRebatched; "
+                f"pass a size in that range, or none")
         if mode == DataLoaderMode.AsyncRebatched and is_iterable and self._combined is not None:
             # Workers send what they have; the accessor cuts exact combined batches from it.
             self._rebatched_size = self._combined

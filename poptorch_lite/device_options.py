@@ -341,13 +341,24 @@ class DeviceOptions:
     def anchorTensor(self, short_name: str, long_name: str,
                      output_mode: Optional[OutputMode] = None,
                      output_return_period: Optional[int] = 1):
-        """Anchor a PopART tensor by name (PopART names do not exist here).
+        """Anchor the tensor ``long_name`` of the model, read after a call with
+        ``PoplarExecutor.getAnchoredTensor(short_name)`` ([Note: anchored tensors] in
+        ``anchors``: the names are checked against ``getTensorNames()`` on the first call).
+
+        Raises:
+            OptionsError: a name is not a string, or the mode not an ``OutputMode``.
 
         Example:
             >>> from poptorch_lite.options import Options
             >>> Options().anchorTensor('grad', 'Gradient___fc.bias').anchored_tensors
             {'grad': ['Gradient___fc.bias', None, 1]}
         """
+        if not isinstance(short_name, str) or not isinstance(long_name, str) or not (
+                output_mode is None or isinstance(output_mode, OutputMode)):
+            raise errors.OptionsError(
+                f"anchorTensor({short_name!r}, {long_name!r}, {output_mode!r}): the names must "
+                f"be strings and the mode a poptorch.OutputMode, e.g. anchorTensor('grad', "
+                f"'Gradient___fc.bias', poptorch.OutputMode.Final)")
         anchors = dict(self.anchored_tensors)
         anchors[short_name] = [long_name, output_mode, output_return_period]
-        self._ipu_only("anchorTensor", anchored_tensors=anchors)
+        self._store(anchored_tensors=anchors)

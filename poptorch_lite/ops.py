@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from . import markers
 from .annotations import is_tracing
+from .enums import MultiConvPlanType
 from .errors import InputError, OptionsError, warn_once
 
 # Every torch loss function: its output is a loss by provenance ([Note: loss provenance]).
@@ -122,9 +123,14 @@ def ipuHardwareIsAvailable(num_ipus: int = 1) -> bool:
     return True
 
 
-def ipuHardwareVersion() -> str:
-    """The emulated IPU's version string."""
-    return "poptorch_lite"
+def ipuHardwareVersion() -> int:
+    """2, as PopTorch returns on a Mk2 IPU system (scripts gate Mk2-only features on it).
+
+    Example:
+        >>> ipuHardwareVersion()
+        2
+    """
+    return 2
 
 
 _LOG_LEVELS = {"TRACE": 5, "DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARN": logging.WARNING,
@@ -142,3 +148,106 @@ def setLogLevel(level) -> None:
             raise OptionsError(f"Unknown log level {level!r}: use one of {sorted(_LOG_LEVELS)}")
         level = _LOG_LEVELS[level]
     logging.getLogger("poptorch_lite").setLevel(int(level))
+
+
+class Attribute:
+    """PopTorch's attributes for the ops run inside (outlining hints such as
+    ``__outline={"layer": 3}``): IPU-only compiler hints, stored and ignored (one warning).
+
+    Example:
+        >>> with Attribute(__outline={"layer": 0}) as attribute:
+        ...     y = torch.ones(2) * 2
+        >>> attribute.attributes
+        {'__outline': {'layer': 0}}
+    """
+
+    def __init__(self, **attributes):
+        self.attributes = attributes
+
+    def __enter__(self):
+        warn_once("ops.Attribute", "poptorch.Attribute only passes hints (outlining, ...) to "
+                                   "the IPU compiler; the ops inside run unchanged")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+class MultiConv:
+    """PopTorch's multi-convolution scope: the convolutions inside run as they are written
+    (on an IPU they run in parallel as one multi-convolution, with the same results).
+
+    The setters validate as PopTorch's do and return ``self`` for chaining; their values
+    only tune the IPU (one warning).
+
+    Example:
+        >>> conv = torch.nn.Conv2d(1, 1, 3)
+        >>> with MultiConv().availableMemoryProportions(0.5).planType(MultiConvPlanType.Serial):
+        ...     y = conv(torch.ones(1, 1, 4, 4))
+        >>> tuple(y.shape)
+        (1, 1, 2, 2)
+    """
+
+    def __init__(self):
+        self._available_memory_proportions = self._partials_types = self._plan_type = None
+        self._per_conv_reserved_tiles = self._cycle_back_off = None
+        self._enable_conv_ditherings = None
+
+    @staticmethod
+    def _per_conv(name: str, value, kind: type):
+        if value is None or (isinstance(value, kind) and not isinstance(value, bool)) \
+                or kind is bool and isinstance(value, bool):
+            return value if value is None else (value,)
+        if isinstance(value, (list, tuple)) and value and all(isinstance(v, kind) for v in value):
+            return tuple(value)
+        raise OptionsError(f"MultiConv: invalid {name} {value!r}: pass one {kind.__name__} "
+                           f"or a list of them, one per convolution")
+
+    def availableMemoryProportions(self, value) -> "MultiConv":  # noqa: N802 (PopTorch's)
+        """The available memory proportion per convolution (IPU-only)."""
+        self._available_memory_proportions = self._per_conv("availableMemoryProportions",
+                                                            value, float)
+        return self
+
+    def partialsTypes(self, value) -> "MultiConv":  # noqa: N802
+        """The partials type per convolution: torch.float or torch.half (IPU-only)."""
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if not values or any(v not in (torch.float32, torch.float16) for v in values):
+            raise OptionsError(f"MultiConv: invalid partials types {value!r}: expecting "
+                               f"torch.float or torch.half")
+        self._partials_types = tuple(values)
+        return self
+
+    def enableConvDithering(self, value) -> "MultiConv":  # noqa: N802
+        """Per-convolution dithering (IPU-only)."""
+        self._enable_conv_ditherings = self._per_conv("enableConvDithering", value, bool)
+        return self
+
+    def planType(self, value) -> "MultiConv":  # noqa: N802
+        """The multi-convolution plan, a ``MultiConvPlanType`` (IPU-only)."""
+        if value is not None and not isinstance(value, MultiConvPlanType):
+            raise OptionsError(f"MultiConv: invalid plan type {value!r}: pass a "
+                               f"poptorch.MultiConvPlanType")
+        self._plan_type = value
+        return self
+
+    def perConvReservedTiles(self, value: int) -> "MultiConv":  # noqa: N802
+        """Tiles reserved per convolution (IPU-only)."""
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise OptionsError(f"MultiConv: perConvReservedTiles needs an int, got {value!r}")
+        self._per_conv_reserved_tiles = value
+        return self
+
+    def cycleBackOff(self, value: float) -> "MultiConv":  # noqa: N802
+        """Cycle back-off proportion, between 0 and 1 (IPU-only)."""
+        if not isinstance(value, float):
+            raise OptionsError(f"MultiConv: cycleBackOff needs a float, got {value!r}")
+        self._cycle_back_off = value
+        return self
+
+    def __enter__(self) -> None:  # PopTorch's returns None too
+        warn_once("ops.MultiConv", "poptorch.MultiConv only groups convolutions for the IPU; "
+                                   "they run one after another with the same results")
+
+    def __exit__(self, *exc) -> None:
+        return None

@@ -8,13 +8,14 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from . import errors
+from . import errors, optim_precision
 from .errors import OptimizerError
 from .optim_extras import _EXTRAS, _MOMENT_TYPES, _Global, _global_value, _refuse_amsgrad
 from .optim_rules import (_adamw_step_without_bias_correction, _lamb_init, _lamb_step,
                           _rmsprop_tf_step)
 
-__all__ = ["SGD", "Adam", "AdamW", "RMSprop", "LAMB", "VariableAttributes", "check_optimizer",
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "LAMB", "VariableAttributes",
+           "check_optimizer",
            "loss_scaling", "max_grad_norm", "copy_hyperparameters"]
 
 
@@ -53,7 +54,22 @@ class VariableAttributes:
         self._variables.add(self._check(name))
 
 
-class _PopTorchOptimizer:
+class Optimizer:
+    """PopTorch's optimizer base class: every optimizer of this module derives from it.
+
+    ``isinstance(opt, poptorch.optim.Optimizer)`` tells PopTorch's optimizers from torch's
+    (optimum-graphcore converts a torch optimizer when it is not one). Each optimizer also
+    derives from its torch class (LAMB from ``torch.optim.Optimizer``); ``state_dict()`` is
+    torch's (PopTorch adds its device state under ``ipu_state``/``ipu_param``; here the state
+    is the torch optimizer's own).
+
+    Example:
+        >>> isinstance(SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1), Optimizer)
+        True
+    """
+
+
+class _PopTorchOptimizer(Optimizer):
     """Mixin: the global extras named in ``_GLOBALS``, and ``variable_attrs``."""
 
     _GLOBALS: tuple[str, ...] = ()
@@ -86,6 +102,12 @@ class _PopTorchOptimizer:
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "variable_attrs": self.variable_attrs}
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, keeping each state tensor in its PopTorch dtype ([Note: optimizer state
+        dtypes]): torch casts loaded state to the parameter's dtype."""
+        super().load_state_dict(state_dict)
+        optim_precision.keep_loaded_dtypes(self, state_dict)
+
 
 def _torch_step(torch_cls: type, opt: Any, closure: Callable | None) -> Any:
     """torch's step without the hook wrapper torch patches onto classes (ours already ran)."""
@@ -102,7 +124,9 @@ class SGD(_PopTorchOptimizer, torch.optim.SGD):
         velocity_scaling: per group, only with ``use_combined_accum=True``; otherwise
             ignored with a warning, as PopTorch's separate-tensor variant does.
         use_combined_accum: PopTorch's combined-accumulator variant (default False).
-        accum_type, velocity_accum_type: torch.float32 or torch.float16 (IPU storage).
+        accum_type: the gradient accumulators' dtype; velocity_accum_type: the momentum
+            buffer's (torch.float32, the default, or torch.float16; ignored with
+            use_combined_accum=True).
         max_grad_norm: clip gradients to this global norm (default inf: no clipping).
         **torch_kwargs: torch's other arguments (maximize, foreach, ...).
 
@@ -133,6 +157,13 @@ class SGD(_PopTorchOptimizer, torch.optim.SGD):
                              "tensor variant); pass use_combined_accum=True or drop it",
                              errors.PoptorchLiteWarning)
 
+    def step(self, closure: Callable | None = None) -> Any:
+        """One update: torch's, or with the momentum in ``velocity_accum_type``
+        ([Note: optimizer state dtypes] in ``optim_precision``)."""
+        if optim_precision.differs(self):
+            return optim_precision.sgd_step(self, closure)
+        return _torch_step(torch.optim.SGD, self, closure)
+
 
 class Adam(_PopTorchOptimizer, torch.optim.Adam):
     """``torch.optim.Adam`` plus PopTorch's extras; ``step()`` is torch's; no amsgrad.
@@ -140,8 +171,8 @@ class Adam(_PopTorchOptimizer, torch.optim.Adam):
     Args:
         params, lr, betas, eps, weight_decay, amsgrad: torch's (None: default).
         loss_scaling, accum_type, max_grad_norm: as :class:`SGD`.
-        first_order_momentum_accum_type, second_order_momentum_accum_type: IPU storage
-            dtypes of the two moments (torch.float32 or torch.float16).
+        first_order_momentum_accum_type, second_order_momentum_accum_type: the dtypes of
+            the two moments (torch.float32, the default, or torch.float16).
         **torch_kwargs: torch's other arguments (maximize, foreach, ...).
 
     Raises:
@@ -163,6 +194,14 @@ class Adam(_PopTorchOptimizer, torch.optim.Adam):
                  second_order_momentum_accum_type: torch.dtype | None = None,
                  max_grad_norm: float | None = None, **torch_kwargs: Any):
         self._init(torch.optim.Adam.__init__, locals())
+
+    def step(self, closure: Callable | None = None) -> Any:
+        """One update: torch's, or with the moments in their dtypes
+        ([Note: optimizer state dtypes] in ``optim_precision``)."""
+        if optim_precision.differs(self):
+            return optim_precision.adam_step(self, closure, decoupled=False,
+                                             bias_correction=True)
+        return _torch_step(torch.optim.Adam, self, closure)
 
 
 class AdamW(_PopTorchOptimizer, torch.optim.AdamW):
@@ -198,7 +237,11 @@ class AdamW(_PopTorchOptimizer, torch.optim.AdamW):
         self._init(torch.optim.AdamW.__init__, locals())
 
     def step(self, closure: Callable | None = None) -> Any:
-        """One update: torch's AdamW, or the formulas above without bias correction."""
+        """One update: torch's AdamW, or the formulas above without bias correction; with
+        the moments in their dtypes ([Note: optimizer state dtypes] in ``optim_precision``)."""
+        if optim_precision.differs(self):
+            return optim_precision.adam_step(self, closure, decoupled=True,
+                                             bias_correction=self.bias_correction)
         if self.bias_correction:
             return _torch_step(torch.optim.AdamW, self, closure)
         return _adamw_step_without_bias_correction(self, closure)
@@ -240,7 +283,10 @@ class RMSprop(_PopTorchOptimizer, torch.optim.RMSprop):
         self._init(torch.optim.RMSprop.__init__, locals())
 
     def step(self, closure: Callable | None = None) -> Any:
-        """One update: torch's RMSprop, or TensorFlow's (the formulas above)."""
+        """One update: torch's RMSprop, or TensorFlow's (the formulas above); with the state
+        in its dtypes ([Note: optimizer state dtypes] in ``optim_precision``)."""
+        if optim_precision.differs(self):
+            return optim_precision.rmsprop_step(self, closure, self.use_tf_variant)
         if not self.use_tf_variant:
             return _torch_step(torch.optim.RMSprop, self, closure)
         return _rmsprop_tf_step(self, closure)
@@ -284,7 +330,11 @@ class LAMB(_PopTorchOptimizer, torch.optim.Optimizer):
         self._init(_lamb_init, locals())
 
     def step(self, closure: Callable | None = None) -> Any:
-        """One LAMB update of every parameter that has a gradient (the formulas above)."""
+        """One LAMB update of every parameter that has a gradient (the formulas above); with
+        the moments in their dtypes ([Note: optimizer state dtypes] in ``optim_precision``)."""
+        if optim_precision.differs(self):
+            return optim_precision.adam_step(self, closure, decoupled=True,
+                                             bias_correction=self.bias_correction, lamb=True)
         return _lamb_step(self, closure)
 
 

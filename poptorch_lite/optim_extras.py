@@ -16,8 +16,9 @@ from .errors import OptimizerError
 # and in `defaults` (for groups added later). The attribute (`opt.loss_scaling`) reads the
 # groups and refuses groups that disagree; setting it validates and writes every group.
 # step() never applies loss_scaling or max_grad_norm: the wrapper scales the loss, then
-# unscales and clips the gradients before step(). Accumulator dtypes and velocity scaling
-# only pick IPU storage precision; the state here stays float32, so results do not change.
+# unscales and clips the gradients before step(). accum_type is the gradient accumulators'
+# dtype (the executor's); the state dtypes are honoured by step() ([Note: optimizer state
+# dtypes] in optim_precision); velocity scaling only picks IPU storage precision.
 
 
 def _positive(name: str, value: Any, allow_inf: bool = False) -> float:
@@ -32,9 +33,6 @@ def _accum_dtype(name: str, value: Any) -> torch.dtype:
     if value not in (torch.float32, torch.float16):
         raise OptimizerError(f"{name}={value!r} is invalid: accumulation types must be either "
                              f"torch.float32 or torch.float16; pass {name}=torch.float32")
-    if value == torch.float16 and name != "accum_type":  # accum_type: the gradient accumulators
-        errors.warn_once(f"optim.{name}", f"{name}=torch.float16 only sets IPU storage precision;"
-                         " poptorch_lite keeps optimizer state in float32")
     return value
 
 

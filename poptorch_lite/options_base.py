@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import difflib
 import enum
 import functools
@@ -125,6 +126,16 @@ class OptionGroup:
     def _freeze(self) -> None:
         """Refuse every later change (see [Note: frozen options])."""
         self._set_frozen(True)
+
+    def __deepcopy__(self, memo: dict) -> "OptionGroup":
+        """An unfrozen deep copy, as PopTorch's ``copy.deepcopy(opts)`` gives (scripts copy a
+        wrapped model's options to make another model's)."""
+        twin = type(self).__new__(type(self))
+        memo[id(self)] = twin
+        for name, value in self.__dict__.items():
+            object.__setattr__(twin, name, copy.deepcopy(value, memo))
+        object.__setattr__(twin, "_frozen", False)
+        return twin
 
     @property
     def is_frozen(self) -> bool:

@@ -23,6 +23,18 @@ stage writes, and the micro-batch's random state. The run records each
 stage's peak depth and peak bytes (distinct storages, parameters and the
 call's inputs excluded), so tests can hold a schedule to its promise.
 
+[Note: buffers written in forward]
+A stage that writes a buffer in place (``self.queue.copy_(t)``, ``t`` carrying a
+gradient) writes through a detached alias of it: the write lands in the buffer's
+storage and the alias carries the micro-batch's autograd history, so a read later
+in the same forward backpropagates into ``t`` as in plain PyTorch, while the
+buffer itself stays a tensor without history. Otherwise the next micro-batch's
+write would chain its graph to this one's, already freed by its backward
+("backward through the graph a second time"). A buffer is state, not a weight:
+a later micro-batch (or call) reads its value, never its history; plain PyTorch
+would fail, or leak gradients across micro-batches, where a later micro-batch
+reads it with gradients on.
+
 [Note: recomputation]
 A recomputed stage's forward runs without keeping activations (a saved-tensor
 hook drops them). Its recompute action, in the backward slot, re-runs each
@@ -147,6 +159,7 @@ class StageWork:
         self.written_buffers = [[n for n in st.inputs if n.startswith("buffer:")
                                  and n.split(":", 1)[1] in partition.mutated_buffers]
                                 for st in partition.stages]
+        self.written = [frozenset(names) for names in self.written_buffers]
         self.wanted = {o for o in partition.outputs if isinstance(o, str)}
         # The IPU that produces each stage output (values crossing IPUs are copied under
         # useIpuModel, gradients too).
@@ -179,6 +192,8 @@ class StageWork:
                 v = weights.param(key, ipu)
             elif kind == "buffer":
                 v = weights.buffer(key, run.replica_of(i), ipu)
+                if name in self.written[s]:  # [Note: buffers written in forward]
+                    v = v.detach()
             elif kind == "input":  # placed in this IPU's memory when the run began
                 v = run.placed.get((ipu, i, key))
                 if v is None:

@@ -242,6 +242,8 @@ def _preserved_state(model: torch.nn.Module, modes: dict):
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)
+                if b.grad_fn is not None and not b._is_view():
+                    b.detach_()  # a write with gradients left the trace's history on it
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)

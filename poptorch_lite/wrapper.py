@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 from torch.utils import _pytree as pytree
 
-from . import distributed
+from . import anchors, distributed
 from . import optim as poptorch_optim
 from . import perf_counters
 from .batch import MicroBatches, merge, resolve_output_mode, selected_microbatches
@@ -307,6 +307,20 @@ class PoplarExecutor(perf_counters.Latencies):
     def isCompiled(self) -> bool:
         return self._compiled
 
+    def getTensorNames(self) -> list:
+        """The names of the tensors ``Options.anchorTensor`` can anchor ([Note: anchored
+        tensors] in ``anchors``): parameters and buffers, ``Gradient___<param>`` and
+        ``UpdatedVar___<param>`` when training. Needs a compiled model, as in PopTorch."""
+        self._require_compiled()
+        return anchors.tensor_names(self._user_model, self._training)
+
+    def getAnchoredTensor(self, short_name: str) -> Optional[torch.Tensor]:
+        """The value of the tensor anchored as ``short_name``, after the last call (a
+        gradient is None before any step computed one)."""
+        self._require_compiled()
+        self._weights.to_host()
+        return anchors.value(self._options.anchored_tensors, short_name, self._user_model)
+
     def copyWeightsToHost(self) -> None:
         """Copy device-side weights and buffers back to the user's model.
 
@@ -453,6 +467,7 @@ class PoplarExecutor(perf_counters.Latencies):
         if program is None:
             if self._processes is not None:  # first compile: join the group, compare options
                 self._processes.join(self._user_model, self._optimizer)
+            anchors.check(self._options.anchored_tensors, self._user_model, self._training)
             if self._weights is not None:
                 self._weights.to_host()  # trace with the trained values, outside the trace
             program, self._weights, self._placement = compile_program(

@@ -317,8 +317,18 @@ def test_rebatched_worker_size_is_validated():
     with pytest.raises(errors.DataLoaderError, match=r"rebatched_worker_size \(5\).*combined batch \(4\)"):
         DataLoader(opts(D=2), Count(10), batch_size=2, mode=DataLoaderMode.AsyncRebatched,
                    rebatched_worker_size=5)
-    with pytest.raises(errors.DataLoaderError, match="got Sync"):
-        DataLoader(opts(), data(8), rebatched_worker_size=1)
+    with pytest.raises(errors.DataLoaderError, match=r"rebatched_worker_size \(0\)"):
+        DataLoader(opts(), data(8), mode=DataLoaderMode.AsyncRebatched, rebatched_worker_size=0)
+
+
+@pytest.mark.parametrize("mode", [DataLoaderMode.Sync, DataLoaderMode.Async])
+def test_rebatched_worker_size_is_ignored_outside_async_rebatched(loaders, mode):
+    """PopTorch reads it only with AsyncRebatched (optimum-graphcore passes it to Sync
+    loaders): the batches are those of a loader without it, even out of range."""
+    loader = DataLoader(opts(D=2), data(8), batch_size=2, mode=mode, rebatched_worker_size=99)
+    loaders.append(loader)
+    plain = DataLoader(opts(D=2), data(8), batch_size=2)
+    assert [[t.tolist() for t in b] for b in loader] == [[t.tolist() for t in b] for b in plain]
 
 
 @pytest.mark.parametrize("bad", [dict(buffer_sise=2), dict(rebatched_size=2)])

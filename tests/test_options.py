@@ -345,8 +345,6 @@ IPU_ONLY = [
     ("Options.setAvailableMemoryProportion",
      lambda o: o.setAvailableMemoryProportion({"IPU0": 0.5, "IPU12": 0.25}),
      "available_memory_proportion", {0: 0.5, 12: 0.25}),
-    ("Options.anchorTensor", lambda o: o.anchorTensor("g", "Gradient___fc.bias"),
-     "anchored_tensors", {"g": ["Gradient___fc.bias", None, 1]}),
     ("Options._Popart.set('enableStochasticRounding')",
      lambda o: o._Popart.set("enableStochasticRounding", True), None, None),
     ("Options._Popart.setEngineOptions", lambda o: o._Popart.setEngineOptions({"a": "1"}),

@@ -194,3 +194,59 @@ def test_replicas_sharing_inputs_count_once_each(reduction, device):
         assert_close(p.grad, expected, atol=ATOL, rtol=0, msg=name)
         initial = dict(ref.named_parameters())[name].detach().cpu()
         assert_close(p.detach(), initial - lr * expected, atol=ATOL, rtol=0, msg=name)
+
+
+class FeatureQueue(torch.nn.Module):
+    """CLIP's feature queue: a buffer written in forward with a tensor that carries gradients,
+    read (as a value) by the next micro-batch. ``write_in`` picks the stage that writes."""
+
+    def __init__(self, blocks: int, write_in: int):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+        self.register_buffer("queue", torch.zeros(2, 8))
+        self.blocks, self.write_in = blocks, write_in
+
+    def forward(self, x, y):
+        h = torch.relu(self.a(x))
+        if self.write_in == 0:
+            h = self._queue(h)
+        if self.blocks == 2:
+            poptorch.Block.start("b1", ipu_id=1)
+        if self.write_in == 1:
+            h = self._queue(h)
+        out = self.b(h)
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+    def _queue(self, h):
+        h = h + self.queue.detach().mean(0)  # the previous micro-batch's features
+        self.queue.copy_(h[:2])  # h carries gradients
+        return h * 2
+
+
+@pytest.mark.parametrize("schedule,recompute", VARIANTS)
+@pytest.mark.parametrize("blocks,write_in", [(1, 0), (2, 0), (2, 1)])
+def test_a_buffer_written_with_gradients_in_forward_matches_plain_pytorch(
+        blocks, write_in, schedule, recompute, device):
+    """[Note: buffers written in forward]: losses, gradients, weights and the buffer after the
+    call are plain PyTorch's, micro-batch after micro-batch; the buffer keeps no history."""
+    torch.manual_seed(0)
+    model, G, D = FeatureQueue(blocks, write_in), 4, 2
+    ref = twin(model, device)
+    opts = pipelined(schedule, recompute, G, device).deviceIterations(D)
+    opts.outputMode(poptorch.OutputMode.All)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    train = poptorch.trainingModel(model, opts, opt)
+    for call in range(2):
+        x, y = data(2 * G * D, seed=call)
+        out, loss = train(x, y)
+        ref_outs, ref_losses, ref_grads = reference_training(ref, ref_opt, x, y, D, G, 1)
+        assert_close(out, torch.cat(ref_outs), atol=ATOL, rtol=0)
+        assert_close(loss, torch.stack(ref_losses), atol=ATOL, rtol=0)
+        for name, p in model.named_parameters():
+            assert_close(p.grad, ref_grads[name], atol=ATOL, rtol=0, msg=name)
+        for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+            assert_close(a, b.detach().cpu(), atol=ATOL, rtol=0, msg=name)
+        assert model.queue.grad_fn is None and not model.queue.requires_grad
+        assert not torch.equal(model.queue, torch.zeros(2, 8))
+    train.destroy()  # its stream workers exit now, not at the next garbage collection

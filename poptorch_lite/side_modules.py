@@ -1,0 +1,210 @@
+"""What PopTorch scripts import beside ``poptorch``: PopART's enums, a single-instance PopDist.
+
+``poptorch-lite run`` installs them as ``popart``, ``popdist`` and ``popdist.poptorch`` when no
+real module of that name can be imported (``cli.alias_poptorch``). Scripts use ``popart`` only
+for the enums they pass to ``opts._Popart.set`` (IPU-only options: stored and ignored, one
+warning each), and ``popdist`` to ask which instance of a ``poprun`` launch they are: here
+always the one instance, as ``python script.py`` is on an IPU host without ``poprun``
+(several processes are ``torchrun``'s, see ``poptorch_lite.distributed``).
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+import sys
+import types
+from typing import Any, Optional
+
+__all__ = ["popart_module", "popdist_modules", "install"]
+
+
+# PopART's SessionOptions enums, with PopART's values (popart/sessionoptions.hpp).
+class AccumulateOuterFragmentSchedule(enum.IntEnum):
+    Scheduler = 0
+    Serial = 1
+    OverlapCycleOptimized = 2
+    OverlapMemoryOptimized = 3
+
+
+class SubgraphCopyingStrategy(enum.IntEnum):
+    OnEnterAndExit = 0
+    JustInTime = 1
+
+
+class RecomputationType(enum.IntEnum):
+    NoRecompute = 0
+    Standard = 1
+    NormOnly = 2
+    Pipeline = 3
+    RecomputeAll = 4
+
+
+class VirtualGraphMode(enum.IntEnum):
+    Off = 0
+    Manual = 1
+    Auto = 2
+    ExecutionPhases = 3
+
+
+class MergeVarUpdateType(enum.IntEnum):
+    NoMerge = 0
+    All = 1
+    AutoLoose = 2
+    AutoTight = 3
+
+
+class ExecutionPhaseSchedule(enum.IntEnum):
+    Interleaving = 0
+    Batch = 1
+    BatchClusteredIO = 2
+
+
+class BatchSerializationMethod(enum.IntEnum):
+    UnrollDynamic = 0
+    UnrollStatic = 1
+    Loop = 2
+
+
+class SyncPattern(enum.IntEnum):
+    Full = 0
+    SinglePipeline = 1
+    ReplicaAndLadder = 2
+
+
+class MeanReductionStrategy(enum.IntEnum):
+    Running = 0
+    Post = 1
+    PostAndLoss = 2
+
+
+class ReductionType(enum.IntEnum):
+    Sum = 0
+    Mean = 1
+    NoReduction = 2
+
+
+_POPART_ENUMS = (AccumulateOuterFragmentSchedule, SubgraphCopyingStrategy, RecomputationType,
+                 VirtualGraphMode, MergeVarUpdateType, ExecutionPhaseSchedule,
+                 BatchSerializationMethod, SyncPattern, MeanReductionStrategy, ReductionType)
+
+
+def popart_module() -> types.ModuleType:
+    """A ``popart`` module holding PopART's SessionOptions enums (PopART's values).
+
+    ``None`` is a Python keyword, so PopART's ``RecomputationType.None`` and
+    ``MergeVarUpdateType.None`` are also reachable as ``getattr(X, "None")``.
+
+    Example:
+        >>> popart = popart_module()
+        >>> int(popart.SubgraphCopyingStrategy.JustInTime)
+        1
+    """
+    module = types.ModuleType("popart", "PopART's option enums (poptorch_lite's stand-in).")
+    for cls in _POPART_ENUMS:
+        setattr(module, cls.__name__, cls)
+    for cls, none in ((RecomputationType, RecomputationType.NoRecompute),
+                      (MergeVarUpdateType, MergeVarUpdateType.NoMerge)):
+        type.__setattr__(cls, "None", none)
+    module.__version__ = "poptorch_lite"
+    return module
+
+
+# -- popdist: one instance -----------------------------------------------------------------
+
+def isPopdistEnvSet() -> bool:  # noqa: N802 (PopDist's names)
+    """False: no ``poprun`` launched this process."""
+    return False
+
+
+def isUsingPopdist() -> bool:  # noqa: N802
+    """False: no ``poprun`` launched this process."""
+    return False
+
+
+def getInstanceIndex() -> int:  # noqa: N802
+    """0: the one instance."""
+    return 0
+
+
+def getNumInstances() -> int:  # noqa: N802
+    """1: the one instance."""
+    return 1
+
+
+def getNumLocalReplicas() -> int:  # noqa: N802
+    """1: poprun is what sets several (use ``opts.replicationFactor`` instead)."""
+    return 1
+
+
+def getNumTotalReplicas() -> int:  # noqa: N802
+    """1: the one instance's one replica."""
+    return 1
+
+
+def getReplicationFactor() -> int:  # noqa: N802
+    """1, as :func:`getNumLocalReplicas`."""
+    return 1
+
+
+def getNumIpusPerReplica() -> int:  # noqa: N802
+    """1 (poprun's ``--ipus-per-replica``; the model's stages decide how many are used)."""
+    return 1
+
+
+def getDeviceId(ipus_per_replica: Optional[int] = None) -> int:  # noqa: N802
+    """0: the first device."""
+    return 0
+
+
+def init() -> None:
+    """Nothing to initialise for one instance."""
+
+
+def finalizeBackend() -> None:  # noqa: N802
+    """Nothing to finalise for one instance."""
+
+
+def _popdist_options(ipus_per_replica: Optional[int] = None, **kwargs: Any):
+    """``popdist.poptorch.Options``: PopTorch ``Options`` for this instance (one, unreplicated)."""
+    from .options import Options  # the package is imported by now: cli imports it first
+
+    return Options(**kwargs)
+
+
+def popdist_modules() -> tuple[types.ModuleType, types.ModuleType]:
+    """``popdist`` and ``popdist.poptorch`` for a single instance.
+
+    Example:
+        >>> popdist, _ = popdist_modules()
+        >>> popdist.isPopdistEnvSet(), popdist.getNumInstances(), popdist.getInstanceIndex()
+        (False, 1, 0)
+    """
+    popdist = types.ModuleType("popdist", "A single-instance PopDist (poptorch_lite's stand-in).")
+    for fn in (isPopdistEnvSet, isUsingPopdist, getInstanceIndex, getNumInstances,
+               getNumLocalReplicas, getNumTotalReplicas, getReplicationFactor,
+               getNumIpusPerReplica, getDeviceId, init, finalizeBackend):
+        setattr(popdist, fn.__name__, fn)
+    sub = types.ModuleType("popdist.poptorch", "PopDist's PopTorch options for one instance.")
+    sub.Options = _popdist_options
+    popdist.poptorch = sub
+    popdist.__path__ = []  # a package, so `import popdist.poptorch` resolves the submodule
+    return popdist, sub
+
+
+def install() -> list[str]:
+    """Put ``popart``, ``popdist`` and ``popdist.poptorch`` in ``sys.modules`` where no real
+    one is importable; returns the names installed.
+
+    Example:
+        >>> "popart" in install() or importlib.util.find_spec("popart") is not None
+        True
+    """
+    installed = []
+    if "popart" not in sys.modules and importlib.util.find_spec("popart") is None:
+        sys.modules["popart"] = popart_module()
+        installed.append("popart")
+    if "popdist" not in sys.modules and importlib.util.find_spec("popdist") is None:
+        sys.modules["popdist"], sys.modules["popdist.poptorch"] = popdist_modules()
+        installed += ["popdist", "popdist.poptorch"]
+    return installed
