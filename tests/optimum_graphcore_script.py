@@ -37,11 +37,11 @@ class Synthetic(torch.utils.data.Dataset):
 
 def main(out_path):
     torch.manual_seed(0)
-    # return_dict=False: transformers 4.29's ModelOutput is a dict subclass that a wrapped
-    # model must flatten (issue 20, part B, fixed beside this); tuples work everywhere.
+    # transformers' default return_dict=True: the model returns a ModelOutput, a dict
+    # subclass that transformers 4.29 does not register with pytree (rebuilt each call).
     config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=64, max_position_embeddings=32, num_labels=2,
-                        return_dict=False, hidden_dropout_prob=0.0,  # no dropout: masks are
+                        hidden_dropout_prob=0.0,  # no dropout: masks are
                         attention_probs_dropout_prob=0.0)  # drawn per micro-batch here
     model = BertForSequenceClassification(config)
     initial = copy.deepcopy(model)
