@@ -11,6 +11,7 @@ always the one instance, as ``python script.py`` is on an IPU host without ``pop
 from __future__ import annotations
 
 import enum
+import importlib.machinery
 import importlib.util
 import sys
 import types
@@ -107,6 +108,7 @@ def popart_module() -> types.ModuleType:
                       (MergeVarUpdateType, MergeVarUpdateType.NoMerge)):
         type.__setattr__(cls, "None", none)
     module.__version__ = "poptorch_lite"
+    module.__spec__ = importlib.machinery.ModuleSpec("popart", None)  # find_spec works on it
     return module
 
 
@@ -189,6 +191,8 @@ def popdist_modules() -> tuple[types.ModuleType, types.ModuleType]:
     sub.Options = _popdist_options
     popdist.poptorch = sub
     popdist.__path__ = []  # a package, so `import popdist.poptorch` resolves the submodule
+    popdist.__spec__ = importlib.machinery.ModuleSpec("popdist", None, is_package=True)
+    sub.__spec__ = importlib.machinery.ModuleSpec("popdist.poptorch", None)
     return popdist, sub
 
 
@@ -197,7 +201,8 @@ def install() -> list[str]:
     one is importable; returns the names installed.
 
     Example:
-        >>> "popart" in install() or importlib.util.find_spec("popart") is not None
+        >>> _ = install()
+        >>> importlib.util.find_spec("popart") is not None  # a real one, or the stand-in
         True
     """
     installed = []

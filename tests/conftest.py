@@ -1,11 +1,14 @@
 """Shared fixtures: the devices the transparency tests run on, warning and probe resets."""
 
+import gc
+
 import pytest
 import torch
 
 from poptorch_lite import errors
 
 import probes
+from models import exited, workers
 
 # "ipu_model": every IPU on the CPU with a memory of its own (Options.useIpuModel(True)), the
 # path that separate GPUs take, so that it runs on machines without one.
@@ -36,3 +39,14 @@ def no_probe():
     probes.PROBE["fn"] = None
     yield
     probes.PROBE["fn"] = None
+
+
+@pytest.fixture(autouse=True)
+def no_workers_left_over():
+    """Each test starts without stream workers of earlier tests' wrappers: a wrapper nobody
+    destroyed (a Keras model's) is collected, and its workers exit, before the next test, so
+    tests that count workers see their own only. Costs nothing when no worker is alive."""
+    if workers():
+        gc.collect()
+        exited()
+    yield

@@ -262,6 +262,7 @@ def test_a_failing_action_is_reported_promptly_and_the_next_call_works(schedule,
         if (k, s, i) == (kind, stage, microbatch):
             raise RuntimeError("injected fault")
 
+    before = set(workers())  # earlier tests' collected wrappers may still be winding down
     model = poptorch.trainingModel(Probed(2), options(schedule, 5))
     x, y = probed_batch(5)
     PROBE["fn"] = fn
@@ -279,7 +280,7 @@ def test_a_failing_action_is_reported_promptly_and_the_next_call_works(schedule,
     _, loss = model(x, y)
     assert torch.isfinite(loss)
     model.destroy()
-    assert workers() == []
+    assert set(workers()) <= before  # destroy() ended this model's workers
 
 
 def test_the_watchdog_turns_a_stuck_action_into_an_error():
