@@ -19,6 +19,7 @@ import torch
 
 import poptorch_lite as poptorch
 from poptorch_lite import wrapper
+from poptorch_lite.runtime import program
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--width", type=int, default=1024, help="features of each Linear layer")
@@ -30,12 +31,13 @@ parser.add_argument("--repeats", type=int, default=15, help="timed calls per sid
 
 @contextlib.contextmanager
 def without_snapshot():
-    captured = wrapper.capture
-    wrapper.capture = lambda *args, **kwargs: (lambda: None)
+    """No capture at all: the wrapper's of a whole call, and each run's (``Program.run``)."""
+    captured = wrapper.capture, program.capture
+    wrapper.capture = program.capture = lambda *args, **kwargs: (lambda: None)
     try:
         yield
     finally:
-        wrapper.capture = captured
+        wrapper.capture, program.capture = captured
 
 
 def main():

@@ -1,38 +1,37 @@
 """poptorch_lite: PopTorch's programming model on stock PyTorch.
 
 ``import poptorch_lite as poptorch`` and annotate, wrap and train as with
-PopTorch. The flow of a call: annotations -> partition -> placement ->
-schedule -> executor -> wrapper (see the modules of the same names).
+PopTorch. The flow of a call: annotations -> compiler (trace, partition) ->
+runtime (placement, schedule, executor) -> wrapper; CONTRIBUTING.md maps the modules.
 """
 
 from . import keras, optim
+from . import ops_namespace  # registers torch.ops.poptorch.*
 from .annotations import BeginBlock, Block, BlockFunction, recomputationCheckpoint, removeBlocks
 from .checkpoint import CheckpointInfo, load_checkpoint, save_checkpoint
 from .custom_args import ICustomArgParser, registerCustomArgParser
-from .dataloader import AsynchronousDataAccessor, DataLoader
+from .data import AsynchronousDataAccessor, DataLoader
 from .distributed import is_main_process
 from .enums import (AnchorMode, AutoStage, CommGroupType, ConnectionType, DataLoaderMode,
-                    HalfFloatCastingBehavior, MultiConvPlanType,
-                    Liveness, MatMulSerializationMode, MeanReductionStrategy, OutputMode,
-                    OverlapMode, PipelineSchedule, ReductionType, SharingStrategy, SyncPattern)
+                    HalfFloatCastingBehavior, MultiConvPlanType, Liveness, MatMulSerializationMode,
+                    MeanReductionStrategy, OutputMode, OverlapMode, PipelineSchedule, ReductionType,
+                    SharingStrategy, SyncPattern)
 from .errors import (BatchSizeError, BlockError, ChannelError, CheckpointError, ConfigFileError,
                      DataLoaderError, DeviceError, Error, ExecutionError, FrozenOptionsError,
                      InputError, IpuOnlyWarning, LossError, OptimizerError, OptionsError,
                      PipelineError, PoptorchLiteWarning, RecoverableError, ScheduleError,
                      TraceError, UnknownAttributeError, UnrecoverableError, WrapError)
 from .frontends import (IPUInfeedQueue, IPUOutfeedQueue, OptimizerFunctionOutput, pipeline,
-                        print_pipeline_stage_assignment_summary,
-                        set_pipeline_stage_assignment, split_at, stage_summary)
-from . import ops_namespace  # registers torch.ops.poptorch.*
+                        print_pipeline_stage_assignment_summary, set_pipeline_stage_assignment,
+                        split_at, stage_summary)
 from .ops import (Attribute, MultiConv, NameScope, identity_loss, ipuHardwareIsAvailable,
                   ipuHardwareVersion, ipu_print_tensor, isRunningOnIpu, nop, serializedMatMul,
-                  setLogLevel, set_available_memory, set_overlap_for_input,
-                  set_overlap_for_output)
-from .ipu_options import TensorLocationSettings
-from .options import Options, combined_batch_size
-from .strategies import (ExecutionStrategy, ParallelPhasedExecution, Phase, PipelinedExecution,
-                         SerialPhasedExecution, ShardedExecution, Stage)
-from .wrapper import PoplarExecutor, inferenceModel, trainingModel
+                  setLogLevel, set_available_memory, set_overlap_for_input, set_overlap_for_output)
+from .options import Options, TensorLocationSettings, combined_batch_size
+from .phases import ParallelPhasedExecution, Phase, SerialPhasedExecution
+from .strategies import ExecutionStrategy, PipelinedExecution, ShardedExecution, Stage
+from .wrap import inferenceModel, trainingModel
+from .wrapper import PoplarExecutor
 
 __version__ = "0.1.0"
 

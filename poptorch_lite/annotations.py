@@ -2,61 +2,22 @@
 
 Annotations only record data. Outside a wrapped model they do nothing at all
 (an annotated model runs natively as plain PyTorch). While a wrapper traces the
-model ([Note: trace context]) they leave marker nodes in the graph
-(``poptorch_lite.markers``) from which the partition reads which block every
-op belongs to.
-
-[Note: trace context]
-``trace_context()`` is the one switch between "plain PyTorch" and "being
-traced"; only the partition enters it, for the duration of one trace. It holds
-the auto-id counter of id-less blocks, which restarts at every trace, so the
-same model always traces to the same block ids.
+model ([Note: trace context] in ``compiler/markers.py``) they leave marker nodes
+in the graph (``poptorch_lite.compiler.markers``) from which the partition reads
+which block every op belongs to.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-import threading
 from typing import Any, Callable, Optional
 
 import torch
 
-from . import markers
+from .compiler import markers
+from .compiler.markers import _current, is_tracing, trace_context
 from .errors import BlockError, InputError
-
-
-@dataclasses.dataclass
-class _TraceState:
-    active: bool = False
-    next_auto_id: int = 0
-    current_block: Optional[str] = None  # for stage summaries only; the graph is the truth
-
-
-_state = threading.local()
-
-
-def _current() -> _TraceState:
-    if not hasattr(_state, "value"):
-        _state.value = _TraceState()
-    return _state.value
-
-
-@contextlib.contextmanager
-def trace_context():
-    """Mark the current thread as tracing a wrapped model (used by the partition)."""
-    previous = _current()
-    _state.value = _TraceState(active=True)
-    try:
-        yield _state.value
-    finally:
-        _state.value = previous
-
-
-def is_tracing() -> bool:
-    """True while a wrapper traces a model on this thread."""
-    return _current().active
 
 
 def _resolve_id(user_id: Optional[str]) -> str:

@@ -12,7 +12,7 @@ came from). ``load_checkpoint`` puts all of it back, so training continues
 bit-identically to a run that never stopped.
 
 When a model's pipeline spans processes ([Note: stages in other processes] in
-``process_pipeline``), every process calls ``save_checkpoint(path, ...)`` and
+``distributed``), every process calls ``save_checkpoint(path, ...)`` and
 writes its own part, ``<path>.process<r>-of-<W>`` (:func:`part_path`): its
 stages' parameters and buffers, the optimizer state it holds, and its own
 random state and loader position. Every process calls ``load_checkpoint(path,

@@ -34,9 +34,10 @@ def alias_poptorch() -> None:
     """
     package = importlib.import_module("poptorch_lite")
     sys.modules["poptorch"] = package
-    for info in pkgutil.iter_modules(package.__path__):
-        if info.name not in _NOT_ALIASED:
-            sys.modules[f"poptorch.{info.name}"] = importlib.import_module(f"poptorch_lite.{info.name}")
+    for info in pkgutil.walk_packages(package.__path__, "poptorch_lite."):
+        name = info.name.removeprefix("poptorch_lite.")
+        if name not in _NOT_ALIASED:  # subpackages too: poptorch.options, poptorch.optim, ...
+            sys.modules[f"poptorch.{name}"] = importlib.import_module(info.name)
     importlib.import_module("poptorch_lite.side_modules").install()
 
 

@@ -8,16 +8,10 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from . import markers
-from .annotations import is_tracing
+from .compiler import markers
+from .compiler.markers import is_tracing
 from .enums import MultiConvPlanType
 from .errors import InputError, OptionsError, warn_once
-
-# Every torch loss function: its output is a loss by provenance ([Note: loss provenance]).
-LOSS_FUNCTIONS = frozenset(
-    getattr(F, name) for name in dir(F)
-    if name.endswith("_loss") or name in {"cross_entropy", "kl_div", "binary_cross_entropy",
-                                           "binary_cross_entropy_with_logits"})
 
 _REDUCTIONS = {"sum": torch.sum, "mean": torch.mean, "none": None}
 

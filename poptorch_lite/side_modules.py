@@ -169,7 +169,7 @@ def finalizeBackend() -> None:  # noqa: N802
 
 def _popdist_options(ipus_per_replica: Optional[int] = None, **kwargs: Any):
     """``popdist.poptorch.Options``: PopTorch ``Options`` for this instance (one, unreplicated)."""
-    from .options import Options  # the package is imported by now: cli imports it first
+    from .options.options import Options  # the package is imported by now: cli imports it first
 
     return Options(**kwargs)
 

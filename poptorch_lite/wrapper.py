@@ -1,32 +1,17 @@
 """The PopTorch face: ``trainingModel``, ``inferenceModel`` and the model they return.
 
 A call validates its inputs, compiles a program once per input signature
-(``program``: the model traced and split into stages, placed on devices,
-weights given homes), builds the schedule (``schedule``) and runs it
-(``executor``), then merges the micro-batch outputs per the output mode. Every refusal happens before any parameter, optimizer
-state, buffer or RNG state changes.
-
-[Note: weight sync]
-Where a stage's memory is the host model's (the CPU, without ``useIpuModel``),
-the stage computes with the user's own ``Parameter`` objects: after a call the
-model holds the trained values, an ``inferenceModel`` of the same model sees
-them, and host edits take effect at once. Elsewhere the weights live on their
-stage's device ([Note: weight homes] in ``weights``) and the host copy is
-brought up to date when something reads it, as PopTorch does with an implicit
-``copyWeightsToHost()``: while wrapped, each module's parameter and buffer
-tables are a :class:`~poptorch_lite.weights.HostView`, so any read of the
-user's model (``model.fc.weight``, ``parameters()``, ``state_dict()``, calling
-it) syncs first; so do attribute access through the wrapper, a call of another
-wrapper of the same model, ``copyWeightsToHost``, ``detachFromDevice`` and
-``destroy``. Host edits (tensors whose version moved) reach the devices before
-the next call; ``copyWeightsToHost``/``copyWeightsToDevice`` force the copies.
+(``runtime/program.py``: the model traced and split into stages, placed on
+devices, weights given homes), and runs it (``Program.run``: the schedule on
+the executor), then merges the micro-batch outputs per the output mode. Every
+refusal happens before any parameter, optimizer state, buffer or RNG state
+changes. What reads of the user's model see while it is wrapped: [Note: weight
+sync] in ``runtime/weights.py``. ``wrap.py`` makes these wrappers.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import time
 import warnings
 import weakref
 from typing import Optional
@@ -34,22 +19,22 @@ from typing import Optional
 import torch
 from torch.utils import _pytree as pytree
 
-from . import anchors, distributed
+from . import anchors
 from . import optim as poptorch_optim
-from . import perf_counters
-from .batch import MicroBatches, merge, resolve_output_mode, selected_microbatches
-from .enums import ConnectionType, ReductionType
-from .errors import (DeviceError, OptionsError, PoptorchLiteWarning, UnrecoverableError,
-                     WrapError, warn_once)
-from .executor import StepArithmetic
-from .loss_scaling import LossScale
-from .options import Options, batch_factor
-from .partition import Partition
-from .placement import Placement
-from .program import Program, compile_program
-from .weights import Weights, unwatch, watch
-from .timeline import Recorder, Timeline
-from .undo import capture
+from .compiler.partition import Partition
+from .distributed.processes import Processes
+from .enums import ConnectionType
+from .errors import DeviceError, PoptorchLiteWarning, UnrecoverableError, WrapError, warn_once
+from .optim.loss_scale import LossScale
+from .optim.optimizers import _PopTorchOptimizer
+from .options.options import Options, batch_factor
+from .profiling import perf_counters
+from .profiling.run_statistics import RunStatistics, run_statistics
+from .runtime.batch import MicroBatches, merge, resolve_output_mode, selected_microbatches
+from .runtime.placement import Placement
+from .runtime.program import Program, compile_program
+from .runtime.undo import capture, undo_note
+from .runtime.weights import Weights, watch
 
 _LOG = logging.getLogger("poptorch_lite")
 
@@ -62,29 +47,6 @@ _TRAINING_WRAPPERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def _training_wrapper(model) -> Optional["PoplarExecutor"]:
     ref = _TRAINING_WRAPPERS.get(model)
     return None if ref is None else ref()
-
-
-@dataclasses.dataclass(frozen=True)
-class RunStatistics:
-    """What the last call of a wrapped model measured (``model.runStatistics()``).
-
-    Attributes:
-        schedule: the schedule's name (``"grouped"``, ...).
-        peak_stash_depth: per stage, the most micro-batches held in its
-            activation stash at once (never more than the schedule's
-            ``peak_in_flight``).
-        peak_stash_bytes: per stage, the most bytes its stash held at once
-            (distinct storages; parameters, buffers and the call's inputs
-            excluded).
-        timeline: every action's stream, stage, micro-batch, kind, start and
-            end (:class:`~poptorch_lite.timeline.Timeline`: ``summary()``,
-            ``render()``, ``write_chrome_trace(path)``).
-    """
-
-    schedule: str
-    peak_stash_depth: tuple
-    peak_stash_bytes: tuple
-    timeline: Timeline
 
 
 class PoplarExecutor(perf_counters.Latencies):
@@ -116,7 +78,7 @@ class PoplarExecutor(perf_counters.Latencies):
         self._loss_scale = LossScale(
             poptorch_optim.loss_scaling(optimizer), options.Training.automatic_loss_scaling,
             options.Training.loss_scaling_growth_interval) if training else None
-        self._processes = distributed.Processes.for_options(options, training)
+        self._processes = Processes.for_options(options, training)
 
     # -- PopTorch's API -------------------------------------------------------------------
 
@@ -146,12 +108,7 @@ class PoplarExecutor(perf_counters.Latencies):
         if opts.connection_type == ConnectionType.Never:
             raise DeviceError("Options.connectionType(ConnectionType.Never) was set: this model "
                               "can be compiled but not run; use ConnectionType.Always to run it")
-        mbs = self._split(args, kwargs)
-        if self._destroyed:
-            self._revive()
-        program = self._program(mbs)
-        if not self._attached:
-            self._attach()
+        mbs, program = self._prepare(args, kwargs)
         trainer = _training_wrapper(self._user_model)
         if trainer is not None and trainer is not self and trainer._weights is not None:
             trainer._weights.to_host()  # [Note: weight sync]: follow the training model
@@ -175,64 +132,24 @@ class PoplarExecutor(perf_counters.Latencies):
                 restore()
                 applied = 0
             self._steps += applied
-            exc.add_note(_undo_note(applied, opts.device_iterations if self._training else 0,
+            exc.add_note(undo_note(applied, opts.device_iterations if self._training else 0,
                                     isinstance(exc, UnrecoverableError)))
             raise
         if self._training:
             self._steps += opts.device_iterations
             if self._loss_scale.automatic and isinstance(
-                    self._optimizer, poptorch_optim._PopTorchOptimizer):
+                    self._optimizer, _PopTorchOptimizer):
                 self._optimizer.loss_scaling = self._loss_scale.scale  # [Note: loss scaling]
         return result
 
     def _run(self, program: Program, mbs: MicroBatches, per_run: bool = True):
-        """The runs of one call, then the merged outputs.
-
-        With ``per_run``, each run first captures what its step does not commit
-        (buffers, random state, loss scale) and puts it back if the run fails
-        before its update ([Note: commit point]).
-        """
-        # R: the replicas run in turn, one per input slice ([Note: batch layout]); G is 1
-        # for inference models (refused otherwise at wrap time).
-        opts = self._options
-        D, R, G = opts.device_iterations, self._replicas(), opts.Training.gradient_accumulation
-        ex = program.executor
-        if self._training:  # D runs of G·R micro-batches, one optimizer step each
-            schedule = program.schedule(G * R, True)
-            # [Note: gradient arithmetic]: each micro-batch run stands for input_group_size replicas
-            mean = opts.Training.reduction_type == ReductionType.Mean
-            step = StepArithmetic(
-                self._optimizer, self._loss_scale,
-                G * R if mean else 1 / opts.input_group_size,
-                poptorch_optim.max_grad_norm(self._optimizer),
-                poptorch_optim.accum_dtype(self._optimizer),
-                opts.Training.stop_on_non_finite_loss)
-            runs = [range(d * G * R, (d + 1) * G * R) for d in range(D)]
-        else:  # one run of every micro-batch
-            schedule, step, runs = program.schedule(D * R, False), None, [range(D * R)]
-        recorder = Recorder(time.perf_counter())
-        outputs, stats = [], []
+        """The runs of one call (``Program.run``), then the merged outputs."""
         kept = {i for group in self._output_groups() for i in group}  # copied to the host
-        weights, loss_scale = self._weights, self._loss_scale
-        for d, ks in enumerate(runs):
-            undo = capture(weights, None, loss_scale, False) if per_run else None
-            before = ex.steps_applied
-            weights.buffers_move()
-            try:
-                out, run_stats = ex.run(schedule, [mbs.tensors(k) for k in ks], lambda j: j % R,
-                                        step, recorder, d, opts.watchdog_timeout,
-                                        [k in kept for k in ks])
-            except BaseException:
-                if undo is not None and ex.steps_applied == before:
-                    undo()
-                raise
-            finally:
-                weights.buffers_move()
-            outputs += out
-            stats.append(run_stats)
+        outputs, record = program.run(
+            mbs, self._options, self._training, self._replicas(), self._optimizer,
+            self._loss_scale, self._weights, kept, per_run)
         # runStatistics() builds the statistics when asked for: per call only the records.
-        self._last_run, self._statistics = (schedule, stats, recorder,
-                                            dict(self._placement.devices)), None
+        self._last_run, self._statistics = (*record, dict(self._placement.devices)), None
         self._last_call = (program.partition, len(mbs.tensor_positions))
         return self._merge(program.partition, outputs)
 
@@ -244,6 +161,7 @@ class PoplarExecutor(perf_counters.Latencies):
 
         Example:
             >>> import torch
+            >>> from poptorch_lite import inferenceModel
             >>> model = inferenceModel(torch.nn.Linear(2, 1))
             >>> _ = model(torch.ones(3, 2))
             >>> model.runStatistics().timeline.spans[0].label
@@ -252,16 +170,8 @@ class PoplarExecutor(perf_counters.Latencies):
         if self._last_run is None:
             raise DeviceError("runStatistics() reports on the last call: call the model first")
         if self._statistics is None:
-            schedule, stats, recorder, devices = self._last_run
-            layout = self._processes.layout if self._processes is not None else None
-            names = [f"ipu{k} ({devices[k]})" if k in devices else
-                     f"ipu{k} (process {layout.rank_of(layout.pipeline, layout.position_of(k))})"
-                     if layout is not None and layout.position_of(k) is not None else
-                     f"ipu{k} (unused)" for k in range(schedule.num_streams)]
-            self._statistics = RunStatistics(  # peaks over the call's runs
-                schedule.name, tuple(max(v) for v in zip(*(r.peak_stash_depth for r in stats))),
-                tuple(max(v) for v in zip(*(r.peak_stash_bytes for r in stats))),
-                recorder.timeline(names, schedule.name))
+            self._statistics = run_statistics(
+                *self._last_run, self._processes.layout if self._processes is not None else None)
         return self._statistics
 
     def getPerfCounters(self) -> dict:
@@ -276,6 +186,7 @@ class PoplarExecutor(perf_counters.Latencies):
 
         Example:
             >>> import torch
+            >>> from poptorch_lite import inferenceModel
             >>> model = inferenceModel(torch.nn.Linear(2, 1))
             >>> model.getPerfCounters()["input"]
             [[]]
@@ -297,12 +208,7 @@ class PoplarExecutor(perf_counters.Latencies):
         if self._compiled:
             warn_once("compile.twice", "compile() was called on a model that is already "
                       "compiled; nothing to do", PoptorchLiteWarning)
-        mbs = self._split(args, kwargs)
-        if self._destroyed:
-            self._revive()
-        self._program(mbs)
-        if not self._attached:
-            self._attach()
+        self._prepare(args, kwargs)
 
     def isCompiled(self) -> bool:
         return self._compiled
@@ -324,8 +230,7 @@ class PoplarExecutor(perf_counters.Latencies):
     def copyWeightsToHost(self) -> None:
         """Copy device-side weights and buffers back to the user's model.
 
-        When the pipeline's stages run in several processes ([Note: stages in other
-        processes] in ``process_pipeline``), every process of the pipeline must call it
+        When the pipeline's stages run in several processes ([Note: stages in other processes] in ``distributed``), every process of the pipeline must call it
         together: each weight comes from the process that trains it, so every process's
         model then holds the whole trained model (otherwise a process's model is current
         for its own stages only).
@@ -333,16 +238,8 @@ class PoplarExecutor(perf_counters.Latencies):
         self._require_compiled()
         self._weights.to_host()
         owner = self._owner() if self._processes is not None else None
-        if owner is not None:
-            model, mine, arrived = self._user_model, self._processes.layout.position, []
-            with torch.no_grad():
-                for name, t in (*model.named_parameters(), *model.named_buffers()):
-                    position = owner(name)
-                    if position is not None:
-                        self._processes.pipeline_broadcast(t.data, position)
-                        if position != mine:
-                            arrived.append(t)
-            self._weights.remember_versions(arrived)  # what arrived is not a host edit
+        if owner is not None:  # what arrived from the owners is not a host edit
+            self._weights.remember_versions(self._processes.from_owners(self._user_model, owner))
 
     def copyWeightsToDevice(self) -> None:
         """Make the device side use the user's model's current weights and buffers."""
@@ -411,14 +308,14 @@ class PoplarExecutor(perf_counters.Latencies):
             WrapError: another ``trainingModel`` of the same model is alive.
         """
         if self._training:
-            _refuse_second_trainer(self._user_model, self)
+            refuse_second_trainer(self._user_model, self)
         warnings.warn(
             f"this {'trainingModel' if self._training else 'inferenceModel'} was destroyed "
             f"and is called again: it compiles again from the model's current weights. Wrap "
             f"the model anew (poptorch.{'trainingModel' if self._training else 'inferenceModel'}"
-            f"(model, ...)) to make that explicit", PoptorchLiteWarning, stacklevel=3)
+            f"(model, ...)) to make that explicit", PoptorchLiteWarning, stacklevel=4)
         if self._training:
-            _TRAINING_WRAPPERS[self._user_model] = weakref.ref(self)
+            register_trainer(self._user_model, self)
         self._destroyed = False
 
     def load_state_dict(self, state_dict, strict: bool = True):
@@ -460,6 +357,16 @@ class PoplarExecutor(perf_counters.Latencies):
                    f"Options.inputReplicaGrouping.input_group_size({o.input_group_size})) * "
                    f"Options.Training.gradientAccumulation({o.Training.gradient_accumulation})")
         return MicroBatches(args, kwargs, batch_factor(o), explain)
+
+    def _prepare(self, args, kwargs) -> tuple:
+        """The call's micro-batches and its program, compiled and attached (revived first)."""
+        mbs = self._split(args, kwargs)
+        if self._destroyed:
+            self._revive()
+        program = self._program(mbs)
+        if not self._attached:
+            self._attach()
+        return mbs, program
 
     def _program(self, mbs: MicroBatches) -> Program:
         key = mbs.signature()
@@ -504,8 +411,7 @@ class PoplarExecutor(perf_counters.Latencies):
         """Reading the user's model brings it up to date ([Note: weight sync]); so does this
         wrapper being garbage collected without ``destroy()``."""
         if self._release is None:
-            watch(self._user_model, self._weights)
-            self._release = weakref.finalize(self, _release_model, self._user_model, self._weights)
+            self._release = watch(self._user_model, self._weights, self)
 
     def _unwatch_model(self) -> None:
         if self._release is not None:
@@ -528,109 +434,15 @@ class PoplarExecutor(perf_counters.Latencies):
         return pytree.tree_unflatten(leaves, part.out_spec)
 
 
-def _release_model(model: torch.nn.Module, weights: Weights) -> None:
-    """The wrapper is done with ``model``: its last trained values go to the host copy."""
-    weights.to_host()
-    unwatch(model, weights)
+def register_trainer(model, wrapper: "PoplarExecutor") -> None:
+    """``wrapper`` trains ``model`` now (until its ``destroy()``)."""
+    _TRAINING_WRAPPERS[model] = weakref.ref(wrapper)
 
 
-def _undo_note(applied: int, steps: int, partial: bool = False) -> str:
-    """What a failed call left ([Note: commit point] in ``executor``)."""
-    if partial:
-        return (f"poptorch_lite: {applied} of the call's {steps} steps completed before the "
-                f"failing one; buffers, loss scale and random state were put back to the start "
-                f"of its run, parameters and optimizer state could not be")
-    if applied == 0:
-        return ("poptorch_lite: the call was undone: parameters, buffers, optimizer state, "
-                "loss scale and random state are as they were before it")
-    return (f"poptorch_lite: the call was undone to its last completed optimizer step: "
-            f"{applied} of its {steps} steps were applied, and parameters, optimizer state, "
-            f"buffers, loss scale and random state are as right after step {applied}")
-
-
-def _refuse_second_trainer(model, wrapper: Optional["PoplarExecutor"]) -> None:
+def refuse_second_trainer(model, wrapper: Optional["PoplarExecutor"]) -> None:
     """Refuse a second live training wrapper of ``model`` (``wrapper``: the one asking)."""
     existing = _training_wrapper(model)
     if existing is not None and existing is not wrapper:
         raise WrapError("Model has already been wrapped in 'poptorch.trainingModel'. Call "
                         "destroy() on that wrapper (the object trainingModel returned) to "
                         "unwrap before wrapping again.")
-
-
-def _check_options(options) -> Options:
-    if options is None:
-        return Options()
-    if not isinstance(options, Options):
-        raise OptionsError(f"Invalid type: 'options' is of type {type(options)} "
-                           f"(Expected poptorch.Options)")
-    return options
-
-
-def trainingModel(model, options: Optional[Options] = None,
-                  optimizer: Optional[torch.optim.Optimizer] = None) -> PoplarExecutor:
-    """Wrap ``model`` for training: each call runs forward, backward and optimizer steps.
-
-    Args:
-        model: an ``nn.Module`` whose forward returns (or includes) a loss, or a
-            wrapped model (its ``.model`` is wrapped).
-        options: ``Options`` (default: ``Options()``); frozen by this call.
-        optimizer: default ``poptorch_lite.optim.SGD(model.parameters(), lr=0.01)``.
-
-    Raises:
-        OptionsError: ``options`` is not an Options.
-        WrapError: the model is already wrapped for training.
-        OptimizerError: the optimizer is not supported.
-
-    Example:
-        >>> import torch
-        >>> class Net(torch.nn.Module):
-        ...     def __init__(self):
-        ...         super().__init__()
-        ...         self.fc = torch.nn.Linear(2, 1)
-        ...     def forward(self, x, y):
-        ...         out = self.fc(x)
-        ...         return out, torch.nn.functional.mse_loss(out, y)
-        >>> net = Net()
-        >>> train = trainingModel(net)
-        >>> out, loss = train(torch.ones(4, 2), torch.zeros(4, 1))
-    """
-    if isinstance(model, PoplarExecutor):
-        model = model.model
-    options = _check_options(options)
-    _refuse_second_trainer(model, None)
-    if optimizer is None:
-        optimizer = poptorch_optim.SGD(model.parameters(), lr=0.01)
-    poptorch_optim.check_optimizer(optimizer)
-    private = options.clone()
-    options._freeze()
-    private._freeze()
-    wrapper = PoplarExecutor(model, private, True, optimizer)
-    _TRAINING_WRAPPERS[model] = weakref.ref(wrapper)
-    return wrapper
-
-
-def inferenceModel(model, options: Optional[Options] = None) -> PoplarExecutor:
-    """Wrap ``model`` for inference: each call runs forwards only.
-
-    Raises:
-        OptionsError: ``options`` is not an Options, or gradientAccumulation is not 1.
-
-    Example:
-        >>> import torch
-        >>> infer = inferenceModel(torch.nn.Linear(2, 1))
-        >>> infer(torch.ones(3, 2)).shape
-        torch.Size([3, 1])
-    """
-    if isinstance(model, PoplarExecutor):
-        model = model.model
-    options = _check_options(options)
-    if options.Training.gradient_accumulation != 1:
-        raise OptionsError(
-            f"You must set poptorch.Options().Training.gradientAccumulation to 1 or leave it as "
-            f"its default value (1) when running a poptorch.inferenceModel() (it is "
-            f"{options.Training.gradient_accumulation}). Use poptorch.Options().deviceIterations "
-            f"for pipelined execution instead.")
-    private = options.clone()
-    options._freeze()
-    private._freeze()
-    return PoplarExecutor(model, private, False)

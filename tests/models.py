@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import poptorch_lite as poptorch
-from poptorch_lite import rng
+from poptorch_lite.compiler import rng
 
 
 class BlockMLP(torch.nn.Module):

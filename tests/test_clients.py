@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 import poptorch_lite as poptorch
-from poptorch_lite import _impl, errors, optim, side_modules
+from poptorch_lite import _impl, errors, side_modules
+from poptorch_lite import optim
 
 from models import data, reference_training, twin
 
@@ -289,7 +290,8 @@ def test_doctests_of_the_client_modules():
     import doctest
     import warnings
 
-    from poptorch_lite import anchors, custom_args, ops, optim_precision
+    from poptorch_lite import anchors, custom_args, ops
+    from poptorch_lite.optim import precision as optim_precision
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", errors.IpuOnlyWarning)

@@ -1,4 +1,4 @@
-"""Tests of poptorch_lite.dataloader: combined batches, partitioning, the async accessor."""
+"""Tests of poptorch_lite.data.dataloader: combined batches, partitioning, the async accessor."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ import torch
 from torch.utils.data import BatchSampler, Dataset, IterableDataset, SequentialSampler, TensorDataset
 
 from poptorch_lite import errors
-from poptorch_lite.dataloader import AsynchronousDataAccessor, DataLoader
+from poptorch_lite.data.dataloader import AsynchronousDataAccessor, DataLoader
 from poptorch_lite.enums import DataLoaderMode
-from poptorch_lite.options import Options
+from poptorch_lite.options.options import Options
 
 THREAD_NAME = "poptorch_lite.AsynchronousDataAccessor"
 

@@ -232,6 +232,6 @@ def test_mnist_distributed_example_runs_under_torchrun():
 
 
 def test_distributed_docstring_examples_run():
-    from poptorch_lite import distributed
+    from poptorch_lite.distributed import processes as distributed
     result = doctest.testmod(distributed, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted >= 4

@@ -27,10 +27,14 @@ import torch
 import torch.nn.functional as F
 
 import poptorch_lite as poptorch
-from poptorch_lite import errors, keras, optim, retarget
-from poptorch_lite.placement import CpuStream, resolve_devices
-from poptorch_lite.schedule import Action, Schedule, build, validate
-from poptorch_lite.timeline import Span, Timeline
+from poptorch_lite import errors, keras
+from poptorch_lite import optim
+from poptorch_lite.compiler import retarget
+from poptorch_lite.runtime.placement import resolve_devices
+from poptorch_lite.runtime.streams import CpuStream
+from poptorch_lite.runtime.schedule import Action, Schedule, validate
+from poptorch_lite.runtime.schedule_kinds import build
+from poptorch_lite.profiling.timeline import Span, Timeline
 
 from processes import free_port, start
 
@@ -1045,6 +1049,26 @@ def test_every_documented_id_has_a_trigger_and_every_trigger_a_row():
     for row_id, (cls_name, message) in ROWS.items():  # a row must pin real text and a class
         assert len(re.sub(r"<[^<>]*>", "", message)) >= 15, row_id
         assert isinstance(documented_class(cls_name), type), row_id
+
+
+def test_every_site_is_a_module_that_defines_the_function_named():
+    """The last column says where a row is raised: ``path.py `Class.function```, relative to
+    the package; the file must exist and define each dotted part of the name."""
+    package = DOC.parent.parent / "poptorch_lite"
+    sites = 0
+    for line in DOC.read_text(encoding="utf-8").splitlines():
+        if not re.match(r"\|\s*[EW]-[A-Z]+-\d+\s*\|", line):
+            continue
+        row_id, site = _cells(line)[0], _cells(line)[-1]
+        for path, name in re.findall(r"([\w/]+\.py)(?: `([\w.]+)`)?", site):
+            source = package / path
+            assert source.is_file(), f"{row_id}: no poptorch_lite/{path}"
+            text = source.read_text(encoding="utf-8")
+            for part in name.split(".") if name else ():
+                assert re.search(rf"^\s*(def|class) {part}\b", text, re.M), \
+                    f"{row_id}: poptorch_lite/{path} defines no {part}"
+            sites += 1
+    assert sites > 200
 
 
 @pytest.mark.parametrize("row_id", sorted(i for i in ROWS if i.startswith("E-")))

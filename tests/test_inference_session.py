@@ -1,4 +1,4 @@
-"""An inferenceModel runs as PopTorch's inference session ([Note: inference session] in tracing)."""
+"""An inferenceModel runs as PopTorch's inference session ([Note: inference session] in compiler/trace_modes.py)."""
 
 from __future__ import annotations
 

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 import poptorch_lite as poptorch
 from poptorch_lite import keras
 from poptorch_lite.frontends import keras as keras_model
-from poptorch_lite.frontends import (dry_run, keras_callbacks, keras_data, keras_ipu,
-                                     keras_losses, keras_stages)
+from poptorch_lite.frontends import (dry_run, keras_callbacks, keras_data, keras_ipu, keras_losses,
+                                     keras_stages)
 
 P = poptorch.PipelineSchedule
 EPS = 1e-7

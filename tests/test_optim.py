@@ -12,9 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from poptorch_lite import errors, optim
+from poptorch_lite import errors
+from poptorch_lite import optim
+from poptorch_lite.optim import accepted, optimizers
 from poptorch_lite.errors import OptimizerError, PoptorchLiteWarning
-from poptorch_lite.optim import LAMB, SGD, Adam, AdamW, RMSprop
+from poptorch_lite.optim.optimizers import LAMB, SGD, Adam, AdamW, RMSprop
 
 STEPS = 3
 
@@ -353,9 +355,9 @@ def test_accum_type_is_the_gradient_accumulator_dtype():
         warnings.simplefilter("error")  # it has an effect here: no IPU-only warning
         opt = Adam(params, accum_type=torch.float16)
     assert opt.accum_type == torch.float16 and opt.param_groups[0]["accum_type"] == torch.float16
-    assert optim.accum_dtype(opt) == torch.float16
-    assert optim.accum_dtype(SGD(params, lr=0.1)) == torch.float32
-    assert optim.accum_dtype(torch.optim.SGD(params, lr=0.1)) is None
+    assert accepted.accum_dtype(opt) == torch.float16
+    assert accepted.accum_dtype(SGD(params, lr=0.1)) == torch.float32
+    assert accepted.accum_dtype(torch.optim.SGD(params, lr=0.1)) is None
 
 
 def test_groups_disagreeing_on_a_global_extra_are_refused():
@@ -449,6 +451,7 @@ def test_copy_hyperparameters_refuses_mismatches():
         optim.copy_hyperparameters(Adam(model.parameters()), SGD(model.parameters(), lr=0.1))
 
 
-def test_docstring_examples_run():
-    result = doctest.testmod(optim, optionflags=doctest.ELLIPSIS)
+@pytest.mark.parametrize("module", [optimizers, accepted], ids=lambda m: m.__name__)
+def test_docstring_examples_run(module):
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0

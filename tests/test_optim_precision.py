@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 import poptorch_lite as poptorch
-from poptorch_lite.optim import LAMB, SGD, Adam, AdamW, RMSprop
+from poptorch_lite.optim.optimizers import LAMB, SGD, Adam, AdamW, RMSprop
 
 H, F32 = torch.float16, torch.float32
 STEPS = 3

@@ -9,18 +9,19 @@ import pytest
 import torch
 
 from poptorch_lite import errors
-from poptorch_lite import (device_options, enums, ipu_options, option_groups, options,
-                           options_base, options_config, strategies)
-from poptorch_lite.enums import (AnchorMode, AutoStage, CommGroupType, ConnectionType,
-                                 Liveness, OutputMode, PipelineSchedule, ReductionType,
-                                 SyncPattern)
-from poptorch_lite.ipu_options import TensorLocationSettings
-from poptorch_lite.options import IpuDeviceMap, Options, batch_factor, combined_batch_size
-from poptorch_lite.strategies import (ExecutionStrategy, ParallelPhasedExecution, Phase,
-                                      PipelinedExecution, SerialPhasedExecution,
-                                      ShardedExecution, Stage)
+from poptorch_lite.options import (device as device_options, ipu as ipu_options,
+                                   groups as option_groups, options, base as options_base,
+                                   config as options_config)
+from poptorch_lite import enums, phases, strategies
+from poptorch_lite.enums import (AnchorMode, AutoStage, CommGroupType, ConnectionType, Liveness,
+                                 OutputMode, PipelineSchedule, ReductionType, SyncPattern)
+from poptorch_lite.options.ipu import TensorLocationSettings
+from poptorch_lite.options.device import IpuDeviceMap
+from poptorch_lite.options.options import Options, batch_factor, combined_batch_size
+from poptorch_lite.phases import ParallelPhasedExecution, Phase, SerialPhasedExecution
+from poptorch_lite.strategies import ExecutionStrategy, PipelinedExecution, ShardedExecution, Stage
 
-PACKAGE = pathlib.Path(options.__file__).parent
+PACKAGE = pathlib.Path(enums.__file__).parent
 
 
 @pytest.fixture(autouse=True)
@@ -861,7 +862,7 @@ def test_enum_values_match_poptorch():
         ("GPipe", "gpipe")]
 
 
-@pytest.mark.parametrize("module", ["enums.py", "strategies.py"])
+@pytest.mark.parametrize("module", ["enums.py", "strategies.py", "phases.py"])
 def test_module_does_not_import_torch(module):
     tree = ast.parse((PACKAGE / module).read_text())
     imported = {alias.name.split(".")[0] for node in ast.walk(tree)
@@ -871,7 +872,7 @@ def test_module_does_not_import_torch(module):
     assert "torch" not in imported
 
 
-@pytest.mark.parametrize("module", [enums, strategies, options_base, ipu_options, device_options,
+@pytest.mark.parametrize("module", [enums, strategies, phases, options_base, ipu_options,
                                     option_groups, options_config, options],
                          ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):
@@ -918,7 +919,7 @@ def test_mean_reduction_strategy_trains_to_the_same_numbers(strategy):
         o = Options()
         o.Training.gradientAccumulation(2)
         configure(o)
-        from poptorch_lite import wrapper
+        from poptorch_lite import trainingModel
 
         class WithLoss(torch.nn.Module):
             def __init__(self):
@@ -928,7 +929,7 @@ def test_mean_reduction_strategy_trains_to_the_same_numbers(strategy):
             def forward(self, x, y):
                 return torch.nn.functional.mse_loss(self.net(x), y)
 
-        trained = wrapper.trainingModel(WithLoss(), o)
+        trained = trainingModel(WithLoss(), o)
         loss = trained(torch.arange(12.).view(4, 3), torch.ones(4, 2))
         return loss, [p.detach().clone() for p in model.parameters()]
 

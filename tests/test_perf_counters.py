@@ -141,7 +141,8 @@ def test_no_tensor_inputs_or_outputs_read_as_empty():
 def test_the_examples_in_the_docstrings_run():
     import doctest
 
-    from poptorch_lite import perf_counters, wrapper
-    for module in (perf_counters, wrapper):
+    from poptorch_lite.profiling import perf_counters
+    from poptorch_lite import wrap, wrapper
+    for module in (perf_counters, wrapper, wrap):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0, module.__name__

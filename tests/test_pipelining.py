@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import poptorch_lite as poptorch
 from poptorch_lite.enums import PipelineSchedule
-from poptorch_lite.schedule import build
+from poptorch_lite.runtime.schedule_kinds import build
 
 from models import BlockMLP, data, exited, twin, workers
 from probes import CONCURRENT, PROBE, SCHEDULES, Probed, options, probed_batch

@@ -6,7 +6,8 @@ import time
 import pytest
 import torch
 
-from poptorch_lite.placement import ActionFailed, ActionStuck, Placement, resolve_devices
+from poptorch_lite.runtime.placement import Placement, resolve_devices
+from poptorch_lite.runtime.streams import ActionFailed, ActionStuck
 
 from models import exited, workers
 

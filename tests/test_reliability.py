@@ -378,7 +378,7 @@ def test_stop_on_non_finite_loss_names_its_micro_batch():
 def test_the_automatic_scale_never_grows_past_float32s_largest_number():
     """As GradScaler's update: a doubling that would overflow float32 is skipped (a scale of
     2**128 made every backward fail to build its float32 seed)."""
-    from poptorch_lite.loss_scaling import LossScale
+    from poptorch_lite.optim.loss_scale import LossScale
     scale = LossScale(2.0 ** 126, automatic=True, growth_interval=1)
     assert [scale.update(finite=True) for _ in range(3)] == [True] * 3
     assert (scale.scale, scale.good_steps) == (2.0 ** 127, 0)
@@ -616,7 +616,9 @@ def test_a_loader_position_is_checked():
 def test_docstring_examples_run():
     import doctest
 
-    from poptorch_lite import checkpoint, loss_scaling, undo
+    from poptorch_lite import checkpoint
+    from poptorch_lite.optim import loss_scale as loss_scaling
+    from poptorch_lite.runtime import undo
     for module in (checkpoint, loss_scaling, undo):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 import poptorch_lite as poptorch
-from poptorch_lite import retarget
-from poptorch_lite.partition import partition
+from poptorch_lite.compiler import retarget
+from poptorch_lite.compiler.partition import partition
 from poptorch_lite.strategies import PipelinedExecution
 
 from models import reference_training, twin

@@ -5,9 +5,9 @@ import warnings
 import pytest
 
 from poptorch_lite.enums import PipelineSchedule
-from poptorch_lite.schedule import (Action, Kind, Schedule, build, gpipe, grouped, interleaved,
-                                    sequential, validate)
-from poptorch_lite.schedule_kinds import _list_schedule
+from poptorch_lite.runtime.schedule import Action, Kind, Schedule, validate
+from poptorch_lite.runtime.schedule_kinds import (_list_schedule, build, gpipe, grouped, interleaved,
+                                                  sequential)
 
 P = PipelineSchedule
 CONCURRENT = [P.Grouped, P.Interleaved, P.GPipe]
@@ -53,11 +53,11 @@ def _without_recompute(schedule: Schedule) -> list:
 def test_schedule_modules_do_not_import_torch():
     import ast
     import poptorch_lite.enums
-    import poptorch_lite.schedule
-    import poptorch_lite.schedule_kinds
-    import poptorch_lite.timeline
-    for module in (poptorch_lite.schedule, poptorch_lite.schedule_kinds, poptorch_lite.enums,
-                   poptorch_lite.timeline):
+    import poptorch_lite.runtime.schedule
+    import poptorch_lite.runtime.schedule_kinds
+    import poptorch_lite.profiling.timeline
+    for module in (poptorch_lite.runtime.schedule, poptorch_lite.runtime.schedule_kinds, poptorch_lite.enums,
+                   poptorch_lite.profiling.timeline):
         tree = ast.parse(open(module.__file__).read())
         imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
                     for a in n.names}

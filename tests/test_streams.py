@@ -17,14 +17,15 @@ import torch
 from torch.testing import assert_close
 
 import poptorch_lite as poptorch
-from poptorch_lite import placement as placement_module
-from poptorch_lite import rng
-from poptorch_lite.executor import Executor
-from poptorch_lite.stage_work import StageWork
-from poptorch_lite.timeline import Recorder, Span
-from poptorch_lite.placement import (CpuStream, Placement, StreamFailed, arrive,
-                                     normalize_device, process_gpu, resolve_devices)
-from poptorch_lite.weights import Weights
+from poptorch_lite.runtime import placement as placement_module
+from poptorch_lite.compiler import rng
+from poptorch_lite.runtime.executor import Executor
+from poptorch_lite.runtime.stage_work import StageWork
+from poptorch_lite.profiling.timeline import Recorder, Span
+from poptorch_lite.options.device import normalize_device
+from poptorch_lite.runtime.placement import Placement, process_gpu, resolve_devices
+from poptorch_lite.runtime.streams import CpuStream, StreamFailed, arrive
+from poptorch_lite.runtime.weights import Weights
 
 from models import BlockMLP, data, microbatch_seeds, on_device, reference_training, twin
 

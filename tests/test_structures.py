@@ -255,7 +255,7 @@ def test_container_subclass_that_cannot_be_rebuilt_is_refused():
 def test_doctests_of_structures():
     import doctest
 
-    from poptorch_lite import structures
+    from poptorch_lite.compiler import structures
 
     result = doctest.testmod(structures, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0

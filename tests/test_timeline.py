@@ -7,9 +7,10 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from poptorch_lite.schedule import Action, sequential
-from poptorch_lite.timeline import Recorder, Span, Timeline
-from poptorch_lite.timeline_svg import COLOURS, nice_ticks, render
+from poptorch_lite.runtime.schedule import Action
+from poptorch_lite.runtime.schedule_kinds import sequential
+from poptorch_lite.profiling.timeline import Recorder, Span, Timeline
+from poptorch_lite.profiling.timeline_svg import COLOURS, nice_ticks, render
 
 NAMES = ["ipu0 (cpu)", "ipu1 (cpu)"]
 
@@ -37,8 +38,9 @@ def from_grid(schedule) -> Timeline:
 
 
 @pytest.mark.parametrize("module, allowed", [
-    ("timeline", {"__future__", "dataclasses", "json", "typing", "timeline_svg"}),
-    ("timeline_svg", {"__future__", "math", "xml", "timeline"}),
+    ("profiling.timeline", {"__future__", "dataclasses", "json", "typing", "spans", "timeline_svg"}),
+    ("profiling.timeline_svg", {"__future__", "math", "xml", "spans"}),
+    ("profiling.spans", {"__future__", "dataclasses", "typing"}),
 ])
 def test_timeline_modules_do_not_import_torch(module, allowed):
     import ast
@@ -474,7 +476,7 @@ def test_nice_ticks(length, target, ticks):
 def test_docstring_examples_run():
     import doctest
 
-    from poptorch_lite import timeline, timeline_svg
+    from poptorch_lite.profiling import timeline, timeline_svg
     for module in (timeline, timeline_svg):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0

@@ -1,4 +1,4 @@
-"""Tracing values that ops read from the data ([Note: values read while tracing] in tracing)."""
+"""Tracing values that ops read from the data ([Note: values read while tracing] in compiler/trace_modes.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 import poptorch_lite as poptorch
-from poptorch_lite import rng, tracing
-from poptorch_lite.partition import partition as poptorch_partition
+from poptorch_lite.compiler import rng, trace_modes
+from poptorch_lite.compiler.partition import partition as poptorch_partition
 from models import reference_training, twin
 
 
@@ -109,11 +109,11 @@ def test_the_user_line_is_found_by_folder_not_by_name():
               FrameSummary(contextlib.__file__, 2, "__exit__", line="next(self.gen)"),
               FrameSummary("<string>", 1, "__init__", line=""),
               FrameSummary(torch.overrides.__file__, 3, "g", line="h()"),
-              FrameSummary(tracing.__file__, 4, "__torch_function__", line="func()"),
+              FrameSummary(trace_modes.__file__, 4, "__torch_function__", line="func()"),
               FrameSummary("<eval_with_key>.3", 5, "forward", line="")]
-    assert tracing._user_line(frames) == \
+    assert trace_modes._user_line(frames) == \
         "/home/u/poptorch_lite/tests/test_model.py:7: y = x.item()"
-    assert tracing._user_line(frames[2:]) == "(no line of user code in the traceback)"
+    assert trace_modes._user_line(frames[2:]) == "(no line of user code in the traceback)"
 
 
 def test_a_constant_read_into_python_is_fine():

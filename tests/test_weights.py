@@ -8,9 +8,9 @@ import torch
 from torch.testing import assert_close
 
 import poptorch_lite as poptorch
-from poptorch_lite import stage_work
-from poptorch_lite.schedule import Action, Kind
-from poptorch_lite.weights import HostView, Weights
+from poptorch_lite.runtime import stage_work
+from poptorch_lite.runtime.schedule import Action, Kind
+from poptorch_lite.runtime.weights import HostView, Weights
 
 from models import BlockMLP, data, reference_training, twin
 

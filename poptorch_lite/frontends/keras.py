@@ -44,7 +44,7 @@ import torch
 
 from ..annotations import removeBlocks
 from ..errors import InputError, OptimizerError, OptionsError, warn_once
-from ..options_base import check_positive_int
+from ..options.base import check_positive_int
 from .keras_callbacks import CallbackList, History, format_logs
 from .keras_data import Data
 from .keras_engine import Executions, _TrainStep, _pair

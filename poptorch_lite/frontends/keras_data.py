@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
-from ..async_data import AsynchronousDataAccessor
+from ..data.async_data import AsynchronousDataAccessor
 from ..errors import BatchSizeError, InputError, PoptorchLiteWarning, warn_once
 
 

@@ -15,10 +15,10 @@ import torch
 from tqdm import tqdm
 
 from ..errors import PoptorchLiteWarning, WrapError, warn_once
-from ..options import Options
-from ..options_base import check_positive_int
+from ..options.base import check_positive_int
+from ..options.options import Options
 from ..strategies import ShardedExecution
-from ..wrapper import inferenceModel, trainingModel
+from ..wrap import inferenceModel, trainingModel
 from .keras_callbacks import RunningLogs, format_logs
 from .keras_data import Data
 from .keras_stages import layer_stages

@@ -17,9 +17,9 @@ from typing import Optional
 from ..annotations import Block
 from ..enums import OutputMode, PipelineSchedule
 from ..errors import OptionsError, PipelineError, warn_once
-from ..ipu_options import TensorLocationSettings
-from ..options import Options
-from ..options_base import check_positive_int
+from ..options.base import check_positive_int
+from ..options.ipu import TensorLocationSettings
+from ..options.options import Options
 from ..strategies import PipelinedExecution
 
 

@@ -46,11 +46,11 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..enums import OutputMode, PipelineSchedule, ReductionType
-from ..errors import (InputError, OptimizerError, OptionsError, PipelineError,
-                      PoptorchLiteWarning, WrapError, warn_once)
-from ..options import Options
+from ..errors import (InputError, OptimizerError, OptionsError, PipelineError, PoptorchLiteWarning,
+                      WrapError, warn_once)
+from ..options.options import Options
 from ..strategies import PipelinedExecution, Stage
-from ..wrapper import inferenceModel, trainingModel
+from ..wrap import inferenceModel, trainingModel
 from .tf1_feeds import IPUInfeedQueue, IPUOutfeedQueue
 from .tf1_stages import (StageModel, all_exact, called_modules, check_optimizer_params,
                          optimizer_output, owned_modules)

@@ -1,0 +1,375 @@
+"""Partition: split a traced model's graph into stages.
+
+[Note: partition]
+PopTorch traces a model on the first call's inputs: Python control flow and
+side effects run at trace time, tensor ops (in-place buffer updates included)
+land in the graph, each op in the block active when it ran. We do the same
+with ``make_fx`` (dispatcher-level tracing on concrete inputs), passing the
+parameters and buffers in as graph inputs (``functional_call``), so stage
+graphs run on whatever tensors they are given: the user's own ``Parameter``
+objects, or a replica's copy of the buffers. Annotations leave marker nodes
+(``markers``) in the graph; every op belongs to the block of the last
+``begin_block`` before it. A stage is a maximal run of ops on one IPU;
+consecutive blocks on the same IPU merge.
+
+A value is named by where it comes from: ``param:<name>``, ``buffer:<name>``,
+``input:<k>`` (the k-th tensor leaf of the call's arguments), or
+``node:<name>`` (computed by a stage). Sources are handed to any stage that
+needs them; a computed value travels from its stage to every later stage
+that uses it (skip connections, labels, the loss inputs).
+
+[Note: loss provenance]
+The loss is the value marked by a torch loss function or ``identity_loss``
+(``mark_loss`` nodes), never a position in the return value. Marked values
+that feed another marked value are not final; exactly one must remain.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+from ..enums import AutoStage, PipelineSchedule
+from ..errors import BlockError, LossError, PipelineError, PoptorchLiteWarning, warn_once
+from ..strategies import ExecutionStrategy
+from . import markers, rng
+from .subgraphs import aliases, segment_groups, subgraphs
+from .tracing import trace
+from .value_info import value_infos
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """A piece of a stage between recomputation checkpoints: a graph and its value names."""
+
+    module: fx.GraphModule
+    inputs: tuple
+    outputs: tuple
+    written: frozenset = frozenset()
+
+
+@dataclasses.dataclass
+class Stage:
+    """One stage of a partitioned model: a graph that runs on one IPU.
+
+    Attributes:
+        index: the stage's position s in execution order.
+        ipu: the IPU it runs on (its stream and device come from the placement).
+        blocks: the user block ids it holds, in order of appearance.
+        module: the stage graph; called with the values named by ``inputs``,
+            returns the values named by ``outputs`` as a tuple.
+        inputs: value names ([Note: partition]) of its arguments.
+        outputs: value names it produces for later stages or for the caller.
+        written_inputs: inputs from earlier stages that an op of this stage
+            writes in place (``nn.ReLU(inplace=True)`` opening a stage); the
+            executor gives the stage a copy of them.
+        segments: the stage cut after each ``recomputationCheckpoint`` value,
+            for recomputation (one segment when it has none).
+        random: whether it has random ops ([Note: micro-batch RNG]).
+    """
+
+    index: int
+    ipu: int
+    blocks: tuple
+    module: fx.GraphModule
+    inputs: tuple
+    outputs: tuple
+    written_inputs: frozenset = frozenset()
+    segments: tuple = ()
+    random: bool = False
+
+    @property
+    def param_names(self) -> list:
+        return [v.split(":", 1)[1] for v in self.inputs if v.startswith("param:")]
+
+
+@dataclasses.dataclass
+class Partition:
+    """A traced model split into stages, with everything needed to run and merge it.
+
+    Attributes:
+        stages: in execution order.
+        loss: the value name of the final loss (None in inference, or if none).
+        outputs: one entry per leaf of the model's return value: a value name
+            (str) for tensor leaves, or ``("const", value)`` for other leaves.
+        out_spec: the pytree spec to rebuild the return value.
+        mutated_buffers: names of buffers the forward changes in place.
+        checkpoints: value names marked by ``recomputationCheckpoint``.
+        module_blocks: layer name -> block id active when it ran (for summaries).
+        values: value name -> :class:`~poptorch_lite.compiler.value_info.ValueInfo` of every
+            value a stage computes for later stages or the caller ([Note: value info]).
+    """
+
+    stages: list
+    loss: Optional[str]
+    outputs: list
+    out_spec: Any
+    mutated_buffers: frozenset
+    checkpoints: frozenset
+    module_blocks: dict
+    values: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def stage_ipus(self) -> list:
+        return [st.ipu for st in self.stages]
+
+
+def _node_line(node: fx.Node) -> str:
+    trace = node.meta.get("stack_trace", "") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines()]
+    return " / ".join(lines[:2]) if lines else f"op {node.target}"
+
+
+def _block_stage_ids(blocks: list, strategy: ExecutionStrategy) -> dict:
+    """Block id -> (stage id, ipu), following PopTorch's rules (see POPTORCH_REFERENCE §5.2).
+
+    ``blocks`` lists (user_id, ipu_id or None) in order of first appearance.
+    """
+    ids = [b for b, _ in blocks]
+    ipu_of = dict(blocks)
+    resolved = {}
+    if strategy.stages:
+        named = [b for st in strategy.stages for b in st.blocks]
+        for b in named:
+            if b not in ipu_of:
+                raise BlockError(f"a Stage names block '{b}', but the model has no such block "
+                                 f"(its blocks: {ids}); fix the Stage or the block's user_id")
+        for b in ids:
+            s = strategy.stage_index(b)
+            if s is None:
+                raise BlockError(f"Unknown Block '{b}' list of expected Blocks: {named}; "
+                                 f"add '{b}' to a Stage of the execution strategy")
+            st = strategy.stages[s]
+            ipu = st.ipu_id if st.ipu_id is not None else (ipu_of[b] if ipu_of[b] is not None else s)
+            resolved[b] = (s, ipu)
+        return resolved
+    if strategy.auto_stage == AutoStage.AutoIncrement:
+        for s, b in enumerate(ids):
+            resolved[b] = (s, ipu_of[b] if ipu_of[b] is not None else s)
+        return resolved
+    for b in ids:
+        if ipu_of[b] is None:
+            raise BlockError(f"poptorch.AutoStage.SameAsIpu was selected but no IPU was specified "
+                             f"for block {b}; give it an ipu_id, or use "
+                             f"PipelinedExecution(AutoStage.AutoIncrement) or explicit Stages")
+        resolved[b] = (ipu_of[b], ipu_of[b])
+    return resolved
+
+
+def split(gm: fx.GraphModule, param_names: Sequence[str], buffer_names: Sequence[str],
+          strategy: ExecutionStrategy, training: bool,
+          trainable: Callable[[str], bool] = lambda name: True) -> tuple:
+    """Split a traced graph into stages.
+
+    ``trainable`` says whether a parameter requires grad ([Note: value info]).
+
+    Returns:
+        ``(stages, loss, output_values, checkpoints, block_stage, values)``.
+
+    Raises:
+        BlockError: an op outside any Block, an unknown or unnamed block, or
+            stage ids out of order under PipelinedExecution.
+        LossError: training with no loss or several independent losses.
+    """
+    nodes = list(gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    source_name = {}
+    for k, n in enumerate(placeholders):
+        if k < len(param_names):
+            source_name[n] = f"param:{param_names[k]}"
+        elif k < len(param_names) + len(buffer_names):
+            source_name[n] = f"buffer:{buffer_names[k - len(param_names)]}"
+        else:
+            source_name[n] = f"input:{k - len(param_names) - len(buffer_names)}"
+
+    # 1. Which block each op belongs to, from the markers ([Note: partition]).
+    block_seq: list = []  # (user_id, ipu or None) in first-appearance order
+    seen: dict = {}
+    current: Any = "<leading>"
+    owner: dict = {}
+    losses, checkpoints = [], []
+    for n in nodes:
+        if n.op != "call_function":
+            continue
+        if n.target is markers.BEGIN_BLOCK:
+            uid, ipu = n.args[0], (None if n.args[1] < 0 else n.args[1])
+            if uid in seen and ipu is not None and seen[uid] is not None and seen[uid] != ipu:
+                raise BlockError(f"block '{uid}' is declared on IPU {seen[uid]} and on IPU {ipu}; "
+                                 f"give each block one ipu_id")
+            if uid not in seen:
+                block_seq.append(uid)
+                seen[uid] = ipu
+            elif seen[uid] is None:
+                seen[uid] = ipu
+            current = uid
+        elif n.target is markers.END_BLOCK:
+            current = None
+        elif n.target is markers.MARK_LOSS:
+            losses.append(n.args[0])
+        elif n.target is markers.MARK_CHECKPOINT:
+            checkpoints.append(n.args[0])
+        else:
+            if current is None:
+                raise BlockError(
+                    f"No active Block, all the ops must belong to a Block: {n.target} at "
+                    f"{_node_line(n)} runs after a Block scope closed. You must declare all the "
+                    f"layers inside a Block scope, using either the context manager or BlockFunction")
+            owner[n] = current
+
+    # 2. Block -> (stage id, ipu); ops before the first block run on IPU 0.
+    block_stage = _block_stage_ids([(b, seen[b]) for b in block_seq], strategy)
+    validate_ipus = getattr(strategy, "validate_ipus", None)  # ParallelPhasedExecution's parity
+    if validate_ipus is not None:
+        validate_ipus({b: ipu for b, (_, ipu) in block_stage.items()})
+    block_stage["<leading>"] = (-1, 0)
+    ops = [n for n in nodes if n in owner]
+    if strategy.pipelined:
+        last = None
+        for n in ops:
+            sid = block_stage[owner[n]][0]
+            if last is not None and sid < last[0]:
+                order = " -> ".join(f"{b}(stage {block_stage[b][0]})" for b in block_seq)
+                raise BlockError(
+                    f"stage ids must ascend in execution order under PipelinedExecution, but "
+                    f"block '{owner[n]}' (stage {sid}) runs after block '{last[1]}' (stage "
+                    f"{last[0]}): {order}. Use PipelinedExecution(AutoStage.AutoIncrement), "
+                    f"reorder the Stages, or use ShardedExecution")
+            last = (sid, owner[n])
+
+    # 3. Stages: maximal runs of consecutive ops on one IPU.
+    runs: list = []
+    for n in ops:
+        ipu = block_stage[owner[n]][1]
+        if not runs or runs[-1][0] != ipu:
+            runs.append((ipu, [], []))
+        runs[-1][1].append(n)
+        if owner[n] != "<leading>" and owner[n] not in runs[-1][2]:
+            runs[-1][2].append(owner[n])
+    if not runs:
+        runs = [(0, [], [])]
+
+    # 4. The loss, by provenance ([Note: loss provenance]).
+    loss_node = None
+    if training:
+        loss_node = _final_loss(losses)
+
+    # 5. One graph per stage; values computed in a stage and needed later become outputs.
+    out_node = next(n for n in nodes if n.op == "output")
+    model_outputs = list(out_node.args[0])
+    needed_later = {n for n in model_outputs if isinstance(n, fx.Node)}
+    if loss_node is not None and not any(aliases(n, loss_node) for n in needed_later):
+        warn_once("loss.not_returned",
+                  f"the training model computes its loss at {_node_line(loss_node)} but does not "
+                  f"return it: it trains on it, but you cannot watch it; return it from forward "
+                  f"(e.g. return output, loss)", PoptorchLiteWarning, stacklevel=2)
+    if loss_node is not None:
+        needed_later.add(loss_node)
+    checkpoint_nodes = {c for c in checkpoints if isinstance(c, fx.Node)}
+
+    def value_name(n: fx.Node) -> str:
+        return source_name.get(n, f"node:{n.name}")
+
+    stages = []
+    graphs = subgraphs(gm, [run[1] for run in runs], value_name, needed_later)
+    for s, ((ipu, run_nodes, blocks), (module, inputs, outputs, written)) in enumerate(
+            zip(runs, graphs)):
+        exported = {n for n in run_nodes if value_name(n) in outputs}
+        segments = [Segment(*g) for g in subgraphs(
+            gm, segment_groups(run_nodes, checkpoint_nodes), value_name, exported)]
+        for seg in segments:
+            rng.seed_random_ops(seg.module)
+        stages.append(Stage(s, ipu, tuple(blocks), module, inputs, outputs, written,
+                            tuple(segments), rng.seed_random_ops(module)))
+    output_values = [value_name(n) for n in model_outputs]
+    loss = value_name(loss_node) if loss_node is not None else None
+    computed = {v for st in stages for v in st.outputs if v.startswith("node:")}
+    values = value_infos(gm, source_name, trainable, value_name, computed)
+    return (stages, loss, output_values,
+            frozenset(value_name(c) for c in checkpoint_nodes), block_stage, values)
+
+
+def _final_loss(losses: list) -> fx.Node:
+    """The one loss that feeds no other loss ([Note: loss provenance])."""
+    candidates = list(dict.fromkeys(n for n in losses if isinstance(n, fx.Node)))
+    ancestors: dict = {}
+
+    def upstream(n: fx.Node) -> set:
+        if n not in ancestors:
+            seen, stack = set(), list(n.all_input_nodes)
+            while stack:
+                m = stack.pop()
+                if m not in seen:
+                    seen.add(m)
+                    stack.extend(m.all_input_nodes)
+            ancestors[n] = seen
+        return ancestors[n]
+
+    final = [c for c in candidates if not any(c in upstream(d) for d in candidates if d is not c)]
+    if not final:
+        raise LossError("Couldn't find a loss in graph! A training model must compute its loss "
+                        "with a torch loss function (F.cross_entropy, nn.MSELoss, ...) or mark "
+                        "it with poptorch_lite.identity_loss(x, reduction)")
+    if len(final) > 1:
+        lines = "; ".join(_node_line(c) for c in final)
+        raise LossError(f"Multiple independent losses found in graph ({len(final)}: {lines}). "
+                        f"Graph must have one final loss. Wrap final graph loss in "
+                        f"poptorch.identity_loss, e.g. identity_loss(l1 + l2, reduction='none')")
+    return final[0]
+
+
+def partition(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict,
+              strategy: ExecutionStrategy, training: bool, generic: bool = False) -> Partition:
+    """Trace ``model`` on one micro-batch and split it into stages ([Note: partition]).
+
+    ``generic``: trace without CPU-only kernels (``tracing.trace``).
+
+    Example:
+        >>> import torch
+        >>> from poptorch_lite.strategies import ShardedExecution
+        >>> p = partition(torch.nn.Linear(2, 2), {}, (torch.ones(1, 2),), {},
+        ...               ShardedExecution(), training=False)
+        >>> p.num_stages
+        1
+    """
+    gm, pnames, bnames, spec, consts, layer_blocks, mutated = trace(model, modes, args, kwargs,
+                                                                    training, generic)
+    params = dict(model.named_parameters())
+    stages, loss, tensor_outputs, checkpoints, _, values = split(
+        gm, pnames, bnames, strategy, training, lambda name: params[name].requires_grad)
+    it = iter(tensor_outputs)
+    outputs = [next(it) if c is None else c for c in consts]
+    return Partition(stages, loss, outputs, spec, mutated, checkpoints, layer_blocks, values)
+
+
+def check_pipeline_minimums(num_stages: int, strategy: ExecutionStrategy, training: bool,
+                            gradient_accumulation: int, device_iterations: int) -> None:
+    """PopTorch's minimums for PipelinedExecution (POPTORCH_REFERENCE §5.2).
+
+    Raises:
+        PipelineError: training with gradientAccumulation < 2N-1, or inference
+            with deviceIterations < N, for N pipeline stages. The Sequential
+            schedule runs one action at a time and has no minimum.
+    """
+    if not strategy.pipelined or strategy.schedule is PipelineSchedule.Sequential \
+            or num_stages < 2:
+        return
+    n = num_stages
+    if training and gradient_accumulation < 2 * n - 1:
+        raise PipelineError(
+            f"poptorch.Options().Training.gradientAccumulation must be greater than or equal to "
+            f"the number of pipeline stages ({2 * n - 1}) when using poptorch.PipelinedExecution: "
+            f"gradientAccumulation({gradient_accumulation}) is too small for a {n}-stage pipeline "
+            f"(a model with {n} pipeline stages has an additional {n - 1} stages when training); "
+            f"call opts.Training.gradientAccumulation({2 * n - 1}) or more, or use ShardedExecution")
+    if not training and device_iterations < n:
+        raise PipelineError(
+            f"poptorch.Options().deviceIterations must be greater than or equal to the number of "
+            f"pipeline stages ({n}) when using PopTorch.PipelinedExecution: deviceIterations"
+            f"({device_iterations}) is too small; call opts.deviceIterations({n}) or more, "
+            f"or use ShardedExecution")

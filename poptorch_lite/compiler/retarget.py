@@ -1,0 +1,201 @@
+"""Stage graphs moved to the device their stage runs on.
+
+[Note: graphs on their devices]
+A model is traced once, on the host model's device (``partition``), and its
+stages then run wherever their IPUs are placed: a graph traced on the CPU may
+run on a GPU, one traced on a GPU on the CPU. The trace bakes in three things
+that belong to the trace device, and :func:`to_device` rewrites each of them
+for the stage's device:
+
+- **devices named by ops**: factory ops (``arange``, ``zeros``,
+  ``rand(..., device=x.device)``, ``full``) and copies (``_to_copy``) carry
+  the trace device as an argument; every ``torch.device`` in a node's
+  arguments becomes the stage's device (a stage runs wholly on its device, as
+  a PopTorch stage runs wholly on its IPU);
+- **tensor constants**: a tensor made inside ``forward`` from Python data
+  (``torch.tensor([...])``) is lifted into the graph module as an attribute on
+  the trace device; the stage's module gets a copy on its device;
+- **kernels chosen for the trace device**: below autograd, torch has already
+  picked a device's kernel for some ops. Scaled dot-product attention is
+  recorded as the trace device's variant (``_scaled_dot_product_flash_attention_for_cpu``
+  on the CPU; the flash, memory-efficient or cuDNN variant on a GPU); it is
+  put back as ``aten.scaled_dot_product_attention``, which picks the best
+  kernel of the stage's device at run time, as plain PyTorch does there. An
+  op that is left with no kernel for the stage's device is found before
+  anything runs (:func:`missing_kernels`): the wrapper then traces again with
+  oneDNN's CPU-only kernels turned off (an LSTM traced on the CPU records
+  ``mkldnn_rnn_layer`` otherwise) and, if an op still lacks a kernel, refuses
+  the placement naming the op, its line and the stage.
+
+Random ops keep drawing from the micro-batch's stream ([Note: micro-batch RNG]
+in ``rng``): a rewritten random op is routed through it again.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Iterable, Optional
+
+import torch
+import torch.fx as fx
+from torch.fx.operator_schemas import normalize_function
+
+from ..errors import TraceError
+from . import rng
+
+aten = torch.ops.aten
+
+# Device-specific variants of scaled dot-product attention; each takes query, key, value
+# and returns the attention output first (what the composite op returns).
+_ATTENTION = tuple(op for op in (
+    getattr(aten, name, None) for name in (
+        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_fused_attention_overrideable"))
+    if op is not None)
+_ATTENTION_OVERLOADS = {op.default for op in _ATTENTION}
+
+
+def _dispatch_key(device: torch.device) -> str:
+    return "CUDA" if device.type == "cuda" else "CPU"
+
+
+def _op(node: fx.Node):
+    """The aten op a node calls (seen through the random-stream wrapper), or None."""
+    if node.op != "call_function":
+        return None
+    target = getattr(node.target, "seeded_op", node.target)  # what rng.seeded wraps
+    return target if isinstance(target, torch._ops.OpOverload) else None
+
+
+def _has_kernel(op, device: torch.device) -> bool:
+    return torch._C._dispatch_has_computed_kernel_for_dispatch_key(op.name(),
+                                                                   _dispatch_key(device))
+
+
+def _line(node: fx.Node) -> str:
+    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    return " / ".join(ln.strip() for ln in trace[-2:]) if trace else "(no source line)"
+
+
+def missing_kernels(modules: Iterable[fx.GraphModule], device: torch.device) -> list:
+    """``(op name, source line)`` of each op in ``modules`` with no kernel for ``device``.
+
+    Attention variants are not listed: :func:`to_device` replaces them.
+
+    Example:
+        >>> gm = fx.symbolic_trace(torch.nn.Linear(2, 2))
+        >>> missing_kernels([gm], torch.device("cpu"))
+        []
+    """
+    missing = []
+    for gm in modules:
+        for node in gm.graph.nodes:
+            op = _op(node)
+            if op is not None and op not in _ATTENTION_OVERLOADS and not _has_kernel(op, device):
+                missing.append((op.name(), _line(node)))
+    return missing
+
+
+def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
+    """``aten.scaled_dot_product_attention`` in the shape of its device variants: a tuple
+    whose first item is the output (the graph reads only that one)."""
+    return (aten.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p,
+                                              is_causal, scale=scale),)
+
+
+def _attention_call(node: fx.Node, op) -> Optional[tuple]:
+    """The arguments of :func:`attention` for an attention-variant node, or None when the
+    graph reads more than its output (the log-sum-exp of a variant has no composite)."""
+    if any(u.target is not operator.getitem or u.args[1] != 0 for u in node.users):
+        return None
+    _, named = normalize_function(op, tuple(node.args), dict(node.kwargs),
+                                  normalize_to_only_use_kwargs=True)
+    mask = named.get("attn_mask", named.get("attn_bias"))
+    return (named["query"], named["key"], named["value"], mask, named.get("dropout_p", 0.0),
+            named.get("is_causal", False), named.get("scale"))
+
+
+
+def to_device(gm: fx.GraphModule, device: torch.device) -> None:
+    """Rewrite ``gm`` in place to run on ``device`` ([Note: graphs on their devices]).
+
+    Example:
+        >>> def f(x):
+        ...     return x + torch.arange(2, device="cpu")
+        >>> from torch.fx.experimental.proxy_tensor import make_fx
+        >>> gm = make_fx(f)(torch.zeros(2))
+        >>> to_device(gm, torch.device("meta"))
+        >>> gm(torch.zeros(2, device="meta")).device
+        device(type='meta')
+    """
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op == "get_attr":
+            owner, _, name = node.target.rpartition(".")
+            module = gm.get_submodule(owner) if owner else gm
+            value = getattr(module, name)
+            if isinstance(value, torch.Tensor) and value.device != device:
+                setattr(module, name, value.to(device))
+            continue
+        if node.op != "call_function":
+            continue
+        op = _op(node)
+        if op in _ATTENTION_OVERLOADS and not _has_kernel(op, device):
+            args = _attention_call(node, op)
+            if args is not None:
+                seeded = node.target is not op  # keep drawing from the micro-batch's stream
+                node.target = rng.seeded(attention) if seeded else attention
+                node.args, node.kwargs = args, {}
+                changed = True
+        moved = []
+
+        def on(value):
+            if isinstance(value, torch.device) and value != device:
+                moved.append(value)
+                return device
+            return value
+        args, kwargs = fx.node.map_aggregate(node.args, on), fx.node.map_aggregate(node.kwargs, on)
+        if moved:
+            node.args, node.kwargs = args, kwargs
+            changed = True
+    if changed:
+        gm.recompile()
+
+
+def _graphs(stage) -> list:
+    return [stage.module, *(seg.module for seg in stage.segments)]
+
+
+def lacking(stages: Iterable, devices: dict) -> list:
+    """``(stage, op name, source line)`` for every op without a kernel on its stage's device.
+
+    Args:
+        stages: a partition's stages.
+        devices: IPU -> torch.device (``Placement.devices``).
+    """
+    return [(st, op, line) for st in stages
+            for op, line in missing_kernels(_graphs(st), devices[st.ipu])]
+
+
+def place(stages: Iterable, devices: dict) -> None:
+    """Rewrite every stage's graphs for its IPU's device ([Note: graphs on their devices]).
+
+    Raises:
+        TraceError: an op has no kernel on its stage's device (checked before any
+            graph is rewritten).
+    """
+    stages = list(stages)
+    missing = lacking(stages, devices)
+    if missing:
+        st, op, line = missing[0]
+        device = devices[st.ipu]
+        raise TraceError(
+            f"stage {st.index} runs on {device} (IPU {st.ipu}), but torch has no "
+            f"{_dispatch_key(device)} kernel for {op}, which the trace recorded at {line} "
+            f"(the model is traced on the host model's device and that op exists only "
+            f"there); map IPU {st.ipu} to that device with opts.set_ipu_devices(...), or "
+            f"compute that part of the model with ops that {device.type} has")
+    for st in stages:
+        for gm in _graphs(st):
+            to_device(gm, devices[st.ipu])

@@ -1,0 +1,193 @@
+"""Random ops under pipelining: one random stream per micro-batch.
+
+[Note: micro-batch RNG]
+In plain PyTorch the random ops of micro-batch i run after those of
+micro-batch i-1, drawing from one global generator. A pipeline runs stage 0
+of micro-batch i while stage 1 still works on micro-batch i-1, on another
+thread, so a shared generator would hand out numbers in an order that
+depends on timing. poptorch_lite therefore gives every micro-batch its own
+random stream, the same in every schedule:
+
+- at the start of a run (one schedule over m micro-batches) that has random
+  ops, one 62-bit ``base`` is drawn from torch's default CPU generator (so
+  ``torch.manual_seed`` and ``Options.randomSeed`` control everything);
+- micro-batch i draws from a generator state seeded with
+  :func:`microbatch_seed` ``(base, i)``, one per kind of device it touches
+  (the CPU, CUDA); its stages use that state in stage order (stage s+1
+  continues where stage s stopped, also when it runs on another GPU), because
+  a stage's forward of micro-batch i always follows the previous stage's. So
+  two stages' dropouts draw different masks wherever they run, as they do in
+  plain PyTorch on one device;
+- a recomputed forward re-runs from the state its first run started from, so
+  dropout masks are identical.
+
+Plain PyTorch doing the same arithmetic seeds each micro-batch's forward with
+``torch.manual_seed(microbatch_seed(base, i))``; the transparency tests do
+exactly that. Random ops in stage graphs are found by the
+``nondeterministic_seeded`` tag and wrapped by :func:`seed_random_ops`; each
+call briefly swaps the device's default generator state under one lock, so
+stages running on several threads never share a stream.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+_LOCK = threading.Lock()
+_local = threading.local()
+_GOLDEN = 0x9E3779B97F4A7C15  # spreads consecutive micro-batch indices over the seed space
+
+
+def microbatch_seed(base: int, i: int) -> int:
+    """The seed of micro-batch ``i``'s random stream in a run whose base is ``base``.
+
+    Example:
+        >>> microbatch_seed(7, 0), microbatch_seed(7, 1) != microbatch_seed(7, 0)
+        (7, True)
+    """
+    return (base + i * _GOLDEN) % (1 << 63)
+
+
+def draw_base() -> int:
+    """One draw from torch's default CPU generator: the base of a run's streams."""
+    return int(torch.randint(0, 1 << 62, (), dtype=torch.int64))
+
+
+class Stream:
+    """The random state of one micro-batch, per device, advanced by its random ops.
+
+    Args:
+        seed: the micro-batch's seed (:func:`microbatch_seed`).
+    """
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self.states: dict = {}  # device type ("cpu", "cuda") -> generator state
+
+    def snapshot(self) -> "Stream":
+        """A copy to replay from (recomputation)."""
+        copy = Stream(self.seed)
+        copy.states = dict(self.states)
+        return copy
+
+
+def _generator(device: torch.device) -> torch.Generator:
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None
+                                             else torch.cuda.current_device()]
+    return torch.default_generator
+
+
+def _device_of(args, kwargs) -> torch.device:
+    device = kwargs.get("device")
+    if device is not None:
+        return torch.device(device)
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device
+    return torch.device("cpu")
+
+
+def _call_in_stream(op, args, kwargs):
+    stream: Optional[Stream] = getattr(_local, "stream", None)
+    if stream is None:  # outside a run (a direct call of a stage graph)
+        return op(*args, **kwargs)
+    device = _device_of(args, kwargs)
+    with _LOCK:
+        gen = _generator(device)
+        saved = gen.get_state()
+        state = stream.states.get(device.type)  # one stream per kind: it moves between GPUs
+        if state is None:
+            gen.manual_seed(stream.seed)
+        else:
+            gen.set_state(state)
+        try:
+            return op(*args, **kwargs)
+        finally:
+            stream.states[device.type] = gen.get_state()
+            gen.set_state(saved)
+
+
+# [Note: stages in other processes] in ``distributed``: a micro-batch's stream travels
+# with its activations as one byte tensor: its seed, then per device type a presence byte
+# and the generator state (torch's CPU and CUDA generators have states of fixed sizes).
+_STATE_BYTES = {"cpu": torch.get_rng_state().numel(), "cuda": 16}
+PACKED_BYTES = 8 + sum(1 + n for n in _STATE_BYTES.values())
+
+
+def pack(stream: Stream) -> torch.Tensor:
+    """``stream`` as ``PACKED_BYTES`` bytes, for another process to continue it.
+
+    Example:
+        >>> s = Stream(7)
+        >>> s.states["cpu"] = torch.get_rng_state()
+        >>> back = unpack(pack(s))
+        >>> back.seed, torch.equal(back.states["cpu"], s.states["cpu"]), "cuda" in back.states
+        (7, True, False)
+    """
+    out = torch.zeros(PACKED_BYTES, dtype=torch.uint8)
+    out[:8] = torch.tensor([stream.seed], dtype=torch.int64).view(torch.uint8)
+    at = 8
+    for kind, size in _STATE_BYTES.items():
+        state = stream.states.get(kind)
+        if state is not None:
+            if state.numel() != size:
+                raise ValueError(f"a {kind} generator state of {state.numel()} bytes; "
+                                 f"poptorch_lite sends {size}")
+            out[at] = 1
+            out[at + 1:at + 1 + size] = state
+        at += 1 + size
+    return out
+
+
+def unpack(packed: torch.Tensor) -> Stream:
+    """The stream :func:`pack` packed."""
+    packed = packed.cpu()
+    stream = Stream(int(packed[:8].view(torch.int64)))
+    at = 8
+    for kind, size in _STATE_BYTES.items():
+        if packed[at]:
+            stream.states[kind] = packed[at + 1:at + 1 + size].clone()
+        at += 1 + size
+    return stream
+
+
+class use:
+    """Context manager: random ops on this thread draw from ``stream`` (None: unchanged)."""
+
+    def __init__(self, stream: Optional[Stream]):
+        self.stream = stream
+
+    def __enter__(self):
+        self.previous = getattr(_local, "stream", None)
+        _local.stream = self.stream
+
+    def __exit__(self, *exc):
+        _local.stream = self.previous
+
+
+def seeded(op):
+    """``op`` drawing from the micro-batch's stream; the result keeps ``op`` as ``.seeded_op``."""
+    def call(*args, **kwargs):
+        return _call_in_stream(op, args, kwargs)
+    name = str(op) if isinstance(op, torch._ops.OpOverload) else op.__name__
+    call.__name__ = call.__qualname__ = "seeded_" + name.replace(".", "_")
+    call.seeded_op = op
+    return call
+
+
+def seed_random_ops(gm: fx.GraphModule) -> bool:
+    """Route ``gm``'s random ops through the micro-batch streams; True if it has any."""
+    found = False
+    for node in gm.graph.nodes:
+        tags = getattr(node.target, "tags", ()) if node.op == "call_function" else ()
+        if torch.Tag.nondeterministic_seeded in tags:
+            node.target = seeded(node.target)
+            found = True
+    if found:
+        gm.recompile()
+    return found

@@ -1,0 +1,183 @@
+"""What the trace watches: the TorchFunctionModes around a traced forward.
+
+``_TraceMode`` marks the result of every torch loss function ([Note: loss provenance] in
+``partition``) and refuses values read into Python; ``_InferenceSession`` runs every
+dropout of an inference trace as the identity. ``tracing.trace`` enters both.
+
+[Note: inference session]
+PopTorch compiles an ``inferenceModel`` as a PopART *inference session*, in
+which a dropout is the identity whatever the module's ``training`` flag
+(PopTorch lowers ``aten::dropout`` with ``train=True`` to a PopART Dropout,
+``poptorch/source/popart_canonicalization/DropoutOps.cpp``, and an inference
+session turns that op into an identity). Scripts rely on it: they train, then
+wrap the same model with ``inferenceModel`` without calling ``model.eval()``.
+So an inference trace runs every dropout as the identity: ``F.dropout``,
+``F.dropout1d/2d/3d``, ``F.alpha_dropout``, ``F.feature_alpha_dropout`` (hence
+``nn.Dropout*``, ``nn.AlphaDropout``, the Transformer layers) and the dropout
+inside ``F.scaled_dot_product_attention`` and ``nn.MultiheadAttention``
+(``dropout_p`` = 0). Every other op follows the module's own flag, as PopTorch's
+lowering does: BatchNorm passes ``training`` on
+(``NormalizationOps.cpp``: a training BatchNorm becomes a 5-output PopART
+BatchNormalization, which normalises with the batch statistics and updates the
+running ones, in inference sessions too: PopTorch's ``test_batchNorm3D`` compares
+an ``inferenceModel`` of a training-mode BatchNorm with the native training-mode
+output). The user's modules keep their ``training`` flags.
+
+[Note: values read while tracing]
+Some ops read a tensor's value to do their work: ``F.one_hot`` checks its
+classes, ``torch.bincount``, ``nonzero``, boolean-mask indexing, ``unique`` and
+``repeat_interleave`` size their outputs by the data. ``make_fx`` refuses every
+such read by default ("trying to get value out of a tracing tensor"); the trace
+here allows them (``_error_on_data_dependent_ops=False``): the op itself lands
+in the graph, so every micro-batch recomputes it from its own data, as plain
+PyTorch does. What is refused is a value read *into Python* from a traced
+tensor (``t.item()``, ``if t:``, ``int(t)``, ``float(t)``, ``t.tolist()``,
+indexing a list with ``t``): it would be fixed at the first micro-batch's
+value for every later one (PopTorch's tracer fixes it the same way, silently).
+``F.one_hot(x)`` without ``num_classes`` is refused as PopTorch refuses it: its
+width would be the first micro-batch's largest class. A tensor passed where
+torch wants a Python number (``torch.arange(t)``) is converted inside torch's
+C++ and cannot be told apart from an op's own read; it is fixed at trace time.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+import traceback
+
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
+from torch.overrides import TorchFunctionMode
+
+from ..errors import TraceError
+from . import markers
+from .markers import LOSS_FUNCTIONS
+
+
+# Reading a tensor's value into Python ([Note: values read while tracing]).
+_PYTHON_READS = {torch.Tensor.item: "t.item()", torch.Tensor.tolist: "t.tolist()",
+                 torch.Tensor.__bool__: "bool(t) (an if or while on a tensor)",
+                 torch.Tensor.__int__: "int(t)", torch.Tensor.__float__: "float(t)",
+                 torch.Tensor.__index__: "t used as an index or size",
+                 torch.Tensor.__complex__: "complex(t)"}
+
+
+def _user_line(frames) -> str:
+    """The innermost frame of user code, for messages.
+
+    Library frames are recognised by the folder they come from (torch's, this
+    package's, the standard library's, pytest's and pluggy's), never by a name in the
+    path: a clone of this project lives in a folder called ``poptorch_lite`` too, and
+    its tests are user code. Frames of generated code (``<string>``: a dataclass's
+    ``__init__``, code that ``exec`` made; ``<eval_with_key>``: an fx graph) name no
+    file a user can open, so they are skipped as well.
+    """
+    library = _library_folders()
+    for fr in reversed(frames):
+        if fr.filename.startswith("<"):
+            continue
+        path = os.path.realpath(fr.filename)
+        if not path.startswith(library):
+            return f'{fr.filename}:{fr.lineno}: {fr.line}'
+    return "(no line of user code in the traceback)"
+
+
+def _library_folders() -> tuple:
+    """The folders whose code runs the user's code but is not it (each ending in a separator)."""
+    folders = [sysconfig.get_paths()["stdlib"]]
+    for name in ("torch", __name__.split(".")[0], "_pytest", "pluggy"):
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "__file__", None):
+            folders.append(os.path.dirname(module.__file__))
+    return tuple(os.path.join(os.path.realpath(f), "") for f in folders)
+
+
+def _read_into_python(func, args: tuple, kwargs: dict):
+    """Run a read of a tensor's value into Python: a constant's is fine, a traced one's refused."""
+    tracer = get_proxy_mode()
+    if tracer is None:
+        return func(*args, **kwargs)
+    allowed = tracer._error_on_data_dependent_ops
+    tracer._error_on_data_dependent_ops = True  # make_fx refuses traced values, computes constants
+    try:
+        return func(*args, **kwargs)
+    except RuntimeError as exc:
+        if "value out of a tracing tensor" not in str(exc):
+            raise
+        raise TraceError(
+            f"the forward reads a tensor's value into Python with {_PYTHON_READS[func]} at "
+            f"{_user_line(traceback.extract_stack()[:-1])}: the model is traced once, so that "
+            f"value would be the first micro-batch's for every micro-batch. Keep it a tensor "
+            f"(torch.where(cond, a, b) instead of an if, tensor arithmetic instead of "
+            f".item())") from None
+    finally:
+        tracer._error_on_data_dependent_ops = allowed
+
+
+class _TraceMode(TorchFunctionMode):
+    """Marks torch losses' results; refuses values read into Python and ``one_hot`` without a width."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _PYTHON_READS:
+            return _read_into_python(func, args, kwargs)
+        if func is F.one_hot and (args[1] if len(args) > 1 else kwargs.get("num_classes", -1)) == -1:
+            raise TraceError(
+                f"OneHot num classes must be specified and must be constant: F.one_hot at "
+                f"{_user_line(traceback.extract_stack()[:-1])} has no num_classes, so its width "
+                f"would be the first micro-batch's largest class; pass num_classes=<classes>")
+        if func is F.dropout:
+            return _dropout(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if func in LOSS_FUNCTIONS and isinstance(out, torch.Tensor):
+            markers.MARK_LOSS(out)
+        return out
+
+
+def _dropout(input, p=0.5, training=True, inplace=False):
+    """``F.dropout`` as the one op that both devices' plain PyTorch agree with.
+
+    On a GPU, ``F.dropout`` runs the fused ``native_dropout`` kernel; on the CPU it
+    decomposes into ``bernoulli_`` and a multiply, which draws different numbers on a
+    GPU. A graph traced on the CPU and run on a GPU would then mask differently from
+    plain PyTorch there. ``native_dropout`` on the CPU draws and computes exactly what
+    the decomposition does, so the trace records it wherever plain PyTorch would fuse.
+    """
+    if training and not inplace and 0 < p < 1 and input.numel() > 0:
+        return torch.ops.aten.native_dropout(input, p, True)[0]
+    return F.dropout(input, p, training, inplace)
+
+
+def _input_of(args: tuple, kwargs: dict):
+    return args[0] if args else kwargs["input"]
+
+
+def _without_dropout_p(func, args: tuple, kwargs: dict, position: int):
+    """Call ``func`` with its ``dropout_p`` argument (keyword, or at ``position``) set to 0."""
+    if len(args) > position:
+        args = (*args[:position], 0.0, *args[position + 1:])
+    else:
+        kwargs = {**kwargs, "dropout_p": 0.0}
+    return func(*args, **kwargs)
+
+
+# How an inference session runs each dropout ([Note: inference session]).
+_INFERENCE_DROPOUT = {
+    **{f: lambda f, a, k: _input_of(a, k)
+       for f in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
+                 F.feature_alpha_dropout)},
+    F.scaled_dot_product_attention: lambda f, a, k: _without_dropout_p(f, a, k, 4),
+    F.multi_head_attention_forward: lambda f, a, k: _without_dropout_p(f, a, k, 10),
+}
+
+
+class _InferenceSession(TorchFunctionMode):
+    """Runs every dropout as the identity while an inference model is traced."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        session = _INFERENCE_DROPOUT.get(func)
+        return func(*args, **kwargs) if session is None else session(func, args, kwargs)

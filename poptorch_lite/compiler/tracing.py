@@ -1,0 +1,289 @@
+"""Tracing: run a model once on real inputs and record its ops as an aten graph.
+
+See [Note: partition] in ``partition.py``: PopTorch traces on the first call's
+inputs, so Python control flow and side effects run at trace time and tensor
+ops (in-place buffer updates included) land in the graph. ``make_fx`` does
+that at the dispatcher level on concrete tensors; parameters and buffers are
+passed in as graph inputs through ``functional_call``. A TorchFunctionMode
+marks the result of every torch loss function ([Note: loss provenance]) and
+watches values read while tracing; an inference trace runs dropout as the identity
+(``trace_modes``: [Note: values read while tracing], [Note: inference session]).
+
+[Note: an export-style trace]
+The trace records one graph that every later micro-batch and call replays, which
+is what ``torch.export`` does, and its non-strict mode records it the same way,
+with ``make_fx`` on the module's own Python. So the trace says so through torch's
+public signals, as non-strict export does (``torch._export.utils.
+_compiling_state_context``): ``torch.compiler.is_compiling()`` and
+``torch.compiler.is_exporting()`` are True while it runs. Libraries written to be
+exported ask exactly these (transformers' ``is_tracing`` and
+``is_torchdynamo_exporting``, timm's ``is_exporting``) and then keep data-dependent
+shortcuts out of the forward: transformers' masks skip their "every position is
+attended" test (``padding_mask.all()``), which would otherwise be read into Python
+and fix micro-batch 0's branch for all; the mask is then computed as tensor ops, so
+a micro-batch with padding gets its own mask, as in plain PyTorch. A model that
+still reads a traced value into Python is refused as before. The flags are
+torch's module globals (as export's are), set only for the trace; the stages run
+recorded graphs, never the module's Python, so nothing else reads them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import traceback
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.func import functional_call
+from torch.utils import _pytree as pytree
+
+from ..errors import Error, TraceError
+from . import structures
+from .markers import _current, trace_context
+from .trace_modes import _InferenceSession, _TraceMode, _user_line
+
+
+@contextlib.contextmanager
+def _preserved_state(model: torch.nn.Module, modes: dict):
+    """Run the trace with the wrap-time train/eval modes; undo every change it makes.
+
+    The trace really runs the forward once, so RNG draws and buffer updates
+    (BatchNorm statistics, counters) are rolled back afterwards: tracing must
+    change no state ([Note: partition]).
+    """
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    # Which tensors each module registers: a refused forward may delete or reassign one.
+    tables = {m: (list(m._buffers.items()), set(m._non_persistent_buffers_set))
+              for m in model.modules()}
+    current = {m: m.training for m in model.modules()}
+    for m in model.modules():
+        m.training = modes.get(m, m.training)
+    try:
+        yield {id(b): saved for b, saved in buffers}
+    finally:
+        for m, flag in current.items():
+            m.training = flag
+        for m, (table, non_persistent) in tables.items():
+            if [(k, id(v)) for k, v in m._buffers.items()] != [(k, id(v)) for k, v in table]:
+                for name, _ in table:
+                    m.__dict__.pop(name, None)  # functional_call's restore of a deleted buffer
+                m._buffers.clear()
+                m._buffers.update(table)
+                m._non_persistent_buffers_set.clear()
+                m._non_persistent_buffers_set.update(non_persistent)
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+                if b.grad_fn is not None and not b._is_view():
+                    b.detach_()  # a write with gradients left the trace's history on it
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+@contextlib.contextmanager
+def _export_style():
+    """Say to the model's code that it is being exported ([Note: an export-style trace]).
+
+    The flags are the ones ``torch.compiler.is_compiling``/``is_exporting`` return (and
+    non-strict ``torch.export`` sets); a torch without them traces as before.
+    """
+    compiler = torch.compiler
+    flags = [f for f in ("_is_compiling_flag", "_is_exporting_flag") if hasattr(compiler, f)]
+    saved = {f: getattr(compiler, f) for f in flags}
+    for f in flags:
+        setattr(compiler, f, True)
+    try:
+        yield
+    finally:
+        for f, value in saved.items():
+            setattr(compiler, f, value)
+
+
+def _check_buffers_kept(model: torch.nn.Module, values: dict) -> None:
+    """Refuse a forward that deleted or replaced a registered buffer, as PopTorch does.
+
+    The graph takes each buffer as an input and writes in-place updates back to
+    it; a buffer deleted or rebound to a new tensor has no such place.
+    """
+    for name, traced in values.items():
+        owner, _, local = name.rpartition(".")
+        table = model.get_submodule(owner)._buffers
+        if local not in table:
+            raise TraceError(
+                f"Buffer {name} is removed from the model when calling the forward method. "
+                f"This is not supported: keep the buffer registered (update it in place, or "
+                f"use a local variable for the value the forward needs)")
+        if table[local] is not traced:
+            raise TraceError(
+                f"Buffer {name} is reassigned within the model when calling the forward method. "
+                f"This is not supported. Consider using self.{local}.copy_(src) to copy data "
+                f"from a source tensor, where src is the name of the source tensor.")
+
+
+def _constant_outputs(gm: torch.fx.GraphModule, consts: list) -> list:
+    """Take the outputs that are constants of the trace out of the graph.
+
+    A tensor the forward returns as it is, made outside the graph (a global, a
+    ``torch.tensor`` of Python numbers), is a constant of the trace: no stage computes
+    it, and every call returns it, as every call of the plain forward does.
+
+    Args:
+        consts: per output leaf, ``("const", value)`` or None for a tensor.
+
+    Returns:
+        ``consts`` with such tensors as ``("const", tensor)``; the graph then outputs
+        only the tensors its stages compute.
+    """
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    values, kept = iter(out.args[0]), []
+    result = []
+    for c in consts:
+        v = next(values) if c is None else None
+        if isinstance(v, torch.fx.Node) and v.op == "get_attr":
+            result.append(("const", getattr(gm, v.target)))
+            continue
+        result.append(c)
+        if c is None:
+            kept.append(v)
+    if len(kept) < len(out.args[0]):
+        out.args = (kept,)
+        gm.recompile()
+    return result
+
+
+def _check_output(lifted, leaves: list) -> None:
+    """Refuse an output that would come back frozen ([Note: container subclasses]).
+
+    ``lifted`` is the output as ``structures.lift`` gives it; ``leaves`` its leaves.
+    """
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor) and structures.tensor_holder(leaf):
+            kind = structures.describe_type(type(leaf))
+            raise TraceError(
+                f"the forward returns a {kind} that holds tensors, which cannot be flattened: "
+                f"it is not a tuple, list or dict, nor a type registered with "
+                f"torch.utils._pytree, so every call would return the traced object with the "
+                f"first micro-batch's tensors. Return its tensors in a tuple, list or dict, or "
+                f"register {type(leaf).__name__} (torch.export.register_dataclass for a "
+                f"dataclass, torch.utils._pytree.register_pytree_node otherwise)")
+    broken = structures.unrebuildable(lifted)
+    if broken is not None:
+        raise TraceError(
+            f"the forward returns a {broken[0]}, which cannot be built again from its items "
+            f"({broken[1]}): every call rebuilds it as PopTorch does, type(x)({{key: value}}) "
+            f"for a dict subclass and type(x)(items) for a list or tuple subclass. Give it a "
+            f"constructor that takes that, or register it with "
+            f"torch.utils._pytree.register_pytree_node")
+
+
+def _drop_unused_getitems(gm: torch.fx.GraphModule) -> None:
+    """Remove the picks of a multi-output op's results that nothing reads.
+
+    ``make_fx`` records one ``getitem`` per output (``native_dropout``'s mask too);
+    an unread one could land past a stage boundary or recomputation checkpoint and
+    make its op's whole tuple cross it.
+    """
+    unused = [n for n in gm.graph.nodes if n.op == "call_function"
+              and n.target is operator.getitem and not n.users]
+    for n in unused:
+        gm.graph.erase_node(n)
+    if unused:
+        gm.recompile()
+
+
+def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, training: bool,
+          generic: bool = False):
+    """Trace ``model(*args, **kwargs)`` into an aten-level graph.
+
+    Args:
+        model: the user's model (its state is restored after the trace).
+        modes: module -> train/eval flag to trace with (the wrap-time modes).
+        args, kwargs: one micro-batch of the call's arguments.
+        training: trace with autograd enabled; otherwise trace an inference
+            session, where dropout is the identity ([Note: inference session] in ``trace_modes``).
+        generic: record no CPU-only kernels (oneDNN's are turned off while tracing),
+            for stages that run on another kind of device ([Note: graphs on their
+            devices] in ``retarget``).
+
+    Returns:
+        ``(graph_module, param_names, buffer_names, out_spec, const_outputs,
+        module_blocks, mutated_buffers)``; the graph takes params, buffers, then
+        the tensor leaves of (args, kwargs), and returns the tensor leaves of the
+        output. ``const_outputs`` has one entry per output leaf: None for a
+        tensor, ``("const", value)`` for anything else (``None`` included).
+        ``mutated_buffers`` names the buffers the forward wrote in place:
+        their version counter moved or their values changed (op schemas do not
+        announce every write: ``native_batch_norm`` updates its running
+        statistics without bumping a version).
+
+    Raises:
+        TraceError: the forward failed while tracing (names the user's line), or
+            deleted or reassigned a registered buffer (the model is left as it was).
+    """
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    names = list(params) + list(buffers)
+    leaves, in_spec = structures.flatten((args, kwargs))
+    tensor_pos = [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+    result: dict = {}
+    module_blocks: dict = {}
+
+    def run(*flat):
+        values = dict(zip(names, flat[:len(names)]))
+        call_leaves = list(leaves)
+        for k, t in zip(tensor_pos, flat[len(names):]):
+            call_leaves[k] = t
+        a, kw = pytree.tree_unflatten(call_leaves, in_spec)
+        buffer_values = {n: values[n] for n in buffers}
+        check = model.register_forward_hook(lambda *_: _check_buffers_kept(model, buffer_values))
+        try:
+            out = functional_call(model, values, a, kw)
+        finally:
+            check.remove()
+        lifted = structures.lift(out)
+        out_leaves, result["spec"] = pytree.tree_flatten(lifted)
+        _check_output(lifted, out_leaves)
+        result["leaves"] = out_leaves
+        return [v for v in out_leaves if isinstance(v, torch.Tensor)]
+
+    def record_block(module, inputs, output):
+        state = _current()
+        module_blocks[module] = state.current_block
+
+    flat = list(params.values()) + list(buffers.values()) + [leaves[k] for k in tensor_pos]
+    grad = torch.enable_grad() if training else torch.no_grad()
+    session = contextlib.nullcontext() if training else _InferenceSession()
+    hook = torch.nn.modules.module.register_module_forward_hook(record_block)
+    onednn = torch._C._get_mkldnn_enabled()
+    if generic:
+        torch._C._set_mkldnn_enabled(False)
+    try:
+        # The session is entered last, so it sees a dropout first ([Note: inference session]):
+        # _TraceMode would otherwise turn F.dropout into native_dropout before it could.
+        with _preserved_state(model, modes) as before, trace_context(), _export_style(), grad, \
+                _TraceMode(), session:
+            versions = {n: b._version for n, b in buffers.items()}
+            gm = make_fx(run, tracing_mode="real", record_stack_traces=True,
+                         _error_on_data_dependent_ops=False)(*flat)
+            mutated = frozenset(n for n, b in buffers.items() if b._version != versions[n]
+                                or not torch.equal(b, before[id(b)]))
+    except Error:
+        raise
+    except Exception as exc:
+        raise TraceError(
+            f"the model could not be traced at {_user_line(traceback.extract_tb(exc.__traceback__))}: {type(exc).__name__}: {exc}. "
+            f"The forward runs once on the first call's real inputs; make it run as plain "
+            f"PyTorch on one micro-batch of those inputs") from exc
+    finally:
+        hook.remove()
+        torch._C._set_mkldnn_enabled(onednn)
+    _drop_unused_getitems(gm)
+    consts = _constant_outputs(gm, [None if isinstance(v, torch.Tensor) else ("const", v)
+                                    for v in result["leaves"]])
+    layer_blocks = {name: module_blocks[m] for name, m in model.named_modules()
+                    if m in module_blocks and name}
+    return gm, list(params), list(buffers), result["spec"], consts, layer_blocks, mutated

@@ -1,0 +1,277 @@
+"""Asynchronous data loading: batches produced ahead in a background thread.
+
+[Note: loader threads at exit]
+A loader thread is a daemon thread, so a script that ends (or raises) without
+``terminate()`` does not wait for it. But the interpreter must not finalize
+while such a thread is still inside torch's C++ code (or parked on its queue):
+the thread is torn down mid-call and the process aborts with ``terminate called
+without an active exception`` (exit status 134). So every live epoch is
+stopped *and joined* by an ``atexit`` handler, which runs before finalization;
+a thread polls its stop flag every ``_POLL_S`` seconds, so the wait is at most
+one item's loading time.
+"""
+
+from __future__ import annotations
+
+import atexit
+import queue
+import threading
+import weakref
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .. import errors
+
+_POLL_S = 0.05  # how often a blocked loader thread or consumer re-checks for a stop
+
+
+def _opens_own_epochs(dataset: Any) -> bool:
+    """True for a poptorch_lite ``DataLoader``, recognised by the hooks it gives the accessor.
+
+    A DataLoader opens each epoch through ``_sync_iter`` (which numbers the epochs),
+    says through ``_rebatched_drop_last`` whether a short rebatched batch is kept,
+    and holds its own accessor in ``_accessor``. Imports flow one way (dataloader
+    imports this module), so the accessor looks for the hook, not the class.
+    """
+    return callable(getattr(dataset, "_sync_iter", None))
+
+
+def _rebatch(batches: Iterable[Any], size: int, drop_last: bool) -> Iterator[Any]:
+    """Cuts a stream of batches (tensors, tuples, dicts of them) into batches of ``size`` rows."""
+    pending, rows, spec = [], 0, None
+    for batch in batches:
+        leaves, spec = tree_flatten(batch)
+        if not leaves or not all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in leaves):
+            raise errors.DataLoaderError(
+                f"rebatching needs batches whose leaves are tensors with a batch dimension, got "
+                f"{[type(t).__name__ for t in leaves]}; use DataLoaderMode.Async or rebatched_size=None")
+        pending, rows = pending + [leaves], rows + len(leaves[0])
+        while rows >= size:
+            columns = [torch.cat(column) for column in zip(*pending)]
+            yield tree_unflatten([c[:size] for c in columns], spec)
+            pending, rows = [[c[size:] for c in columns]], rows - size
+    if rows and not drop_last:
+        yield tree_unflatten([torch.cat(column) for column in zip(*pending)], spec)
+
+
+class _End:
+    """Marks the end of an epoch in an accessor's queue."""
+
+
+class _Failure:
+    """Carries an exception raised while loading to the consumer."""
+
+    def __init__(self, error: BaseException, index: int):
+        self.error, self.index = error, index
+
+
+def _failing(error: BaseException) -> Iterator[Any]:
+    """An iterator that raises ``error`` (opening an epoch failed)."""
+    raise error
+    yield  # pragma: no cover (makes this a generator)
+
+
+# Every epoch whose thread may still run, for the exit handler ([Note: loader threads at exit]).
+_LIVE: "weakref.WeakSet[_Epoch]" = weakref.WeakSet()
+_exit_handler_registered = False
+
+
+def _join_live_epochs() -> None:
+    """The exit handler: stop and join every loader thread still running."""
+    _stop_all(set(_LIVE))
+
+
+class _Epoch:
+    """One epoch, loaded ahead by a daemon thread into a bounded queue."""
+
+    def __init__(self, source: Iterator[Any], buffer_size: int):
+        global _exit_handler_registered
+        if not _exit_handler_registered:  # registered on first use: no import-time side effect
+            atexit.register(_join_live_epochs)
+            _exit_handler_registered = True
+        self.queue: queue.Queue = queue.Queue(maxsize=buffer_size)
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, args=(source,), daemon=True,
+                                       name="poptorch_lite.AsynchronousDataAccessor")
+        _LIVE.add(self)
+        self.thread.start()
+
+    def _run(self, source: Iterator[Any]) -> None:
+        index = 0
+        try:
+            for item in source:
+                if not self._put(item):
+                    return
+                index += 1
+            self._put(_End)
+        except BaseException as error:  # forwarded to the consumer
+            self._put(_Failure(error, index))
+
+    def _put(self, item: Any) -> bool:
+        while not self.stopping:
+            try:
+                self.queue.put(item, timeout=_POLL_S)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def get(self) -> Any:
+        """The next item (or ``_End`` / a ``_Failure``), waiting for the thread."""
+        while True:
+            try:
+                return self.queue.get(timeout=_POLL_S)
+            except queue.Empty:
+                if not self.thread.is_alive() and self.queue.empty():
+                    raise errors.DataLoaderError("the AsynchronousDataAccessor's thread stopped "
+                                                 "mid-epoch; create a new accessor") from None
+
+    def stop(self, join: bool = True) -> None:
+        """Stops the thread and, with ``join``, waits for it (idempotent)."""
+        self.stopping = True
+        while not self.queue.empty():
+            self.queue.get_nowait()
+        if join and self.thread is not threading.current_thread():
+            self.thread.join()
+
+
+def _stop_all(epochs: set, join: bool = True) -> None:
+    for epoch in list(epochs):
+        epoch.stop(join)
+    epochs.clear()
+
+
+class AsynchronousDataAccessor:
+    """Loads ahead from any iterable in a background thread; yields the same items in order.
+
+    PopTorch loads in a separate process into a shared-memory ring buffer;
+    poptorch_lite loads each epoch in a daemon thread into a bounded
+    ``queue.Queue`` of ``buffer_size`` items (not reused buffers: no need to
+    clone). Every ``iter()`` starts a new epoch (also after a ``break``) and
+    stops the thread of the one it replaces. An exception while loading is
+    re-raised by the consumer's ``next()`` as ``errors.DataLoaderError`` with
+    the original as ``__cause__``. ``terminate()`` stops and joins the thread;
+    garbage collection stops it, and the interpreter's exit stops and joins it
+    ([Note: loader threads at exit]).
+
+    Args:
+        dataset: any iterable (a Sync ``DataLoader``, a Dataset, a list).
+        buffer_size: items loaded ahead.
+        miss_sleep_time_in_ms: accepted and ignored (the thread blocks on the queue).
+        load_indefinitely: start loading the next epoch as soon as one ends.
+        early_preload: start loading at construction instead of at ``iter()``.
+        sharing_strategy: accepted and ignored (no process, nothing to share).
+        rebatched_size: cut the loaded batches into batches of this many rows
+            (a short last one is dropped unless ``dataset`` is a DataLoader
+            with drop_last=False).
+
+    Raises:
+        errors.DataLoaderError: ``dataset`` is a DataLoader with its own
+            accessor, or an argument is invalid.
+
+    Example:
+        >>> accessor = AsynchronousDataAccessor([1, 2, 3])
+        >>> list(accessor), len(accessor)
+        ([1, 2, 3], 3)
+        >>> accessor.terminate()
+    """
+
+    def __init__(self, dataset: Iterable[Any], buffer_size: int = 3, miss_sleep_time_in_ms: float = 0.1,
+                 load_indefinitely: bool = True, early_preload: bool = False, sharing_strategy: Any = None,
+                 rebatched_size: Optional[int] = None):
+        self._epochs: set[_Epoch] = set()
+        self._current: Optional[_Epoch] = None
+        self._next: Optional[_Epoch] = None
+        self._terminated = False
+        if _opens_own_epochs(dataset) and dataset._accessor is not None:
+            raise errors.DataLoaderError(
+                "this DataLoader already uses an AsynchronousDataAccessor internally; iterate the "
+                "DataLoader itself, or build it with mode=DataLoaderMode.Sync to wrap it")
+        for name, value in (("buffer_size", buffer_size), ("rebatched_size", rebatched_size or 1)):
+            if not isinstance(value, int) or value < 1:
+                raise errors.DataLoaderError(f"{name} must be an int >= 1, got {value!r}; "
+                                             f"pass e.g. {name}=1")
+        if sharing_strategy is not None or miss_sleep_time_in_ms != 0.1:
+            errors.warn_once("AsynchronousDataAccessor.sharing_strategy",
+                             "sharing_strategy and miss_sleep_time_in_ms tune PopTorch's loader "
+                             "process; poptorch_lite loads in a thread and ignores them")
+        self._dataset, self.rebatched_size = dataset, rebatched_size
+        self._buffer_size, self._load_indefinitely = buffer_size, load_indefinitely
+        # Garbage collection may run this on a thread that holds threading's internal locks
+        # (one that is starting): it must not join, so it only tells the threads to stop.
+        self._finalizer = weakref.finalize(self, _stop_all, self._epochs, False)
+        if early_preload:
+            self._next = self._open()
+
+    def _open(self) -> _Epoch:
+        """Opens the next epoch here (so a DataLoader's epoch number is read in order)."""
+        is_loader = _opens_own_epochs(self._dataset)
+        try:
+            source = self._dataset._sync_iter() if is_loader else iter(self._dataset)
+            if self.rebatched_size is not None:
+                drop_last = self._dataset._rebatched_drop_last if is_loader else True
+                source = _rebatch(source, self.rebatched_size, drop_last)
+        except BaseException as error:  # reported by the first next()
+            source = _failing(error)
+        epoch = _Epoch(source, self._buffer_size)
+        self._epochs.add(epoch)
+        return epoch
+
+    def _close(self, epoch: Optional[_Epoch]) -> None:
+        if epoch is not None:
+            epoch.stop()
+            self._epochs.discard(epoch)
+
+    def _discard_preloaded(self) -> None:
+        """Drops an epoch opened ahead (the DataLoader's epoch number changed)."""
+        self._close(self._next)
+        self._next = None
+
+    def terminate(self) -> None:
+        """Stops the thread and waits for it; iterating afterwards raises.
+
+        Example:
+            >>> AsynchronousDataAccessor(range(3)).terminate()
+        """
+        self._terminated = True
+        self._current = self._next = None
+        self._finalizer.detach()
+        _stop_all(self._epochs)
+
+    def __len__(self) -> int:
+        if self.rebatched_size is None or getattr(self._dataset, "_accessor", None) is self:
+            return len(self._dataset)
+        rows = len(self._dataset) * (getattr(self._dataset, "batch_size", None) or 1)
+        return rows // self.rebatched_size
+
+    def __iter__(self) -> Iterator[Any]:
+        self._check_live()
+        self._close(self._current)
+        self._current, self._next = self._next or self._open(), None
+        return self._items(self._current)
+
+    def _items(self, epoch: _Epoch) -> Iterator[Any]:
+        """One epoch's items; ends early if a later ``iter()`` replaced the epoch."""
+        while epoch is self._current:
+            item = epoch.get()
+            if item is _End or isinstance(item, _Failure):
+                self._close(epoch)
+                self._current = None
+                if item is _End and self._load_indefinitely:
+                    self._next = self._open()
+            if isinstance(item, _Failure):
+                raise errors.DataLoaderError(
+                    f"loading item {item.index} of an epoch failed in the AsynchronousDataAccessor's "
+                    f"thread: {type(item.error).__name__}: {item.error} (the original is chained as "
+                    f"__cause__; use DataLoaderMode.Sync to debug it in the main thread)") from item.error
+            if item is _End:
+                return
+            yield item
+        self._check_live()
+
+    def _check_live(self) -> None:
+        if self._terminated:
+            raise errors.DataLoaderError("this AsynchronousDataAccessor (or its DataLoader) was "
+                                         "terminated; create a new one")

@@ -1,0 +1,393 @@
+"""PopTorch's DataLoader: combined batches for one call of a wrapped model."""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+
+from .. import errors
+from ..enums import DataLoaderMode
+from ..options.options import Options, combined_batch_size
+from .async_data import AsynchronousDataAccessor
+
+_ASYNC_OPTION_KEYS = ("buffer_size", "miss_sleep_time_in_ms", "load_indefinitely",
+                      "early_preload", "sharing_strategy")
+
+
+class _ProcessBlockSampler(torch.utils.data.Sampler):
+    """Process p's contiguous block of the dataset, optionally of one global shuffle.
+
+    With P processes and combined batch C (drop_last=True) each process reads
+    ``per_proc = C * (n // (C * P))`` items; the L = n - P * per_proc leftovers
+    are read by nobody that epoch::
+
+        position  0 ......... per_proc ........ 2*per_proc ..... n
+                  [  process 0  ][  process 1  ][ leftovers L ]
+
+    With shuffle, position k holds ``randperm(n)[k]`` drawn from a generator
+    seeded with ``seed + epoch`` (the same in every process), and on odd epochs
+    every block shifts right by L so leftovers get used (PopTorch's swap_range).
+    With drop_last=False the n items are split as evenly as possible instead.
+    """
+
+    def __init__(self, n: int, step: int, p: int, P: int, drop_last: bool, shuffle: bool,
+                 seed: Optional[int]):
+        if drop_last:
+            per_proc = step * (n // (step * P))
+            self._start, self._length, self._leftovers = p * per_proc, per_proc, n - P * per_proc
+        else:
+            sizes = [n // P + (n % P > q) for q in range(P)]
+            self._start, self._length, self._leftovers = sum(sizes[:p]), sizes[p], 0
+        self._n, self._shuffle, self._seed = n, shuffle, seed
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __iter__(self) -> Iterator[int]:
+        if not self._shuffle:
+            return iter(range(self._start, self._start + self._length))
+        order = torch.randperm(self._n, generator=torch.Generator().manual_seed(self._seed + self.epoch))
+        start = self._start + (self._leftovers if self.epoch % 2 else 0)
+        return iter(order[start:start + self._length].tolist())
+
+
+class _CombinedBatchSampler(torch.utils.data.Sampler):
+    """Concatenates every ``factor`` consecutive batches of a user's batch sampler."""
+
+    def __init__(self, batch_sampler: Iterable[list], factor: int, drop_last: bool):
+        self.batch_sampler, self._factor, self._drop_last = batch_sampler, factor, drop_last
+
+    def __len__(self) -> int:
+        full, rest = divmod(len(self.batch_sampler), self._factor)
+        return full + int(rest > 0 and not self._drop_last)
+
+    def __iter__(self) -> Iterator[list]:
+        group, count = [], 0
+        for batch in self.batch_sampler:
+            group, count = group + list(batch), count + 1
+            if count == self._factor:
+                yield group
+                group, count = [], 0
+        if count and not self._drop_last:
+            yield group
+
+
+class DataLoader(torch.utils.data.DataLoader):
+    """A ``torch.utils.data.DataLoader`` whose batch is the combined batch of one model call.
+
+    The torch batch size is ``combined_batch_size(options, batch_size)``
+    (B·D·(R/g)·G; POPTORCH_REFERENCE §1, §8). Unlike torch: ``drop_last``
+    defaults to True; ``options`` are frozen; with ``Distributed.numProcesses``
+    P > 1 each process reads its own contiguous block (see ``set_epoch``); mode
+    Async/AsyncRebatched loads ahead in a thread through an
+    :class:`AsynchronousDataAccessor` (the same batches in the same order as
+    Sync). An Async loader's thread keeps the loader alive: call ``terminate()``
+    when done (it also runs at interpreter exit).
+
+    Args:
+        options: the ``Options`` the model is wrapped with.
+        dataset: a map-style or iterable dataset.
+        batch_size: the micro-batch size B (None: no batching, as in torch).
+        shuffle, num_workers: as torch (shuffle defaults to False).
+        drop_last: drop a short last combined batch (default True); False warns.
+        persistent_workers: defaults to ``num_workers > 0``.
+        auto_distributed_partitioning: split the dataset between processes.
+        mode: a ``DataLoaderMode``; Async with drop_last=False acts as AsyncRebatched.
+        async_options: keyword arguments of the accessor (not ``rebatched_size``).
+        rebatched_worker_size: AsyncRebatched: an IterableDataset's torch batch
+            size before the accessor rebatches (default: the combined batch); ignored in
+            the other modes, as PopTorch does.
+        batch_sampler: yields micro-batches of indices; a combined batch joins
+            ``combined_batch_size(options, 1)`` consecutive ones.
+        **kwargs: passed to ``torch.utils.data.DataLoader``.
+
+    Raises:
+        errors.DataLoaderError: an argument is invalid or arguments conflict.
+
+    Example:
+        >>> opts = Options().deviceIterations(2)
+        >>> loader = DataLoader(opts, torch.utils.data.TensorDataset(torch.arange(10.0)), batch_size=2)
+        >>> loader.combinedBatchSize, len(loader)
+        (4, 2)
+    """
+
+    def __init__(self, options: Options, dataset: torch.utils.data.Dataset, batch_size: Optional[int] = 1,
+                 shuffle: Optional[bool] = None, num_workers: int = 0, drop_last: bool = True,
+                 persistent_workers: Optional[bool] = None, auto_distributed_partitioning: bool = True,
+                 mode: DataLoaderMode = DataLoaderMode.Sync, async_options: Optional[dict] = None,
+                 rebatched_worker_size: Optional[int] = None, batch_sampler: Optional[Iterable] = None,
+                 **kwargs: Any):
+        self._accessor: Optional[AsynchronousDataAccessor] = None
+        if not isinstance(options, Options):
+            raise errors.DataLoaderError(f"DataLoader's first argument must be poptorch_lite.Options, "
+                                         f"got {type(options).__name__}; call DataLoader(opts, dataset, ...)")
+        mode, async_options = _check_mode(mode, async_options)
+        shuffle = bool(shuffle)
+        is_iterable = isinstance(dataset, torch.utils.data.IterableDataset)
+        # The n processes of one pipeline read the same data ([Note: stages in other processes]
+        # in distributed): the loader shards over the W/n pipelines.
+        n = options.Distributed.processes_per_pipeline
+        P, p = max(options.Distributed.numProcesses // n, 1), options.Distributed.processId // n
+        distributed = P > 1 and auto_distributed_partitioning
+        self._epoch_sampler: Optional[_ProcessBlockSampler] = None
+        self._rebatched_size: Optional[int] = None
+        self._rebatched_drop_last = drop_last
+        args: dict[str, Any] = dict(shuffle=shuffle, drop_last=drop_last)
+
+        if batch_sampler is not None:
+            if batch_size not in (1, None) or shuffle:
+                raise errors.DataLoaderError(
+                    f"batch_sampler is mutually exclusive with batch_size and shuffle (got batch_size="
+                    f"{batch_size}, shuffle={shuffle}); leave them unset, the sampler chooses batches")
+            if distributed:
+                raise errors.DataLoaderError(
+                    f"a batch_sampler cannot be split between {P} processes; give each process its "
+                    f"own batch_sampler and pass auto_distributed_partitioning=False")
+            micro = getattr(batch_sampler, "batch_size", None)
+            self._combined = combined_batch_size(options, micro) if isinstance(micro, int) else None
+            args = dict(batch_sampler=_CombinedBatchSampler(
+                batch_sampler, combined_batch_size(options, 1), drop_last))
+        else:
+            if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+                raise errors.DataLoaderError(f"batch_size must be a positive int or None, got {batch_size!r}")
+            self._combined = None if batch_size is None else combined_batch_size(options, batch_size)
+            args.update(batch_size=self._combined, drop_last=drop_last and batch_size is not None)
+
+        if is_iterable:
+            if distributed:
+                raise errors.DataLoaderError(
+                    f"auto_distributed_partitioning cannot split an IterableDataset between {P} "
+                    f"processes; shard it yourself and pass auto_distributed_partitioning=False")
+            if num_workers > 1 and "worker_init_fn" not in kwargs:
+                warnings.warn(f"IterableDataset with num_workers={num_workers} and no worker_init_fn: "
+                              f"every element comes {num_workers} times; pass a worker_init_fn that "
+                              f"shards the dataset", errors.PoptorchLiteWarning, stacklevel=2)
+        elif batch_sampler is None and self._combined is not None:
+            n, step = len(dataset), self._combined * (P if distributed else 1)
+            if drop_last and n < step:
+                raise errors.DataLoaderError(
+                    f"the dataset has {n} items, fewer than the {step} one step reads (combined batch "
+                    f"{self._combined} x {P if distributed else 1} processes), so the loader would be "
+                    f"empty; use a smaller batch_size or options, or drop_last=False")
+            if not drop_last and n % step:
+                warnings.warn(f"the dataset has {n} items, not a multiple of the {step} one step reads, "
+                              f"and drop_last=False: the last batch has {n % step} items; pass "
+                              f"drop_last=True to avoid it", errors.PoptorchLiteWarning, stacklevel=2)
+            if distributed:
+                if shuffle and options.random_seed is None:
+                    raise errors.DataLoaderError(
+                        "shuffle=True with auto_distributed_partitioning needs the same order in every "
+                        "process: call options.randomSeed(N) with the same N in every process")
+                if "sampler" in kwargs:
+                    raise errors.DataLoaderError("a sampler cannot be combined with auto_distributed_"
+                                                 "partitioning; pass auto_distributed_partitioning=False")
+                self._epoch_sampler = _ProcessBlockSampler(n, self._combined, p, P, drop_last, shuffle,
+                                                           options.random_seed)
+                args.update(sampler=self._epoch_sampler, shuffle=False)
+        elif distributed and batch_sampler is None:
+            raise errors.DataLoaderError("batch_size=None cannot be split between processes; pass a "
+                                         "batch_size or auto_distributed_partitioning=False")
+
+        if mode == DataLoaderMode.Async and not drop_last:
+            mode = DataLoaderMode.AsyncRebatched
+        # PopTorch reads rebatched_worker_size only in AsyncRebatched mode; elsewhere it is
+        # ignored (optimum-graphcore passes it with Sync loaders).
+        if mode == DataLoaderMode.AsyncRebatched and rebatched_worker_size is not None and (
+                self._combined is None or not 1 <= rebatched_worker_size <= self._combined):
+            raise errors.DataLoaderError(
+                f"rebatched_worker_size ({rebatched_worker_size}) must be 1 <= it <= the "
+                f"combined batch ({self._combined}) with mode=DataLoaderMode.AsyncRebatched; "
+                f"pass a size in that range, or none")
+        if mode == DataLoaderMode.AsyncRebatched and is_iterable and self._combined is not None:
+            # Workers send what they have; the accessor cuts exact combined batches from it.
+            self._rebatched_size = self._combined
+            args.update(batch_size=rebatched_worker_size or self._combined, drop_last=False)
+
+        options._freeze()  # only once every argument is accepted
+        if persistent_workers is None:
+            persistent_workers = num_workers > 0
+        super().__init__(dataset, num_workers=num_workers, persistent_workers=persistent_workers,
+                         **args, **kwargs)
+        self._options = options
+        self._next_epoch = 0
+        # [Note: loader position]: the epoch being read, its batches handed out, the random
+        # state its sampler started from, and a pending resume from load_state_dict().
+        self._epoch, self._consumed, self._epoch_rng = 0, 0, None
+        self._resume: Optional[tuple] = None
+        if mode != DataLoaderMode.Sync:
+            self._accessor = AsynchronousDataAccessor(self, **async_options,
+                                                      rebatched_size=self._rebatched_size)
+
+    @property
+    def combinedBatchSize(self) -> Optional[int]:
+        """Items one model call consumes from the dataset (None if unbatched)."""
+        return self._combined
+
+    @property
+    def options(self) -> Options:
+        """The (frozen) options this loader was built with."""
+        return self._options
+
+    def set_epoch(self, epoch: int) -> None:
+        """Sets the epoch the next iteration uses; later iterations count up from it.
+
+        Only the distributed shuffle depends on it: its order is drawn from
+        ``randomSeed + epoch``, identically in every process. Without calls,
+        iterations are epochs 0, 1, 2, ... (every epoch differs, as in
+        PopTorch); calling ``set_epoch(e)`` before epoch e, as with torch's
+        DistributedSampler, gives the same orders. In Async mode an epoch
+        already preloaded under the old number is discarded.
+
+        Example:
+            >>> loader.set_epoch(3)  # doctest: +SKIP
+        """
+        self._next_epoch = epoch
+        if self._accessor is not None:
+            self._accessor._discard_preloaded()
+
+    def terminate(self) -> None:
+        """Stops the Async worker thread (no effect in Sync mode).
+
+        Example:
+            >>> loader.terminate()  # doctest: +SKIP
+        """
+        if self._accessor is not None:
+            self._accessor.terminate()
+
+    def __len__(self) -> int:
+        if self._rebatched_size is None:
+            return super().__len__()
+        full, rest = divmod(len(self.dataset), self._rebatched_size)
+        return full + int(rest > 0 and not self._rebatched_drop_last)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._accessor is not None:
+            return iter(self._accessor)
+        return self._counted(self._sync_iter())
+
+    def _sync_iter(self) -> Iterator[Any]:
+        """One epoch of the torch loader (the Async worker thread calls this)."""
+        if self._epoch_sampler is not None:
+            self._epoch_sampler.epoch = self._next_epoch
+        self._epoch, self._consumed = self._next_epoch, 0
+        if self._resume is not None:  # [Note: loader position]: restore after the skip
+            self._resume = (*self._resume[:2], torch.get_rng_state())
+        self._next_epoch += 1
+        return super().__iter__()
+
+    def _counted(self, batches: Iterator[Any]) -> Iterator[Any]:
+        for batch in batches:
+            self._consumed += 1
+            yield batch
+
+    @property
+    def _index_sampler(self):
+        # torch's iterators read their indices from here at the start of every epoch.
+        return _EpochIndices(super()._index_sampler, self)
+
+    def state_dict(self) -> dict:
+        """The loader's position: the epoch, the batches of it handed out, and the random
+        state its shuffle started from ([Note: loader position]; saved in checkpoints).
+
+        Raises:
+            errors.DataLoaderError: the loader is not in Sync mode.
+
+        Example:
+            >>> opts = Options()
+            >>> loader = DataLoader(opts, torch.utils.data.TensorDataset(torch.arange(6.0)), 2)
+            >>> batches = iter(loader)
+            >>> _ = next(batches)
+            >>> {k: v for k, v in loader.state_dict().items() if k != "rng"}
+            {'epoch': 0, 'batches': 1}
+        """
+        if self._accessor is not None:
+            raise errors.DataLoaderError(
+                "the position of an Async-mode DataLoader cannot be saved: it reads ahead in a "
+                "thread, so its position is not the training's; use mode=DataLoaderMode.Sync")
+        return {"epoch": self._epoch, "batches": self._consumed, "rng": self._epoch_rng}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state`` (:meth:`state_dict`): the next iteration reads the rest of
+        that epoch, in the same order, without loading the batches it skips.
+
+        Raises:
+            errors.DataLoaderError: the state is not a loader position, the loader is not
+                in Sync mode, or an IterableDataset would have to skip batches.
+        """
+        self.state_dict()  # refuses Async mode
+        try:
+            epoch, batches, rng = int(state["epoch"]), int(state["batches"]), state["rng"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise errors.DataLoaderError(
+                f"not a DataLoader position: {state!r} ({type(e).__name__}: {e}); pass what "
+                f"DataLoader.state_dict() returned") from None
+        if batches and isinstance(self.dataset, torch.utils.data.IterableDataset):
+            raise errors.DataLoaderError(
+                f"an IterableDataset cannot skip to batch {batches} of epoch {epoch}; save "
+                f"checkpoints at epoch ends (or make the dataset resumable yourself)")
+        total = len(self) if batches else 0  # an IterableDataset may have no len()
+        if not 0 <= batches <= total or (0 < batches < total and rng is None):
+            raise errors.DataLoaderError(
+                f"the position {batches} of epoch {epoch} does not fit this loader of {total} "
+                f"batches per epoch; load a position saved from a loader of the same dataset, "
+                f"batch size and options")
+        self.set_epoch(epoch + 1 if 0 < batches == total else epoch)  # a finished epoch
+        self._epoch, self._consumed, self._epoch_rng = epoch, batches, rng
+        self._resume = (rng, batches) if 0 < batches < total else None
+
+
+class _EpochIndices(torch.utils.data.Sampler):
+    """One epoch of a loader's index sampler, recording where its random order came from.
+
+    [Note: loader position]
+    A loader's position is (epoch, batches handed out, random state). The random
+    state is torch's default generator's state just before the sampler's first
+    index, when a shuffling sampler draws its seed, so one epoch's order follows
+    from it. Resuming sets that state, skips the batches already handed out
+    (indices only: nothing is loaded), and then puts back the state the caller
+    had when the iteration began, so the random numbers drawn after a resume
+    (dropout, say) are those of the uninterrupted run. Transforms that draw
+    random numbers in worker processes are seeded per iteration and are not
+    replayed.
+    """
+
+    def __init__(self, inner: Iterable, loader: "DataLoader"):
+        self.inner, self.loader = inner, loader
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self) -> Iterator[Any]:
+        loader, resume = self.loader, self.loader._resume
+        loader._resume = None
+        if resume is not None:
+            torch.set_rng_state(resume[0])
+        loader._epoch_rng = torch.get_rng_state()
+        indices = itertools.islice(iter(self.inner), resume[1] if resume else 0, None)
+        first = next(indices, _END)
+        if resume is not None and len(resume) > 2:
+            torch.set_rng_state(resume[2])
+        if first is not _END:
+            yield first
+            yield from indices
+
+
+_END = object()
+
+
+def _check_mode(mode: Any, async_options: Optional[dict]) -> tuple[DataLoaderMode, dict]:
+    """Validates ``mode`` and the keys of ``async_options``."""
+    try:
+        mode = DataLoaderMode(mode)
+    except ValueError:
+        raise errors.DataLoaderError(f"mode must be a DataLoaderMode (Sync, Async, AsyncRebatched), "
+                                     f"got {mode!r}") from None
+    unknown = sorted(set(async_options or {}) - set(_ASYNC_OPTION_KEYS))
+    if unknown:
+        raise errors.DataLoaderError(f"unknown async_options {unknown}: the valid keys are "
+                                     f"{list(_ASYNC_OPTION_KEYS)} (AsyncRebatched sets rebatched_size)")
+    return mode, dict(async_options or {})

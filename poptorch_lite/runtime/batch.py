@@ -1,0 +1,183 @@
+"""Micro-batch splitting and merging.
+
+[Note: batch layout]
+One call's combined batch holds ``F = D·(R/g)·G`` micro-batches laid out as
+PopART does on the host, ``[D, G, R, B, ...]``: micro-batch ``k`` belongs to
+device iteration ``d = k // (G·R)``, accumulation step ``(k // R) % G`` and
+replica ``r = k % R``; its rows are ``k·B .. (k+1)·B``. Every output with a
+batch dimension comes back in the same order. ``options.combined_batch_size``
+is the one function that computes the combined batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..compiler import structures
+from ..enums import OutputMode
+from ..errors import BatchSizeError, InputError, OptionsError, warn_once, PoptorchLiteWarning
+
+_SCALARS = (bool, int, float, complex, str, type(None))
+
+
+class MicroBatches:
+    """A call's arguments, cut into micro-batches along dim 0 ([Note: batch layout]).
+
+    Tensor leaves of ``(args, kwargs)`` (tuples, lists, dicts, nested) are cut
+    into ``factor`` equal views; a 0-dim tensor goes whole to every micro-batch.
+    Python scalars, strings and None pass through unchanged as constants.
+
+    Args:
+        args, kwargs: the call's arguments.
+        factor: ``D·(R/g)·G``, the number of micro-batches.
+        explain: the factor's arithmetic, for error messages.
+
+    Raises:
+        InputError: an argument that should be a tensor is not (a numpy array,
+            a list of numbers).
+        BatchSizeError: a tensor's batch dimension is not a multiple of ``factor``.
+
+    Example:
+        >>> mb = MicroBatches((torch.arange(6.0),), {}, 3, "3")
+        >>> mb.args_kwargs(1)[0][0]
+        tensor([2., 3.])
+    """
+
+    def __init__(self, args: tuple, kwargs: dict, factor: int, explain: str):
+        _check_number_lists(list(args) + list(kwargs.values()))
+        lifted = structures.lift((tuple(args), dict(kwargs)))
+        leaves, self.spec = pytree.tree_flatten(lifted)
+        broken = structures.unrebuildable(lifted)
+        if broken is not None:
+            raise InputError(
+                f"an input is a {broken[0]}, which cannot be built again from its items "
+                f"({broken[1]}): each micro-batch gets it rebuilt as PopTorch does, "
+                f"type(x)({{key: value}}) for a dict subclass and type(x)(items) for a list or "
+                f"tuple subclass. Give it a constructor that takes that, or pass a plain dict")
+        self.factor = factor
+        for leaf in leaves:
+            _check_leaf(leaf)
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            if leaf.dim() > 0 and leaf.shape[0] % factor:
+                raise BatchSizeError(
+                    f"Invalid batch dimension: In the input {tuple(leaf.shape)}, the batch "
+                    f"dimension ({leaf.shape[0]}) must be a multiple of {explain} = {factor}, "
+                    f"because one call runs that many micro-batches; pass a batch of "
+                    f"micro_batch_size * {factor} rows (poptorch_lite.DataLoader(options, ...) "
+                    f"yields such batches)")
+        if any(isinstance(v, torch.Tensor) and v.requires_grad for v in leaves):
+            warn_once("input.requires_grad",
+                      "an input tensor requires grad: inputs are detached (a wrapped model "
+                      "computes gradients for its parameters only)", PoptorchLiteWarning)
+            leaves = [v.detach() if isinstance(v, torch.Tensor) else v for v in leaves]
+        self.leaves = leaves
+        self.tensor_positions = [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+
+    def tensors(self, k: int) -> list:
+        """The tensor leaves of micro-batch ``k`` (views into the call's tensors)."""
+        return [_slice(self.leaves[p], k, self.factor) for p in self.tensor_positions]
+
+    def args_kwargs(self, k: int) -> tuple:
+        """Micro-batch ``k`` as ``(args, kwargs)``, shaped like the call's arguments."""
+        leaves = list(self.leaves)
+        for p, t in zip(self.tensor_positions, self.tensors(k)):
+            leaves[p] = t
+        return pytree.tree_unflatten(leaves, self.spec)
+
+    def signature(self) -> tuple:
+        """What a traced graph is specialised on: structure, constants, micro-batch shapes."""
+        parts: list = [str(self.spec)]
+        for k, leaf in enumerate(self.leaves):
+            if isinstance(leaf, torch.Tensor):
+                t = _slice(leaf, 0, self.factor)
+                parts.append((tuple(t.shape), t.dtype, t.device))
+            else:
+                parts.append(("const", type(leaf).__name__, repr(leaf)))
+        return tuple(parts)
+
+
+def _check_leaf(leaf: Any) -> None:
+    if isinstance(leaf, (torch.Tensor,) + _SCALARS):
+        return
+    kind = type(leaf).__module__ + "." + type(leaf).__name__
+    if type(leaf).__module__ == "numpy" or hasattr(leaf, "__array__"):
+        raise InputError(f"an input is a {kind} where a tensor is needed; convert it with "
+                         f"torch.from_numpy(...) or torch.as_tensor(...)")
+    raise InputError(f"an input is a {kind} where a tensor is needed; pass tensors (in tuples, "
+                     f"lists or dicts) or Python scalars")
+
+
+def _slice(t: torch.Tensor, k: int, factor: int) -> torch.Tensor:
+    if t.dim() == 0:
+        return t
+    b = t.shape[0] // factor
+    return t[k * b:(k + 1) * b]
+
+
+def _check_number_lists(values: Sequence) -> None:
+    """Refuse lists of plain numbers as inputs (they would be frozen into the graph)."""
+    for v in values:
+        if isinstance(v, (list, tuple)) and v and all(isinstance(x, (int, float)) for x in v):
+            raise InputError(f"an input is a {type(v).__name__} of numbers where a tensor is "
+                             f"needed; pass torch.tensor({v!r})")
+
+
+def resolve_output_mode(mode: OutputMode, training: bool) -> OutputMode:
+    """``OutputMode.Default`` is Final for training and All for inference."""
+    if mode == OutputMode.Default:
+        return OutputMode.Final if training else OutputMode.All
+    return OutputMode(mode)
+
+
+def selected_microbatches(mode: OutputMode, period: int, D: int, G: int, R: int) -> list:
+    """Which micro-batches an output mode returns, as groups to combine.
+
+    Returns a list of groups; each group's outputs are summed (Sum) or taken
+    alone (the others); the groups are then joined in order.
+
+    Example:
+        >>> selected_microbatches(OutputMode.Final, 1, D=2, G=2, R=1)
+        [[3]]
+    """
+    def k(d, g, r):
+        return (d * G + g) * R + r
+
+    if mode == OutputMode.All:
+        return [[i] for i in range(D * G * R)]
+    if mode == OutputMode.Final:
+        return [[k(D - 1, G - 1, r)] for r in range(R)]
+    if mode == OutputMode.Sum:
+        return [[k(d, g, r) for d in range(D) for g in range(G)] for r in range(R)]
+    if mode == OutputMode.EveryN:
+        return [[i] for d in range(period - 1, D, period) for i in range(d * G * R, (d + 1) * G * R)]
+    raise OptionsError(f"unknown output mode {mode!r}")
+
+
+def merge(per_microbatch: Sequence[Sequence[torch.Tensor]], groups: list) -> list:
+    """Combine one list of output leaves per micro-batch into the returned leaves.
+
+    With more than one group, scalars stack into shape ``(n,)`` and other
+    outputs concatenate along dim 0; with one group the shape is unchanged
+    (POPTORCH_REFERENCE §3, the shape rule). Only the micro-batches in ``groups``
+    are read (the others may be None: not copied to the host).
+    """
+    n_out = len(per_microbatch[groups[0][0]]) if per_microbatch and groups else 0
+    merged = []
+    for j in range(n_out):
+        pieces = []
+        for group in groups:
+            value = per_microbatch[group[0]][j]
+            for i in group[1:]:
+                value = value + per_microbatch[i][j]
+            pieces.append(value)
+        if len(pieces) == 1:
+            merged.append(pieces[0])
+        elif pieces[0].dim() == 0:
+            merged.append(torch.stack(pieces))
+        else:
+            merged.append(torch.cat(pieces))
+    return merged

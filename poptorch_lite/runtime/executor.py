@@ -1,0 +1,370 @@
+"""Executor: runs a schedule's actions on a partition's stages.
+
+The executor interprets a :class:`~poptorch_lite.runtime.schedule.Schedule`: each
+stream gets its action list and runs it on its worker, waiting only for the
+actions on other streams that it depends on ([Note: streams]). It has one
+dispatch on the action kind and holds no scheduling logic.
+
+The reduction and the update are ``update``'s ([Note: gradient arithmetic],
+[Note: commit point]).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..compiler import rng
+from ..compiler.partition import Partition
+from ..distributed.channels import Channels
+from ..errors import Error, ExecutionError, UnrecoverableError
+from ..profiling.timeline import Recorder
+from .placement import Placement
+from .schedule import Action, Kind, Schedule
+from .stage_work import Run, StageWork
+from .streams import ActionFailed, ActionStuck, StreamFailed
+from .update import PartialUpdate, StepArithmetic, Updates
+from .weights import Weights
+
+
+class Executor(Updates):
+    """Runs schedules over the stages of one partition.
+
+    Args:
+        partition: the stages.
+        placement: devices and streams of their IPUs.
+        weights: the tensors the stages compute with.
+        recompute: per stage, whether it is recomputed ([Note: recomputation] in
+            ``stage_work``).
+        processes: the replicas in other processes, whose gradients the step
+            all-reduces with this one's (None: one process; ``distributed``).
+        channels: the messages to the stages that other processes run (None: every
+            stage runs here; [Note: stages in other processes] in ``distributed``).
+
+    Example:
+        See ``wrapper.PoplarExecutor``, which builds one per traced input signature.
+    """
+
+    def __init__(self, partition: Partition, placement: Placement, weights: Weights,
+                 recompute: Optional[Sequence[bool]] = None, processes=None,
+                 channels: Optional[Channels] = None):
+        self.partition = partition
+        self.processes = processes
+        self.channels = channels
+        self.placement = placement
+        self.weights = weights
+        self.work = StageWork(partition, placement, weights, recompute,
+                              channels.remote_inputs if channels is not None else None)
+        self.random = any(st.random for st in partition.stages)
+        # The stages this process runs (all of them unless a pipeline spans processes).
+        self.local = [st.ipu in placement.devices for st in partition.stages]
+        self.step_ipu = next(st.ipu for st in partition.stages if self.local[st.index])
+        self.broken: Optional[str] = None  # why messages to other processes went astray
+        # The parameters whose gradient each stage reduces: those it is the first here to use.
+        self.owned = [[] for _ in partition.stages]
+        seen: set = set()
+        for st in partition.stages:
+            for name in st.param_names if self.local[st.index] else ():
+                if name not in seen:
+                    seen.add(name)
+                    self.owned[st.index].append(name)
+        # Where a buffer that the model returns is read: the IPU of its first user.
+        self.buffer_ipu = {}
+        for st in partition.stages:
+            for name in st.inputs:
+                if name.startswith("buffer:"):
+                    self.buffer_ipu.setdefault(name.split(":", 1)[1], st.ipu)
+        # The input leaves each IPU reads, and the IPUs whose actions are timed on the GPU.
+        self.input_keys = {}
+        for st, sources in zip(partition.stages, self.work.sources):
+            keys = [key for _, kind, key in sources if kind == "input"]
+            if keys and self.local[st.index]:
+                self.input_keys.setdefault(st.ipu, set()).update(keys)
+        self.gpu_ipus = {ipu for ipu, dev in placement.devices.items() if dev.type == "cuda"}
+        # The parameters this process steps (all of them unless stages run elsewhere).
+        here = {n for st in partition.stages if self.local[st.index] for n in st.param_names}
+        self._stepped = {n: p for n, p in weights.params.items() if n in here}
+        self._failure_lock = threading.Lock()
+        self.steps_applied = 0  # updates completed ([Note: commit point])
+        self.undoable = False   # the caller snapshots whole calls (allOrNothingCalls)
+        self.handlers = {Kind.FORWARD: self.work.forward, Kind.BACKWARD: self.work.backward,
+                         Kind.RECOMPUTE: self.work.recompute_action, Kind.REDUCE: self._reduce,
+                         Kind.STEP: self._step}
+        self._plans: dict = {}
+
+    def run(self, schedule: Schedule, microbatches: Sequence[Sequence[torch.Tensor]],
+            replica_of: Callable, step: Optional[StepArithmetic],
+            recorder: Optional[Recorder] = None, run_index: int = 0,
+            watchdog: Optional[float] = None, keep: Optional[Sequence[bool]] = None) -> tuple:
+        """Run ``schedule`` over ``microbatches`` (the tensor leaves of each).
+
+        Args:
+            schedule: the grid to run; ``schedule.num_microbatches == len(microbatches)``.
+            microbatches: per micro-batch, its tensor leaves (``input:k`` values).
+            replica_of: micro-batch index -> the replica it belongs to.
+            step: the optimizer step's arithmetic, for training schedules.
+            recorder: where to record each action's span (None: not recorded).
+            run_index: this run's number within the call, for the recorder.
+            watchdog: seconds without progress before the run is declared stuck.
+            keep: per micro-batch, whether its outputs are returned (None: all);
+                only those are copied to the host.
+
+        Returns:
+            ``(outputs, stats)``: per micro-batch, the model's tensor outputs
+            (detached, on the host; None for a micro-batch not kept), and the
+            run's :class:`~poptorch_lite.runtime.stage_work.RunStats`.
+
+        Raises:
+            ExecutionError: an action failed or got stuck; names stream, stage,
+                micro-batch and action and shows the grid with the failing row marked.
+        """
+        p = self.partition
+        if self.broken is not None:
+            raise ExecutionError(
+                f"this model's processes went out of step in an earlier call ({self.broken}): "
+                f"messages between them may be half delivered, so no further call can run; "
+                f"restart every process (from the last checkpoint: poptorch_lite.load_checkpoint)")
+        streams = None
+        if self.random:  # [Note: micro-batch RNG]
+            base = rng.draw_base()
+            streams = [rng.Stream(rng.microbatch_seed(base, i)) for i in range(len(microbatches))]
+        lists, waits, rows, in_order, ahead = self._plan(schedule)
+        run = Run(p, microbatches, replica_of, streams, run_index, schedule.training,
+                  [i for i in range(len(microbatches)) if keep is None or keep[i]], ahead)
+        begun = self.placement.begin() if self.gpu_ipus else None  # before the inputs' copies
+        self._place_inputs(run)
+        if schedule.training:
+            self.weights.zero_grads()
+            run.excluded = self.weights.storages() | {
+                t.untyped_storage().data_ptr() for t in (
+                    *(t for mb in microbatches for t in mb), *run.placed.values())}
+        training = schedule.training
+        handlers = self.handlers
+        timed = () if recorder is None else self.gpu_ipus  # [Note: GPU timeline]
+
+        channels = self.channels
+
+        def call(a: Action) -> None:
+            start = time.perf_counter()
+            with torch.set_grad_enabled(training):  # grad mode is per thread
+                if channels is None:
+                    handlers[a.kind](a, run, step)
+                else:
+                    self._exchange(a, run, step)
+            if recorder is not None and self._ipu(a) not in timed:
+                recorder.add(self._ipu(a), a.stage, a.microbatch, a.kind.value, start,
+                             time.perf_counter(), run_index)
+
+        try:
+            spans = self.placement.run_lists(lists, waits.__getitem__, call, watchdog, in_order,
+                                             begun)
+            if channels is not None:
+                self._settle(schedule, run, rows, run_index)
+        except StreamFailed as failed:
+            ipu = failed.ipu
+            raise ExecutionError(
+                f"the run of schedule '{schedule.name}' failed on stream {ipu} (IPU {ipu}, "
+                f"{self.placement.device(ipu)}) with an error the GPU reported only when the "
+                f"run waited for it: {type(failed.exc).__name__}: {failed.exc}. CUDA reports a "
+                f"kernel's failure late, so it came from one of that stream's actions "
+                f"({', '.join(str(a) for a in lists[ipu])}); run with the environment variable "
+                f"CUDA_LAUNCH_BLOCKING=1 to have the action that launched it raise it",
+                location=f"stream {ipu}") from failed.exc
+        except ActionFailed as failure:
+            if channels is not None:  # a message went astray, or Ctrl-C: out of step
+                self.broken = f"{failure.action}: {type(failure.exc).__name__}"
+            if not isinstance(failure.exc, Exception):  # KeyboardInterrupt, SystemExit
+                failure.exc.add_note(f"poptorch_lite: raised by action {failure.action}")
+                raise failure.exc from None
+            self._fail(schedule, rows[failure.action], failure.action, failure.exc, run_index)
+        except ActionStuck as stuck:
+            if channels is not None:
+                self.broken = "the watchdog fired"
+            a = next(iter(stuck.running.values()), None)
+            self._fail(schedule, rows.get(a), a, TimeoutError(
+                f"no action finished for {stuck.seconds} s (Options.watchdogTimeout); "
+                f"still running: {', '.join(str(x) for x in stuck.running.values()) or 'none'}"),
+                run_index)
+        for a, span in spans.items() if recorder is not None else ():  # [Note: GPU timeline]
+            recorder.add_gpu(self._ipu(a), a.stage, a.microbatch, a.kind.value, *span, run_index)
+        names = [o for o in p.outputs if isinstance(o, str)]
+        if channels is not None:  # weights returned, values of data-dependent shape
+            channels.share_outputs(run, names, self._result, self.weights)
+        out = [[self._result(run, i, o) for o in names] if keep is None or keep[i] else None
+               for i in range(len(microbatches))]
+        return out, run.stats
+
+    # -- stages in other processes --------------------------------------------------------
+
+    def _exchange(self, a: Action, run: Run, step: Optional[StepArithmetic]) -> None:
+        """An action of a pipeline that spans processes: receive what it needs, compute
+        (nothing once this process failed, except the update's agreement), send what it made
+        ([Note: stages in other processes] in ``distributed``)."""
+        channels = self.channels
+        channels.before(a, run)
+        channels.post(run.ahead.get(a), run)  # the stream's next receives, while it computes
+        if a.kind is Kind.STEP:  # the agreement first; a failure here is the processes' own
+            self.handlers[a.kind](a, run, step)
+        elif run.failed is None:
+            try:
+                self.handlers[a.kind](a, run, step)
+            except Exception as exc:  # the others run on; every process stops at the update
+                with self._failure_lock:
+                    if run.failed is None:
+                        run.failed = (a, exc)
+        channels.after(a, run)
+
+    def _describe(self, run: Run) -> Optional[str]:
+        """What failed in this process this run, for the others' errors."""
+        if run.failed is None:
+            return None
+        a, exc = run.failed
+        return (f"action {a} ({a.kind.name.lower()}) failed on "
+                f"{self._where(a, run.index, run.training)}: {type(exc).__name__}: {exc}")
+
+    def _settle(self, schedule: Schedule, run: Run, rows: dict, run_index: int) -> None:
+        """After a run's lists: wait for its messages, agree on its outcome (inference; a
+        training run agreed in its update), and raise where any process failed."""
+        try:
+            self.channels.finish(run)
+            if not schedule.training:
+                run.remote_failure = self.channels.settle(run, self._describe(run), self._result)
+        except Error as exc:  # a message to or from another process went astray: out of step
+            self.broken = f"the end of the run: {type(exc).__name__}"
+            self._fail(schedule, None, None, exc, run_index)
+        if run.failed is not None:
+            a, exc = run.failed
+            self._fail(schedule, rows[a], a, exc, run_index)
+        if run.remote_failure is not None:
+            rank, text = run.remote_failure
+            raise ExecutionError(
+                f"process {rank} failed this run of schedule '{schedule.name}', so process "
+                f"{self.processes.rank} stopped with it: {text}. No process applied this run's "
+                f"step", location=f"process {rank}")
+
+    def _place_inputs(self, run: Run) -> None:
+        """Put each IPU's input leaves in its memory, on the caller's thread, before the run.
+
+        A GPU gets one copy per micro-batch (pinned, asynchronous on the caller's
+        stream, with an event its readers wait on: ``Run.ready``); under
+        ``useIpuModel`` every IPU gets a copy of its own. Inputs already where an
+        IPU computes are used as they are.
+        """
+        separate = self.weights.separate_memories
+        if not separate and run.inputs and all(  # a call's micro-batches share their devices
+                run.inputs[0][k].device == self.placement.device(ipu)
+                for ipu, keys in self.input_keys.items() for k in keys):
+            return
+        copies: dict = {}
+        for i, mb in enumerate(run.inputs):
+            copied = set()  # the GPUs that micro-batch i was copied to
+            for ipu, keys in self.input_keys.items():
+                device = self.placement.device(ipu)
+                gpu = device.type == "cuda"
+                for k in keys:
+                    t = mb[k]
+                    if t.device == device and not separate:
+                        continue
+                    held = None if separate else copies.get((device, k))
+                    if held is None:
+                        if gpu and t.device.type == "cpu":
+                            t = t.pin_memory()
+                        held = copies[device, k] = t.to(device, non_blocking=gpu, copy=True)
+                        if gpu:
+                            copied.add(device)
+                    run.placed[ipu, i, k] = held
+            for device in copied:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(device))
+                run.ready[device, i] = event
+
+    def _plan(self, schedule: Schedule) -> tuple:
+        """Per stream its actions; per action what it waits for on other streams; rows;
+        every action in row order when the schedule is a total order (else None); and, across
+        processes, per action the next of its stream that receives messages."""
+        cached = self._plans.get(id(schedule))
+        if cached is None or cached[0] is not schedule:
+            # This process's actions: every one unless stages run in other processes, where
+            # a dependency is a message instead ([Note: stages in other processes]).
+            mine = [[a for a in row if a is not None and self._here(a)] for row in schedule.rows]
+            lists = {ipu: [] for ipu in self.placement.devices}
+            rows = {}
+            for t, row in enumerate(mine):
+                for a in row:
+                    lists[self._ipu(a)].append(a)
+                    rows[a] = t
+            waits = {a: [d for d in schedule.dependencies(a)
+                         if self._here(d) and self._ipu(d) != self._ipu(a)] for a in rows}
+            total_order = all(sum(a is not None for a in row) <= 1 for row in schedule.rows)
+            in_order = ([(self._ipu(a), a) for row in mine for a in row]
+                        if total_order else None)
+            ahead = {}  # per action, the next one of its stream that receives messages
+            for actions in lists.values() if self.channels is not None else ():
+                following = None
+                for a in reversed(actions):
+                    ahead[a] = following
+                    if self.channels.receives(a):
+                        following = a
+            cached = self._plans[id(schedule)] = (schedule, (lists, waits, rows, in_order, ahead))
+        return cached[1]
+
+    def _ipu(self, a: Action) -> int:
+        """The IPU (stream) that runs ``a``; the update runs on this process's first."""
+        return self.partition.stages[a.stage].ipu if a.stage is not None else self.step_ipu
+
+    def _here(self, a: Action) -> bool:
+        """Whether this process runs ``a`` (the update runs in every process)."""
+        return a.stage is None or self.local[a.stage]
+
+    # -- results and failures -------------------------------------------------------------
+
+    def _result(self, run: Run, i: int, name: str) -> torch.Tensor:
+        if name in run.results[i]:
+            v = run.results[i][name]
+        else:
+            kind, key = name.split(":", 1)
+            if kind == "input":
+                v = run.inputs[i][int(key)]
+            elif kind == "param":
+                v = self.weights.home(key).detach().clone()
+            elif key in self.buffer_ipu:
+                v = self.weights.buffer(key, run.replica_of(i), self.buffer_ipu[key]).detach().clone()
+            else:
+                v = self.weights.buffers[key].detach().clone()
+        return v.cpu() if v.device.type != "cpu" else v  # after the run: the GPU is idle
+
+    def _where(self, a: Action, run_index: int, training: bool) -> str:
+        """Where ``a`` ran: process (when stages span processes), stream, stage, micro-batch."""
+        stage = self.partition.stages[a.stage] if a.stage is not None else None
+        ipu = self._ipu(a)
+        process = f"process {self.processes.rank}, " if self.channels is not None else ""
+        return (f"{process}stream {ipu} (IPU {ipu}, {self.placement.device(ipu)}), stage "
+                f"{'-' if stage is None else stage.index}"
+                f"{'' if stage is None else ' ' + str(list(stage.blocks))}, micro-batch "
+                f"{'-' if a.microbatch is None else a.microbatch}"
+                f"{f' of device iteration {run_index}' if training else ''}")
+
+    def _fail(self, schedule: Schedule, row: Optional[int], a: Optional[Action],
+              exc: BaseException, run_index: int = 0) -> None:
+        if a is None:
+            raise ExecutionError(f"the run of schedule '{schedule.name}' failed: "
+                                 f"{type(exc).__name__}: {exc}\n{schedule.render()}") from exc
+        where = self._where(a, run_index, schedule.training)
+        if isinstance(exc, PartialUpdate) and not self.undoable:  # [Note: commit point]
+            raise UnrecoverableError(
+                f"action {a} ({a.kind.name.lower()}) failed on {where}: the optimizer's step "
+                f"raised part-way ({exc}), so parameters and optimizer state may be half "
+                f"updated and cannot be put back; reload the last checkpoint "
+                f"(poptorch_lite.load_checkpoint) or the weights you saved, and fix the optimizer. "
+                f"Options.allOrNothingCalls(True) snapshots every call so that even this can "
+                f"be undone") from exc.exc
+        if isinstance(exc, PartialUpdate):
+            exc = exc.exc
+        raise ExecutionError(
+            f"action {a} ({a.kind.name.lower()}) failed on {where}: {type(exc).__name__}: {exc}\n"
+            f"schedule '{schedule.name}', failing row marked:\n{schedule.render(mark_row=row)}",
+            location=where) from exc
+

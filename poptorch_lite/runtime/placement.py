@@ -1,0 +1,347 @@
+"""Placement: each IPU id on a torch device and an execution stream.
+
+[Note: streams]
+A stream runs its actions in submission order. On CUDA it is a
+``torch.cuda.Stream``; on the CPU it is a worker thread (a "CPU stream").
+Every stream gets its whole action list for a run at once
+(:meth:`Placement.run_lists`) and runs it on its worker thread; before an
+action it waits until the actions it depends on (on other streams) are done,
+so stages work concurrently exactly as far as the schedule's dependencies
+allow, with no barrier between steps. On the GPU "done" means launched: the
+CUDA stream then also waits on the CUDA event that each such action recorded
+after it, and the host waits for every stream before it reads results.
+The caller's thread only watches: it returns when all lists are done, and
+raises :class:`ActionFailed` as soon as an action fails (the other streams
+stop before their next action) or :class:`ActionStuck` when no action has
+finished for ``watchdog`` seconds. One exception: when a run uses a single CPU
+stream, or only CPU streams under a schedule that is a total order (Sequential,
+one action per row), the caller's thread runs the actions itself, in order, as
+plain PyTorch would run the same ops, with all of its intra-op threads.
+Handing every action to a worker thread cost a single-stage model 15–100% of
+its step time on a 2-core machine (its intra-op threads ran a team of their own
+beside the caller's; docs/PERFORMANCE.md (g)), and with one stream, or one
+action at a time, there is nothing to overlap. The watchdog then has no other stream to watch: a
+stuck action there hangs the call as it would hang plain PyTorch, and Ctrl-C
+stops it as usual. Workers start on first use, are reused by
+every run, and stop on ``close()`` or when the placement is garbage
+collected; a stream whose action is stuck is abandoned and gets a fresh
+worker on its next use. The CPU streams share the caller's intra-op threads
+(``torch.get_num_threads()`` when the placement is made) evenly, at least one
+each, so concurrent stages do not oversubscribe the cores. The streams themselves,
+and how a tensor crosses between them, are ``streams``'.
+
+[Note: GPU timeline]
+A CUDA action's span on the timeline is measured on the GPU: its stream
+records a timing event when the action begins (after its waits) and one after
+it, and the run's reference event per GPU (recorded when the run starts, with
+the host's ``time.perf_counter()`` beside it) converts them to host time after
+the run. Launch times would say nothing: a worker launches far ahead of the GPU.
+
+[Note: GPUs of a process]
+Devices are compared as given by ``options.device.normalize_device``: ``"cuda"`` is the
+current CUDA device with its index. Without ``Options.set_ipu_devices``,
+IPU k of a process runs on a GPU of the process's own block: with torchrun's
+``LOCAL_WORLD_SIZE`` = n processes on a host of c GPUs, local process r owns
+cuda:r·(c//n) .. cuda:(r+1)·(c//n)-1 and its IPUs go round-robin over them;
+one process alone uses every GPU, from the current one on. More processes than
+GPUs on a host are refused.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import os
+import threading
+import time
+import weakref
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..errors import OptionsError
+from ..options.device import normalize_device
+from .streams import ActionFailed, ActionStuck, CpuStream, CudaStream, StreamFailed, _close_all
+
+
+def local_process() -> tuple:
+    """``(LOCAL_RANK, LOCAL_WORLD_SIZE)`` of this process on its host (torchrun's variables).
+
+    Under ``torchrun --nproc_per_node 4`` the third process gets ``(2, 4)``; a process
+    started without them ``(0, 1)``. A launcher that sets only ``LOCAL_RANK`` r counts
+    as r + 1 processes.
+    """
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return rank, max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), rank + 1)
+
+
+def process_gpu() -> int:
+    """The first GPU of this process's block ([Note: GPUs of a process]); CUDA must be present."""
+    rank, processes = local_process()
+    count = torch.cuda.device_count()
+    return rank * max(count // processes, 1) % count
+
+
+def default_device(ipu: int) -> torch.device:
+    """IPU ``ipu``'s device when no mapping is given ([Note: GPUs of a process]).
+
+    Raises:
+        OptionsError: more processes on this host than it has GPUs.
+    """
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    rank, processes = local_process()
+    if processes == 1:  # one process: every GPU, from the current one on
+        return torch.device("cuda", (torch.cuda.current_device() + ipu) % count)
+    per = count // processes
+    if per == 0:
+        raise OptionsError(
+            f"{processes} processes on this host (LOCAL_WORLD_SIZE) share {count} GPU"
+            f"{'s' if count != 1 else ''}, so processes would run IPUs on the same GPU "
+            f"and contend for it; start at most {count} processes per host (torchrun "
+            f"--nproc_per_node {count}), or map the IPUs yourself with "
+            f"opts.set_ipu_devices(...)")
+    return torch.device("cuda", rank * per + ipu % per)
+
+
+def resolve_devices(ipus: Sequence[int], mapping: Optional[dict]) -> dict:
+    """IPU id -> torch.device, from ``Options.set_ipu_devices`` or the default.
+
+    Raises:
+        OptionsError: an IPU is mapped to a CUDA device this machine does not have.
+
+    Example:
+        >>> resolve_devices([0, 1], {0: torch.device("cpu"), 1: torch.device("cpu")})[1]
+        device(type='cpu')
+    """
+    devices = {}
+    for ipu in ipus:
+        if mapping is not None and ipu in mapping:
+            devices[ipu] = normalize_device(mapping[ipu])
+        else:
+            devices[ipu] = default_device(ipu)
+        dev = devices[ipu]
+        if dev.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if dev.index >= count:
+                raise OptionsError(
+                    f"IPU {ipu} is mapped to {dev}, but this machine has {count} CUDA "
+                    f"device{'s' if count != 1 else ''}"
+                    f"{'' if count else ' (torch.cuda.is_available() is False)'}; map it to "
+                    f"{'cuda:0..cuda:' + str(count - 1) if count else 'the CPU'} with "
+                    f"opts.set_ipu_devices(...)")
+        elif dev.type != "cpu":
+            raise OptionsError(
+                f"IPU {ipu} is mapped to {dev}, but poptorch_lite runs stages on 'cpu' or "
+                f"'cuda' devices; map it to one of those with opts.set_ipu_devices(...)")
+    return devices
+
+
+class _Progress:
+    """What the workers of one run share: actions done, the first failure, a stop flag."""
+
+    def __init__(self, start: list):
+        self.cond = threading.Condition()
+        self.done: set = set()
+        self.start = start        # CUDA events of the caller's work before the run
+        self.events: dict = {}    # action -> CUDA event recorded after it
+        self.begun: dict = {}     # action -> CUDA event recorded when it began (timeline)
+        self.running: dict = {}   # stream -> action
+        self.failure: Optional[BaseException] = None
+        self.stop = False
+        self.stamp = time.monotonic()
+
+
+class Placement:
+    """The device and stream of every IPU a partition uses.
+
+    Args:
+        ipus: the IPU ids in use.
+        mapping: ``Options.ipu_devices`` (None: the default mapping).
+
+    Raises:
+        OptionsError: a device this machine does not have (:func:`resolve_devices`).
+
+    Example:
+        >>> p = Placement([0], {0: "cpu"})
+        >>> p.device(0)
+        device(type='cpu')
+        >>> p.close()
+    """
+
+    def __init__(self, ipus: Sequence[int], mapping: Optional[dict]):
+        self.devices = resolve_devices(sorted(set(ipus)), mapping)
+        self.streams = {}
+        cpu_streams = sum(dev.type == "cpu" for dev in self.devices.values())
+        threads = max(1, torch.get_num_threads() // cpu_streams) if cpu_streams else None
+        gpus = [dev for dev in self.devices.values() if dev.type == "cuda"]
+        for ipu, dev in self.devices.items():
+            name = f"poptorch_lite-ipu{ipu}"
+            self.streams[ipu] = (CudaStream(name, dev, gpus) if dev.type == "cuda" else
+                                 CpuStream(name, threads))
+        self.gpus = list(dict.fromkeys(gpus))
+        # Garbage collection may run this on any thread, even one that is starting and holds
+        # threading's internal locks: it must not join, so it only tells the workers to exit.
+        self._finalizer = weakref.finalize(self, _close_all, list(self.streams.values()), False)
+
+    def device(self, ipu: int) -> torch.device:
+        return self.devices[ipu]
+
+    def begin(self) -> dict:
+        """Mark the caller's work so far on every GPU: the streams of the next run wait for it.
+
+        Returns, per GPU, the event recorded on the caller's current stream (with
+        timing) and ``time.perf_counter()`` beside it ([Note: GPU timeline]).
+        """
+        refs = {}
+        for dev in self.gpus:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(dev))
+            refs[dev] = (event, time.perf_counter())
+        return refs
+
+    def run_lists(self, lists: dict, waits: Callable, call: Callable,
+                  watchdog: Optional[float] = None, in_order: Optional[list] = None,
+                  begun: Optional[dict] = None) -> dict:
+        """Run every stream's action list concurrently ([Note: streams]).
+
+        Args:
+            lists: IPU id -> the actions its stream runs, in order.
+            waits: action -> the actions on other streams it must wait for.
+            call: runs one action (on its stream's worker thread).
+            watchdog: seconds without any action finishing before giving up
+                (None or 0: wait forever).
+            in_order: ``(ipu, action)`` for every action, when the schedule is a total
+                order: with CPU streams only, the caller's thread runs them so.
+            begun: what :meth:`begin` returned, if the caller called it (None: now).
+
+        Returns:
+            For each action that ran on a CUDA stream, ``(reference event, its
+            time.perf_counter(), event at its start, event at its end)``
+            ([Note: GPU timeline]; ``timeline.Recorder.add_gpu`` converts them when asked).
+
+        Raises:
+            ActionFailed: the first action that raised (the others stopped).
+            ActionStuck: the watchdog fired; the stuck streams were abandoned.
+            StreamFailed: an asynchronous CUDA error surfaced at the end of the run.
+            KeyboardInterrupt: on the caller's thread; the workers stopped first.
+        """
+        used = [ipu for ipu, actions in lists.items() if actions]
+        if len(used) == 1 and type(self.streams[used[0]]) is CpuStream:
+            self._run_here([(used[0], a) for a in lists[used[0]]], call,
+                           self.streams[used[0]].threads)
+            return {}
+        if in_order is not None and all(type(self.streams[k]) is CpuStream for k in used):
+            self._run_here(in_order, call, None)
+            return {}
+        # The caller's work so far (weights pushed, an undo) comes first.
+        refs = self.begin() if begun is None else begun
+        progress = _Progress([event for event, _ in refs.values()])
+        total = sum(len(actions) for actions in lists.values())
+        futures = {ipu: self.streams[ipu].submit(
+            functools.partial(self._work, ipu, actions, waits, call, progress))
+            for ipu, actions in lists.items() if actions}
+        try:
+            with progress.cond:
+                while len(progress.done) < total and progress.failure is None:
+                    progress.cond.wait(timeout=0.25 if watchdog else None)
+                    idle = time.monotonic() - progress.stamp
+                    if watchdog and progress.failure is None and idle > watchdog:
+                        progress.failure = ActionStuck(dict(progress.running), watchdog)
+                progress.stop = progress.failure is not None
+                progress.cond.notify_all()
+        except BaseException as exc:  # KeyboardInterrupt while waiting: stop the workers, re-raise
+            with progress.cond:
+                running = dict(progress.running)
+                progress.stop = True
+                progress.cond.notify_all()
+            exc.add_note("poptorch_lite: interrupted while running " + (", ".join(
+                f"{a} on stream {ipu}" for ipu, a in sorted(running.items())) or "no action")
+                + "; every stream stopped before its next action")
+            concurrent.futures.wait(futures.values())
+            self._drain(futures)
+            raise
+        stuck = progress.failure.running if isinstance(progress.failure, ActionStuck) else {}
+        for ipu in stuck:
+            self.streams[ipu].abandon()
+        concurrent.futures.wait([f for ipu, f in futures.items() if ipu not in stuck])
+        failed = self._drain([ipu for ipu in futures if ipu not in stuck])
+        if progress.failure is not None:
+            raise progress.failure
+        if failed is not None:
+            raise failed
+        return {a: (*refs[self.devices[ipu]], progress.begun[a], progress.events[a])
+                for ipu, actions in lists.items() if isinstance(self.streams[ipu], CudaStream)
+                for a in actions}
+
+    def _drain(self, ipus) -> Optional[StreamFailed]:
+        """Wait until the GPU work of ``ipus``' streams has finished, on every path out of a
+        run, so that nothing it launched lands after the caller moves on (an undo, the next
+        run); the first error it raised, if any."""
+        failed = None
+        for ipu in ipus:
+            try:
+                self.streams[ipu].synchronize()
+            except Exception as exc:  # an asynchronous CUDA error, raised here and not at its launch
+                failed = failed or StreamFailed(ipu, exc)
+        return failed
+
+    def _run_here(self, actions: list, call: Callable, threads: Optional[int]) -> None:
+        """``(ipu, action)`` pairs in order, on the caller's thread ([Note: streams])."""
+        ours = torch.get_num_threads()
+        if threads is not None and threads != ours:
+            torch.set_num_threads(threads)
+        try:
+            for ipu, a in actions:
+                try:
+                    call(a)
+                except KeyboardInterrupt as exc:
+                    exc.add_note(f"poptorch_lite: interrupted while running {a} on stream {ipu}; "
+                                 f"every stream stopped before its next action")
+                    raise
+                except BaseException as exc:
+                    raise ActionFailed(a, exc) from None
+        finally:
+            if threads is not None and threads != ours:
+                torch.set_num_threads(ours)
+
+    def _work(self, ipu: int, actions: list, waits: Callable, call: Callable,
+              progress: _Progress) -> None:
+        stream = self.streams[ipu]
+        gpu = isinstance(stream, CudaStream)
+        with stream.context():
+            stream.wait(progress.start)
+            for a in actions:
+                needs = waits(a)
+                if any(d not in progress.done for d in needs):
+                    with progress.cond:
+                        while not progress.stop and any(d not in progress.done for d in needs):
+                            progress.cond.wait()
+                if progress.stop:
+                    return
+                stream.wait([progress.events[d] for d in needs if d in progress.events])
+                if gpu:
+                    progress.begun[a] = stream.record()
+                progress.running[ipu] = a
+                try:
+                    call(a)
+                except BaseException as exc:  # reported by the caller's thread
+                    with progress.cond:
+                        if progress.failure is None:
+                            progress.failure = ActionFailed(a, exc)
+                        progress.stop = True
+                        progress.cond.notify_all()
+                    return
+                if gpu:
+                    stream.join()
+                    progress.events[a] = stream.record()
+                with progress.cond:
+                    del progress.running[ipu]
+                    progress.done.add(a)
+                    progress.stamp = time.monotonic()
+                    progress.cond.notify_all()
+
+    def close(self) -> None:
+        """Stop every worker thread; a later run starts them again (idempotent)."""
+        _close_all(list(self.streams.values()))

@@ -1,0 +1,396 @@
+"""Stage work: one stage's forward, recompute and backward of one micro-batch.
+
+The executor dispatches a schedule's F, R and B actions here; this module owns the
+autograd boundary between stages, the activation stash and recomputation.
+
+[Note: autograd boundary]
+A stage's inputs that another stage computed arrive detached and, when the
+producer's value requires grad, as fresh leaves that require grad (a stage that
+writes such an input in place gets a clone of the leaf, so the gradient still
+reaches the leaf and the producer's value stays intact). Backward of a stage
+is ``torch.autograd.backward(outputs, grad_tensors)`` with the gradients its
+consumers left for its outputs (the loss gets the loss-scaling factor);
+afterwards the gradients of its boundary inputs go upstream.
+
+[Note: activation stash]
+Each stage keeps a FIFO of :class:`Entry`, one per micro-batch forwarded and
+not yet backwarded; the schedule runs each stage's backwards in forward order,
+so the head is always the micro-batch a backward needs. Without recomputation
+an entry holds the stage's autograd graph (its saved activations); with it,
+only what recomputation starts from: the boundary inputs, the values at the
+stage's ``recomputationCheckpoint`` cuts, the pre-forward values of buffers the
+stage writes, and the micro-batch's random state. The run records each
+stage's peak depth and peak bytes (distinct storages, parameters and the
+call's inputs excluded), so tests can hold a schedule to its promise.
+
+[Note: buffers written in forward]
+A stage that writes a buffer in place (``self.queue.copy_(t)``, ``t`` carrying a
+gradient) writes through a detached alias of it: the write lands in the buffer's
+storage and the alias carries the micro-batch's autograd history, so a read later
+in the same forward backpropagates into ``t`` as in plain PyTorch, while the
+buffer itself stays a tensor without history. Otherwise the next micro-batch's
+write would chain its graph to this one's, already freed by its backward
+("backward through the graph a second time"). A buffer is state, not a weight:
+a later micro-batch (or call) reads its value, never its history; plain PyTorch
+would fail, or leak gradients across micro-batches, where a later micro-batch
+reads it with gradients on.
+
+[Note: recomputation]
+A recomputed stage's forward runs without keeping activations (a saved-tensor
+hook drops them). Its recompute action, in the backward slot, re-runs each
+segment between checkpoints from the kept values with gradients on, replaying
+the micro-batch's random state (same dropout masks) on copies of the written
+buffers (BatchNorm statistics move once). Each segment starts from leaves, so
+the backward runs segment by segment, last first, and hands each segment's
+input gradients to the one before; without recomputation the stage is one
+segment.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..compiler import rng
+from ..compiler.partition import Partition
+from ..errors import Error
+from .placement import Placement
+from .schedule import Action
+from .streams import arrive
+from .weights import Weights
+
+
+@dataclasses.dataclass
+class RunStats:
+    """What one run measured ([Note: activation stash]): per stage, peak stash depth and bytes."""
+
+    peak_stash_depth: list
+    peak_stash_bytes: list
+
+
+class Entry:
+    """One micro-batch in a stage's stash ([Note: activation stash])."""
+
+    __slots__ = ("i", "boundary", "segments", "args", "kept", "buffers", "rng", "nbytes")
+
+    def __init__(self, i: int, boundary: dict):
+        self.i = i
+        self.boundary = boundary   # value name -> the leaf this stage computed from
+        self.segments = None       # [(outputs, output names, {name: leaf})], in forward order
+        self.args = None           # recomputation: the forward's arguments
+        self.kept = None           # recomputation: value name -> (tensor, requires_grad)
+        self.buffers = None        # recomputation: buffer name -> value before the forward
+        self.rng = None            # recomputation: the random state the forward started from
+        self.nbytes = 0
+
+
+class Run:
+    """The state of one run of a schedule: values, stashes and gradients per micro-batch."""
+
+    def __init__(self, partition: Partition, microbatches: Sequence[Sequence[torch.Tensor]],
+                 replica_of: Callable, streams: Optional[list], index: int = 0,
+                 training: bool = True, kept: Sequence[int] = (), ahead: Optional[dict] = None):
+        S = partition.num_stages
+        self.inputs = microbatches
+        self.placed: dict = {}                             # (ipu, i, k) -> input k in ipu's memory
+        self.ready: dict = {}                              # (device, i) -> CUDA event: copied
+        self.replica_of = replica_of
+        self.rng = streams                                 # per micro-batch, or None
+        self.values = [dict() for _ in microbatches]      # value name -> tensor, per micro-batch
+        self.grads = [dict() for _ in microbatches]       # value name -> gradient, per micro-batch
+        self.results = [dict() for _ in microbatches]     # returned values, detached
+        self.stash = [collections.deque() for _ in range(S)]
+        self.accum: dict = {}                              # param name -> (tensor, accumulator)
+        self.stats = RunStats([0] * S, [0] * S)
+        self.excluded: set = set()                         # storages not counted as stash
+        # [Note: stages in other processes] in distributed
+        self.inbox: dict = {}     # (stage, i) -> {value name: tensor} from another process
+        self.outbox: dict = {}    # (stage, i) -> {value name: gradient} for another process
+        self.shapes: dict = {}    # (stage, i, name) -> the shape of a received dynamic value
+        self.sends: list = []     # (work, tensor, peer, what) of the messages sent, until received
+        self.posted: dict = {}    # action -> the receives posted for it ahead of time
+        self.failed = None        # (action, exception): the first action that raised here
+        self.remote_failure = None  # (rank, description): a process that failed this run
+        self.index, self.training = index, training  # the run's number in its call; its kind
+        self.kept = kept          # the micro-batches whose outputs the call returns
+        self.ahead = ahead or {}  # action -> the next action of its stream that receives
+
+
+def _drop(t: torch.Tensor) -> None:
+    return None
+
+
+def _gone(_) -> torch.Tensor:
+    raise Error("a recomputed stage's forward activations were dropped; its backward must "
+                "follow its recompute action (a schedule error)")
+
+
+class StageWork:
+    """The F, R and B actions of a partition's stages.
+
+    Args:
+        partition: the stages.
+        placement: devices of their IPUs.
+        weights: the tensors the stages compute with.
+        recompute: per stage, whether it is recomputed ([Note: recomputation]).
+    """
+
+    def __init__(self, partition: Partition, placement: Placement, weights: Weights,
+                 recompute: Optional[Sequence[bool]] = None,
+                 remote_inputs: Optional[Sequence[frozenset]] = None):
+        self.partition = partition
+        self.placement = placement
+        self.weights = weights
+        self.recompute = tuple(recompute or [False] * partition.num_stages)
+        # Per stage, its inputs that another process computes: they arrive in the run's
+        # inbox, and their gradients leave by its outbox ([Note: stages in other processes]).
+        self.remote = list(remote_inputs or [frozenset()] * partition.num_stages)
+        # Each stage's inputs as (name, kind, key), parsed once: [Note: partition] names them
+        # (an input's key is the index of its tensor leaf).
+        self.sources = [[(n, kind, int(key) if kind == "input" else key)
+                         for n in st.inputs for kind, key in (n.split(":", 1),)]
+                        for st in partition.stages]
+        # The parameters only this stage uses (their gradient may go to an accumulator).
+        users: dict = collections.Counter(n for st in partition.stages for n in st.param_names)
+        self.exclusive = [[n for n in st.param_names if users[n] == 1] for st in partition.stages]
+        self.written_buffers = [[n for n in st.inputs if n.startswith("buffer:")
+                                 and n.split(":", 1)[1] in partition.mutated_buffers]
+                                for st in partition.stages]
+        self.written = [frozenset(names) for names in self.written_buffers]
+        self.wanted = {o for o in partition.outputs if isinstance(o, str)}
+        # The IPU that produces each stage output (values crossing IPUs are copied under
+        # useIpuModel, gradients too).
+        self.producer = {n: st.ipu for st in partition.stages for n in st.outputs}
+        self.crossing = [{n for n in st.outputs
+                          if any(n in t.inputs and t.ipu != st.ipu for t in partition.stages)}
+                         for st in partition.stages]
+        # Per stage, where the loss is among its outputs (None: elsewhere).
+        self.loss_at = [st.outputs.index(partition.loss) if partition.loss in st.outputs
+                        else None for st in partition.stages]
+        # Per stage, the values that cross a checkpoint cut inside it: what recompute starts from.
+        self.cuts = []
+        for st in partition.stages:
+            inside = {n for seg in st.segments for n in seg.outputs}
+            self.cuts.append(list(dict.fromkeys(n for seg in st.segments[1:] for n in seg.inputs
+                                                if n in inside)))
+        # Per stage, the bytes one micro-batch's stash entry holds without recomputation,
+        # measured with a saved-tensor hook on the first forward (a Python hook on every
+        # saved tensor would otherwise take the GIL in every backward).
+        self._entry_bytes: dict = {}
+
+    def args(self, s: int, run: Run, i: int, device: torch.device) -> tuple:
+        """Stage s's arguments for micro-batch i, and its boundary leaves ([Note: autograd boundary])."""
+        st = self.partition.stages[s]
+        ipu, weights, separate = st.ipu, self.weights, self.weights.separate_memories
+        args, boundary = [], {}
+        received = run.inbox.pop((s, i), {}) if self.remote[s] else {}
+        for name, kind, key in self.sources[s]:
+            if kind == "param":
+                v = weights.param(key, ipu)
+            elif kind == "buffer":
+                v = weights.buffer(key, run.replica_of(i), ipu)
+                if name in self.written[s]:  # [Note: buffers written in forward]
+                    v = v.detach()
+            elif kind == "input":  # placed in this IPU's memory when the run began
+                v = run.placed.get((ipu, i, key))
+                if v is None:
+                    v = run.inputs[i][key]
+                ready = run.ready.get((device, i))
+                if ready is not None:  # its copy to this GPU, enqueued by the caller
+                    torch.cuda.current_stream(device).wait_event(ready)
+            else:  # computed by an earlier stage: [Note: autograd boundary]
+                produced = received[name] if name in received else run.values[i][name]
+                v = arrive(produced.detach(), device)  # [Note: values crossing streams] in ``streams``
+                if separate and self.producer[name] != ipu and v.device == produced.device:
+                    v = v.clone()  # useIpuModel: the value crosses into another IPU's memory
+                if torch.is_grad_enabled() and produced.requires_grad:
+                    v.requires_grad_(True)
+                    boundary[name] = v
+                if name in st.written_inputs:  # written in place: leave the producer's value
+                    v = v.clone()
+            args.append(v)
+        return args, boundary
+
+    def forward(self, a: Action, run: Run, step) -> None:
+        """``sFi``: run the stage, hand its outputs on, stash what its backward needs."""
+        s, i = a.stage, a.microbatch
+        st = self.partition.stages[s]
+        args, boundary = self.args(s, run, i, self.placement.device(st.ipu))
+        stream = run.rng[i] if run.rng is not None and st.random else None
+        if not torch.is_grad_enabled():  # inference
+            with rng.use(stream):
+                self._keep_outputs(st, run, i, st.module(*args))
+            return
+        entry = Entry(i, boundary)
+        counted: dict = {}
+        if self.recompute[s]:  # [Note: recomputation]
+            entry.args = args
+            entry.rng = stream.snapshot() if stream is not None else None
+            entry.buffers = {n: args[st.inputs.index(n)].detach().clone()
+                             for n in self.written_buffers[s]}
+            env = dict(zip(st.inputs, args))
+            with rng.use(stream), torch.autograd.graph.saved_tensors_hooks(_drop, _gone):
+                for seg in st.segments:
+                    env.update(zip(seg.outputs, seg.module(*[env[n] for n in seg.inputs])))
+            entry.kept = {n: (env[n].detach(), env[n].requires_grad) for n in self.cuts[s]}
+            outs = tuple(env[n] for n in st.outputs)
+            for t in (*boundary.values(), *(v for v, _ in entry.kept.values()),
+                      *entry.buffers.values()):
+                self._count(t, counted, run.excluded)
+            entry.nbytes = sum(counted.values())
+        else:
+            measure = s not in self._entry_bytes  # once: every micro-batch has the same shapes
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                self._count(t, counted, run.excluded)
+                return t
+            hooks = (torch.autograd.graph.saved_tensors_hooks(pack, _identity) if measure
+                     else contextlib.nullcontext())
+            with rng.use(stream), hooks:
+                outs = st.module(*args)
+            entry.segments = [(outs, st.outputs, {})]
+            if measure:
+                for t in boundary.values():
+                    self._count(t, counted, run.excluded)
+                self._entry_bytes[s] = sum(counted.values())
+            entry.nbytes = self._entry_bytes[s]
+        if self.loss_at[s] is not None and step.check_loss:  # opt-in: a sync per micro-batch
+            _check_loss(outs[self.loss_at[s]], i)
+        self._keep_outputs(st, run, i, outs)
+        stash = run.stash[s]
+        stash.append(entry)
+        stats = run.stats
+        stats.peak_stash_depth[s] = max(stats.peak_stash_depth[s], len(stash))
+        stats.peak_stash_bytes[s] = max(stats.peak_stash_bytes[s], sum(e.nbytes for e in stash))
+
+    @staticmethod
+    def _count(t: torch.Tensor, counted: dict, excluded: set) -> None:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in excluded:
+            counted[ptr] = storage.nbytes()
+
+    def _keep_outputs(self, st, run: Run, i: int, outs: tuple) -> None:
+        values, wanted = run.values[i], self.wanted
+        for name, o in zip(st.outputs, outs):
+            values[name] = o
+            if name in wanted:
+                run.results[i][name] = o.detach()
+
+    def _head(self, a: Action, run: Run) -> Entry:
+        entry = run.stash[a.stage][0]
+        if entry.i != a.microbatch:
+            raise Error(f"stage {a.stage}'s stash holds micro-batch {entry.i} where {a} needs "
+                        f"{a.microbatch}: the schedule broke FIFO order")
+        return entry
+
+    def recompute_action(self, a: Action, run: Run, step) -> None:
+        """``sRi``: rebuild the stash head's graph from what it kept ([Note: recomputation])."""
+        # [Note: recomputation] re-run each segment from the kept values, gradients on.
+        st = self.partition.stages[a.stage]
+        entry = self._head(a, run)
+        env = {}
+        for name, v in zip(st.inputs, entry.args):
+            if name in entry.buffers:
+                v = entry.buffers[name].clone()  # writes land in a copy: statistics move once
+            elif name in entry.boundary:
+                v = entry.boundary[name]
+                if name in st.written_inputs:
+                    v = v.clone()
+            env[name] = v
+        segments = []
+        with rng.use(entry.rng.snapshot() if entry.rng is not None else None):
+            for seg in st.segments:
+                leaves, args = {}, []
+                for name in seg.inputs:
+                    if name in entry.kept:
+                        value, requires_grad = entry.kept[name]
+                        v = value.detach().requires_grad_(requires_grad)
+                        if requires_grad:
+                            leaves[name] = v
+                        args.append(v.clone() if requires_grad and name in seg.written else v)
+                    else:
+                        args.append(env[name])
+                segments.append((seg.module(*args), seg.outputs, leaves))
+        entry.segments, entry.args, entry.kept, entry.buffers = segments, None, None, None
+
+    def backward(self, a: Action, run: Run, step) -> None:
+        """``sBi``: backward of the stash head, segment by segment; input gradients go upstream.
+
+        ``step`` is the executor's ``StepArithmetic`` (loss scaling, accumulator dtype).
+        """
+        st = self.partition.stages[a.stage]
+        entry = self._head(a, run)
+        run.stash[a.stage].popleft()
+        i = entry.i
+        grads_in = run.grads[i]
+        crossing = self.crossing[a.stage] if self.weights.separate_memories else ()
+        pending: dict = {}  # value name -> gradient from a later segment's leaf
+        for outs, names, leaves in reversed(entry.segments):
+            tensors, grads = [], []
+            for name, o in zip(names, outs):
+                g = grads_in.pop(name, None)
+                if g is not None:  # made by a later stage: [Note: values crossing streams]
+                    g = arrive(g, o.device)
+                    if name in crossing:
+                        g = g.clone()  # useIpuModel: it crosses back into this IPU's memory
+                if name == self.partition.loss:
+                    seed = torch.full_like(o, step.loss_scaling)  # loss scaling: the one place
+                    g = seed if g is None else g + seed
+                later = pending.pop(name, None)
+                if later is not None:
+                    g = later if g is None else g + later
+                if g is not None and o.requires_grad:
+                    tensors.append(o)
+                    grads.append(g)
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+            _collect_grads(leaves, pending)
+        for name in st.outputs:
+            run.values[i].pop(name, None)
+        boundary, remote = entry.boundary, self.remote[a.stage]
+        if remote:  # to the stages of other processes: [Note: stages in other processes]
+            run.outbox[a.stage, i] = {n: boundary[n].grad for n in remote if n in boundary}
+            boundary = {n: leaf for n, leaf in boundary.items() if n not in remote}
+        _collect_grads(boundary, grads_in)  # input gradients go upstream
+        if step.accum_dtype is not None:
+            self._accumulate(a.stage, run, step.accum_dtype)
+
+    def _accumulate(self, s: int, run: Run, dtype: torch.dtype) -> None:
+        """Move this backward's gradients into accumulators of ``dtype`` ([Note: gradient arithmetic])."""
+        ipu = self.partition.stages[s].ipu
+        for name in self.exclusive[s]:
+            p = self.weights.param(name, ipu)
+            if p.grad is None or p.grad.dtype == dtype:
+                continue
+            held = run.accum.get(name)
+            g = p.grad.to(dtype)
+            run.accum[name] = (p, g if held is None else held[1].add_(g))
+            p.grad = None
+
+
+def _check_loss(loss: torch.Tensor, i: int) -> None:
+    """``Training.stopOnNonFiniteLoss(True)``: a non-finite loss stops the call (a debugging aid)."""
+    if not bool(torch.isfinite(loss).all()):
+        value = loss.item() if loss.numel() == 1 else loss.detach().cpu().tolist()
+        raise FloatingPointError(
+            f"the loss of micro-batch {i} is {value}, not finite, so its gradients would be "
+            f"too; check that micro-batch's inputs and the learning rate, or, for float16, "
+            f"turn on opts.Training.setAutomaticLossScaling(True), which skips such steps "
+            f"(opts.Training.stopOnNonFiniteLoss(False) lets such losses through, as PopTorch does)")
+
+
+def _identity(t):
+    return t
+
+
+def _collect_grads(leaves: dict, into: dict) -> None:
+    """Add each leaf's ``.grad`` to ``into[name]`` (on the leaf's device)."""
+    for name, leaf in leaves.items():
+        if leaf.grad is not None:
+            prev = into.get(name)  # another stage's: [Note: values crossing streams]
+            into[name] = leaf.grad if prev is None else arrive(prev, leaf.grad.device) + leaf.grad

@@ -1,0 +1,133 @@
+"""The reduction and the update: the arithmetic of one optimizer step, and where it commits.
+
+[Note: gradient arithmetic]
+Autograd sums the gradients of all micro-batches (accumulation steps and
+replicas run in turn) into ``.grad``, or, with an accumulator dtype (the
+optimizer's ``accum_type``, e.g. float32 for bfloat16 parameters), into an
+accumulator of that dtype after each backward. The reduction of stage s
+(``sG``) divides that sum once by ``loss_scaling`` (undoing the scaled loss)
+and by ``StepArithmetic.divisor``: for ``ReductionType.Mean`` the number of
+micro-batches ``G·R``; for ``Sum`` 1. With ``inputReplicaGrouping(g)`` the g
+replicas of a group share one input, so each micro-batch run stands for g of
+them: Mean divides by ``G·R/g`` and Sum by ``1/g``. With several processes the
+update first sums a weight used by stages in several processes over them, then
+all-reduces each gradient over the P data-parallel replicas of its stage (Mean:
+/P; ``distributed``). It then clips to ``max_grad_norm`` if finite (the norm of
+the whole model, over a pipeline's processes), then calls ``optimizer.step()`` on the
+parameters' homes ([Note: weight homes] in ``weights``). After a training
+call, each parameter's ``.grad`` holds the gradient its last step used (read
+back with the weights on a separate home).
+
+[Note: commit point]
+Parameters and optimizer state change only in the update action (``U``), the
+last action of a run. A run that fails before it changes neither; the
+executor counts the updates that completed (``steps_applied``), so the wrapper
+knows how far a failed call got. An optimizer step that raises part-way
+leaves parameters or optimizer state half-updated: that is an
+``UnrecoverableError`` (reload a checkpoint), unless the wrapper took a full
+snapshot (``Options.allOrNothingCalls(True)``) and can undo the whole call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+
+from ..optim.loss_scale import LossScale
+from .schedule import Action
+from .stage_work import Run
+
+
+@dataclasses.dataclass
+class StepArithmetic:
+    """The numbers of one optimizer step ([Note: gradient arithmetic]).
+
+    Attributes:
+        optimizer: the optimizer to step.
+        loss_scale: the loss scale ([Note: loss scaling]); the update action
+            adapts it when it is automatic, so later runs of a call use the new one.
+        divisor: what the summed micro-batch gradients are divided by (besides
+            the loss scaling) to give the reduced gradient.
+        max_grad_norm: clip the global gradient norm to this (inf: no clipping).
+        accum_dtype: accumulate gradients in this dtype (None: the parameter's).
+        check_loss: stop at a non-finite loss (``Training.stopOnNonFiniteLoss``).
+    """
+
+    optimizer: torch.optim.Optimizer
+    loss_scale: LossScale = dataclasses.field(default_factory=LossScale)
+    divisor: float = 1
+    max_grad_norm: float = math.inf
+    accum_dtype: Optional[torch.dtype] = None
+    check_loss: bool = False
+
+    @property
+    def loss_scaling(self) -> float:
+        """The factor the loss is multiplied by before backward, now."""
+        return self.loss_scale.scale
+
+
+class PartialUpdate(Exception):
+    """The optimizer's step raised part-way ([Note: commit point]); ``.exc`` is what it raised."""
+
+    def __init__(self, exc: BaseException):
+        super().__init__(f"{type(exc).__name__}: {exc}")
+        self.exc = exc
+
+
+class Updates:
+    """The ``sG`` (reduce) and ``U`` (update) actions of an :class:`~poptorch_lite.runtime.
+    executor.Executor`, which supplies ``weights``, ``owned`` (the parameters each stage
+    reduces), ``channels``, ``processes``, the parameters it steps and ``steps_applied``."""
+
+    def _reduce(self, a: Action, run: Run, step: StepArithmetic) -> None:
+        # [Note: gradient arithmetic] sum over micro-batches -> mean (or sum), unscaled.
+        divisor = step.loss_scaling * step.divisor
+        for name in self.owned[a.stage]:
+            held = run.accum.pop(name, None)
+            if held is not None:  # divide in the accumulator's dtype, then cast once
+                p, acc = held
+                p.grad = (acc.div_(divisor) if divisor != 1 else acc).to(p.dtype)
+                self.weights.gather_grad(name)
+                continue
+            grad = self.weights.gather_grad(name)
+            if grad is not None and divisor != 1:
+                grad.div_(divisor)
+
+    def _step(self, a: Action, run: Run, step: StepArithmetic) -> None:
+        # [Note: gradient arithmetic] clip, then one optimizer update; [Note: loss scaling]
+        # skips it when automatic loss scaling finds a non-finite gradient. Inside
+        # stepping(), the host parameters stand for their homes ([Note: weight homes]).
+        weights = self.weights
+        if self.channels is not None:  # [Note: stages in other processes]: all step, or none
+            run.remote_failure = self.channels.settle(run, self._describe(run), self._result)
+            if run.failed is not None or run.remote_failure is not None:
+                return
+        with weights.stepping():
+            if self.channels is not None:  # a weight used in several processes: one gradient
+                self.channels.reduce_tied(weights.params)
+            if self.processes is not None:  # [Note: replicas across processes] global gradient first
+                self.processes.all_reduce_grads(self._stepped)
+            params = [p for p in weights.params.values() if p.grad is not None]
+            spread = self.channels is not None  # the stages' gradients are in several processes
+            if step.loss_scale.automatic:  # one sync per step
+                bad = torch.stack([(~torch.isfinite(p.grad)).any().to(params[0].device)
+                                   for p in params]).sum().cpu() if params else torch.zeros(())
+                if spread:  # a non-finite gradient in any of the pipeline's processes
+                    bad = self.processes.pipeline_sum(bad.reshape(1).float())[0]
+                if not step.loss_scale.update(not bool(bad)):
+                    self.steps_applied += 1  # a skipped step counts as taken
+                    return
+            if math.isfinite(step.max_grad_norm):
+                if spread:  # the global norm, over the pipeline's processes
+                    self.channels.clip_grad_norm_(weights.params, step.max_grad_norm)
+                else:
+                    torch.nn.utils.clip_grad_norm_(params, step.max_grad_norm)
+            try:  # [Note: commit point]: from here parameters and optimizer state change
+                step.optimizer.step()
+            except Exception as exc:
+                raise PartialUpdate(exc) from exc
+        weights.after_step()
+        self.steps_applied += 1

@@ -1,0 +1,437 @@
+"""Weights: where each parameter, its gradient and its optimizer state live, and the host copy.
+
+[Note: weight homes]
+Every parameter has a home: the IPU of the first stage that uses it (``place``).
+The stage computes with the home tensor, autograd accumulates the gradient
+there, and the update action steps the user's own optimizer on it:
+
+- **Shared home.** When the home's device is the host parameter's device (and
+  ``useIpuModel`` does not ask for separate memories), the home *is* the
+  user's ``Parameter``: no copy exists, and the model is always current.
+- **Separate home.** Otherwise the home is a leaf tensor on the home device
+  (under ``useIpuModel``, a separate copy in the same CPU memory). For the
+  update, :meth:`Weights.stepping` binds each host ``Parameter``'s ``.data``
+  and ``.grad`` to its home (a pointer swap, no copy), so the optimizer
+  creates and keeps its state on the home's device and its foreach or fused
+  kernels run there; afterwards the host ``Parameter`` gets its own data back.
+  The user's optimizer object stays the one they passed (``state_dict()``,
+  ``param_groups``, ``setOptimizer`` and checkpoints see the same parameters).
+  Nothing goes through the host per step: the host copy is *stale* until
+  something reads it ([Note: weight sync]: :meth:`to_host`).
+- **Offloaded** (``TensorLocations.setOptimizerLocation(
+  TensorLocationSettings().useOnChipStorage(False))``): the host ``Parameter``
+  is the master; the optimizer state and the update stay in host memory;
+  gradients are gathered onto it before the step and the stage copies are
+  refreshed after it.
+
+A parameter that stages on other IPUs also use (tied weights) has a copy on
+each of them (a *visitor*); its gradient is added into the home's at the
+owner's reduction and the copy is refreshed after each step. On the CPU, IPUs
+that share a memory share the tensor (autograd adds into its ``.grad`` under a
+lock); on a GPU every IPU has a stream of its own, and two streams adding into
+one ``.grad`` would race, so there each IPU that uses a parameter has its own
+tensor even where two of them share a GPU. Every copy is
+made when a program is placed, on the caller's thread, so worker threads only
+read these tables. Buffers follow the same rule (the user's buffer where the
+memory is shared, else a copy per IPU, and per replica with
+``broadcastBuffers(False)``); replica 0's copies are what :meth:`to_host`
+brings back.
+
+Host edits. Each host tensor's version is remembered at every sync. A host
+tensor whose version moved was edited (an ``optimizer.step()`` on the host, a
+``load_state_dict``, an in-place write): :meth:`to_device` pushes it, and
+:meth:`to_host` never overwrites it. So training is never clobbered by a stale
+host value and an edit always reaches the devices.
+
+[Note: weight sync]
+Where a stage's memory is the host model's (the CPU, without ``useIpuModel``),
+the stage computes with the user's own ``Parameter`` objects: after a call the
+model holds the trained values, an ``inferenceModel`` of the same model sees
+them, and host edits take effect at once. Elsewhere the weights live on their
+stage's device ([Note: weight homes]) and the host copy is
+brought up to date when something reads it, as PopTorch does with an implicit
+``copyWeightsToHost()``: while wrapped, each module's parameter and buffer
+tables are a :class:`~poptorch_lite.runtime.weights.HostView`, so any read of the
+user's model (``model.fc.weight``, ``parameters()``, ``state_dict()``, calling
+it) syncs first; so do attribute access through the wrapper, a call of another
+wrapper of the same model, ``copyWeightsToHost``, ``detachFromDevice`` and
+``destroy``. Host edits (tensors whose version moved) reach the devices before
+the next call; ``copyWeightsToHost``/``copyWeightsToDevice`` force the copies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from ..compiler.markers import is_tracing
+from .streams import arrive
+
+
+class Weights:
+    """The tensors each stage computes with, and the host copy ([Note: weight homes]).
+
+    Args:
+        model: the user's model (its parameters and buffers are the host copy).
+        replicas: R.
+        separate_buffers: replicas r > 0 keep their own buffers.
+        separate_memories: every IPU has its own memory even where devices
+            coincide (``Options.useIpuModel(True)``).
+        offload: the optimizer state and update live in host memory.
+
+    Example:
+        >>> net = torch.nn.Linear(2, 1)
+        >>> w = Weights(net, 1, False, separate_memories=True)
+        >>> w.place({0: torch.device("cpu")}, [(0, ["weight", "bias"])])
+        >>> w.param("weight", 0) is net.weight, torch.equal(w.param("weight", 0), net.weight)
+        (False, True)
+    """
+
+    def __init__(self, model: torch.nn.Module, replicas: int, separate_buffers: bool,
+                 separate_memories: bool = False, offload: bool = False):
+        self.params = dict(model.named_parameters())
+        self.buffers = dict(model.named_buffers())
+        self.replicas = replicas
+        self.separate_buffers = separate_buffers and replicas > 1
+        self.separate_memories = separate_memories
+        self.offload = offload
+        self.home_of: dict = {}       # parameter name -> IPU of its home
+        self.devices: dict = {}       # IPU -> torch.device
+        self._use: dict = {}          # (name, ipu) -> the tensor a stage on ipu computes with
+        self._copies: dict = {}       # (name, ipu) -> the copies among them (not host params)
+        self._host_user: dict = {}    # name -> the one IPU on a GPU that uses the host parameter
+        self._buffer_use: dict = {}   # (name, replica, ipu) -> buffer or copy
+        self._buffer_copies: dict = {}
+        self._replica_buffers: list = []
+        self._separate_homes: list = []  # (host parameter, home) pairs that are not the same
+        self._others: dict = {}       # name -> its users' tensors besides the stepped one
+        self._versions: dict = {}
+        self.host_stale = False       # the devices hold values the host copy lacks
+        self._new_replica_buffers()
+        self.remember_versions()
+
+    # -- placing ------------------------------------------------------------------------
+
+    def place(self, devices: dict, users: Iterable[tuple]) -> None:
+        """Give every parameter a home and every user IPU its tensor; make the copies now.
+
+        Args:
+            devices: IPU -> torch.device.
+            users: ``(ipu, parameter names)`` per stage, in stage order (the first
+                user is the home; later programs keep homes already given).
+        """
+        self.devices.update(devices)
+        with torch.no_grad():
+            for ipu, names in users:
+                for name in names:
+                    self.home_of.setdefault(name, ipu)
+                    if (name, ipu) not in self._use:
+                        self._use[name, ipu] = self._tensor_for(name, ipu)
+        self._separate_homes = [(p, self._use[n, self.home_of[n]]) for n, p in self.params.items()
+                                if n in self.home_of and self._use[n, self.home_of[n]] is not p]
+        self._others = {}  # visitors, and the stage copies of offloaded weights
+        for (name, ipu), t in self._use.items():
+            if t is not self.home(name):
+                self._others.setdefault(name, []).append(t)
+
+    def _shares(self, host: torch.Tensor, ipu: int) -> bool:
+        return not self.separate_memories and host.device == self.devices[ipu]
+
+    def _tensor_for(self, name: str, ipu: int) -> torch.Tensor:
+        p = self.params[name]
+        if self._shares(p, ipu) and (p.device.type == "cpu"
+                                     or self._host_user.setdefault(name, ipu) == ipu):
+            return p
+        c = p.detach().to(self.devices[ipu], copy=True).requires_grad_(p.requires_grad)
+        self._copies[name, ipu] = c
+        return c
+
+    def param(self, name: str, ipu: int) -> torch.Tensor:
+        """The tensor that the stage on ``ipu`` computes with for parameter ``name``."""
+        return self._use[name, ipu]
+
+    def home(self, name: str) -> torch.Tensor:
+        """The tensor the optimizer steps for ``name`` (the host parameter when offloaded)."""
+        return self.params[name] if self.offload else self._use[name, self.home_of[name]]
+
+    def buffer(self, name: str, replica: int, ipu: int) -> torch.Tensor:
+        """The buffer ``name`` of ``replica`` as the stage on ``ipu`` sees it."""
+        if not self.separate_buffers:
+            replica = 0  # one set of buffers, updated by the replicas in turn
+        key = (name, replica, ipu)
+        b = self._buffer_use.get(key)
+        if b is None:
+            b = self._replica_buffers[replica - 1][name] if replica else self.buffers[name]
+            if not self._shares(b, ipu):
+                with torch.no_grad():
+                    b = b.detach().to(self.devices[ipu], copy=True)
+                self._buffer_copies[key] = b
+            self._buffer_use[key] = b
+        return b
+
+    def place_buffers(self, users: Iterable[tuple]) -> None:
+        """Make the buffer copies of ``(ipu, buffer names)`` for every replica now."""
+        for ipu, names in users:
+            for name in names:
+                for r in range(self.replicas):
+                    self.buffer(name, r, ipu)
+
+    # -- gradients and the step -----------------------------------------------------------
+
+    def zero_grads(self) -> None:
+        for p in self.params.values():
+            p.grad = None
+        for c in self._copies.values():
+            c.grad = None
+
+    def gather_grad(self, name: str) -> Optional[torch.Tensor]:
+        """Add the gradients of ``name``'s other users into the one the optimizer steps."""
+        target = self.home(name)
+        for c in self._others.get(name, ()):
+            if c.grad is not None:  # [Note: values crossing streams] in ``streams``
+                g = arrive(c.grad, target.device)
+                target.grad = g if target.grad is None else target.grad + g
+                c.grad = None
+        return target.grad
+
+    def buffers_move(self) -> None:
+        """A run is writing buffers: copies in other memories are newer than the host's."""
+        if self._buffer_copies:
+            self.host_stale = True
+
+    @contextlib.contextmanager
+    def stepping(self):
+        """While inside, each host ``Parameter`` stands for its home ([Note: weight homes]).
+
+        Its ``.data`` and ``.grad`` are the home's, so whatever the update does
+        to the host parameters (all-reduce, clipping, the optimizer's step) happens
+        to the homes, on their devices. Offloaded weights need no binding.
+        """
+        if self.offload or not self._separate_homes:
+            try:
+                yield
+            finally:  # the step wrote the host parameters: not a host edit
+                versions = self._versions
+                for p in self.params.values():
+                    versions[id(p)] = p._version
+            return
+        saved = []
+        try:
+            for p, h in self._separate_homes:
+                saved.append((p, p.data))
+                p.data = h
+                p.grad = h.grad
+            yield
+        finally:
+            for p, data in saved:
+                p.grad = None
+                p.data = data
+                self._versions[id(p)] = p._version  # the step is not a host edit
+            if saved:
+                self.host_stale = True
+
+    def after_step(self) -> None:
+        """The optimizer changed the weights: refresh every other user's tensor from it.
+
+        That may be the host parameter itself (a visitor stage on the host device of a
+        weight whose home is elsewhere); refreshing it is not a host edit.
+        """
+        with torch.no_grad():
+            for name, others in self._others.items():
+                home = self.home(name)
+                for c in others:
+                    c.copy_(home)
+                    if c is self.params[name]:
+                        self._versions[id(c)] = c._version
+
+    def optimizer_state_to_homes(self, optimizer: torch.optim.Optimizer) -> None:
+        """Move optimizer state made elsewhere (a checkpoint, host training) to the homes."""
+        for p, h in self._separate_homes:
+            state = optimizer.state.get(p)
+            if not state:
+                continue
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.device != h.device:
+                    state[k] = v.to(h.device)
+
+    # -- the host copy ------------------------------------------------------------------
+
+    def _host_tensors(self):
+        yield from self.params.values()
+        yield from self.buffers.values()
+
+    def remember_versions(self, tensors: Optional[Iterable[torch.Tensor]] = None) -> None:
+        """Take the host tensors' versions (or only ``tensors``') as their synced ones."""
+        if tensors is None:
+            self._versions = {id(t): t._version for t in self._host_tensors()}
+        else:
+            self._versions.update({id(t): t._version for t in tensors})
+
+    def edited(self) -> list:
+        """Host tensors written since the last sync."""
+        versions = self._versions
+        return [t for t in self._host_tensors() if versions.get(id(t)) != t._version]
+
+    def to_host(self) -> None:
+        """Bring trained values back to the user's model (``copyWeightsToHost``).
+
+        Parameters (and their last gradients) from separate homes and replica 0's
+        buffer copies; a host tensor edited since the last sync keeps its edit.
+        """
+        if not self.host_stale:
+            return
+        edited = {id(t) for t in self.edited()}
+        with torch.no_grad():
+            if not self.offload:
+                for p, h in self._separate_homes:
+                    if id(p) not in edited:
+                        p.copy_(h)
+                        p.grad = None if h.grad is None else h.grad.to(p.device)
+            for (name, replica, ipu), c in self._buffer_copies.items():
+                b = self.buffers[name]
+                if replica == 0 and id(b) not in edited:
+                    b.copy_(c)
+        self.host_stale = False
+        self._versions.update({id(t): t._version for t in self._host_tensors()
+                               if id(t) not in edited})
+
+    def to_device(self, everything: bool = True) -> None:
+        """Push host values to the devices (``copyWeightsToDevice``).
+
+        Args:
+            everything: push every tensor; False pushes only those edited on the host.
+        """
+        pushed = None if everything else {id(t) for t in self.edited()}
+        if everything:
+            self._new_replica_buffers()
+        with torch.no_grad():
+            for (name, ipu), c in self._copies.items():
+                p = self.params[name]
+                if pushed is None or id(p) in pushed:
+                    c.copy_(p)
+            for (name, replica, ipu), c in self._buffer_copies.items():
+                b = self._replica_buffers[replica - 1][name] if replica else self.buffers[name]
+                if pushed is None or id(self.buffers[name]) in pushed:
+                    c.copy_(b)
+        self.host_stale = False if everything else self.host_stale
+        self.remember_versions()
+
+    def _new_replica_buffers(self) -> None:
+        fresh = [{n: b.detach().clone() for n, b in self.buffers.items()}
+                 for _ in range(self.replicas - 1)] if self.separate_buffers else []
+        if self._replica_buffers:  # in place: copies and the stage tables keep pointing at them
+            with torch.no_grad():
+                for old, new in zip(self._replica_buffers, fresh):
+                    for n, b in old.items():
+                        b.copy_(new[n])
+        else:
+            self._replica_buffers = fresh
+
+    # -- what a step does not commit --------------------------------------------------------
+
+    def storages(self) -> set:
+        """The storages of every parameter and buffer and their copies (not activations)."""
+        tensors = (*self.params.values(), *self.buffers.values(), *self._copies.values(),
+                   *self._buffer_copies.values(),
+                   *(b for bufs in self._replica_buffers for b in bufs.values()))
+        return {t.untyped_storage().data_ptr() for t in tensors}
+
+    def snapshot(self, params: bool = False) -> Callable[[], None]:
+        """Capture what a call changes outside the update; the returned function puts it back.
+
+        Buffers, replica buffers and their copies always (BatchNorm statistics
+        move in forwards); with ``params`` also every parameter and home (for
+        all-or-nothing calls over several optimizer steps). Tensors keep their
+        identity: values are copied back in place.
+        """
+        with torch.no_grad():
+            saved = [(t, t.detach().clone()) for t in (
+                *((*self.params.values(), *self._copies.values()) if params else ()),
+                *self.buffers.values(), *self._buffer_copies.values(),
+                *(b for bufs in self._replica_buffers for b in bufs.values()))]
+        stale = self.host_stale
+
+        def restore() -> None:
+            with torch.no_grad():
+                for t, value in saved:
+                    t.copy_(value)
+            self.zero_grads()
+            self.host_stale = stale
+            self._versions.update({id(t): t._version for t, _ in saved
+                                   if id(t) in self._versions})
+        return restore
+
+
+class HostView(dict):
+    """A wrapped module's ``_parameters`` or ``_buffers``: reading it syncs the host copy.
+
+    [Note: weight sync]. ``nn.Module`` reads its parameters and
+    buffers through these dicts (attribute access, ``parameters()``,
+    ``state_dict()``, ``forward``), so a read brings the values trained on a
+    separate home back first; nothing else of the user's module changes. Pickling
+    and ``copy.deepcopy`` give a plain dict.
+    """
+
+    __slots__ = ("watchers",)
+
+    def __init__(self, items):
+        super().__init__(items)
+        self.watchers: list = []  # weak references to the Weights of each wrapper
+
+    def _sync(self) -> None:
+        for ref in self.watchers:
+            weights = ref()
+            if weights is not None and weights.host_stale and not is_tracing():
+                weights.to_host()
+
+    def __getitem__(self, key):
+        self._sync()
+        return dict.__getitem__(self, key)
+
+    def get(self, key, default=None):
+        self._sync()
+        return dict.get(self, key, default)
+
+    def items(self):
+        self._sync()
+        return dict.items(self)
+
+    def values(self):
+        self._sync()
+        return dict.values(self)
+
+    def __reduce_ex__(self, protocol):
+        return (dict, (dict(self),))
+
+
+def watch(model: torch.nn.Module, weights: Weights, owner) -> weakref.finalize:
+    """Make reads of ``model``'s parameters and buffers sync ``weights`` first, until the
+    returned finalizer runs: called, or when ``owner`` (the wrapper) is garbage collected.
+    It brings the last trained values to the host copy and unwatches."""
+    ref = weakref.ref(weights)
+    for m in model.modules():
+        for attr in ("_parameters", "_buffers"):
+            table = m.__dict__[attr]
+            if not isinstance(table, HostView):
+                table = m.__dict__[attr] = HostView(table)
+            table.watchers.append(ref)
+    return weakref.finalize(owner, _release, model, weights)
+
+
+def _release(model: torch.nn.Module, weights: Weights) -> None:
+    weights.to_host()
+    unwatch(model, weights)
+
+
+def unwatch(model: torch.nn.Module, weights: Weights) -> None:
+    """Undo :func:`watch` for ``weights``; a table nobody watches is a plain dict again."""
+    for m in model.modules():
+        for attr in ("_parameters", "_buffers"):
+            table = m.__dict__[attr]
+            if isinstance(table, HostView):
+                table.watchers[:] = [r for r in table.watchers if r() not in (weights, None)]
+                if not table.watchers:
+                    m.__dict__[attr] = dict(table)

@@ -1,0 +1,96 @@
+"""Wrapping a model: ``trainingModel`` and ``inferenceModel`` (``poptorch.trainingModel``, ...).
+
+Each freezes the options (the wrapper keeps a frozen copy of its own) and returns a
+:class:`~poptorch_lite.wrapper.PoplarExecutor`; a model has at most one live training
+wrapper at a time.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import optim as poptorch_optim
+from .errors import OptionsError
+from .options.options import Options
+from .wrapper import PoplarExecutor, refuse_second_trainer, register_trainer
+
+
+def _check_options(options) -> Options:
+    if options is None:
+        return Options()
+    if not isinstance(options, Options):
+        raise OptionsError(f"Invalid type: 'options' is of type {type(options)} "
+                           f"(Expected poptorch.Options)")
+    return options
+
+
+def trainingModel(model, options: Optional[Options] = None,
+                  optimizer: Optional[torch.optim.Optimizer] = None) -> PoplarExecutor:
+    """Wrap ``model`` for training: each call runs forward, backward and optimizer steps.
+
+    Args:
+        model: an ``nn.Module`` whose forward returns (or includes) a loss, or a
+            wrapped model (its ``.model`` is wrapped).
+        options: ``Options`` (default: ``Options()``); frozen by this call.
+        optimizer: default ``poptorch_lite.optim.SGD(model.parameters(), lr=0.01)``.
+
+    Raises:
+        OptionsError: ``options`` is not an Options.
+        WrapError: the model is already wrapped for training.
+        OptimizerError: the optimizer is not supported.
+
+    Example:
+        >>> import torch
+        >>> class Net(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.fc = torch.nn.Linear(2, 1)
+        ...     def forward(self, x, y):
+        ...         out = self.fc(x)
+        ...         return out, torch.nn.functional.mse_loss(out, y)
+        >>> net = Net()
+        >>> train = trainingModel(net)
+        >>> out, loss = train(torch.ones(4, 2), torch.zeros(4, 1))
+    """
+    if isinstance(model, PoplarExecutor):
+        model = model.model
+    options = _check_options(options)
+    refuse_second_trainer(model, None)
+    if optimizer is None:
+        optimizer = poptorch_optim.SGD(model.parameters(), lr=0.01)
+    poptorch_optim.check_optimizer(optimizer)
+    private = options.clone()
+    options._freeze()
+    private._freeze()
+    wrapper = PoplarExecutor(model, private, True, optimizer)
+    register_trainer(model, wrapper)
+    return wrapper
+
+
+def inferenceModel(model, options: Optional[Options] = None) -> PoplarExecutor:
+    """Wrap ``model`` for inference: each call runs forwards only.
+
+    Raises:
+        OptionsError: ``options`` is not an Options, or gradientAccumulation is not 1.
+
+    Example:
+        >>> import torch
+        >>> infer = inferenceModel(torch.nn.Linear(2, 1))
+        >>> infer(torch.ones(3, 2)).shape
+        torch.Size([3, 1])
+    """
+    if isinstance(model, PoplarExecutor):
+        model = model.model
+    options = _check_options(options)
+    if options.Training.gradient_accumulation != 1:
+        raise OptionsError(
+            f"You must set poptorch.Options().Training.gradientAccumulation to 1 or leave it as "
+            f"its default value (1) when running a poptorch.inferenceModel() (it is "
+            f"{options.Training.gradient_accumulation}). Use poptorch.Options().deviceIterations "
+            f"for pipelined execution instead.")
+    private = options.clone()
+    options._freeze()
+    private._freeze()
+    return PoplarExecutor(model, private, False)
