@@ -105,6 +105,24 @@ def test_no_module_imports_the_package_root_but_the_faces():
     assert not wrong
 
 
+NO_TORCH = ["poptorch_lite.errors", "poptorch_lite.enums", "poptorch_lite.strategies",
+            "poptorch_lite.phases", "poptorch_lite.runtime.schedule",
+            "poptorch_lite.runtime.schedule_kinds",
+            *(name for name in MODULES if name.startswith("poptorch_lite.profiling"))]
+
+
+@pytest.mark.parametrize("name", NO_TORCH)
+def test_the_modules_of_plain_data_import_no_torch(name):
+    """Schedules, strategies, enums and the profiling reports are data (CONTRIBUTING.md)."""
+    tree = ast.parse(MODULES[name].read_text(encoding="utf-8"))
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                 and n.level == 0}
+    assert not {m for m in imported if m.split(".")[0] in ("torch", "numpy")}
+    packages = {"poptorch_lite", "poptorch_lite.runtime", "poptorch_lite.profiling"}  # no code
+    assert GRAPH[name] - packages <= set(NO_TORCH)  # and nothing they import does either
+
+
 def test_no_import_cycles():
     """No chain of imports (module-level or inside functions) leads back to its start."""
     state, cycles = {}, []
