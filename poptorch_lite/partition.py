@@ -328,6 +328,10 @@ def _aliases(n: fx.Node, target: fx.Node) -> bool:
     return True
 
 
+# Pure ops whose unread results a stage graph need not compute (each costs a dispatch).
+_DEAD_IF_UNUSED = (torch.ops.aten.alias.default, torch.ops.aten.detach.default)
+
+
 def _segment_groups(nodes: list, checkpoints: set) -> list:
     """``nodes`` cut after each checkpointed value (empty groups dropped)."""
     groups: list = [[]]
@@ -362,8 +366,9 @@ def _subgraphs(root: fx.GraphModule, groups: list, value_name, exported: set) ->
             return env[n]
 
         for n in nodes:
-            if n.target in markers.MARKERS:
-                continue
+            if n.target in markers.MARKERS or (n.target in _DEAD_IF_UNUSED and not n.users
+                                               and n not in exported):
+                continue  # make_fx records autograd's saved-output aliases; nothing reads them
             env[n] = g.node_copy(n, arg)
         outputs = [n for n in nodes if n in env and (
             n in exported or any(group_of.get(u, k) > k for u in n.users))]
