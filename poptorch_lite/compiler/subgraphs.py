@@ -7,6 +7,7 @@ graph that takes the values it reads and returns those read after it.
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from . import markers
@@ -47,6 +48,10 @@ def aliases(n: fx.Node, target: fx.Node) -> bool:
     return True
 
 
+# Pure ops whose unread results a stage graph need not compute (each costs a dispatch).
+_DEAD_IF_UNUSED = (torch.ops.aten.alias.default, torch.ops.aten.detach.default)
+
+
 def segment_groups(nodes: list, checkpoints: set) -> list:
     """``nodes`` cut after each checkpointed value (empty groups dropped)."""
     groups: list = [[]]
@@ -81,8 +86,9 @@ def subgraphs(root: fx.GraphModule, groups: list, value_name, exported: set) -> 
             return env[n]
 
         for n in nodes:
-            if n.target in markers.MARKERS:
-                continue
+            if n.target in markers.MARKERS or (n.target in _DEAD_IF_UNUSED and not n.users
+                                               and n not in exported):
+                continue  # make_fx records autograd's saved-output aliases; nothing reads them
             env[n] = g.node_copy(n, arg)
         outputs = [n for n in nodes if n in env and (
             n in exported or any(group_of.get(u, k) > k for u in n.users))]

@@ -138,9 +138,10 @@ class Executor(Updates):
         self._place_inputs(run)
         if schedule.training:
             self.weights.zero_grads()
-            run.excluded = self.weights.storages() | {
-                t.untyped_storage().data_ptr() for t in (
-                    *(t for mb in microbatches for t in mb), *run.placed.values())}
+            if self.work.measures():  # only the stash's byte count reads it: skip the storages
+                run.excluded = self.weights.storages() | {
+                    t.untyped_storage().data_ptr() for t in (
+                        *(t for mb in microbatches for t in mb), *run.placed.values())}
         training = schedule.training
         handlers = self.handlers
         timed = () if recorder is None else self.gpu_ipus  # [Note: GPU timeline]
@@ -149,14 +150,19 @@ class Executor(Updates):
 
         def call(a: Action) -> None:
             start = time.perf_counter()
-            with torch.set_grad_enabled(training):  # grad mode is per thread
-                if channels is None:
-                    handlers[a.kind](a, run, step)
-                else:
-                    self._exchange(a, run, step)
-            if recorder is not None and self._ipu(a) not in timed:
-                recorder.add(self._ipu(a), a.stage, a.microbatch, a.kind.value, start,
-                             time.perf_counter(), run_index)
+            if torch.is_grad_enabled() == training and channels is None:
+                handlers[a.kind](a, run, step)  # already in the run's grad mode: no context
+            else:
+                with torch.set_grad_enabled(training):  # grad mode is per thread
+                    if channels is None:
+                        handlers[a.kind](a, run, step)
+                    else:
+                        self._exchange(a, run, step)
+            if recorder is not None:
+                ipu = self._ipu(a)
+                if ipu not in timed:
+                    recorder.add(ipu, a.stage, a.microbatch, a.kind.value, start,
+                                 time.perf_counter(), run_index)
 
         try:
             spans = self.placement.run_lists(lists, waits.__getitem__, call, watchdog, in_order,

@@ -117,6 +117,7 @@ class Run:
         self.remote_failure = None  # (rank, description): a process that failed this run
         self.index, self.training = index, training  # the run's number in its call; its kind
         self.kept = kept          # the micro-batches whose outputs the call returns
+        self.keeps = frozenset(kept)
         self.ahead = ahead or {}  # action -> the next action of its stream that receives
 
 
@@ -267,6 +268,10 @@ class StageWork:
         stats.peak_stash_depth[s] = max(stats.peak_stash_depth[s], len(stash))
         stats.peak_stash_bytes[s] = max(stats.peak_stash_bytes[s], sum(e.nbytes for e in stash))
 
+    def measures(self) -> bool:
+        """Whether a forward will count stash bytes (then ``Run.excluded`` must be set)."""
+        return any(self.recompute) or len(self._entry_bytes) < self.partition.num_stages
+
     @staticmethod
     def _count(t: torch.Tensor, counted: dict, excluded: set) -> None:
         storage = t.untyped_storage()
@@ -278,7 +283,7 @@ class StageWork:
         values, wanted = run.values[i], self.wanted
         for name, o in zip(st.outputs, outs):
             values[name] = o
-            if name in wanted:
+            if name in wanted and i in run.keeps:  # only returned values are read
                 run.results[i][name] = o.detach()
 
     def _head(self, a: Action, run: Run) -> Entry:

@@ -32,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Callable, Optional
 
@@ -54,7 +55,7 @@ def capture(weights: Weights, optimizer: Optional[torch.optim.Optimizer],
     """
     restore_weights = weights.snapshot(params=params)
     restore_optimizer = _optimizer_snapshot(optimizer) if optimizer is not None else None
-    scale = dataclasses.replace(loss_scale) if loss_scale is not None else None
+    scale = copy.copy(loss_scale) if loss_scale is not None else None  # once per step: no __init__
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
 

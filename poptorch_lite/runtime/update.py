@@ -85,6 +85,8 @@ class Updates:
     def _reduce(self, a: Action, run: Run, step: StepArithmetic) -> None:
         # [Note: gradient arithmetic] sum over micro-batches -> mean (or sum), unscaled.
         divisor = step.loss_scaling * step.divisor
+        if divisor == 1 and not run.accum and not self.weights.shared():
+            return  # the sum is the reduced gradient, already where the optimizer reads it
         for name in self.owned[a.stage]:
             held = run.accum.pop(name, None)
             if held is not None:  # divide in the accumulator's dtype, then cast once

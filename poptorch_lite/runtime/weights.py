@@ -187,6 +187,10 @@ class Weights:
         for c in self._copies.values():
             c.grad = None
 
+    def shared(self) -> bool:
+        """Whether any parameter has users besides its home (gradients to gather)."""
+        return bool(self._others)
+
     def gather_grad(self, name: str) -> Optional[torch.Tensor]:
         """Add the gradients of ``name``'s other users into the one the optimizer steps."""
         target = self.home(name)
@@ -239,6 +243,8 @@ class Weights:
         That may be the host parameter itself (a visitor stage on the host device of a
         weight whose home is elsewhere); refreshing it is not a host edit.
         """
+        if not self._others:
+            return
         with torch.no_grad():
             for name, others in self._others.items():
                 home = self.home(name)
@@ -347,11 +353,14 @@ class Weights:
         all-or-nothing calls over several optimizer steps). Tensors keep their
         identity: values are copied back in place.
         """
-        with torch.no_grad():
-            saved = [(t, t.detach().clone()) for t in (
-                *((*self.params.values(), *self._copies.values()) if params else ()),
-                *self.buffers.values(), *self._buffer_copies.values(),
-                *(b for bufs in self._replica_buffers for b in bufs.values()))]
+        tensors = (*((*self.params.values(), *self._copies.values()) if params else ()),
+                   *self.buffers.values(), *self._buffer_copies.values(),
+                   *(b for bufs in self._replica_buffers for b in bufs.values()))
+        if tensors:
+            with torch.no_grad():
+                saved = [(t, t.detach().clone()) for t in tensors]
+        else:  # nothing to copy (every run of a model without buffers)
+            saved = []
         stale = self.host_stale
 
         def restore() -> None:
