@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import poptorch_lite as poptorch
+from poptorch_lite.compiler import rng
 
 from models import BlockMLP, data, twin, workers
 from probes import PROBE, SCHEDULES, Probed, options, probed_batch
@@ -88,9 +89,20 @@ def warm_up(model, net):
 
 
 def after_each_step(net, opt):
-    """Record the state right after every optimizer step (a post-step hook)."""
-    states = []
-    handle = opt.register_step_post_hook(lambda *_: states.append(state(net, opt)))
+    """Record the state right after every optimizer step (a post-step hook) of the next call
+    of a model whose stages have random ops: weights and optimizer state as the hook sees
+    them, and the random state that a call which stopped there leaves: the call's start,
+    advanced by the bases of its runs so far (a call draws its runs' bases together, the
+    same numbers as one draw per run: [Note: micro-batch RNG])."""
+    start, states = torch.get_rng_state(), []
+
+    def record(*_):
+        now = torch.get_rng_state()
+        torch.set_rng_state(start)
+        rng.draw_bases(len(states) + 1)
+        states.append(state(net, opt))
+        torch.set_rng_state(now)
+    handle = opt.register_step_post_hook(record)
     return states, handle
 
 

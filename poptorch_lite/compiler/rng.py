@@ -8,9 +8,11 @@ thread, so a shared generator would hand out numbers in an order that
 depends on timing. poptorch_lite therefore gives every micro-batch its own
 random stream, the same in every schedule:
 
-- at the start of a run (one schedule over m micro-batches) that has random
-  ops, one 62-bit ``base`` is drawn from torch's default CPU generator (so
-  ``torch.manual_seed`` and ``Options.randomSeed`` control everything);
+- each run (one schedule over m micro-batches) that has random ops has one
+  62-bit ``base``, drawn from torch's default CPU generator (so
+  ``torch.manual_seed`` and ``Options.randomSeed`` control everything); a
+  call draws the bases of its runs together, which gives the same numbers as
+  one draw per run (:func:`draw_bases`);
 - micro-batch i draws from a generator state seeded with
   :func:`microbatch_seed` ``(base, i)``, one per kind of device it touches
   (the CPU, CUDA); its stages use that state in stage order (stage s+1
@@ -55,6 +57,35 @@ def microbatch_seed(base: int, i: int) -> int:
 def draw_base() -> int:
     """One draw from torch's default CPU generator: the base of a run's streams."""
     return int(torch.randint(0, 1 << 62, (), dtype=torch.int64))
+
+
+def draw_bases(n: int) -> list:
+    """The bases of a call's ``n`` runs in one draw: the same numbers, and the same generator
+    state after, as ``n`` calls of :func:`draw_base` (torch's CPU generator draws one 64-bit
+    number per element, in order).
+
+    Example:
+        >>> _ = torch.manual_seed(0); one_by_one = [draw_base() for _ in range(3)]
+        >>> _ = torch.manual_seed(0); draw_bases(3) == one_by_one
+        True
+    """
+    return torch.randint(0, 1 << 62, (n,), dtype=torch.int64).tolist() if n else []
+
+
+def rewinder():
+    """A function that puts torch's generators back as they are now, then draws ``k`` bases:
+    the state after a call's first ``k`` runs, whose bases were drawn together
+    (:func:`draw_bases`). Runs change no generator but by their bases: each random op
+    swaps a stream's state in and the generator's back ([Note: micro-batch RNG])."""
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    def rewind(k: int) -> None:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        draw_bases(k)
+    return rewind
 
 
 class Stream:

@@ -98,7 +98,8 @@ class Executor(Updates):
     def run(self, schedule: Schedule, microbatches: Sequence[Sequence[torch.Tensor]],
             replica_of: Callable, step: Optional[StepArithmetic],
             recorder: Optional[Recorder] = None, run_index: int = 0,
-            watchdog: Optional[float] = None, keep: Optional[Sequence[bool]] = None) -> tuple:
+            watchdog: Optional[float] = None, keep: Optional[Sequence[bool]] = None,
+            base: Optional[int] = None) -> tuple:
         """Run ``schedule`` over ``microbatches`` (the tensor leaves of each).
 
         Args:
@@ -111,6 +112,8 @@ class Executor(Updates):
             watchdog: seconds without progress before the run is declared stuck.
             keep: per micro-batch, whether its outputs are returned (None: all);
                 only those are copied to the host.
+            base: the base of the micro-batches' random streams (``rng.draw_bases``;
+                None: drawn here, when the stages have random ops).
 
         Returns:
             ``(outputs, stats)``: per micro-batch, the model's tensor outputs
@@ -129,7 +132,7 @@ class Executor(Updates):
                 f"restart every process (from the last checkpoint: poptorch_lite.load_checkpoint)")
         streams = None
         if self.random:  # [Note: micro-batch RNG]
-            base = rng.draw_base()
+            base = rng.draw_base() if base is None else base
             streams = [rng.Stream(rng.microbatch_seed(base, i)) for i in range(len(microbatches))]
         lists, waits, rows, in_order, ahead = self._plan(schedule)
         run = Run(p, microbatches, replica_of, streams, run_index, schedule.training,

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from ..compiler import retarget
+from ..compiler import retarget, rng
 from ..compiler.partition import Partition, check_pipeline_minimums, partition
 from ..distributed.channels import Channels
 from ..enums import ReductionType
@@ -57,8 +57,9 @@ class Program:
         training; one run of every micro-batch otherwise.
 
         With ``per_run``, each run first captures what its step does not commit
-        (buffers, random state, loss scale) and puts it back if the run fails
-        before its update ([Note: commit point]).
+        (buffers, the loss scale) and puts it back if the run fails before its
+        update ([Note: commit point]); the random state is put back as after the
+        runs that committed.
 
         Args:
             mbs: the call's micro-batches; replicas: R, the replicas of this process
@@ -84,17 +85,24 @@ class Program:
             schedule, step, runs = self.schedule(D * R, False), None, [range(D * R)]
         recorder = Recorder(time.perf_counter())
         outputs, stats = [], []
+        # The random state is captured once per call: the runs draw their bases together,
+        # and a failure rewinds to the state after the runs that committed.
+        rewind = rng.rewinder() if per_run and ex.random else None
+        bases = rng.draw_bases(len(runs)) if ex.random else [None] * len(runs)
         for d, ks in enumerate(runs):
-            undo = capture(weights, None, loss_scale, False) if per_run else None
+            undo = capture(weights, None, loss_scale, False, rng=False) if per_run else None
             before = ex.steps_applied
             weights.buffers_move()
             try:
                 out, run_stats = ex.run(schedule, [mbs.tensors(k) for k in ks], lambda j: j % R,
                                         step, recorder, d, options.watchdog_timeout,
-                                        [k in kept for k in ks])
+                                        [k in kept for k in ks], bases[d])
             except BaseException:
-                if undo is not None and ex.steps_applied == before:
+                committed = ex.steps_applied != before
+                if undo is not None and not committed:
                     undo()
+                if rewind is not None:
+                    rewind(d + committed)
                 raise
             finally:
                 weights.buffers_move()

@@ -7,8 +7,11 @@ to be left consistent: it leaves the model as after its last completed
 optimizer step (as before the call, for ``deviceIterations(1)``). What the
 update does not commit is captured before each run (one step's micro-batches)
 and put back if that run fails before its update: buffers (BatchNorm
-statistics move in forwards), the loss scale and torch's random number
-generators. That copy is small, and the success path pays nothing else.
+statistics move in forwards) and the loss scale. torch's random number
+generators change in a call only by the bases its runs draw together, so they
+are captured once per call and a failure rewinds them to the state after the
+runs that committed (``rng.rewinder``). That copy is small, and the success
+path pays nothing else.
 ``Options.allOrNothingCalls(True)`` also captures every parameter and the
 optimizer's state and hyper-parameters before the call (one extra copy of
 each, per call; docs/PERFORMANCE.md), so that a failure in any step, even inside
@@ -43,7 +46,8 @@ from .weights import Weights
 
 
 def capture(weights: Weights, optimizer: Optional[torch.optim.Optimizer],
-            loss_scale: Optional[LossScale], params: bool = False) -> Callable[[], None]:
+            loss_scale: Optional[LossScale], params: bool = False,
+            rng: bool = True) -> Callable[[], None]:
     """Capture the state a call may change; return the function that puts it back.
 
     Args:
@@ -52,12 +56,14 @@ def capture(weights: Weights, optimizer: Optional[torch.optim.Optimizer],
         loss_scale: the wrapper's loss scale (None: inference).
         params: capture parameters too (``allOrNothingCalls``); else only what a
             step does not commit.
+        rng: capture torch's random number generators (a run's capture leaves them to
+            ``rng.rewinder``, once per call).
     """
     restore_weights = weights.snapshot(params=params)
     restore_optimizer = _optimizer_snapshot(optimizer) if optimizer is not None else None
     scale = copy.copy(loss_scale) if loss_scale is not None else None  # once per step: no __init__
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    cpu_rng = torch.get_rng_state() if rng else None
+    cuda_rng = torch.cuda.get_rng_state_all() if rng and torch.cuda.is_initialized() else None
 
     def restore() -> None:
         restore_weights()
@@ -66,7 +72,8 @@ def capture(weights: Weights, optimizer: Optional[torch.optim.Optimizer],
         if scale is not None:
             for field in dataclasses.fields(scale):
                 setattr(loss_scale, field.name, getattr(scale, field.name))
-        torch.set_rng_state(cpu_rng)
+        if cpu_rng is not None:
+            torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
     return restore
