@@ -107,7 +107,12 @@ def test_alias_gives_the_same_module_objects():
         import poptorch_lite
         assert poptorch is poptorch_lite
         assert poptorch.optim is poptorch_lite.optim and poptorch.enums is poptorch_lite.enums
-        assert "poptorch.cli" not in sys.modules
+        import poptorch.optim.optimizers
+        import poptorch.runtime.schedule  # modules of subpackages too
+        import poptorch_lite.runtime.schedule
+        assert poptorch.runtime.schedule is poptorch_lite.runtime.schedule
+        assert poptorch.optim.optimizers.SGD is poptorch_lite.optim.SGD
+        assert "poptorch.cli" not in sys.modules and "poptorch.side_modules" not in sys.modules
     finally:
         for k in [k for k in sys.modules if k == "poptorch" or k.startswith("poptorch.")]:
             del sys.modules[k]

@@ -305,8 +305,8 @@ def test_a_process_count_the_pipeline_does_not_divide_is_refused_when_wrapping(m
 def test_docstring_examples_run():
     import doctest
 
-    from poptorch_lite.distributed import layout, channels as process_pipeline
-    from poptorch_lite.compiler import value_info
-    for module in (layout, process_pipeline, value_info):
+    from poptorch_lite.compiler import rng, value_info
+    from poptorch_lite.distributed import channels, layout
+    for module in (layout, channels, value_info, rng):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__
