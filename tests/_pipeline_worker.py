@@ -334,7 +334,8 @@ def checkpointed(rank, out):
     info = poptorch.load_checkpoint(b, wrapped)
     resumed = [wrapped(*call_data(name, c, 0))[1] for c in range(2, 4)]
     wrapped.copyWeightsToHost()
-    files = sorted(f for f in os.listdir(out) if "-of-" in f)
+    # the parts A and B wrote (process 0 may already have made c.pt's part, below)
+    files = sorted(f for f in os.listdir(out) if "-of-" in f and not f.startswith("c.pt"))
     wrapped.destroy()
     result = {"losses": losses, "resumed": resumed, "steps": info.steps, "final": final,
               "resumed_final": {k: v.clone() for k, v in model.state_dict().items()},
