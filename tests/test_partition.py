@@ -312,3 +312,29 @@ def test_values_written_in_place_at_a_stage_boundary_match_plain_pytorch():
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         assert_close(p.grad, ref_grads[n], atol=1e-6, rtol=0, msg=n)
         assert_close(p.detach(), q.detach(), atol=1e-6, rtol=0, msg=n)
+
+
+def test_stage_graphs_hold_no_unread_alias_or_detach():
+    """make_fx records an ``aten.alias``/``aten.detach`` of outputs autograd saves; nothing
+    reads them, so stage graphs leave them out (each was a dispatch per forward), and the
+    model still trains as plain PyTorch (the transparency tests)."""
+    from poptorch_lite.compiler.partition import partition
+
+    class Conv(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(1, 4, 3)
+            self.fc = torch.nn.Linear(4 * 6 * 6, 3)
+
+        def forward(self, x, y):
+            out = self.fc(F.relu(F.max_pool2d(self.conv(x), 1)).flatten(1))
+            return out, F.cross_entropy(out, y)
+
+    model = Conv()
+    args = (torch.randn(2, 1, 8, 8), torch.tensor([0, 2]))
+    part = partition(model, {m: m.training for m in model.modules()}, args, {},
+                     poptorch.ShardedExecution(), True)
+    dead = (torch.ops.aten.alias.default, torch.ops.aten.detach.default)
+    nodes = [n for st in part.stages for gm in (st.module, *(seg.module for seg in st.segments))
+             for n in gm.graph.nodes]
+    assert nodes and [n for n in nodes if n.target in dead and not n.users] == []
