@@ -6,7 +6,7 @@ devices, weights given homes), and runs it (``Program.run``: the schedule on
 the executor), then merges the micro-batch outputs per the output mode. Every
 refusal happens before any parameter, optimizer state, buffer or RNG state
 changes. What reads of the user's model see while it is wrapped: [Note: weight
-sync] in ``runtime/weights.py``. ``wrap.py`` makes these wrappers.
+sync] in ``runtime/host_sync.py``. ``wrap.py`` makes these wrappers.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from .runtime.batch import MicroBatches, merge, resolve_output_mode, selected_mi
 from .runtime.placement import Placement
 from .runtime.program import Program, compile_program
 from .runtime.undo import capture, undo_note
-from .runtime.weights import Weights, watch
+from .runtime.host_sync import watch
+from .runtime.weights import Weights
 
 _LOG = logging.getLogger("poptorch_lite")
 

@@ -10,7 +10,8 @@ from torch.testing import assert_close
 import poptorch_lite as poptorch
 from poptorch_lite.runtime import stage_work
 from poptorch_lite.runtime.schedule import Action, Kind
-from poptorch_lite.runtime.weights import HostView, Weights
+from poptorch_lite.runtime.host_sync import HostView
+from poptorch_lite.runtime.weights import Weights
 
 from models import BlockMLP, data, reference_training, twin
 

@@ -113,14 +113,16 @@ def _generator(device: torch.device) -> torch.Generator:
     return torch.default_generator
 
 
-def _device_of(args, kwargs) -> torch.device:
-    device = kwargs.get("device")
+def _device_of(args, kwargs) -> Optional[torch.device]:
+    """The device a random op draws on: its ``device`` argument, else its first tensor's;
+    None for the CPU (the common case, without making a ``torch.device``)."""
+    device = kwargs.get("device") if kwargs else None
     if device is not None:
         return torch.device(device)
     for a in args:
         if isinstance(a, torch.Tensor):
-            return a.device
-    return torch.device("cpu")
+            return a.device if a.is_cuda else None
+    return None
 
 
 def _call_in_stream(op, args, kwargs):
@@ -128,10 +130,12 @@ def _call_in_stream(op, args, kwargs):
     if stream is None:  # outside a run (a direct call of a stage graph)
         return op(*args, **kwargs)
     device = _device_of(args, kwargs)
+    kind, gen = ("cpu", torch.default_generator) if device is None else (
+        device.type, _generator(device))
+    states = stream.states  # one stream per kind: it moves between GPUs
     with _LOCK:
-        gen = _generator(device)
         saved = gen.get_state()
-        state = stream.states.get(device.type)  # one stream per kind: it moves between GPUs
+        state = states.get(kind)
         if state is None:
             gen.manual_seed(stream.seed)
         else:
@@ -139,7 +143,7 @@ def _call_in_stream(op, args, kwargs):
         try:
             return op(*args, **kwargs)
         finally:
-            stream.states[device.type] = gen.get_state()
+            states[kind] = gen.get_state()
             gen.set_state(saved)
 
 

@@ -92,7 +92,7 @@ class DeviceOptions:
         map to the same CPU ([Note: weight homes] in ``weights``): the path that
         separate GPUs take runs, and is tested, on a machine without one. The
         numbers are the same; the host model is brought up to date as on a GPU
-        ([Note: weight sync] in ``runtime/weights.py``).
+        ([Note: weight sync] in ``runtime/host_sync.py``).
 
         Example:
             >>> from poptorch_lite.options import Options

@@ -373,13 +373,13 @@ class Recorder:
 
     def __init__(self, origin: float):
         self.origin = origin
-        self._records: list = []
+        self.records: list = []  # (stream, stage, micro-batch, kind, start, end, run), appended
         self._gpu: list = []
 
     def add(self, stream: int, stage: Optional[int], microbatch: Optional[int], kind: str,
             start: float, end: float, run: int = 0) -> None:
         """Record one action; ``start``/``end`` are ``time.perf_counter()`` values."""
-        self._records.append((stream, stage, microbatch, kind, start, end, run))
+        self.records.append((stream, stage, microbatch, kind, start, end, run))
 
     def add_gpu(self, stream: int, stage: Optional[int], microbatch: Optional[int], kind: str,
                 ref, ref_time: float, begun, ended, run: int = 0) -> None:
@@ -394,7 +394,7 @@ class Recorder:
     def timeline(self, stream_names: Sequence[str], schedule_name: str) -> Timeline:
         """The recorded spans, times relative to the origin, sorted by start."""
         o = self.origin
-        records = list(self._records) + [
+        records = list(self.records) + [
             (k, s, i, kind, t + ref.elapsed_time(begun) / 1e3, t + ref.elapsed_time(ended) / 1e3,
              run) for k, s, i, kind, ref, t, begun, ended, run in self._gpu]
         return Timeline([Span(k, s, i, kind, a - o, b - o, run)

@@ -81,6 +81,19 @@ class MicroBatches:
         """The tensor leaves of micro-batch ``k`` (views into the call's tensors)."""
         return [_slice(self.leaves[p], k, self.factor) for p in self.tensor_positions]
 
+    def all_tensors(self) -> list:
+        """The tensor leaves of every micro-batch, as ``tensors(k)`` for each k (one split per
+        leaf instead of one slice per leaf and micro-batch).
+
+        Example:
+            >>> mb = MicroBatches((torch.arange(4.0), torch.tensor(5.0)), {}, 2, "2")
+            >>> mb.all_tensors()
+            [[tensor([0., 1.]), tensor(5.)], [tensor([2., 3.]), tensor(5.)]]
+        """
+        parts = [[t] * self.factor if t.dim() == 0 else t.split(t.shape[0] // self.factor)
+                 for t in (self.leaves[p] for p in self.tensor_positions)]
+        return [list(mb) for mb in zip(*parts)] if parts else [[] for _ in range(self.factor)]
+
     def args_kwargs(self, k: int) -> tuple:
         """Micro-batch ``k`` as ``(args, kwargs)``, shaped like the call's arguments."""
         leaves = list(self.leaves)

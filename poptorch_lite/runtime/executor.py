@@ -84,6 +84,9 @@ class Executor(Updates):
             if keys and self.local[st.index]:
                 self.input_keys.setdefault(st.ipu, set()).update(keys)
         self.gpu_ipus = {ipu for ipu, dev in placement.devices.items() if dev.type == "cuda"}
+        self._input_devices = [(k, placement.device(ipu)) for ipu, keys in self.input_keys.items()
+                               for k in keys]
+        self._inputs_on_cpu = all(dev.type == "cpu" for _, dev in self._input_devices)
         # The parameters this process steps (all of them unless stages run elsewhere).
         here = {n for st in partition.stages if self.local[st.index] for n in st.param_names}
         self._stepped = {n: p for n, p in weights.params.items() if n in here}
@@ -94,6 +97,7 @@ class Executor(Updates):
                          Kind.RECOMPUTE: self.work.recompute_action, Kind.REDUCE: self._reduce,
                          Kind.STEP: self._step}
         self._plans: dict = {}
+        self.names = [o for o in partition.outputs if isinstance(o, str)]  # returned values
 
     def run(self, schedule: Schedule, microbatches: Sequence[Sequence[torch.Tensor]],
             replica_of: Callable, step: Optional[StepArithmetic],
@@ -134,9 +138,10 @@ class Executor(Updates):
         if self.random:  # [Note: micro-batch RNG]
             base = rng.draw_base() if base is None else base
             streams = [rng.Stream(rng.microbatch_seed(base, i)) for i in range(len(microbatches))]
-        lists, waits, rows, in_order, ahead = self._plan(schedule)
+        plan = self._plan(schedule)
+        lists, waits, rows = plan.lists, plan.waits, plan.rows
         run = Run(p, microbatches, replica_of, streams, run_index, schedule.training,
-                  [i for i in range(len(microbatches)) if keep is None or keep[i]], ahead)
+                  [i for i in range(len(microbatches)) if keep is None or keep[i]], plan.ahead)
         begun = self.placement.begin() if self.gpu_ipus else None  # before the inputs' copies
         self._place_inputs(run)
         if schedule.training:
@@ -168,8 +173,12 @@ class Executor(Updates):
                                  time.perf_counter(), run_index)
 
         try:
-            spans = self.placement.run_lists(lists, waits.__getitem__, call, watchdog, in_order,
-                                             begun)
+            if plan.here is not None and channels is None:  # the caller's thread runs it all
+                spans = {}
+                self._run_here(plan, run, step, recorder)
+            else:
+                spans = self.placement.run_lists(lists, waits.__getitem__, call, watchdog,
+                                                 plan.in_order, begun)
             if channels is not None:
                 self._settle(schedule, run, rows, run_index)
         except StreamFailed as failed:
@@ -199,7 +208,7 @@ class Executor(Updates):
                 run_index)
         for a, span in spans.items() if recorder is not None else ():  # [Note: GPU timeline]
             recorder.add_gpu(self._ipu(a), a.stage, a.microbatch, a.kind.value, *span, run_index)
-        names = [o for o in p.outputs if isinstance(o, str)]
+        names = self.names
         if channels is not None:  # weights returned, values of data-dependent shape
             channels.share_outputs(run, names, self._result, self.weights)
         out = [[self._result(run, i, o) for o in names] if keep is None or keep[i] else None
@@ -263,10 +272,11 @@ class Executor(Updates):
         IPU computes are used as they are.
         """
         separate = self.weights.separate_memories
-        if not separate and run.inputs and all(  # a call's micro-batches share their devices
-                run.inputs[0][k].device == self.placement.device(ipu)
-                for ipu, keys in self.input_keys.items() for k in keys):
-            return
+        if not separate and run.inputs:  # a call's micro-batches share their devices
+            first = run.inputs[0]
+            if (all(first[k].is_cpu for k, _ in self._input_devices) if self._inputs_on_cpu
+                    else all(first[k].device == dev for k, dev in self._input_devices)):
+                return
         copies: dict = {}
         for i, mb in enumerate(run.inputs):
             copied = set()  # the GPUs that micro-batch i was copied to
@@ -290,35 +300,74 @@ class Executor(Updates):
                 event.record(torch.cuda.current_stream(device))
                 run.ready[device, i] = event
 
-    def _plan(self, schedule: Schedule) -> tuple:
-        """Per stream its actions; per action what it waits for on other streams; rows;
-        every action in row order when the schedule is a total order (else None); and, across
-        processes, per action the next of its stream that receives messages."""
+    def _plan(self, schedule: Schedule) -> "_Plan":
+        """How this process runs ``schedule`` (cached per schedule): see :class:`_Plan`."""
         cached = self._plans.get(id(schedule))
-        if cached is None or cached[0] is not schedule:
-            # This process's actions: every one unless stages run in other processes, where
-            # a dependency is a message instead ([Note: stages in other processes]).
-            mine = [[a for a in row if a is not None and self._here(a)] for row in schedule.rows]
-            lists = {ipu: [] for ipu in self.placement.devices}
-            rows = {}
-            for t, row in enumerate(mine):
-                for a in row:
-                    lists[self._ipu(a)].append(a)
-                    rows[a] = t
-            waits = {a: [d for d in schedule.dependencies(a)
-                         if self._here(d) and self._ipu(d) != self._ipu(a)] for a in rows}
-            total_order = all(sum(a is not None for a in row) <= 1 for row in schedule.rows)
-            in_order = ([(self._ipu(a), a) for row in mine for a in row]
-                        if total_order else None)
-            ahead = {}  # per action, the next one of its stream that receives messages
-            for actions in lists.values() if self.channels is not None else ():
-                following = None
-                for a in reversed(actions):
-                    ahead[a] = following
-                    if self.channels.receives(a):
-                        following = a
-            cached = self._plans[id(schedule)] = (schedule, (lists, waits, rows, in_order, ahead))
-        return cached[1]
+        if cached is not None and cached.schedule is schedule:
+            return cached
+        # This process's actions: every one unless stages run in other processes, where
+        # a dependency is a message instead ([Note: stages in other processes]).
+        mine = [[a for a in row if a is not None and self._here(a)] for row in schedule.rows]
+        lists = {ipu: [] for ipu in self.placement.devices}
+        rows = {}
+        for t, row in enumerate(mine):
+            for a in row:
+                lists[self._ipu(a)].append(a)
+                rows[a] = t
+        waits = {a: [d for d in schedule.dependencies(a)
+                     if self._here(d) and self._ipu(d) != self._ipu(a)] for a in rows}
+        total_order = all(sum(a is not None for a in row) <= 1 for row in schedule.rows)
+        in_order = [(self._ipu(a), a) for row in mine for a in row] if total_order else None
+        ahead = {}  # per action, the next one of its stream that receives messages
+        for actions in lists.values() if self.channels is not None else ():
+            following = None
+            for a in reversed(actions):
+                ahead[a] = following
+                if self.channels.receives(a):
+                    following = a
+        here, threads = self.placement.here(lists, in_order)
+        plan = self._plans[id(schedule)] = _Plan(
+            schedule, lists, waits, rows, in_order, ahead, threads,
+            None if here is None else [(a, self.handlers[a.kind], (ipu, a.stage, a.microbatch,
+                                                                    a.kind.value))
+                                       for ipu, a in here])
+        return plan
+
+    def _run_here(self, plan: "_Plan", run: Run, step: Optional[StepArithmetic],
+                  recorder: Optional[Recorder]) -> None:
+        """Run the plan's actions in order on the caller's thread ([Note: streams] in
+        ``placement``): the dispatch, the grad mode and the thread count resolved once per
+        run, not per action.
+
+        Raises:
+            ActionFailed: an action raised (KeyboardInterrupt and SystemExit go through,
+                with a note of the action).
+        """
+        threads, ours = plan.threads, torch.get_num_threads()
+        if threads is not None and threads != ours:
+            torch.set_num_threads(threads)
+        a, where = None, None
+        clock, records = time.perf_counter, recorder.records if recorder is not None else None
+        try:
+            with torch.set_grad_enabled(run.training):  # grad mode is per thread
+                if records is None:
+                    for a, handler, where in plan.here:
+                        handler(a, run, step)
+                else:
+                    index = run.index
+                    for a, handler, where in plan.here:
+                        start = clock()
+                        handler(a, run, step)
+                        records.append((*where, start, clock(), index))
+        except KeyboardInterrupt as exc:
+            exc.add_note(f"poptorch_lite: interrupted while running {a} on stream {where[0]}; "
+                         f"every stream stopped before its next action")
+            raise
+        except BaseException as exc:
+            raise ActionFailed(a, exc) from None
+        finally:
+            if threads is not None and threads != ours:
+                torch.set_num_threads(ours)
 
     def _ipu(self, a: Action) -> int:
         """The IPU (stream) that runs ``a``; the update runs on this process's first."""
@@ -377,3 +426,23 @@ class Executor(Updates):
             f"schedule '{schedule.name}', failing row marked:\n{schedule.render(mark_row=row)}",
             location=where) from exc
 
+
+
+class _Plan:
+    """How an executor runs one schedule, worked out once per schedule.
+
+    Attributes:
+        lists: IPU -> the actions its stream runs, in order; rows: action -> its row.
+        waits: action -> the actions on other streams it waits for.
+        in_order: ``(ipu, action)`` in row order when the schedule is a total order, else None.
+        ahead: action -> the next action of its stream that receives messages (processes).
+        here: when the caller's thread runs every action itself (``Placement.here``),
+            ``(action, handler, (ipu, stage, micro-batch, kind))`` in order; else None.
+        threads: the intra-op threads for ``here`` (None: the caller's).
+    """
+
+    __slots__ = ("schedule", "lists", "waits", "rows", "in_order", "ahead", "threads", "here")
+
+    def __init__(self, schedule, lists, waits, rows, in_order, ahead, threads, here):
+        self.schedule, self.lists, self.waits, self.rows = schedule, lists, waits, rows
+        self.in_order, self.ahead, self.threads, self.here = in_order, ahead, threads, here

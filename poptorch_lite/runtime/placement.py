@@ -227,13 +227,9 @@ class Placement:
             StreamFailed: an asynchronous CUDA error surfaced at the end of the run.
             KeyboardInterrupt: on the caller's thread; the workers stopped first.
         """
-        used = [ipu for ipu, actions in lists.items() if actions]
-        if len(used) == 1 and type(self.streams[used[0]]) is CpuStream:
-            self._run_here([(used[0], a) for a in lists[used[0]]], call,
-                           self.streams[used[0]].threads)
-            return {}
-        if in_order is not None and all(type(self.streams[k]) is CpuStream for k in used):
-            self._run_here(in_order, call, None)
+        here, threads = self.here(lists, in_order)
+        if here is not None:
+            self._run_here(here, call, threads)
             return {}
         # The caller's work so far (weights pushed, an undo) comes first.
         refs = self.begin() if begun is None else begun
@@ -274,6 +270,24 @@ class Placement:
         return {a: (*refs[self.devices[ipu]], progress.begun[a], progress.events[a])
                 for ipu, actions in lists.items() if isinstance(self.streams[ipu], CudaStream)
                 for a in actions}
+
+    def here(self, lists: dict, in_order: Optional[list] = None) -> tuple:
+        """Whether the caller's thread runs these lists itself ([Note: streams]): the
+        ``(ipu, action)`` pairs in the order it runs them and the intra-op threads to run them
+        with (None: the caller's own), or ``(None, None)`` when the streams' workers run them.
+
+        Example:
+            >>> p = Placement([0], {0: "cpu"})
+            >>> p.here({0: ["F0", "B0"]})[0]
+            [(0, 'F0'), (0, 'B0')]
+            >>> p.close()
+        """
+        used = [ipu for ipu, actions in lists.items() if actions]
+        if len(used) == 1 and type(self.streams[used[0]]) is CpuStream:
+            return [(used[0], a) for a in lists[used[0]]], self.streams[used[0]].threads
+        if in_order is not None and all(type(self.streams[k]) is CpuStream for k in used):
+            return list(in_order), None
+        return None, None
 
     def _drain(self, ipus) -> Optional[StreamFailed]:
         """Wait until the GPU work of ``ipus``' streams has finished, on every path out of a

@@ -89,13 +89,18 @@ class Program:
         # and a failure rewinds to the state after the runs that committed.
         rewind = rng.rewinder() if per_run and ex.random else None
         bases = rng.draw_bases(len(runs)) if ex.random else [None] * len(runs)
+        tensors = mbs.all_tensors()
+
+        def replica_of(j: int) -> int:  # micro-batch j of a run: [Note: batch layout]
+            return j % R
+
         for d, ks in enumerate(runs):
             undo = capture(weights, None, loss_scale, False, rng=False) if per_run else None
             before = ex.steps_applied
             weights.buffers_move()
             try:
-                out, run_stats = ex.run(schedule, [mbs.tensors(k) for k in ks], lambda j: j % R,
-                                        step, recorder, d, options.watchdog_timeout,
+                out, run_stats = ex.run(schedule, tensors[ks.start:ks.stop], replica_of, step,
+                                        recorder, d, options.watchdog_timeout,
                                         [k in kept for k in ks], bases[d])
             except BaseException:
                 committed = ex.steps_applied != before

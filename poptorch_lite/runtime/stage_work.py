@@ -49,7 +49,6 @@ segment.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 from typing import Callable, Optional, Sequence
 
@@ -104,6 +103,7 @@ class Run:
         self.grads = [dict() for _ in microbatches]       # value name -> gradient, per micro-batch
         self.results = [dict() for _ in microbatches]     # returned values, detached
         self.stash = [collections.deque() for _ in range(S)]
+        self.stash_bytes = [0] * S                         # the bytes each stash holds now
         self.accum: dict = {}                              # param name -> (tensor, accumulator)
         self.stats = RunStats([0] * S, [0] * S)
         self.excluded: set = set()                         # storages not counted as stash
@@ -155,6 +155,11 @@ class StageWork:
         self.sources = [[(n, kind, int(key) if kind == "input" else key)
                          for n in st.inputs for kind, key in (n.split(":", 1),)]
                         for st in partition.stages]
+        # Per stage, its inputs other than parameters, with their positions; the parameters'
+        # tensors, looked up on the stage's first forward.
+        self.varying = [[(at, *source) for at, source in enumerate(sources)
+                         if source[1] != "param"] for sources in self.sources]
+        self._params: list = [None] * partition.num_stages
         # The parameters only this stage uses (their gradient may go to an accumulator).
         users: dict = collections.Counter(n for st in partition.stages for n in st.param_names)
         self.exclusive = [[n for n in st.param_names if users[n] == 1] for st in partition.stages]
@@ -187,12 +192,14 @@ class StageWork:
         """Stage s's arguments for micro-batch i, and its boundary leaves ([Note: autograd boundary])."""
         st = self.partition.stages[s]
         ipu, weights, separate = st.ipu, self.weights, self.weights.separate_memories
-        args, boundary = [], {}
+        args = self._params[s]
+        if args is None:  # a parameter's tensor on an IPU never changes once placed
+            args = self._params[s] = [weights.param(key, ipu) if kind == "param" else None
+                                      for _, kind, key in self.sources[s]]
+        args, boundary = list(args), {}
         received = run.inbox.pop((s, i), {}) if self.remote[s] else {}
-        for name, kind, key in self.sources[s]:
-            if kind == "param":
-                v = weights.param(key, ipu)
-            elif kind == "buffer":
+        for at, name, kind, key in self.varying[s]:
+            if kind == "buffer":
                 v = weights.buffer(key, run.replica_of(i), ipu)
                 if name in self.written[s]:  # [Note: buffers written in forward]
                     v = v.detach()
@@ -213,7 +220,7 @@ class StageWork:
                     boundary[name] = v
                 if name in st.written_inputs:  # written in place: leave the producer's value
                     v = v.clone()
-            args.append(v)
+            args[at] = v
         return args, boundary
 
     def forward(self, a: Action, run: Run, step) -> None:
@@ -249,9 +256,13 @@ class StageWork:
             def pack(t: torch.Tensor) -> torch.Tensor:
                 self._count(t, counted, run.excluded)
                 return t
-            hooks = (torch.autograd.graph.saved_tensors_hooks(pack, _identity) if measure
-                     else contextlib.nullcontext())
-            with rng.use(stream), hooks:
+            if measure:
+                with rng.use(stream), torch.autograd.graph.saved_tensors_hooks(pack, _identity):
+                    outs = st.module(*args)
+            elif stream is not None:
+                with rng.use(stream):
+                    outs = st.module(*args)
+            else:
                 outs = st.module(*args)
             entry.segments = [(outs, st.outputs, {})]
             if measure:
@@ -264,9 +275,12 @@ class StageWork:
         self._keep_outputs(st, run, i, outs)
         stash = run.stash[s]
         stash.append(entry)
+        held = run.stash_bytes[s] = run.stash_bytes[s] + entry.nbytes
         stats = run.stats
-        stats.peak_stash_depth[s] = max(stats.peak_stash_depth[s], len(stash))
-        stats.peak_stash_bytes[s] = max(stats.peak_stash_bytes[s], sum(e.nbytes for e in stash))
+        if len(stash) > stats.peak_stash_depth[s]:
+            stats.peak_stash_depth[s] = len(stash)
+        if held > stats.peak_stash_bytes[s]:
+            stats.peak_stash_bytes[s] = held
 
     def measures(self) -> bool:
         """Whether a forward will count stash bytes (then ``Run.excluded`` must be set)."""
@@ -331,6 +345,7 @@ class StageWork:
         st = self.partition.stages[a.stage]
         entry = self._head(a, run)
         run.stash[a.stage].popleft()
+        run.stash_bytes[a.stage] -= entry.nbytes
         i = entry.i
         grads_in = run.grads[i]
         crossing = self.crossing[a.stage] if self.weights.separate_memories else ()

@@ -61,7 +61,10 @@ def capture(weights: Weights, optimizer: Optional[torch.optim.Optimizer],
     """
     restore_weights = weights.snapshot(params=params)
     restore_optimizer = _optimizer_snapshot(optimizer) if optimizer is not None else None
-    scale = copy.copy(loss_scale) if loss_scale is not None else None  # once per step: no __init__
+    # Only automatic loss scaling changes the scale (once per step: a copy, no __init__).
+    scale = copy.copy(loss_scale) if loss_scale is not None and loss_scale.automatic else None
+    if restore_optimizer is None and scale is None and not rng:
+        return restore_weights  # a run's capture, most often: only the weights' own
     cpu_rng = torch.get_rng_state() if rng else None
     cuda_rng = torch.cuda.get_rng_state_all() if rng and torch.cuda.is_initialized() else None
 

@@ -112,8 +112,9 @@ class Updates:
                 self.channels.reduce_tied(weights.params)
             if self.processes is not None:  # [Note: replicas across processes] global gradient first
                 self.processes.all_reduce_grads(self._stepped)
-            params = [p for p in weights.params.values() if p.grad is not None]
             spread = self.channels is not None  # the stages' gradients are in several processes
+            params = ([p for p in weights.params.values() if p.grad is not None]
+                      if step.loss_scale.automatic or math.isfinite(step.max_grad_norm) else None)
             if step.loss_scale.automatic:  # one sync per step
                 bad = torch.stack([(~torch.isfinite(p.grad)).any().to(params[0].device)
                                    for p in params]).sum().cpu() if params else torch.zeros(())

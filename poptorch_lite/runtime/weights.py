@@ -17,7 +17,7 @@ there, and the update action steps the user's own optimizer on it:
   The user's optimizer object stays the one they passed (``state_dict()``,
   ``param_groups``, ``setOptimizer`` and checkpoints see the same parameters).
   Nothing goes through the host per step: the host copy is *stale* until
-  something reads it ([Note: weight sync]: :meth:`to_host`).
+  something reads it ([Note: weight sync] in ``host_sync``: :meth:`to_host`).
 - **Offloaded** (``TensorLocations.setOptimizerLocation(
   TensorLocationSettings().useOnChipStorage(False))``): the host ``Parameter``
   is the master; the optimizer state and the update stay in host memory;
@@ -42,32 +42,15 @@ tensor whose version moved was edited (an ``optimizer.step()`` on the host, a
 ``load_state_dict``, an in-place write): :meth:`to_device` pushes it, and
 :meth:`to_host` never overwrites it. So training is never clobbered by a stale
 host value and an edit always reaches the devices.
-
-[Note: weight sync]
-Where a stage's memory is the host model's (the CPU, without ``useIpuModel``),
-the stage computes with the user's own ``Parameter`` objects: after a call the
-model holds the trained values, an ``inferenceModel`` of the same model sees
-them, and host edits take effect at once. Elsewhere the weights live on their
-stage's device ([Note: weight homes]) and the host copy is
-brought up to date when something reads it, as PopTorch does with an implicit
-``copyWeightsToHost()``: while wrapped, each module's parameter and buffer
-tables are a :class:`~poptorch_lite.runtime.weights.HostView`, so any read of the
-user's model (``model.fc.weight``, ``parameters()``, ``state_dict()``, calling
-it) syncs first; so do attribute access through the wrapper, a call of another
-wrapper of the same model, ``copyWeightsToHost``, ``detachFromDevice`` and
-``destroy``. Host edits (tensors whose version moved) reach the devices before
-the next call; ``copyWeightsToHost``/``copyWeightsToDevice`` force the copies.
 """
 
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import Callable, Iterable, Optional
 
 import torch
 
-from ..compiler.markers import is_tracing
 from .streams import arrive
 
 
@@ -206,22 +189,26 @@ class Weights:
         if self._buffer_copies:
             self.host_stale = True
 
-    @contextlib.contextmanager
     def stepping(self):
         """While inside, each host ``Parameter`` stands for its home ([Note: weight homes]).
 
         Its ``.data`` and ``.grad`` are the home's, so whatever the update does
         to the host parameters (all-reduce, clipping, the optimizer's step) happens
-        to the homes, on their devices. Offloaded weights need no binding.
+        to the homes, on their devices. Offloaded weights, and parameters that are
+        their own homes, need no binding (a context without a generator: once per step).
         """
         if self.offload or not self._separate_homes:
-            try:
-                yield
-            finally:  # the step wrote the host parameters: not a host edit
-                versions = self._versions
-                for p in self.params.values():
-                    versions[id(p)] = p._version
-            return
+            return _Exit(self._record_step)
+        return self._bound_homes()
+
+    def _record_step(self, *exc) -> None:
+        """The step wrote the host parameters: not a host edit."""
+        versions = self._versions
+        for p in self.params.values():
+            versions[id(p)] = p._version
+
+    @contextlib.contextmanager
+    def _bound_homes(self):
         saved = []
         try:
             for p, h in self._separate_homes:
@@ -374,73 +361,16 @@ class Weights:
         return restore
 
 
-class HostView(dict):
-    """A wrapped module's ``_parameters`` or ``_buffers``: reading it syncs the host copy.
+class _Exit:
+    """A context manager that calls ``exit(*exc_info)`` on the way out."""
 
-    [Note: weight sync]. ``nn.Module`` reads its parameters and
-    buffers through these dicts (attribute access, ``parameters()``,
-    ``state_dict()``, ``forward``), so a read brings the values trained on a
-    separate home back first; nothing else of the user's module changes. Pickling
-    and ``copy.deepcopy`` give a plain dict.
-    """
+    __slots__ = ("exit",)
 
-    __slots__ = ("watchers",)
+    def __init__(self, exit: Callable):
+        self.exit = exit
 
-    def __init__(self, items):
-        super().__init__(items)
-        self.watchers: list = []  # weak references to the Weights of each wrapper
+    def __enter__(self) -> None:
+        return None
 
-    def _sync(self) -> None:
-        for ref in self.watchers:
-            weights = ref()
-            if weights is not None and weights.host_stale and not is_tracing():
-                weights.to_host()
-
-    def __getitem__(self, key):
-        self._sync()
-        return dict.__getitem__(self, key)
-
-    def get(self, key, default=None):
-        self._sync()
-        return dict.get(self, key, default)
-
-    def items(self):
-        self._sync()
-        return dict.items(self)
-
-    def values(self):
-        self._sync()
-        return dict.values(self)
-
-    def __reduce_ex__(self, protocol):
-        return (dict, (dict(self),))
-
-
-def watch(model: torch.nn.Module, weights: Weights, owner) -> weakref.finalize:
-    """Make reads of ``model``'s parameters and buffers sync ``weights`` first, until the
-    returned finalizer runs: called, or when ``owner`` (the wrapper) is garbage collected.
-    It brings the last trained values to the host copy and unwatches."""
-    ref = weakref.ref(weights)
-    for m in model.modules():
-        for attr in ("_parameters", "_buffers"):
-            table = m.__dict__[attr]
-            if not isinstance(table, HostView):
-                table = m.__dict__[attr] = HostView(table)
-            table.watchers.append(ref)
-    return weakref.finalize(owner, _release, model, weights)
-
-
-def _release(model: torch.nn.Module, weights: Weights) -> None:
-    weights.to_host()
-    unwatch(model, weights)
-
-
-def unwatch(model: torch.nn.Module, weights: Weights) -> None:
-    """Undo :func:`watch` for ``weights``; a table nobody watches is a plain dict again."""
-    for m in model.modules():
-        for attr in ("_parameters", "_buffers"):
-            table = m.__dict__[attr]
-            if isinstance(table, HostView):
-                table.watchers[:] = [r for r in table.watchers if r() not in (weights, None)]
-                if not table.watchers:
-                    m.__dict__[attr] = dict(table)
+    def __exit__(self, *exc) -> None:
+        self.exit(*exc)
