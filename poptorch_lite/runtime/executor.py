@@ -23,6 +23,7 @@ from ..distributed.channels import Channels
 from ..errors import Error, ExecutionError, UnrecoverableError
 from ..profiling.timeline import Recorder
 from .placement import Placement
+from .plan import Call, Plan, make_plan
 from .schedule import Action, Kind, Schedule
 from .stage_work import Run, StageWork
 from .streams import ActionFailed, ActionStuck, StreamFailed
@@ -128,17 +129,35 @@ class Executor(Updates):
             ExecutionError: an action failed or got stuck; names stream, stage,
                 micro-batch and action and shows the grid with the failing row marked.
         """
-        p = self.partition
+        with self.call(schedule, step, recorder, watchdog) as call:
+            return call.run(microbatches, replica_of, run_index, keep, base)
+
+    def call(self, schedule: Schedule, step: Optional[StepArithmetic],
+             recorder: Optional[Recorder] = None, watchdog: Optional[float] = None) -> Call:
+        """A call's runs of ``schedule``, set up once ([Note: one setup per call] in ``plan``):
+        ``with ex.call(...) as call: call.run(microbatches, replica_of, index, keep, base)``
+        for each run (arguments and result as :meth:`run`'s).
+
+        Raises:
+            ExecutionError: an earlier call left this model's processes out of step.
+        """
         if self.broken is not None:
             raise ExecutionError(
                 f"this model's processes went out of step in an earlier call ({self.broken}): "
                 f"messages between them may be half delivered, so no further call can run; "
                 f"restart every process (from the last checkpoint: poptorch_lite.load_checkpoint)")
+        return Call(self._run, self._plan(schedule), step, recorder, watchdog)
+
+    def _run(self, call: Call, microbatches: Sequence[Sequence[torch.Tensor]],
+             replica_of: Callable, run_index: int, keep: Optional[Sequence[bool]],
+             base: Optional[int]) -> tuple:
+        """One run of ``call``'s schedule (:meth:`run`)."""
+        p, plan, step, recorder = self.partition, call.plan, call.step, call.recorder
+        schedule = plan.schedule
         streams = None
         if self.random:  # [Note: micro-batch RNG]
             base = rng.draw_base() if base is None else base
             streams = [rng.Stream(rng.microbatch_seed(base, i)) for i in range(len(microbatches))]
-        plan = self._plan(schedule)
         lists, waits, rows = plan.lists, plan.waits, plan.rows
         run = Run(p, microbatches, replica_of, streams, run_index, schedule.training,
                   [i for i in range(len(microbatches)) if keep is None or keep[i]], plan.ahead)
@@ -150,35 +169,15 @@ class Executor(Updates):
                 run.excluded = self.weights.storages() | {
                     t.untyped_storage().data_ptr() for t in (
                         *(t for mb in microbatches for t in mb), *run.placed.values())}
-        training = schedule.training
-        handlers = self.handlers
-        timed = () if recorder is None else self.gpu_ipus  # [Note: GPU timeline]
-
         channels = self.channels
-
-        def call(a: Action) -> None:
-            start = time.perf_counter()
-            if torch.is_grad_enabled() == training and channels is None:
-                handlers[a.kind](a, run, step)  # already in the run's grad mode: no context
-            else:
-                with torch.set_grad_enabled(training):  # grad mode is per thread
-                    if channels is None:
-                        handlers[a.kind](a, run, step)
-                    else:
-                        self._exchange(a, run, step)
-            if recorder is not None:
-                ipu = self._ipu(a)
-                if ipu not in timed:
-                    recorder.add(ipu, a.stage, a.microbatch, a.kind.value, start,
-                                 time.perf_counter(), run_index)
-
         try:
-            if plan.here is not None and channels is None:  # the caller's thread runs it all
+            if plan.here is not None:  # the caller's thread runs it all
                 spans = {}
-                self._run_here(plan, run, step, recorder)
+                call.run_here(run)
             else:
-                spans = self.placement.run_lists(lists, waits.__getitem__, call, watchdog,
-                                                 plan.in_order, begun)
+                spans = self.placement.run_lists(lists, waits.__getitem__,
+                                                 self._actor(run, step, recorder),
+                                                 call.watchdog, plan.in_order, begun)
             if channels is not None:
                 self._settle(schedule, run, rows, run_index)
         except StreamFailed as failed:
@@ -214,6 +213,30 @@ class Executor(Updates):
         out = [[self._result(run, i, o) for o in names] if keep is None or keep[i] else None
                for i in range(len(microbatches))]
         return out, run.stats
+
+    def _actor(self, run: Run, step: Optional[StepArithmetic],
+               recorder: Optional[Recorder]) -> Callable:
+        """What a stream's worker calls for each action of ``run``: its handler in the run's
+        grad mode (exchanging messages across processes), its span recorded."""
+        training, handlers, channels = run.training, self.handlers, self.channels
+        timed = () if recorder is None else self.gpu_ipus  # [Note: GPU timeline]
+
+        def act(a: Action) -> None:
+            start = time.perf_counter()
+            if torch.is_grad_enabled() == training and channels is None:
+                handlers[a.kind](a, run, step)  # already in the run's grad mode: no context
+            else:
+                with torch.set_grad_enabled(training):  # grad mode is per thread
+                    if channels is None:
+                        handlers[a.kind](a, run, step)
+                    else:
+                        self._exchange(a, run, step)
+            if recorder is not None:
+                ipu = self._ipu(a)
+                if ipu not in timed:
+                    recorder.add(ipu, a.stage, a.microbatch, a.kind.value, start,
+                                 time.perf_counter(), run.index)
+        return act
 
     # -- stages in other processes --------------------------------------------------------
 
@@ -300,74 +323,13 @@ class Executor(Updates):
                 event.record(torch.cuda.current_stream(device))
                 run.ready[device, i] = event
 
-    def _plan(self, schedule: Schedule) -> "_Plan":
-        """How this process runs ``schedule`` (cached per schedule): see :class:`_Plan`."""
-        cached = self._plans.get(id(schedule))
-        if cached is not None and cached.schedule is schedule:
-            return cached
-        # This process's actions: every one unless stages run in other processes, where
-        # a dependency is a message instead ([Note: stages in other processes]).
-        mine = [[a for a in row if a is not None and self._here(a)] for row in schedule.rows]
-        lists = {ipu: [] for ipu in self.placement.devices}
-        rows = {}
-        for t, row in enumerate(mine):
-            for a in row:
-                lists[self._ipu(a)].append(a)
-                rows[a] = t
-        waits = {a: [d for d in schedule.dependencies(a)
-                     if self._here(d) and self._ipu(d) != self._ipu(a)] for a in rows}
-        total_order = all(sum(a is not None for a in row) <= 1 for row in schedule.rows)
-        in_order = [(self._ipu(a), a) for row in mine for a in row] if total_order else None
-        ahead = {}  # per action, the next one of its stream that receives messages
-        for actions in lists.values() if self.channels is not None else ():
-            following = None
-            for a in reversed(actions):
-                ahead[a] = following
-                if self.channels.receives(a):
-                    following = a
-        here, threads = self.placement.here(lists, in_order)
-        plan = self._plans[id(schedule)] = _Plan(
-            schedule, lists, waits, rows, in_order, ahead, threads,
-            None if here is None else [(a, self.handlers[a.kind], (ipu, a.stage, a.microbatch,
-                                                                    a.kind.value))
-                                       for ipu, a in here])
+    def _plan(self, schedule: Schedule) -> Plan:
+        """How this process runs ``schedule`` (``plan.make_plan``, cached per schedule)."""
+        plan = self._plans.get(id(schedule))
+        if plan is None or plan.schedule is not schedule:
+            plan = self._plans[id(schedule)] = make_plan(
+                schedule, self.placement, self.handlers, self._ipu, self._here, self.channels)
         return plan
-
-    def _run_here(self, plan: "_Plan", run: Run, step: Optional[StepArithmetic],
-                  recorder: Optional[Recorder]) -> None:
-        """Run the plan's actions in order on the caller's thread ([Note: streams] in
-        ``placement``): the dispatch, the grad mode and the thread count resolved once per
-        run, not per action.
-
-        Raises:
-            ActionFailed: an action raised (KeyboardInterrupt and SystemExit go through,
-                with a note of the action).
-        """
-        threads, ours = plan.threads, torch.get_num_threads()
-        if threads is not None and threads != ours:
-            torch.set_num_threads(threads)
-        a, where = None, None
-        clock, records = time.perf_counter, recorder.records if recorder is not None else None
-        try:
-            with torch.set_grad_enabled(run.training):  # grad mode is per thread
-                if records is None:
-                    for a, handler, where in plan.here:
-                        handler(a, run, step)
-                else:
-                    index = run.index
-                    for a, handler, where in plan.here:
-                        start = clock()
-                        handler(a, run, step)
-                        records.append((*where, start, clock(), index))
-        except KeyboardInterrupt as exc:
-            exc.add_note(f"poptorch_lite: interrupted while running {a} on stream {where[0]}; "
-                         f"every stream stopped before its next action")
-            raise
-        except BaseException as exc:
-            raise ActionFailed(a, exc) from None
-        finally:
-            if threads is not None and threads != ours:
-                torch.set_num_threads(ours)
 
     def _ipu(self, a: Action) -> int:
         """The IPU (stream) that runs ``a``; the update runs on this process's first."""
@@ -427,22 +389,3 @@ class Executor(Updates):
             location=where) from exc
 
 
-
-class _Plan:
-    """How an executor runs one schedule, worked out once per schedule.
-
-    Attributes:
-        lists: IPU -> the actions its stream runs, in order; rows: action -> its row.
-        waits: action -> the actions on other streams it waits for.
-        in_order: ``(ipu, action)`` in row order when the schedule is a total order, else None.
-        ahead: action -> the next action of its stream that receives messages (processes).
-        here: when the caller's thread runs every action itself (``Placement.here``),
-            ``(action, handler, (ipu, stage, micro-batch, kind))`` in order; else None.
-        threads: the intra-op threads for ``here`` (None: the caller's).
-    """
-
-    __slots__ = ("schedule", "lists", "waits", "rows", "in_order", "ahead", "threads", "here")
-
-    def __init__(self, schedule, lists, waits, rows, in_order, ahead, threads, here):
-        self.schedule, self.lists, self.waits, self.rows = schedule, lists, waits, rows
-        self.in_order, self.ahead, self.threads, self.here = in_order, ahead, threads, here

@@ -94,25 +94,26 @@ class Program:
         def replica_of(j: int) -> int:  # micro-batch j of a run: [Note: batch layout]
             return j % R
 
-        for d, ks in enumerate(runs):
-            undo = capture(weights, None, loss_scale, False, rng=False) if per_run else None
-            before = ex.steps_applied
-            weights.buffers_move()
-            try:
-                out, run_stats = ex.run(schedule, tensors[ks.start:ks.stop], replica_of, step,
-                                        recorder, d, options.watchdog_timeout,
-                                        [k in kept for k in ks], bases[d])
-            except BaseException:
-                committed = ex.steps_applied != before
-                if undo is not None and not committed:
-                    undo()
-                if rewind is not None:
-                    rewind(d + committed)
-                raise
-            finally:
+        keep = [k in kept for k in range(mbs.factor)]
+        with ex.call(schedule, step, recorder, options.watchdog_timeout) as call:
+            for d, ks in enumerate(runs):
+                undo = capture(weights, None, loss_scale, False, rng=False) if per_run else None
+                before = ex.steps_applied
                 weights.buffers_move()
-            outputs += out
-            stats.append(run_stats)
+                try:
+                    out, run_stats = call.run(tensors[ks.start:ks.stop], replica_of, d,
+                                              keep[ks.start:ks.stop], bases[d])
+                except BaseException:
+                    committed = ex.steps_applied != before
+                    if undo is not None and not committed:
+                        undo()
+                    if rewind is not None:
+                        rewind(d + committed)
+                    raise
+                finally:
+                    weights.buffers_move()
+                outputs += out
+                stats.append(run_stats)
         return outputs, (schedule, stats, recorder)
 
     def describe(self, training: bool, D: int, R: int, G: int, b: int) -> str:

@@ -90,23 +90,28 @@ class Entry:
 class Run:
     """The state of one run of a schedule: values, stashes and gradients per micro-batch."""
 
+    __slots__ = ("inputs", "placed", "ready", "replica_of", "rng", "values", "grads", "results",
+                 "stash", "stash_bytes", "accum", "stats", "excluded", "inbox", "outbox",
+                 "shapes", "sends", "posted", "failed", "remote_failure", "index", "training",
+                 "kept", "keeps", "ahead")
+
     def __init__(self, partition: Partition, microbatches: Sequence[Sequence[torch.Tensor]],
                  replica_of: Callable, streams: Optional[list], index: int = 0,
                  training: bool = True, kept: Sequence[int] = (), ahead: Optional[dict] = None):
-        S = partition.num_stages
+        S, M = len(partition.stages), len(microbatches)
         self.inputs = microbatches
         self.placed: dict = {}                             # (ipu, i, k) -> input k in ipu's memory
         self.ready: dict = {}                              # (device, i) -> CUDA event: copied
         self.replica_of = replica_of
         self.rng = streams                                 # per micro-batch, or None
-        self.values = [dict() for _ in microbatches]      # value name -> tensor, per micro-batch
-        self.grads = [dict() for _ in microbatches]       # value name -> gradient, per micro-batch
-        self.results = [dict() for _ in microbatches]     # returned values, detached
+        self.values = [{} for _ in range(M)]              # value name -> tensor, per micro-batch
+        self.grads = [{} for _ in range(M)]               # value name -> gradient, per micro-batch
+        self.results = [{} for _ in range(M)]             # returned values, detached
         self.stash = [collections.deque() for _ in range(S)]
         self.stash_bytes = [0] * S                         # the bytes each stash holds now
         self.accum: dict = {}                              # param name -> (tensor, accumulator)
         self.stats = RunStats([0] * S, [0] * S)
-        self.excluded: set = set()                         # storages not counted as stash
+        self.excluded: set = _NOTHING                      # storages not counted as stash
         # [Note: stages in other processes] in distributed
         self.inbox: dict = {}     # (stage, i) -> {value name: tensor} from another process
         self.outbox: dict = {}    # (stage, i) -> {value name: gradient} for another process
@@ -119,6 +124,9 @@ class Run:
         self.kept = kept          # the micro-batches whose outputs the call returns
         self.keeps = frozenset(kept)
         self.ahead = ahead or {}  # action -> the next action of its stream that receives
+
+
+_NOTHING: frozenset = frozenset()
 
 
 def _drop(t: torch.Tensor) -> None:
@@ -204,10 +212,10 @@ class StageWork:
                 if name in self.written[s]:  # [Note: buffers written in forward]
                     v = v.detach()
             elif kind == "input":  # placed in this IPU's memory when the run began
-                v = run.placed.get((ipu, i, key))
+                v = run.placed.get((ipu, i, key)) if run.placed else None
                 if v is None:
                     v = run.inputs[i][key]
-                ready = run.ready.get((device, i))
+                ready = run.ready.get((device, i)) if run.ready else None
                 if ready is not None:  # its copy to this GPU, enqueued by the caller
                     torch.cuda.current_stream(device).wait_event(ready)
             else:  # computed by an earlier stage: [Note: autograd boundary]
@@ -369,14 +377,17 @@ class StageWork:
                     grads.append(g)
             if tensors:
                 torch.autograd.backward(tensors, grads)
-            _collect_grads(leaves, pending)
+            if leaves:
+                _collect_grads(leaves, pending)
+        values = run.values[i]
         for name in st.outputs:
-            run.values[i].pop(name, None)
+            values.pop(name, None)
         boundary, remote = entry.boundary, self.remote[a.stage]
         if remote:  # to the stages of other processes: [Note: stages in other processes]
             run.outbox[a.stage, i] = {n: boundary[n].grad for n in remote if n in boundary}
             boundary = {n: leaf for n, leaf in boundary.items() if n not in remote}
-        _collect_grads(boundary, grads_in)  # input gradients go upstream
+        if boundary:
+            _collect_grads(boundary, grads_in)  # input gradients go upstream
         if step.accum_dtype is not None:
             self._accumulate(a.stage, run, step.accum_dtype)
 

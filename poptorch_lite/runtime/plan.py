@@ -1,0 +1,149 @@
+"""Plans: how an executor runs a schedule, worked out once per schedule, and a call's runs.
+
+[Note: one setup per call]
+A training call of ``deviceIterations(D)`` runs its schedule D times, one run per
+optimizer step, so whatever a run sets up is paid every step (a step of a small model
+is a few milliseconds, and each piece of setup runs cold). What does not change
+between runs is therefore worked out once: per schedule, the :class:`Plan` (each
+stream's list, the waits, and, when the caller's thread runs the actions itself, the
+ordered actions with their handlers and timeline labels); per call, the :class:`Call`
+(the plan, and on the caller's thread the intra-op thread count and the grad mode,
+entered once and restored when the call ends, also when it fails). A run then only
+makes its state (``stage_work.Run``), seeds its micro-batches' random streams, clears
+the gradients and runs its actions; its commit point, undo and failure report are
+unchanged ([Note: commit point] in ``update``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import torch
+
+from .schedule import Schedule
+from .streams import ActionFailed
+
+
+class Plan:
+    """How an executor runs one schedule, worked out once per schedule.
+
+    Attributes:
+        lists: IPU -> the actions its stream runs, in order; rows: action -> its row.
+        waits: action -> the actions on other streams it waits for.
+        in_order: ``(ipu, action)`` in row order when the schedule is a total order, else None.
+        ahead: action -> the next action of its stream that receives messages (processes).
+        here: when the caller's thread runs every action itself (``Placement.here``),
+            ``(action, handler, (ipu, stage, micro-batch, kind))`` in order; else None.
+        threads: the intra-op threads for ``here`` (None: the caller's).
+    """
+
+    __slots__ = ("schedule", "lists", "waits", "rows", "in_order", "ahead", "threads", "here")
+
+    def __init__(self, schedule: Schedule, lists: dict, waits: dict, rows: dict,
+                 in_order: Optional[list], ahead: dict, threads: Optional[int],
+                 here: Optional[list]):
+        self.schedule, self.lists, self.waits, self.rows = schedule, lists, waits, rows
+        self.in_order, self.ahead, self.threads, self.here = in_order, ahead, threads, here
+
+
+def make_plan(schedule: Schedule, placement, handlers: dict, ipu_of: Callable,
+              runs_here: Callable, channels=None) -> Plan:
+    """The plan of ``schedule`` for an executor.
+
+    Args:
+        placement: the executor's ``Placement``; handlers: action kind -> its handler.
+        ipu_of: action -> the IPU (stream) that runs it; runs_here: action -> whether this
+            process runs it ([Note: stages in other processes] in ``distributed``).
+        channels: the messages to other processes' stages (None: every stage runs here).
+    """
+    # This process's actions: every one unless stages run in other processes, where
+    # a dependency is a message instead.
+    mine = [[a for a in row if a is not None and runs_here(a)] for row in schedule.rows]
+    lists = {ipu: [] for ipu in placement.devices}
+    rows = {}
+    for t, row in enumerate(mine):
+        for a in row:
+            lists[ipu_of(a)].append(a)
+            rows[a] = t
+    waits = {a: [d for d in schedule.dependencies(a) if runs_here(d) and ipu_of(d) != ipu_of(a)]
+             for a in rows}
+    total_order = all(sum(a is not None for a in row) <= 1 for row in schedule.rows)
+    in_order = [(ipu_of(a), a) for row in mine for a in row] if total_order else None
+    ahead = {}  # per action, the next one of its stream that receives messages
+    for actions in lists.values() if channels is not None else ():
+        following = None
+        for a in reversed(actions):
+            ahead[a] = following
+            if channels.receives(a):
+                following = a
+    here, threads = placement.here(lists, in_order) if channels is None else (None, None)
+    return Plan(schedule, lists, waits, rows, in_order, ahead, threads,
+                None if here is None else [(a, handlers[a.kind], (ipu, a.stage, a.microbatch,
+                                                                   a.kind.value))
+                                           for ipu, a in here])
+
+
+class Call:
+    """A call's runs of one plan ([Note: one setup per call]); a context manager.
+
+    Args:
+        run: the executor's run of one set of micro-batches with this call
+            (``Executor._run``); plan: the schedule's plan; step: the optimizer step's
+            arithmetic (None: inference); recorder: the timeline's (None: not recorded);
+            watchdog: ``Options.watchdogTimeout``.
+    """
+
+    def __init__(self, run: Callable, plan: Plan, step, recorder, watchdog: Optional[float]):
+        self._run, self.plan, self.step, self.recorder = run, plan, step, recorder
+        self.watchdog = watchdog
+        self._restore: Optional[tuple] = None
+
+    def __enter__(self) -> "Call":
+        if self.plan.here is not None:  # the caller's thread runs the actions: its settings
+            threads, ours = self.plan.threads, torch.get_num_threads()
+            self._restore = (ours, torch.is_grad_enabled())
+            if threads is not None and threads != ours:
+                torch.set_num_threads(threads)
+            torch.set_grad_enabled(self.plan.schedule.training)  # grad mode is per thread
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._restore is not None:
+            ours, grad = self._restore
+            if torch.get_num_threads() != ours:
+                torch.set_num_threads(ours)
+            torch.set_grad_enabled(grad)
+            self._restore = None
+
+    def run(self, microbatches, replica_of: Callable, index: int = 0, keep=None,
+            base: Optional[int] = None) -> tuple:
+        """One run of the schedule (``Executor.run``'s arguments and result)."""
+        return self._run(self, microbatches, replica_of, index, keep, base)
+
+    def run_here(self, run) -> None:
+        """Run the plan's actions in order on the caller's thread ([Note: streams] in
+        ``placement``), inside the call's thread count and grad mode.
+
+        Raises:
+            ActionFailed: an action raised (KeyboardInterrupt and SystemExit go through,
+                with a note of the action).
+        """
+        a = where = None
+        step, recorder = self.step, self.recorder
+        try:
+            if recorder is None:
+                for a, handler, where in self.plan.here:
+                    handler(a, run, step)
+            else:
+                clock, records, index = time.perf_counter, recorder.records, run.index
+                for a, handler, where in self.plan.here:
+                    start = clock()
+                    handler(a, run, step)
+                    records.append((*where, start, clock(), index))
+        except KeyboardInterrupt as exc:
+            exc.add_note(f"poptorch_lite: interrupted while running {a} on stream {where[0]}; "
+                         f"every stream stopped before its next action")
+            raise
+        except BaseException as exc:
+            raise ActionFailed(a, exc) from None
