@@ -9,13 +9,15 @@ Cases (issue 11's table):
 - ``conv16``: the same net, micro-batch 16, deviceIterations 1, SGD with momentum;
 - ``mlp``:    8 x Linear(1024)+ReLU, one stage, micro-batch 32, accumulation 8, Adam.
 
-Each pair starts a plain process and a poptorch_lite process one after the other
-(which goes first alternates), each warming up and then timing ``--calls`` calls
-of the same arithmetic; a process reports its median time per optimizer step and
-its peak resident memory. The parent prints, per case and thread count, the
-median ratio (poptorch_lite / plain) over the pairs with its spread (min-max),
-and the ratio of peak RSS. The two sides never share a process, so their thread
-pools never compete.
+Each pair starts a plain process and a poptorch_lite process side by side; both warm
+up (and trace), then take turns: the parent asks one for a block of ``--calls`` calls,
+then the other, ``--blocks`` times each (which goes first alternates), while the other
+waits on its pipe, so only one computes at a time and their thread pools never compete.
+A block's time is the median per optimizer step of its calls; a pair's ratio is the
+median over its blocks of (poptorch_lite block / the plain block beside it), so a
+shared machine's drift over seconds falls on both sides alike. The parent prints, per
+case and thread count, the median ratio over the pairs with its spread (min-max), the
+median step times, and the ratio of peak RSS.
 """
 
 import argparse
@@ -42,8 +44,11 @@ parser.add_argument("--threads", type=int, nargs="*", default=[0, 1],
                     help="torch intra-op threads per process (0: torch's default)")
 parser.add_argument("--pairs", type=int, default=5, help="plain/poptorch_lite process pairs")
 parser.add_argument("--calls", type=int, default=0,
-                    help="timed calls per process (0: about two seconds' worth)")
+                    help="timed calls per block (0: about a quarter second's worth)")
+parser.add_argument("--blocks", type=int, default=15, help="blocks of calls per side and pair")
 parser.add_argument("--side", choices=["plain", "lite"], help="run one side here and print JSON")
+parser.add_argument("--serve", action="store_true",
+                    help="with --side: time a block of calls per line read from stdin")
 
 
 class ConvNet(nn.Module):
@@ -108,6 +113,8 @@ def plain_call(model, optimizer, x, y, B, D, G):
 
 
 def one_side(args):
+    """One side: standalone, time ``--calls`` calls and print a JSON report; with ``--serve``,
+    time a block of calls for each line read on stdin and answer each with a JSON line."""
     threads = args.threads[0]
     if threads:
         torch.set_num_threads(threads)
@@ -130,22 +137,53 @@ def one_side(args):
     if not calls:
         start = time.perf_counter()
         call()
-        calls = max(5, int(2.0 / (time.perf_counter() - start)))
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - start) / D)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (Linux: KiB)
-    print(json.dumps({"step_ms": 1e3 * statistics.median(times), "rss_mib": rss,
-                      "threads": torch.get_num_threads(), "calls": calls}))
+        calls = max(3, int((0.25 if args.serve else 2.0) / (time.perf_counter() - start)))
+
+    def block() -> dict:
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            call()
+            times.append((time.perf_counter() - start) / D)
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (Linux: KiB)
+        return {"step_ms": 1e3 * statistics.median(times), "rss_mib": rss,
+                "threads": torch.get_num_threads(), "calls": calls}
+    if not args.serve:
+        return print(json.dumps(block()))
+    print(json.dumps({"ready": True}), flush=True)
+    for _ in sys.stdin:  # one block per request, until the parent closes the pipe
+        print(json.dumps(block()), flush=True)
 
 
-def run_side(side, case, threads, calls):
-    cmd = [sys.executable, __file__, "--side", side, "--case", case, "--threads", str(threads),
-           "--calls", str(calls)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+def run_pair(case, threads, calls, blocks, lite_first):
+    """One plain and one poptorch_lite process, taking turns for ``blocks`` blocks each."""
+    sides = {}
+    for side in ("plain", "lite"):
+        cmd = [sys.executable, __file__, "--side", side, "--case", case, "--threads",
+               str(threads), "--calls", str(calls), "--serve"]
+        sides[side] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                       text=True)
+        json.loads(sides[side].stdout.readline())  # warmed up: one at a time
+
+    def ask(side):
+        proc = sides[side]
+        proc.stdin.write("block\n")
+        proc.stdin.flush()
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {side} process of {case} exited: rc {proc.wait()}")
+        return json.loads(line)
+    got = {"plain": [], "lite": []}
+    try:
+        for k in range(blocks):
+            order = ("lite", "plain") if (k % 2 == 0) == lite_first else ("plain", "lite")
+            for side in order:
+                got[side].append(ask(side))
+    finally:
+        for proc in sides.values():
+            proc.stdin.close()
+            proc.wait()
+    return got
 
 
 def main():
@@ -157,18 +195,19 @@ def main():
           f"{'spread':>13} {'RSS ratio':>9}")
     for case in cases:
         for threads in args.threads:
-            pairs = []
+            ratios, plain_ms, lite_ms, rss = [], [], [], []
             for k in range(args.pairs):
-                order = ("plain", "lite") if k % 2 == 0 else ("lite", "plain")
-                got = {side: run_side(side, case, threads, args.calls) for side in order}
-                pairs.append(got)
-            ratios = [p["lite"]["step_ms"] / p["plain"]["step_ms"] for p in pairs]
-            rss = statistics.median(p["lite"]["rss_mib"] / p["plain"]["rss_mib"] for p in pairs)
-            print(f"{case:8} {pairs[0]['plain']['threads']:>7} "
-                  f"{statistics.median(p['plain']['step_ms'] for p in pairs):9.3f} "
-                  f"{statistics.median(p['lite']['step_ms'] for p in pairs):9.3f} "
-                  f"{statistics.median(ratios):6.3f} {min(ratios):6.3f}-{max(ratios):6.3f} "
-                  f"{rss:9.3f}", flush=True)
+                got = run_pair(case, threads, args.calls, args.blocks, lite_first=k % 2 == 1)
+                ratios.append(statistics.median(
+                    lite["step_ms"] / plain["step_ms"] for plain, lite in zip(got["plain"],
+                                                                              got["lite"])))
+                plain_ms.append(statistics.median(b["step_ms"] for b in got["plain"]))
+                lite_ms.append(statistics.median(b["step_ms"] for b in got["lite"]))
+                rss.append(got["lite"][-1]["rss_mib"] / got["plain"][-1]["rss_mib"])
+            print(f"{case:8} {got['plain'][0]['threads']:>7} {statistics.median(plain_ms):9.3f} "
+                  f"{statistics.median(lite_ms):9.3f} {statistics.median(ratios):6.3f} "
+                  f"{f'{min(ratios):.3f}-{max(ratios):.3f}':>13} {statistics.median(rss):9.3f}",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,35 @@ def test_tax_runs_one_side_and_reports_its_step_time_and_memory(side):
     assert report["step_ms"] > 0 and report["rss_mib"] > 0
 
 
+def test_tax_pairs_the_two_sides_block_by_block():
+    """The parent keeps a plain and a poptorch_lite process side by side and asks each for
+    blocks in turn; one pair of two blocks of one call each (figures are not checked)."""
+    done = subprocess.run([sys.executable, str(BENCH / "tax.py"), "--case", "conv16",
+                           "--threads", "1", "--pairs", "1", "--blocks", "2", "--calls", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    header, row = done.stdout.strip().splitlines()
+    assert header.split() == ["case", "threads", "plain", "ms", "lite", "ms", "ratio", "spread",
+                              "RSS", "ratio"]
+    case, threads, plain_ms, lite_ms, ratio, spread, rss = row.split()
+    assert (case, threads) == ("conv16", "1")
+    assert float(plain_ms) > 0 and float(lite_ms) > 0 and float(rss) > 0
+    assert spread == f"{float(ratio):.3f}-{float(ratio):.3f}"  # one pair: its own spread
+
+
+def test_machinery_compares_the_wrapped_model_with_a_bare_loop_of_its_stage_graph():
+    """A smoke run of one round with the layer timers (figures are not checked)."""
+    done = subprocess.run([sys.executable, str(BENCH / "machinery.py"), "--model", "tiny",
+                           "--rounds", "1", "--timers"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    first, second = done.stdout.strip().splitlines()
+    assert first.startswith("tiny: per step (us, median of 1 rounds, 1 thread): plain ")
+    assert "lite - bare" in first
+    assert second.strip().startswith("own time per step (us): Program.run ")
+    assert "handlers: forward" in second
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
 def test_the_gpu_benchmark_says_there_is_no_gpu_and_exits_0():
     done = subprocess.run([sys.executable, str(BENCH / "gpu.py")], capture_output=True,

@@ -73,3 +73,61 @@ def test_a_failing_action_names_its_place_and_the_model_works_on_the_next_call()
     assert isinstance(info.value.__cause__, IndexError)
     loss = wrapped(torch.tensor([1, 2]), y)
     assert loss.dim() == 0 and torch.isfinite(loss)
+
+
+# -- one setup per call ([Note: one setup per call] in runtime/plan.py) -------------------
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_call_runs_in_training_mode_and_its_threads_and_leaves_the_callers_as_they_were(
+        fails):
+    """The caller's thread runs a one-stage model's actions itself, with the grad mode and
+    intra-op threads set once for the call's runs; afterwards (also after a failure in its
+    second run) the caller's own settings are back."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        opts = poptorch.Options().deviceIterations(3)
+        opts.Training.stopOnNonFiniteLoss(True)
+        wrapped = poptorch.trainingModel(Loss(net), opts, torch.optim.SGD(net.parameters(), lr=0.1))
+        x, y = torch.randn(6, 2), torch.randn(6, 2)
+        if fails:
+            x[2] = float("nan")  # micro-batch 1: the second run's loss is not finite
+        start = net[0].weight.detach().clone()
+        torch.set_num_threads(1)
+        with torch.no_grad():
+            if fails:
+                with pytest.raises(poptorch.ExecutionError, match="micro-batch 0 of device "
+                                                                  "iteration 1"):
+                    wrapped(x, y)
+            else:
+                wrapped(x, y)
+            assert not torch.is_grad_enabled()
+        assert torch.get_num_threads() == 1
+        assert not torch.equal(net[0].weight, start)  # the first run's step, in either case
+        if not fails:
+            spans = wrapped.runStatistics().timeline.spans
+            assert [(sp.run, sp.label) for sp in spans] == [
+                (d, label) for d in range(3) for label in ("0F0", "0B0", "0G", "U")]
+    finally:
+        torch.set_num_threads(before)
+
+
+class Loss(torch.nn.Module):
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x, y):
+        return F.mse_loss(self.net(x), y)
+
+
+def test_runtime_docstring_examples_run():
+    import doctest
+
+    from poptorch_lite.runtime import batch, placement
+    for module in (batch, placement):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__

@@ -61,7 +61,8 @@ import torch
 
 from ..errors import OptionsError
 from ..options.device import normalize_device
-from .streams import ActionFailed, ActionStuck, CpuStream, CudaStream, StreamFailed, _close_all
+from .streams import (ActionFailed, ActionStuck, CpuStream, CudaStream, StreamFailed,
+                      _close_all, on_caller)
 
 
 def local_process() -> tuple:
@@ -310,12 +311,11 @@ class Placement:
             for ipu, a in actions:
                 try:
                     call(a)
-                except KeyboardInterrupt as exc:
-                    exc.add_note(f"poptorch_lite: interrupted while running {a} on stream {ipu}; "
-                                 f"every stream stopped before its next action")
-                    raise
                 except BaseException as exc:
-                    raise ActionFailed(a, exc) from None
+                    raised = on_caller(a, ipu, exc)
+                    if raised is exc:
+                        raise
+                    raise raised from None
         finally:
             if threads is not None and threads != ours:
                 torch.set_num_threads(ours)

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from .schedule import Schedule
-from .streams import ActionFailed
+from .streams import on_caller
 
 
 class Plan:
@@ -141,9 +141,8 @@ class Call:
                     start = clock()
                     handler(a, run, step)
                     records.append((*where, start, clock(), index))
-        except KeyboardInterrupt as exc:
-            exc.add_note(f"poptorch_lite: interrupted while running {a} on stream {where[0]}; "
-                         f"every stream stopped before its next action")
-            raise
         except BaseException as exc:
-            raise ActionFailed(a, exc) from None
+            raised = on_caller(a, where[0] if where else None, exc)
+            if raised is exc:
+                raise
+            raise raised from None

@@ -61,6 +61,16 @@ class ActionFailed(Exception):
         self.action, self.exc = action, exc
 
 
+def on_caller(a, ipu: int, exc: BaseException) -> BaseException:
+    """What the caller's thread raises when action ``a`` of stream ``ipu``, run there, raised
+    ``exc``: a KeyboardInterrupt itself, with a note of where; anything else as ActionFailed."""
+    if isinstance(exc, KeyboardInterrupt):
+        exc.add_note(f"poptorch_lite: interrupted while running {a} on stream {ipu}; every "
+                     f"stream stopped before its next action")
+        return exc
+    return ActionFailed(a, exc)
+
+
 class ActionStuck(Exception):
     """No action finished for ``.seconds``; ``.running`` maps stream -> its current action."""
 

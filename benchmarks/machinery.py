@@ -1,0 +1,146 @@
+"""The runtime's own cost per step: poptorch_lite against a bare loop of its compiled stage graph.
+
+    python benchmarks/machinery.py                  # the tiny model and the tutorial conv net
+    python benchmarks/machinery.py --model tiny --rounds 150 --timers
+
+A one-stage model at deviceIterations 50 (micro-batch 8, SGD, dropout) runs three ways in one
+process, one intra-op thread, in interleaved rounds: ``plain`` (the module, as tax.py's plain
+side), ``bare`` (a loop over the stage graph poptorch_lite compiled: clear the gradients, the
+forward under the micro-batch's random stream, backward, ``optimizer.step()``) and ``lite``
+(the wrapped model). ``lite - bare`` is what the runtime adds per step around the same
+arithmetic: the run's setup, dispatch and bookkeeping ([Note: one setup per call] in
+``runtime/plan.py``). With ``--timers``, timers around ``Program.run``, ``Executor._run``,
+``Call.run_here`` and the action handlers split that per layer (the timers cost about a
+microsecond each). Medians per optimizer step over the rounds.
+"""
+
+import argparse
+import collections
+import copy
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+import poptorch_lite as poptorch  # noqa: E402
+from poptorch_lite.compiler import rng  # noqa: E402
+from poptorch_lite.runtime import executor, plan, program, stage_work, update  # noqa: E402
+
+D, B = 50, 8
+
+
+class Tiny(nn.Module):
+    """Two small linear layers with dropout: almost all of a step is the machinery."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.d, self.l2 = nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 3)
+        self.loss = nn.CrossEntropyLoss()
+
+    def forward(self, x, y):
+        out = self.l2(self.d(torch.relu(self.l1(x))))
+        return out, self.loss(out, y)
+
+
+def build(name):
+    torch.manual_seed(0)
+    if name == "tiny":
+        return Tiny(), torch.randn(D * B, 4), torch.randint(0, 3, (D * B,))
+    from tax import ConvNet
+    return ConvNet(), torch.randn(D * B, 1, 28, 28), torch.randint(0, 10, (D * B,))
+
+
+TIMERS = collections.Counter()
+
+
+def timed(owner, name, key):
+    """Add the time spent in ``owner.name`` to ``TIMERS[key]``."""
+    fn = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TIMERS[key] += time.perf_counter() - start
+    setattr(owner, name, wrapper)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["tiny", "conv", "all"], default="all")
+    parser.add_argument("--rounds", type=int, default=60, help="interleaved rounds")
+    parser.add_argument("--timers", action="store_true", help="time the runtime's layers")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.timers:  # before any wrapper exists: the executors bind the handlers
+        for owner, name in ((program.Program, "run"), (executor.Executor, "_run"),
+                            (plan.Call, "run_here"), (stage_work.StageWork, "forward"),
+                            (stage_work.StageWork, "backward"), (update.Updates, "_reduce"),
+                            (update.Updates, "_step")):
+            timed(owner, name, name)
+    for name in ["tiny", "conv"] if args.model == "all" else [args.model]:
+        measure(name, args.rounds, args.timers)
+
+
+def measure(name, rounds, timers):
+    model, x, y = build(name)
+    lite_model, bare_model = copy.deepcopy(model), copy.deepcopy(model)
+    sgd = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (model, lite_model, bare_model)]
+    wrapped = poptorch.trainingModel(lite_model, poptorch.Options().deviceIterations(D), sgd[1])
+    wrapped(x, y)
+    stage = next(iter(wrapped._programs.values())).partition.stages[0]
+    params = dict(bare_model.named_parameters())
+    leaves = {"input:0": x.split(B), "input:1": y.split(B)}
+
+    def plain():
+        for d in range(D):
+            sgd[0].zero_grad(set_to_none=True)
+            _, loss = model(x[d * B:(d + 1) * B], y[d * B:(d + 1) * B])
+            loss.backward()
+            sgd[0].step()
+
+    def bare():
+        bases = rng.draw_bases(D)
+        for d in range(D):
+            for p in params.values():
+                p.grad = None
+            args = [leaves[n][d] if n in leaves else params[n.split(":", 1)[1]]
+                    for n in stage.inputs]
+            with rng.use(rng.Stream(bases[d])):
+                out = stage.module(*args)
+            torch.autograd.backward([out[1]], [torch.ones_like(out[1])])
+            sgd[2].step()
+
+    sides = {"plain": plain, "bare": bare, "lite": lambda: wrapped(x, y)}
+    for fn in sides.values():
+        fn()
+    TIMERS.clear()
+    times = {k: [] for k in sides}
+    for r in range(rounds):
+        for k in (list(sides) if r % 2 else list(sides)[::-1]):
+            start = time.perf_counter()
+            sides[k]()
+            times[k].append((time.perf_counter() - start) / D * 1e6)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"{name}: per step (us, median of {rounds} rounds, 1 thread): plain {med['plain']:.1f}, "
+          f"bare {med['bare']:.1f}, lite {med['lite']:.1f}; lite - bare {med['lite'] - med['bare']:.1f}"
+          f" ({med['lite'] / med['plain']:.3f}x plain)")
+    if timers:
+        per = {k: v / (rounds * D) * 1e6 for k, v in TIMERS.items()}
+        handlers = sum(per[k] for k in ("forward", "backward", "_reduce", "_step"))
+        print(f"  own time per step (us): Program.run {per['run'] - per['_run']:.1f}, "
+              f"Executor._run {per['_run'] - per['run_here']:.1f}, Call.run_here "
+              f"{per['run_here'] - handlers:.1f}; handlers: forward {per['forward']:.1f}, "
+              f"backward {per['backward']:.1f}, reduce {per['_reduce']:.1f}, "
+              f"step {per['_step']:.1f}")
+
+
+if __name__ == "__main__":
+    main()
