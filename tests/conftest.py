@@ -6,13 +6,18 @@ import pytest
 import torch
 
 from poptorch_lite import errors
+from poptorch_lite.runtime import gpu
+
+from gpu_twin import TwinGpu
 
 import probes
 from models import exited, workers
 
 # "ipu_model": every IPU on the CPU with a memory of its own (Options.useIpuModel(True)), the
-# path that separate GPUs take, so that it runs on machines without one.
-DEVICES = ["cpu", "ipu_model"] + (["cuda"] if torch.cuda.is_available() else [])
+# path that separate GPUs take, so that it runs on machines without one. "gpu_twin": every
+# IPU on the GPU twin (gpu_twin.py): the GPU's branches, streams, events and asynchronous
+# input copies, with CPU tensors ([Note: the GPU seam] in poptorch_lite/runtime/gpu.py).
+DEVICES = ["cpu", "ipu_model", "gpu_twin"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def pytest_generate_tests(metafunc):
@@ -50,3 +55,15 @@ def no_workers_left_over():
         gc.collect()
         exited()
     yield
+
+
+@pytest.fixture(autouse=True)
+def twin_gpu(request):
+    """The GPU twin, in force for the placements of a test run on the ``gpu_twin`` device
+    (None for the other devices)."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is None or callspec.params.get("device") != "gpu_twin":
+        yield None
+        return
+    with gpu.installed(TwinGpu()) as twin:
+        yield twin

@@ -113,9 +113,10 @@ def exited(timeout: float = 5.0) -> bool:
 
 
 def on_device(opts, device):
-    """Put every IPU of ``opts`` on the test's ``device``: "cpu", "cuda", or "ipu_model" (the
-    CPU, with a memory per IPU: ``Options.useIpuModel(True)``)."""
-    opts.set_ipu_devices("cpu" if device == "ipu_model" else device)
+    """Put every IPU of ``opts`` on the test's ``device``: "cpu", "cuda", "ipu_model" (the
+    CPU, with a memory per IPU: ``Options.useIpuModel(True)``) or "gpu_twin" (the GPU twin's
+    device, ``gpu_twin.TWIN``; conftest installs the twin for such a test)."""
+    opts.set_ipu_devices({"ipu_model": "cpu", "gpu_twin": "cpu:0"}.get(device, device))
     if device == "ipu_model":
         opts.useIpuModel(True)
     return opts

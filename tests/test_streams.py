@@ -291,14 +291,15 @@ def test_only_the_micro_batches_an_output_mode_returns_are_copied_to_the_host(
 
 def test_inputs_are_copied_once_into_each_ipu_memory_that_lacks_them(monkeypatch, device):
     """A stage reads its inputs from the copies made when the run began (one per micro-batch
-    and IPU memory), and the user's own tensors where the memory is the same."""
+    and IPU memory, holding that micro-batch's rows), and the user's own tensors where the
+    memory is the same. The spy keeps every tensor a stage read alive, so no two copies can
+    share an address (a caching allocator reuses a freed copy's)."""
     seen = []
     original = StageWork.args
 
     def spy(self, s, run, i, dev):
         args, boundary = original(self, s, run, i, dev)
-        seen.extend((s, i, a.untyped_storage().data_ptr())
-                    for a, (_, kind, _) in zip(args, self.sources[s]) if kind == "input")
+        seen.extend((s, i, a) for a, (_, kind, _) in zip(args, self.sources[s]) if kind == "input")
         return args, boundary
     monkeypatch.setattr(StageWork, "args", spy)
     torch.manual_seed(0)
@@ -307,8 +308,11 @@ def test_inputs_are_copied_once_into_each_ipu_memory_that_lacks_them(monkeypatch
     poptorch.trainingModel(model, on_device(pipelined("grouped", 4), device),
                            torch.optim.SGD(model.parameters(), lr=0.1))(x, y)
     users = {x.untyped_storage().data_ptr(), y.untyped_storage().data_ptr()}
-    assert len(seen) == 8  # x read by stage 0, y by stage 1, for each of 4 micro-batches
-    copies = {ptr for _, _, ptr in seen} - users
+    # x read by stage 0, y by stage 1, for each of 4 micro-batches, each its own rows
+    assert sorted((s, i) for s, i, _ in seen) == [(s, i) for s in (0, 1) for i in range(4)]
+    for s, i, a in seen:
+        assert torch.equal(a.cpu(), (x if s == 0 else y)[2 * i:2 * i + 2]), (s, i)
+    copies = {a.untyped_storage().data_ptr() for _, _, a in seen} - users
     assert len(copies) == (0 if device == "cpu" else 8)
 
 

@@ -30,6 +30,8 @@ from .streams import ActionFailed, ActionStuck, StreamFailed
 from .update import PartialUpdate, StepArithmetic, Updates
 from .weights import Weights
 
+_HOST = torch.device("cpu")
+
 
 class Executor(Updates):
     """Runs schedules over the stages of one partition.
@@ -84,10 +86,11 @@ class Executor(Updates):
             keys = [key for _, kind, key in sources if kind == "input"]
             if keys and self.local[st.index]:
                 self.input_keys.setdefault(st.ipu, set()).update(keys)
-        self.gpu_ipus = {ipu for ipu, dev in placement.devices.items() if dev.type == "cuda"}
+        self.gpu = placement.gpu  # [Note: the GPU seam] in ``gpu``
+        self.gpu_ipus = {ipu for ipu, dev in placement.devices.items() if self.gpu.is_gpu(dev)}
         self._input_devices = [(k, placement.device(ipu)) for ipu, keys in self.input_keys.items()
                                for k in keys]
-        self._inputs_on_cpu = all(dev.type == "cpu" for _, dev in self._input_devices)
+        self._inputs_on_cpu = all(dev == _HOST for _, dev in self._input_devices)
         # The parameters this process steps (all of them unless stages run elsewhere).
         here = {n for st in partition.stages if self.local[st.index] for n in st.param_names}
         self._stepped = {n: p for n, p in weights.params.items() if n in here}
@@ -289,10 +292,11 @@ class Executor(Updates):
     def _place_inputs(self, run: Run) -> None:
         """Put each IPU's input leaves in its memory, on the caller's thread, before the run.
 
-        A GPU gets one copy per micro-batch (pinned, asynchronous on the caller's
-        stream, with an event its readers wait on: ``Run.ready``); under
-        ``useIpuModel`` every IPU gets a copy of its own. Inputs already where an
-        IPU computes are used as they are.
+        Each micro-batch gets its own copy in each memory that lacks its inputs, shared
+        by the IPUs there (under ``useIpuModel`` every IPU gets a copy of its own). On a
+        GPU the copy is asynchronous, on the caller's current stream, from pinned
+        memory, with one event per micro-batch that its readers wait on (``Run.ready``).
+        Inputs already where an IPU computes are used as they are.
         """
         separate = self.weights.separate_memories
         if not separate and run.inputs:  # a call's micro-batches share their devices
@@ -300,27 +304,27 @@ class Executor(Updates):
             if (all(first[k].is_cpu for k, _ in self._input_devices) if self._inputs_on_cpu
                     else all(first[k].device == dev for k, dev in self._input_devices)):
                 return
-        copies: dict = {}
+        gpu, placed = self.gpu, run.placed
         for i, mb in enumerate(run.inputs):
+            copies = {}     # (device, k) -> micro-batch i's input k there: one per micro-batch
             copied = set()  # the GPUs that micro-batch i was copied to
             for ipu, keys in self.input_keys.items():
                 device = self.placement.device(ipu)
-                gpu = device.type == "cuda"
+                on_gpu = ipu in self.gpu_ipus
                 for k in keys:
                     t = mb[k]
                     if t.device == device and not separate:
                         continue
                     held = None if separate else copies.get((device, k))
                     if held is None:
-                        if gpu and t.device.type == "cpu":
-                            t = t.pin_memory()
-                        held = copies[device, k] = t.to(device, non_blocking=gpu, copy=True)
-                        if gpu:
+                        held = copies[device, k] = (gpu.copy_in(t, device) if on_gpu else
+                                                    t.to(device, copy=True))
+                        if on_gpu:
                             copied.add(device)
-                    run.placed[ipu, i, k] = held
+                    placed[ipu, i, k] = held
             for device in copied:
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(device))
+                event = gpu.Event()
+                event.record(gpu.current_stream(device))
                 run.ready[device, i] = event
 
     def _plan(self, schedule: Schedule) -> Plan:

@@ -61,6 +61,7 @@ import torch
 
 from ..errors import OptionsError
 from ..options.device import normalize_device
+from .gpu import current as current_gpu
 from .streams import (ActionFailed, ActionStuck, CpuStream, CudaStream, StreamFailed,
                       _close_all, on_caller)
 
@@ -173,13 +174,14 @@ class Placement:
 
     def __init__(self, ipus: Sequence[int], mapping: Optional[dict]):
         self.devices = resolve_devices(sorted(set(ipus)), mapping)
+        self.gpu = gpu = current_gpu()  # [Note: the GPU seam] in ``gpu``
         self.streams = {}
-        cpu_streams = sum(dev.type == "cpu" for dev in self.devices.values())
+        gpus = [dev for dev in self.devices.values() if gpu.is_gpu(dev)]
+        cpu_streams = len(self.devices) - len(gpus)
         threads = max(1, torch.get_num_threads() // cpu_streams) if cpu_streams else None
-        gpus = [dev for dev in self.devices.values() if dev.type == "cuda"]
         for ipu, dev in self.devices.items():
             name = f"poptorch_lite-ipu{ipu}"
-            self.streams[ipu] = (CudaStream(name, dev, gpus) if dev.type == "cuda" else
+            self.streams[ipu] = (CudaStream(name, dev, gpus, gpu) if gpu.is_gpu(dev) else
                                  CpuStream(name, threads))
         self.gpus = list(dict.fromkeys(gpus))
         # Garbage collection may run this on any thread, even one that is starting and holds
@@ -197,8 +199,8 @@ class Placement:
         """
         refs = {}
         for dev in self.gpus:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record(torch.cuda.current_stream(dev))
+            event = self.gpu.Event(enable_timing=True)
+            event.record(self.gpu.current_stream(dev))
             refs[dev] = (event, time.perf_counter())
         return refs
 

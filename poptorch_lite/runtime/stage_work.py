@@ -217,7 +217,7 @@ class StageWork:
                     v = run.inputs[i][key]
                 ready = run.ready.get((device, i)) if run.ready else None
                 if ready is not None:  # its copy to this GPU, enqueued by the caller
-                    torch.cuda.current_stream(device).wait_event(ready)
+                    self.placement.gpu.current_stream(device).wait_event(ready)
             else:  # computed by an earlier stage: [Note: autograd boundary]
                 produced = received[name] if name in received else run.values[i][name]
                 v = arrive(produced.detach(), device)  # [Note: values crossing streams] in ``streams``

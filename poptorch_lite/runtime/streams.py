@@ -47,6 +47,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from .gpu import CUDA, Gpu
+
 
 def _set_threads(n: int) -> None:
     torch.get_num_threads()  # torch sets a thread's count lazily, from its default: do it now
@@ -149,31 +151,34 @@ class CpuStream:
 
 
 class CudaStream(CpuStream):
-    """A ``torch.cuda.Stream`` that a worker thread launches actions on ([Note: streams]).
+    """A GPU stream that a worker thread launches actions on ([Note: streams]).
 
     Args:
         name: the worker thread's name prefix.
         device: its GPU.
         others: the placement's other GPUs: the worker keeps a stream on each
             ([Note: values crossing streams]).
+        gpu: the GPU backend (``gpu.CUDA``; a test's twin: [Note: the GPU seam] in ``gpu``).
     """
 
-    def __init__(self, name: str, device: torch.device, others: Sequence[torch.device] = ()):
+    def __init__(self, name: str, device: torch.device, others: Sequence[torch.device] = (),
+                 gpu: Gpu = CUDA):
         super().__init__(name)
         self.device = device
+        self.gpu = gpu
         self.others = [d for d in dict.fromkeys(others) if d != device]
         self._fresh()
 
     def _fresh(self) -> None:
-        self.stream = torch.cuda.Stream(device=self.device)
-        self.side = [torch.cuda.Stream(device=d) for d in self.others]
+        self.stream = self.gpu.Stream(self.device)
+        self.side = [self.gpu.Stream(d) for d in self.others]
 
     def context(self):
         stack = contextlib.ExitStack()
         for side in self.side:  # this thread's current stream on each other GPU
-            stack.enter_context(torch.cuda.stream(side))
-        stack.enter_context(torch.cuda.device(self.device))
-        stack.enter_context(torch.cuda.stream(self.stream))
+            stack.enter_context(self.gpu.stream(side))
+        stack.enter_context(self.gpu.device(self.device))
+        stack.enter_context(self.gpu.stream(self.stream))
         return stack
 
     def wait(self, events: list) -> None:
@@ -187,7 +192,7 @@ class CudaStream(CpuStream):
             self.stream.wait_stream(side)
 
     def record(self):
-        event = torch.cuda.Event(enable_timing=True)
+        event = self.gpu.Event(enable_timing=True)
         event.record(self.stream)
         return event
 
@@ -195,7 +200,7 @@ class CudaStream(CpuStream):
         self.stream.synchronize()
 
     def abandon(self) -> None:
-        """Also leave the CUDA streams to the stuck action: its late launches land there."""
+        """Also leave the GPU streams to the stuck action: its late launches land there."""
         super().abandon()
         self._fresh()
 

@@ -1,0 +1,95 @@
+"""The GPU seam: every call the runtime makes to CUDA, behind one object a test can replace.
+
+[Note: the GPU seam]
+What a run does differently on a GPU (which devices get a stream of their own,
+the streams and events that order work across them, the asynchronous copies of
+a call's inputs into GPU memory) goes through a :class:`Gpu`, never through
+``torch.cuda`` directly. A :class:`~poptorch_lite.runtime.placement.Placement`
+takes the one in force when it is made (:func:`current`), and the executor,
+its stage work and its streams ask that placement's. CUDA's is the only one the
+package has. The test suite installs a twin (``tests/gpu_twin.py``) that takes
+the same branches with CPU tensors: its "GPU" is ``torch.device("cpu", 0)``
+(distinct from the host's ``cpu``, so inputs are copied into it and weights get
+homes of their own there), its streams and events are stand-ins, and a copy
+into it lands only when something waits for it, as on a GPU; until then the
+copy holds NaN. So a bug of the GPU path that has a shape on the CPU (a copy
+read by the wrong micro-batch, a read that does not wait for its copy) fails
+the CPU suite, which CI runs without a GPU. Not twinned: ``record_stream``,
+copies between two GPUs, and GPU arithmetic itself (the CUDA tests and
+``benchmarks/gpu_check.sh`` run those on a real GPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+
+class Gpu:
+    """CUDA, as the runtime uses it ([Note: the GPU seam]).
+
+    The method names are ``torch.cuda``'s, so the code that calls them reads as
+    CUDA code.
+
+    Example:
+        >>> CUDA.is_gpu(torch.device("cpu"))
+        False
+    """
+
+    def is_gpu(self, device: torch.device) -> bool:
+        """Whether stages on ``device`` take the GPU's branches (a stream of their own,
+        events, asynchronous input copies)."""
+        return device.type == "cuda"
+
+    def Stream(self, device: torch.device):  # noqa: N802 (torch.cuda's name)
+        return torch.cuda.Stream(device=device)
+
+    def Event(self, enable_timing: bool = False):  # noqa: N802 (torch.cuda's name)
+        return torch.cuda.Event(enable_timing=enable_timing)
+
+    def current_stream(self, device: torch.device):
+        """This thread's current stream on ``device``."""
+        return torch.cuda.current_stream(device)
+
+    def stream(self, stream) -> contextlib.AbstractContextManager:
+        """Make ``stream`` this thread's current stream on its device, while inside."""
+        return torch.cuda.stream(stream)
+
+    def device(self, device: torch.device) -> contextlib.AbstractContextManager:
+        """Make ``device`` this thread's current GPU, while inside."""
+        return torch.cuda.device(device)
+
+    def copy_in(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A copy of ``t`` on ``device``, enqueued on this thread's current stream there:
+        from the host through pinned memory, so the copy is asynchronous. Its readers on
+        other streams must wait for an event recorded after it."""
+        if t.device.type == "cpu":
+            t = t.pin_memory()
+        return t.to(device, non_blocking=True, copy=True)
+
+
+CUDA = Gpu()
+_current = [CUDA]
+
+
+def current() -> Gpu:
+    """The GPU backend in force ([Note: the GPU seam]): CUDA's unless a test installed another."""
+    return _current[-1]
+
+
+@contextlib.contextmanager
+def installed(backend: Gpu) -> Iterator[Gpu]:
+    """Put ``backend`` in force for the placements made while inside (tests' twin).
+
+    Example:
+        >>> with installed(CUDA) as gpu:
+        ...     current() is gpu
+        True
+    """
+    _current.append(backend)
+    try:
+        yield backend
+    finally:
+        _current.remove(backend)

@@ -1,0 +1,142 @@
+"""A twin of the GPU for the CPU suite ([Note: the GPU seam] in ``poptorch_lite/runtime/gpu.py``).
+
+``TwinGpu`` takes every branch the runtime takes for a GPU, with CPU tensors: its GPU is
+``TWIN`` (``torch.device("cpu", 0)``, which is not the host's ``cpu``), its streams and
+events are stand-ins that keep CUDA's ordering rules, and a copy into it is asynchronous
+as on a GPU: it holds NaN (integers: a value out of any range) until something waits for
+an event recorded after it, or for its stream. A run that reads a copy without waiting
+computes on NaN; a run that reads the wrong micro-batch's copy computes wrong numbers.
+
+Example:
+    >>> twin = TwinGpu()
+    >>> host = torch.ones(2)
+    >>> copy = twin.copy_in(host, TWIN)
+    >>> bool(copy.isnan().all())  # launched, not landed
+    True
+    >>> event = twin.Event()
+    >>> event.record(twin.current_stream(TWIN))
+    >>> twin.Stream(TWIN).wait_event(event)  # a reader's stream waits for it
+    >>> copy
+    tensor([1., 1.])
+"""
+
+import contextlib
+import threading
+import time
+
+import torch
+
+TWIN = torch.device("cpu", 0)
+
+
+class TwinStream:
+    """A stand-in CUDA stream: work launched on it runs when something waits for it."""
+
+    def __init__(self, device):
+        self.device = device
+        self.pending = []    # (sequence number, work) launched and not yet run
+        self.launched = 0    # work launched so far
+        self.lock = threading.RLock()
+
+    def launch(self, work) -> None:
+        with self.lock:
+            self.launched += 1
+            self.pending.append((self.launched, work))
+
+    def run_until(self, mark: int) -> None:
+        """Run the work launched up to ``mark``, in order (what a wait on an event needs)."""
+        with self.lock:
+            while self.pending and self.pending[0][0] <= mark:
+                _, work = self.pending.pop(0)
+                work()
+
+    def wait_event(self, event) -> None:
+        event.synchronize()
+
+    def wait_stream(self, other) -> None:
+        other.synchronize()
+
+    def synchronize(self) -> None:
+        self.run_until(self.launched)
+
+    def query(self) -> bool:
+        return not self.pending
+
+
+class TwinEvent:
+    """A stand-in CUDA event: marks a stream's work so far, with the host time it was recorded."""
+
+    def __init__(self, enable_timing: bool = False):
+        self.stream, self.mark, self.time = None, 0, None
+
+    def record(self, stream=None) -> None:
+        self.stream = stream
+        self.mark = stream.launched
+        self.time = time.perf_counter()
+
+    def synchronize(self) -> None:
+        if self.stream is not None:
+            self.stream.run_until(self.mark)
+
+    def wait(self, stream) -> None:
+        self.synchronize()
+
+    def query(self) -> bool:
+        return self.stream is None or not any(n <= self.mark for n, _ in self.stream.pending)
+
+    def elapsed_time(self, end) -> float:
+        return (end.time - self.time) * 1e3
+
+
+class TwinGpu:
+    """The GPU seam's twin (``poptorch_lite.runtime.gpu.Gpu``'s methods); ``copies`` lists
+    every ``(source, device)`` copied in, for tests that count copies."""
+
+    def __init__(self):
+        self.copies = []
+        self._default = {}               # device -> its default stream, shared by threads
+        self._local = threading.local()  # this thread's current stream per device
+        self._lock = threading.Lock()
+
+    def is_gpu(self, device) -> bool:
+        return device.type == "cpu" and device.index is not None
+
+    def Stream(self, device):  # noqa: N802
+        return TwinStream(device)
+
+    def Event(self, enable_timing: bool = False):  # noqa: N802
+        return TwinEvent(enable_timing)
+
+    def current_stream(self, device):
+        current = getattr(self._local, "streams", {}).get(device)
+        if current is not None:
+            return current
+        with self._lock:
+            return self._default.setdefault(device, TwinStream(device))
+
+    @contextlib.contextmanager
+    def stream(self, stream):
+        streams = self._local.__dict__.setdefault("streams", {})
+        before = streams.get(stream.device)
+        streams[stream.device] = stream
+        try:
+            yield
+        finally:
+            if before is None:
+                del streams[stream.device]
+            else:
+                streams[stream.device] = before
+
+    def device(self, device):
+        return contextlib.nullcontext()
+
+    def copy_in(self, t: torch.Tensor, device) -> torch.Tensor:
+        self.copies.append((t, device))
+        pinned = t.clone()  # pinning copies the host tensor now; the transfer comes later
+        out = torch.empty_like(t)
+        if out.is_floating_point() or out.is_complex():
+            out.fill_(float("nan"))
+        elif out.dtype != torch.bool:
+            out.fill_(torch.iinfo(out.dtype).max)
+        self.current_stream(device).launch(lambda: out.copy_(pinned))
+        return out
