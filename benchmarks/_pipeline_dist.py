@@ -83,11 +83,12 @@ GPT2_SEQ = 128  # bytes per window of benchmarks/gpt2.py
 
 def gpt2(width, layers, seq_len=GPT2_SEQ):
     """benchmarks/gpt2.py's model: transformers' GPT-2 from a config (vocabulary 256: bytes),
-    built from seed 0."""
+    built from seed 0; heads of width 64 as in GPT-2, at least 4."""
     import transformers  # the .[hf] extra; only the GPT-2 benchmark needs it
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=256, n_positions=seq_len, n_embd=width,
-                                     n_layer=layers, n_head=4, bos_token_id=0, eos_token_id=0,
+                                     n_layer=layers, n_head=max(4, width // 64),
+                                     bos_token_id=0, eos_token_id=0,
                                      use_cache=False)
     return transformers.GPT2LMHeadModel(config)
 
@@ -135,11 +136,11 @@ def stages(model, S, width, layers):
     return [body[stage_slice(s, S, layers)] for s in range(S)]
 
 
-def batch(model, rows, width, seed=1):
+def batch(model, rows, width, seed=1, seq_len=GPT2_SEQ):
     """One step's inputs and targets."""
     g = torch.Generator().manual_seed(seed)
-    if model == "gpt2":  # windows of GPT2_SEQ bytes, each its own target
-        ids = torch.randint(0, 256, (rows, GPT2_SEQ), generator=g)
+    if model == "gpt2":  # windows of seq_len bytes, each its own target
+        ids = torch.randint(0, 256, (rows, seq_len), generator=g)
         return ids, ids
     if model == "conv":
         return torch.randn(rows, 1, 28, 28, generator=g), torch.randint(0, 10, (rows,), generator=g)

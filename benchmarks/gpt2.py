@@ -2,10 +2,13 @@
 
     python benchmarks/gpt2.py                      # 2 stages, micro-batch 4, m = 8, 20 repeats
     python benchmarks/gpt2.py --repeats 5 --warmup 1 --torch-schedules ""   # a quick look
+    python benchmarks/gpt2.py --device cuda --width 768 --layers 12 --seq 512 \
+        --torch-schedules "" --repeats 5 --warmup 2   # GPT-2 small's shape on one GPU
 
 Needs transformers (the ``.[hf]`` extra). The model is examples/gpt2_pipelined.py's:
 ``GPT2LMHeadModel`` from a config (vocabulary 256, windows of 128 bytes, ``--width``,
-``--layers``, dropout 0.1), split in 2 stages by ``BeginBlock`` on the middle layer. One
+``--layers``, heads of width 64, dropout 0.1), split in 2 stages by ``BeginBlock`` on the
+middle layer (``--seq`` sets the window). One
 training step is m micro-batches of B windows forward and backward, gradients averaged, and
 one SGD step. Rows:
 
@@ -17,7 +20,11 @@ one SGD step. Rows:
 
 "per step" is the wall time of a step over the baseline's (the pipelined rows run the
 stages at once, so on an idle multi-core machine they are below 1). Every process
-computes with one intra-op thread. Repetitions are interleaved after warm-up rounds;
+computes with one intra-op thread. With ``--device cuda`` the plain model and batch are
+on the GPU and poptorch_lite's default placement puts both IPUs there (one GPU: two CUDA
+streams on it); a step's time then includes waiting for the GPU, and each row also shows
+the peak GPU memory of its steps. torch.distributed.pipelining needs a GPU per rank there,
+so its rows run only with ``--torch-schedules`` on a machine of several GPUs. Repetitions are interleaved after warm-up rounds;
 each figure is the median, with the spread (lowest-highest) beside it.
 """
 
@@ -30,7 +37,7 @@ import torch
 from tqdm import tqdm
 
 import poptorch_lite as poptorch
-from _pipeline_dist import SCHEDULES as TORCH_SCHEDULES, Ranks, batch, gpt2
+from _pipeline_dist import GPT2_SEQ, SCHEDULES as TORCH_SCHEDULES, Ranks, batch, gpt2
 
 S = 2
 
@@ -46,18 +53,27 @@ parser.add_argument("--schedules", default="sequential,grouped,interleaved+recom
                     help="poptorch_lite variants: a PipelineSchedule name, optionally +recompute")
 parser.add_argument("--torch-schedules", default="gpipe,1f1b",
                     help="torch.distributed.pipelining schedules; empty to skip them")
+parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where the plain model and poptorch_lite's stages compute")
+parser.add_argument("--seq", type=int, default=GPT2_SEQ, help="bytes per window (sequence length)")
 
 
-def timed(fn):
+def timed(fn, cuda=False):
+    """``fn`` as a timed step: seconds, and the peak GPU memory it allocated (0 on the CPU)."""
     def run():
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()
         fn()
-        return time.perf_counter() - t
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t, torch.cuda.max_memory_allocated() if cuda else 0
     return run
 
 
 def plain_step(base, ids, m, lr):
-    model = copy.deepcopy(base)
+    model = copy.deepcopy(base).to(ids.device)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     chunks = ids.chunk(m)
 
@@ -88,22 +104,27 @@ def lite_step(base, ids, m, lr, variant):
 def main():
     args = parser.parse_args()
     torch.set_num_threads(1)
-    m, B = args.microbatches, args.micro_batch
-    base = gpt2(args.width, args.layers)
+    m, B, cuda = args.microbatches, args.micro_batch, args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        parser.error("--device cuda: torch.cuda.is_available() is False here")
+    base = gpt2(args.width, args.layers, args.seq)
     base.train()
-    ids, _ = batch("gpt2", m * B, args.width)
+    ids, _ = batch("gpt2", m * B, args.width, seq_len=args.seq)
     baseline = f"plain PyTorch, micro-batched ({m} x {B})"
-    variants = {baseline: timed(plain_step(base, ids, m, args.lr))}
-    for v in filter(None, args.schedules.split(",")):
-        variants[f"poptorch_lite {v}"] = timed(lite_step(base, ids, m, args.lr, v))
+    variants = {baseline: timed(plain_step(base, ids.to(args.device), m, args.lr), cuda)}
+    for v in filter(None, args.schedules.split(",")):  # the model stays on the host, as in PopTorch
+        variants[f"poptorch_lite {v}"] = timed(lite_step(base, ids, m, args.lr, v), cuda)
     names = [n for n in args.torch_schedules.split(",") if n]
     ranks = None
     if names:
+        if args.seq != GPT2_SEQ:
+            parser.error(f"--torch-schedules run windows of {GPT2_SEQ} bytes; pass --seq "
+                         f"{GPT2_SEQ} or --torch-schedules ''")
         ranks = Ranks("torch", names, S, model="gpt2", width=args.width, layers=args.layers,
                       micro_batch=B, m=m, lr=args.lr)
         for n in names:
             variants[f"torch {TORCH_SCHEDULES[n].__name__} ({S} processes)"] = (
-                lambda n=n: ranks.step(n)[0])
+                lambda n=n: (ranks.step(n)[0], 0))
     try:
         for _ in tqdm(range(args.warmup), desc="warm-up", leave=False):
             for run in variants.values():
@@ -116,18 +137,21 @@ def main():
         if ranks is not None:
             ranks.close()
     params = sum(p.numel() for p in base.parameters())
+    where = torch.cuda.get_device_name() if cuda else "the CPU"
     print(f"model: transformers GPT2LMHeadModel, {args.layers} layers of width {args.width} "
-          f"({params} parameters), windows of 128 bytes, {S} stages; B = {B}, m = {m}; "
-          f"torch {torch.__version__}")
+          f"({params} parameters), windows of {args.seq} bytes, {S} stages; B = {B}, m = {m}; "
+          f"torch {torch.__version__}; on {where}")
     print(f"median of {args.repeats} interleaved steps after {args.warmup} warm-up rounds, "
           f"one intra-op thread per stream/process\n")
-    print(f"{'variant':<44} {'ms/step':>8} {'spread ms':>15} {'per step':>9}")
-    print(f"{'-' * 44} {'-' * 8} {'-' * 15} {'-' * 9}")
-    base_ms = statistics.median(samples[baseline]) * 1e3
+    print(f"{'variant':<44} {'ms/step':>8} {'spread ms':>15} {'per step':>9}"
+          + (f" {'peak GiB':>9}" if cuda else ""))
+    print(f"{'-' * 44} {'-' * 8} {'-' * 15} {'-' * 9}" + (f" {'-' * 9}" if cuda else ""))
+    base_ms = statistics.median(t for t, _ in samples[baseline]) * 1e3
     for label, v in samples.items():
-        ms = statistics.median(v) * 1e3
-        print(f"{label:<44} {ms:8.1f} {min(v) * 1e3:7.1f}-{max(v) * 1e3:<7.1f} "
-              f"{ms / base_ms:8.2f}x")
+        times = [t for t, _ in v]
+        ms = statistics.median(times) * 1e3
+        print(f"{label:<44} {ms:8.1f} {min(times) * 1e3:7.1f}-{max(times) * 1e3:<7.1f} "
+              f"{ms / base_ms:8.2f}x" + (f" {max(b for _, b in v) / 2**30:9.2f}" if cuda else ""))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ Cases (each prints plain ms/step, poptorch_lite ms/step, their ratio, and peak d
 memory per device on both sides):
 - ``mlp``: 8 x Linear(1024)+ReLU, one stage, micro-batch 32, accumulation 8, Adam;
 - ``conv``: Graphcore's MNIST tutorial conv net, micro-batch 16, SGD with momentum;
-- ``pipe1``: the MLP in 2 stages on one GPU (two CUDA streams), Grouped, accumulation 8;
+- ``pipe1``: the MLP in 2 stages on one GPU (two CUDA streams), Grouped, accumulation 8; the
+  last call's timeline (measured on the GPU by CUDA events) says how much of the step the two
+  streams computed at once (``overlap``: the time both were busy / the step's span);
 - ``pipeN``: the MLP in one stage per GPU present (needs 2 or more);
 - ``offload``: ``mlp`` with the optimizer state offloaded to the host
   (``TensorLocations.setOptimizerLocation(useOnChipStorage(False))``): the peak device
@@ -92,7 +94,32 @@ def one_side(args):
             torch.cuda.synchronize(d)
         times.append((time.perf_counter() - start) / D)
     peaks = [torch.cuda.max_memory_allocated(d) / 2**20 for d in range(torch.cuda.device_count())]
-    print(json.dumps({"step_ms": 1e3 * statistics.median(times), "peak_mib": peaks}))
+    overlap = None
+    if args.side == "lite" and case in ("pipe1", "pipeN"):
+        overlap = both_busy(wrapped.runStatistics().timeline)
+    print(json.dumps({"step_ms": 1e3 * statistics.median(times), "peak_mib": peaks,
+                      "overlap": overlap}))
+
+
+def both_busy(timeline):
+    """The fraction of the timeline's span during which two or more streams were busy.
+
+    >>> from poptorch_lite.profiling.spans import Span
+    >>> from poptorch_lite.profiling.timeline import Timeline
+    >>> both_busy(Timeline([Span(0, 0, 0, "F", 0, 2), Span(1, 1, 0, "F", 1, 4)], ["a", "b"], "x"))
+    0.25
+    """
+    busy = {s.stream: 0 for s in timeline.spans}  # stream -> its spans running now
+    events = sorted([(s.start, 1, s.stream) for s in timeline.spans]
+                    + [(s.end, -1, s.stream) for s in timeline.spans])
+    both, last = 0.0, None
+    for t, step, stream in events:
+        if last is not None and sum(n > 0 for n in busy.values()) >= 2:
+            both += t - last
+        busy[stream] += step
+        last = t
+    span = timeline.makespan
+    return both / span if span else 0.0
 
 
 def run_side(side, case, calls):
@@ -114,7 +141,7 @@ def main():
     print(f"{gpus} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     cases = ["mlp", "conv", "pipe1", "pipeN", "offload"] if args.case == "all" else [args.case]
     print(f"{'case':8} {'plain ms':>9} {'lite ms':>9} {'ratio':>6} {'spread':>13}  "
-          f"peak MiB per GPU (plain | lite)")
+          f"peak MiB per GPU (plain | lite)  overlap")
     for case in cases:
         if case == "pipeN" and gpus < 2:
             print(f"{case:8} skipped: needs 2 or more GPUs")
@@ -128,8 +155,11 @@ def main():
         lite_ms = statistics.median(p["lite"]["step_ms"] for p in pairs)
         peaks = (" ".join(f"{m:.0f}" for m in pairs[0]["plain"]["peak_mib"]) + " | "
                  + " ".join(f"{m:.0f}" for m in pairs[0]["lite"]["peak_mib"]))
+        overlap = pairs[0]["lite"].get("overlap")
         print(f"{case:8} {plain_ms:9.3f} {lite_ms:9.3f} {statistics.median(ratios):6.3f} "
-              f"{min(ratios):6.3f}-{max(ratios):6.3f}  {peaks}", flush=True)
+              f"{min(ratios):6.3f}-{max(ratios):6.3f}  {peaks}"
+              + (f"  {overlap:.0%} of the step on two streams at once" if overlap is not None
+                 else ""), flush=True)
 
 
 if __name__ == "__main__":

@@ -120,3 +120,39 @@ def on_device(opts, device):
     if device == "ipu_model":
         opts.useIpuModel(True)
     return opts
+
+
+_TRACES: dict = {}
+
+
+def shared_traces(monkeypatch):
+    """Let the wrappers of a test share one trace per model structure and call signature.
+
+    A matrix compiles the same model (a fresh copy per configuration) on the same one
+    micro-batch signature many times: only the schedule, accumulation, replication and
+    optimizer differ, and none of them changes what is traced. The first compile of a
+    (model structure, modes, signature, execution strategy, training) traces; later ones
+    get a deep copy of that partition (each wrapper rewrites its own graphs for its
+    devices). Only for models whose forward depends on nothing but their structure and
+    plain attributes (``BlockMLP``); a test that checks what tracing warns must not use it.
+    """
+    import poptorch_lite.runtime.program as program
+    traced = program.partition
+
+    def key(model, modes, args, kwargs, strategy, training, generic=False):
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        signature = tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad)
+                          if isinstance(t, torch.Tensor) else repr(t) for t in leaves)
+        state = tuple((n, tuple(t.shape), t.dtype, t.device, t.requires_grad)
+                      for n, t in model.state_dict(keep_vars=True).items())
+        plain = tuple(sorted((k, v) for k, v in vars(model).items()
+                             if isinstance(v, (bool, int, float, str, type(None)))))
+        return (type(model), repr(model), plain, state, tuple(modes.values()), signature,
+                repr(strategy), training, generic)
+
+    def partition(model, modes, args, kwargs, strategy, training, generic=False):
+        k = key(model, modes, args, kwargs, strategy, training, generic)
+        if k not in _TRACES:
+            _TRACES[k] = traced(model, modes, args, kwargs, strategy, training, generic)
+        return copy.deepcopy(_TRACES[k])
+    monkeypatch.setattr(program, "partition", partition)

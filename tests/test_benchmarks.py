@@ -1,6 +1,7 @@
 """The benchmark scripts run: a short smoke run of each side, and the GPU script without a GPU."""
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -58,6 +59,29 @@ def test_the_gpu_benchmark_says_there_is_no_gpu_and_exits_0():
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "benchmarks/gpu.py: no CUDA device here; nothing to measure\n"
+
+
+def test_the_gpu_benchmarks_overlap_is_the_time_two_streams_were_busy_at_once():
+    sys.path.insert(0, str(BENCH))
+    import doctest
+    import gpu
+    assert doctest.testmod(gpu).failed == 0
+    from poptorch_lite.profiling.spans import Span
+    from poptorch_lite.profiling.timeline import Timeline
+    # stream 0 busy 0-2 and 3-4, stream 1 busy 1-3.5: both at once 1-2 and 3-3.5, of 0-4
+    spans = [Span(0, 0, 0, "F", 0, 2), Span(0, 0, 1, "F", 3, 4), Span(1, 1, 0, "F", 1, 3.5)]
+    assert gpu.both_busy(Timeline(spans, ["a", "b"], "x")) == 1.5 / 4
+    assert gpu.both_busy(Timeline(spans[:2], ["a", "b"], "x")) == 0.0
+
+
+def test_the_gpu_checks_mnist_match_agrees_with_plain_pytorch_on_the_cpu():
+    """benchmarks/gpu_check.sh's step-for-step comparison of the pipelined MNIST example with
+    plain PyTorch, run here on the CPU for 10 steps (one call)."""
+    data = os.environ.get("MNIST_DATA", str(BENCH.parent.parent / "shared" / "data"))
+    done = subprocess.run([sys.executable, str(BENCH / "gpu_mnist_match.py"), "--data-dir", data,
+                           "--steps", "10"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == "the same numbers within 0.001"
 
 
 def test_pipeline_benchmark_runs_the_conv_net_with_a_stage_per_process():

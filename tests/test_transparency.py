@@ -8,9 +8,16 @@ from torch.testing import assert_close
 
 import poptorch_lite as poptorch
 
-from models import BlockMLP, data, microbatch_seeds, reference_training, twin, on_device
+from models import (BlockMLP, data, microbatch_seeds, on_device, reference_training,
+                    shared_traces, twin)
 
 ATOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def one_trace_per_structure(monkeypatch):
+    """The matrix's wrappers share one trace per model structure and signature (models.py)."""
+    shared_traces(monkeypatch)
 
 
 def make_optimizer(kind, params):

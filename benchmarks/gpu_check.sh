@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The whole GPU check in one run, under 8 minutes on one H100 (docs/PERFORMANCE.md, "The GPU
+# check"): the CUDA tests, the MNIST examples on the GPU, benchmarks/gpu.py, and GPT-2 at
+# GPT-2 small's shape against plain PyTorch on the same GPU.
+#
+#     MNIST_DATA=path/to/data OUT=gpu_logs bash benchmarks/gpu_check.sh
+#
+# It runs the project from this checkout (PYTHONPATH), so a machine whose torch cannot be
+# changed (the device machine's image: torch 2.11 and no package index) needs nothing
+# installed but pytest, pytest-xdist, tqdm, torchvision and transformers. MNIST is read
+# from $MNIST_DATA, else ./shared/data, ../shared/data or ./mnist_data (the raw files
+# under MNIST/raw); it is never downloaded. Every step has a time limit and writes its log
+# to $OUT (at most 8 files); $OUT/summary.txt has one line per step: its exit status, its
+# seconds and the lines that matter (accuracy, ratios, the test counts).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_check_logs}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+PY=${PYTHON:-python3}
+DATA=${MNIST_DATA:-}
+for d in shared/data ../shared/data mnist_data; do
+    [ -z "$DATA" ] && [ -e "$d/MNIST/raw/train-images-idx3-ubyte" ] && DATA=$d
+done
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+
+note() { echo "$*" | tee -a "$SUMMARY"; }
+
+# step NAME SECONDS GREP COMMAND...: run COMMAND with a limit, log to $OUT/NAME.log, and put
+# its status, time and the log's lines matching GREP in the summary.
+step() {
+    local name=$1 limit=$2 pattern=$3; shift 3
+    local start=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    note "== $name: rc $rc$([ $rc = 124 ] && echo ' (TIMED OUT)') in $((SECONDS - start)) s (limit $limit s)"
+    grep -E "$pattern" "$OUT/$name.log" | tail -n 12 | sed 's/^/   /' | tee -a "$SUMMARY"
+}
+
+note "gpu_check $(date -u +%Y-%m-%dT%H:%MZ) at $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+$PY - <<'EOF' 2>&1 | tee -a "$SUMMARY"
+import torch
+print(f"torch {torch.__version__}; CUDA available: {torch.cuda.is_available()}; "
+      f"{torch.cuda.device_count()} GPU(s): "
+      + ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())))
+EOF
+[ -n "$DATA" ] || note "no MNIST found (set MNIST_DATA): the example steps will fail"
+
+# 1. Correctness, all at once (nothing here is timed): the CUDA tests on 6 workers, and the
+#    MNIST examples on the GPU beside them. The pipelined example trains its full 3 epochs.
+step tests 300 "passed|failed|error|FAILED|ERROR" \
+    $PY -m pytest -q -m cuda -n 6 -p no:cacheprovider tests &
+step mnist 200 "Accuracy|Error|error" \
+    $PY examples/mnist.py --data-dir "$DATA" --epochs 1 --limit 16000 &
+step mnist_pipelined 280 "Accuracy|effective|Error|error" \
+    $PY examples/mnist_pipelined.py --data-dir "$DATA" &
+wait
+# The same pipeline trained by plain PyTorch on the GPU, step for step (its numbers against
+# poptorch_lite's, within float tolerance), over the first 2000 steps.
+step mnist_match 120 "steps|max|Error|error" \
+    $PY benchmarks/gpu_mnist_match.py --data-dir "$DATA" --steps 200
+
+# 2. Speed and memory, alone on the GPU: the step tax of one stage and of two streams on one
+#    GPU (with their timelines' overlap), then GPT-2 small's shape.
+step gpu_bench 150 "x |ratio|overlap|peak|Error|error" \
+    $PY benchmarks/gpu.py --case all --pairs 3 --calls 30
+step gpt2 120 "poptorch_lite|plain|model|Error|error" \
+    $PY benchmarks/gpt2.py --device cuda --width 768 --layers 12 --seq 512 --micro-batch 4 \
+        --microbatches 8 --torch-schedules "" --repeats 5 --warmup 2 \
+        --schedules "grouped,interleaved,interleaved+recompute"
+note "gpu_check done in $SECONDS s"
