@@ -36,12 +36,12 @@ from .runtime.program import Program, compile_program
 from .runtime.undo import capture, undo_note
 from .runtime.host_sync import watch
 from .runtime.weights import Weights
+from .wrapper_private import CompiledInputs, PrivateAttributes, check_private
 
 _LOG = logging.getLogger("poptorch_lite")
 
-# Models currently wrapped by a training wrapper (refused a second time until destroy()).
-# Both sides are weak: the wrapper holds its model, so a strong value would keep the key
-# (and the wrapper's workers) alive for ever.
+# Models currently wrapped by a training wrapper (refused a second time until destroy()). Both
+# sides are weak: the wrapper holds its model, so a strong value would keep it alive for ever.
 _TRAINING_WRAPPERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -50,11 +50,12 @@ def _training_wrapper(model) -> Optional["PoplarExecutor"]:
     return None if ref is None else ref()
 
 
-class PoplarExecutor(perf_counters.Latencies):
+class PoplarExecutor(perf_counters.Latencies, PrivateAttributes):
     """A model wrapped by ``trainingModel`` or ``inferenceModel``.
 
     Call it like the model with a combined batch. Attributes that the wrapper
-    does not define are read from the user's model (``poptorch_model.fc.weight``).
+    does not define are read from the user's model (``poptorch_model.fc.weight``);
+    PopTorch's private names: [Note: private attributes] in ``wrapper_private``.
     """
 
     def __init__(self, model: torch.nn.Module, options: Options, training: bool,
@@ -336,7 +337,7 @@ class PoplarExecutor(perf_counters.Latencies):
 
     def __getattr__(self, name: str):
         if name.startswith("_"):
-            raise AttributeError(name)
+            check_private(self.__dict__, name)  # [Note: private attributes]
         weights = self.__dict__.get("_weights")
         if weights is not None:
             weights.to_host()  # [Note: weight sync]
@@ -364,12 +365,12 @@ class PoplarExecutor(perf_counters.Latencies):
         mbs = self._split(args, kwargs)
         if self._destroyed:
             self._revive()
-        program = self._program(mbs)
+        program = self._program(mbs, args, kwargs)
         if not self._attached:
             self._attach()
         return mbs, program
 
-    def _program(self, mbs: MicroBatches) -> Program:
+    def _program(self, mbs: MicroBatches, args: tuple, kwargs: dict) -> Program:
         key = mbs.signature()
         program = self._programs.get(key)
         if program is None:
@@ -381,8 +382,8 @@ class PoplarExecutor(perf_counters.Latencies):
             program, self._weights, self._placement = compile_program(
                 self._user_model, self._modes, self._options, self._training, mbs,
                 self._replicas(), self._weights, self._placement, self._processes)
-            self._programs[key] = program
-            self._compiled = True
+            self._programs[key], self._compiled = program, True
+            self._executable_inputs = CompiledInputs(self._user_model.forward, args, kwargs)
             o = self._options
             _LOG.info("%s", program.describe(
                 self._training, o.device_iterations, self._replicas(),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
 import pathlib
 import subprocess
@@ -432,6 +433,54 @@ def test_garbage_collected_accessor_stops_its_thread():
     while accessor_threads() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert accessor_threads() == []
+
+
+def worker_processes(timeout: float = 0.0) -> list:
+    """The data-loading worker processes alive, after waiting up to ``timeout`` for them and
+    the accessor threads to end."""
+    deadline = time.monotonic() + timeout
+    while ((multiprocessing.active_children() or accessor_threads())
+           and time.monotonic() < deadline):
+        time.sleep(0.02)
+    return multiprocessing.active_children()
+
+
+def drop(loader, how: str) -> None:
+    """Iterate ``loader`` to its end, or break off after 2 batches."""
+    for k, _ in enumerate(loader):
+        if how == "break" and k == 1:
+            break
+
+
+@pytest.mark.parametrize("how", ["end", "break"])
+@pytest.mark.parametrize("mode", [DataLoaderMode.Sync, DataLoaderMode.Async])
+def test_no_worker_process_outlives_its_loader(mode, how):
+    """[Note: workers outlive no loader] in async_data: 5 loaders of 2 workers each, dropped
+    and collected, leave no worker, in Async mode as in Sync mode and as a torch DataLoader."""
+    assert worker_processes(timeout=5) == []
+    torch_loader = torch.utils.data.DataLoader(data(40), batch_size=2, num_workers=2,
+                                               persistent_workers=True)
+    drop(torch_loader, how)
+    del torch_loader
+    assert worker_processes(timeout=5) == []  # plain torch: the workers end with the loader
+    for _ in range(5):
+        loader = DataLoader(opts(), data(40), batch_size=2, num_workers=2, mode=mode)
+        drop(loader, how)
+        assert len(worker_processes()) == 2
+        del loader
+        gc.collect()
+        assert worker_processes(timeout=10) == []
+
+
+@pytest.mark.parametrize("how", ["end", "break"])
+def test_terminate_stops_the_worker_processes_at_once(how):
+    """PopTorch's ``DataLoader.terminate()`` stops the accessor's worker."""
+    loader = DataLoader(opts(), data(40), batch_size=2, num_workers=2, mode=DataLoaderMode.Async)
+    drop(loader, how)
+    loader.terminate()
+    assert multiprocessing.active_children() == [] and accessor_threads() == []
+    with pytest.raises(errors.DataLoaderError, match="terminated"):
+        iter(loader)
 
 
 class FailsAt(Dataset):

@@ -792,6 +792,7 @@ T = {
     "E-WRAP-09": lambda: compiled_model().attachToDevice(),
     "E-WRAP-10": lambda: poptorch.inferenceModel(Two()).attachToDevice(),
     "E-WRAP-11": lambda: compiled_model().getAnchoredTensor("grad"),
+    "E-WRAP-12": lambda: compiled_model()._compileWithDispatch,
     # batch sizes and inputs
     "E-TF-01": lambda: tf1_refuses(computational_stages=[]),
     "E-TF-02": lambda: tf1_refuses(computational_stages=[torch.nn.Linear(4, 4), 3]),

@@ -9,6 +9,17 @@ without an active exception`` (exit status 134). So every live epoch is
 stopped *and joined* by an ``atexit`` handler, which runs before finalization;
 a thread polls its stop flag every ``_POLL_S`` seconds, so the wait is at most
 one item's loading time.
+
+[Note: workers outlive no loader]
+A ``DataLoader`` with ``num_workers`` keeps torch's iterator, and so its worker
+processes, for as long as the loader lives (persistent workers). In Async mode
+the loader thread holds that iterator, so nothing the thread holds may hold the
+loader: its sampler (``dataloader._EpochIndices``) refers to the loader weakly.
+Then a loader dropped without ``terminate()`` is collected as in Sync mode; the
+accessor's finalizer stops the thread, and the thread, as it ends, drops the
+iterator, whose workers torch shuts down. ``terminate()`` (and the exit
+handler) stops and joins the thread; ``DataLoader.terminate()`` then shuts the
+workers down at once, as PopTorch's ``terminate()`` and ``__del__`` do.
 """
 
 from __future__ import annotations

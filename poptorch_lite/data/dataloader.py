@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+import weakref
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
@@ -85,8 +86,9 @@ class DataLoader(torch.utils.data.DataLoader):
     P > 1 each process reads its own contiguous block (see ``set_epoch``); mode
     Async/AsyncRebatched loads ahead in a thread through an
     :class:`AsynchronousDataAccessor` (the same batches in the same order as
-    Sync). An Async loader's thread keeps the loader alive: call ``terminate()``
-    when done (it also runs at interpreter exit).
+    Sync). ``terminate()`` stops an Async loader's thread and its worker processes;
+    so does dropping the loader, and the interpreter's exit ([Note: workers outlive
+    no loader] in ``async_data``).
 
     Args:
         options: the ``Options`` the model is wrapped with.
@@ -250,13 +252,18 @@ class DataLoader(torch.utils.data.DataLoader):
             self._accessor._discard_preloaded()
 
     def terminate(self) -> None:
-        """Stops the Async worker thread (no effect in Sync mode).
+        """Stops the Async worker thread and the worker processes it used (no effect in Sync
+        mode), as PopTorch's ``terminate()`` and ``__del__`` do; collecting the loader stops
+        them too ([Note: workers outlive no loader] in ``async_data``).
 
         Example:
             >>> loader.terminate()  # doctest: +SKIP
         """
         if self._accessor is not None:
             self._accessor.terminate()
+            workers, self._iterator = self._iterator, None  # torch's persistent workers
+            if workers is not None and hasattr(workers, "_shutdown_workers"):
+                workers._shutdown_workers()
 
     def __len__(self) -> int:
         if self._rebatched_size is None:
@@ -356,17 +363,23 @@ class _EpochIndices(torch.utils.data.Sampler):
     """
 
     def __init__(self, inner: Iterable, loader: "DataLoader"):
-        self.inner, self.loader = inner, loader
+        # Weak: torch's iterator keeps this sampler, and an Async loader's thread keeps the
+        # iterator; a strong reference would keep the loader, and its workers, alive for ever
+        # ([Note: workers outlive no loader] in async_data).
+        self.inner, self.loader = inner, weakref.ref(loader)
 
     def __len__(self) -> int:
         return len(self.inner)
 
     def __iter__(self) -> Iterator[Any]:
-        loader, resume = self.loader, self.loader._resume
-        loader._resume = None
+        loader = self.loader()
+        if loader is None:  # collected: its thread is stopping
+            return
+        resume, loader._resume = loader._resume, None
         if resume is not None:
             torch.set_rng_state(resume[0])
         loader._epoch_rng = torch.get_rng_state()
+        del loader  # not held while the epoch runs
         indices = itertools.islice(iter(self.inner), resume[1] if resume else 0, None)
         first = next(indices, _END)
         if resume is not None and len(resume) > 2:
