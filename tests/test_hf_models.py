@@ -26,35 +26,37 @@ ROWS = 2  # per micro-batch
 SEQ, VOCAB = 12, 48
 
 
+def seeded(model_class, config):
+    """``model_class(config)`` with the weights every test starts from."""
+    torch.manual_seed(0)
+    return model_class(config)
+
+
 def gpt2(**overrides):
     config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=4,
                                      n_head=2, bos_token_id=0, eos_token_id=0,
                                      **{"use_cache": False, **overrides})
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(config)
+    return seeded(transformers.GPT2LMHeadModel, config)
 
 
 def bert():
     config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4,
                                      num_attention_heads=2, intermediate_size=64,
                                      max_position_embeddings=32, num_labels=3)
-    torch.manual_seed(0)
-    return transformers.BertForSequenceClassification(config)
+    return seeded(transformers.BertForSequenceClassification, config)
 
 
 def llama():
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                                       num_hidden_layers=4, num_attention_heads=2,
                                       num_key_value_heads=2, max_position_embeddings=32)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
+    return seeded(transformers.LlamaForCausalLM, config)
 
 
 def t5():
     config = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2,
                                    num_heads=2, decoder_start_token_id=0, pad_token_id=0)
-    torch.manual_seed(0)
-    return transformers.T5ForConditionalGeneration(config)
+    return seeded(transformers.T5ForConditionalGeneration, config)
 
 
 def bart():
@@ -62,8 +64,7 @@ def bart():
                                      decoder_layers=2, encoder_attention_heads=2,
                                      decoder_attention_heads=2, encoder_ffn_dim=64,
                                      decoder_ffn_dim=64, max_position_embeddings=32)
-    torch.manual_seed(0)
-    return transformers.BartForConditionalGeneration(config)
+    return seeded(transformers.BartForConditionalGeneration, config)
 
 
 MODELS = {"gpt2": gpt2, "bert": bert, "llama": llama, "t5": t5, "bart": bart}
