@@ -127,6 +127,20 @@ class SyncPattern(enum.IntEnum):
     ReplicaAndLadder = 2
 
 
+class SyntheticDataMode(enum.IntEnum):
+    """PopART's ``SyntheticDataMode`` (``popart.SyntheticDataMode``), the values PopTorch's
+    ``enableSyntheticData`` documents: what a model sees instead of the host's inputs.
+
+    Example:
+        >>> int(SyntheticDataMode.RandomNormal)
+        2
+    """
+
+    Off = 0
+    Zeros = 1
+    RandomNormal = 2
+
+
 class CommGroupType(enum.IntEnum):
     """How replicas are grouped, e.g. in ``Options.inputReplicaGrouping``.
 

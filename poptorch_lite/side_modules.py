@@ -17,6 +17,8 @@ import sys
 import types
 from typing import Any, Optional
 
+from .enums import SyntheticDataMode
+
 __all__ = ["popart_module", "popdist_modules", "install"]
 
 
@@ -87,7 +89,8 @@ class ReductionType(enum.IntEnum):
 
 _POPART_ENUMS = (AccumulateOuterFragmentSchedule, SubgraphCopyingStrategy, RecomputationType,
                  VirtualGraphMode, MergeVarUpdateType, ExecutionPhaseSchedule,
-                 BatchSerializationMethod, SyncPattern, MeanReductionStrategy, ReductionType)
+                 BatchSerializationMethod, SyncPattern, MeanReductionStrategy, ReductionType,
+                 SyntheticDataMode)
 
 
 def popart_module() -> types.ModuleType:

@@ -358,7 +358,7 @@ class PoplarExecutor(perf_counters.Latencies, PrivateAttributes):
                    f"(Options.replicationFactor({o.replication_factor}) / "
                    f"Options.inputReplicaGrouping.input_group_size({o.input_group_size})) * "
                    f"Options.Training.gradientAccumulation({o.Training.gradient_accumulation})")
-        return MicroBatches(args, kwargs, batch_factor(o), explain)
+        return MicroBatches(args, kwargs, batch_factor(o), explain, o.synthetic_data_mode)
 
     def _prepare(self, args, kwargs) -> tuple:
         """The call's micro-batches and its program, compiled and attached (revived first)."""

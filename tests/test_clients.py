@@ -60,6 +60,7 @@ def test_popart_enums_have_poparts_values():
     assert popart.SubgraphCopyingStrategy.JustInTime == 1
     assert popart.RecomputationType.RecomputeAll == 4
     assert popart.VirtualGraphMode.Manual == 1 and popart.MergeVarUpdateType.AutoTight == 3
+    assert [int(v) for v in popart.SyntheticDataMode] == [0, 1, 2]  # Off, Zeros, RandomNormal
 
 
 # -- poptorch.optim.Optimizer, _impl, ipuHardwareVersion -------------------------------------

@@ -648,6 +648,7 @@ T = {
     "E-OPT-38": lambda: first_call(Two(), opts().anchorTensor("g", "MatMul:0")),
     "E-OPT-39": lambda: first_call(Two(), opts().anchorTensor("g", "l1.bias",
                                                               poptorch.OutputMode.All)),
+    "E-OPT-40": lambda: refuse(lambda o: o._Popart.set("syntheticDataMode", 3)),
     # options files and JSON
     "E-CFG-01": lambda tmp_path: poptorch.Options().loadFromFile(tmp_path / "missing.conf"),
     "E-CFG-02": lambda tmp_path: config_line(tmp_path, "deviceIterations(4"),

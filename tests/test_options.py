@@ -342,7 +342,6 @@ IPU_ONLY = [
      "module_namescope_enabled", False),
     ("Options.updatableNamedBuffers", lambda o: o.updatableNamedBuffers(["b"]),
      "updatable_named_buffers", ["b"]),
-    ("Options.enableSyntheticData", lambda o: o.enableSyntheticData(True), "synthetic_data", True),
     ("Options.setAvailableMemoryProportion",
      lambda o: o.setAvailableMemoryProportion({"IPU0": 0.5, "IPU12": 0.25}),
      "available_memory_proportion", {0: 0.5, 12: 0.25}),
@@ -433,12 +432,25 @@ def test_ipu_only_values_in_groups_read_back():
     assert o.Training.mean_reduction_strategy is enums.MeanReductionStrategy.PostAndLoss
 
 
-def test_synthetic_data_and_never_say_what_they_do():
-    o = Options()
-    with pytest.warns(errors.IpuOnlyWarning, match="does NOT replace the inputs by random data"):
-        o.enableSyntheticData(True)
+def test_never_says_what_it_does():
     with pytest.warns(errors.IpuOnlyWarning, match="compiles but refuses to run"):
-        o.connectionType(ConnectionType.Never)
+        Options().connectionType(ConnectionType.Never)
+
+
+def test_synthetic_data_sets_poparts_mode_as_poptorch_does_and_warns_once():
+    """PopTorch: ``mode = 2 if enabled else 0; self._Popart.set("syntheticDataMode", mode)``."""
+    with pytest.warns(errors.PoptorchLiteWarning, match=r"synthetic data \(RandomNormal\): the "
+                      r"host's inputs are not used; the model sees random-normal data"):
+        o = Options().enableSyntheticData(int(enums.SyntheticDataMode.RandomNormal))
+    assert (o.synthetic_data_mode, o._Popart.options["syntheticDataMode"]) == (2, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert Options().enableSyntheticData(True).synthetic_data_mode == 2
+        assert Options().enableSyntheticData(False).synthetic_data_mode == 0
+        assert Options().synthetic_data_mode == enums.SyntheticDataMode.Off
+    o = Options()
+    o._Popart.set("syntheticDataMode", int(enums.SyntheticDataMode.Zeros))
+    assert o.synthetic_data_mode is enums.SyntheticDataMode.Zeros
 
 
 def test_auto_recomputation_does_not_warn():

@@ -925,3 +925,29 @@ def test_a_model_without_inputs_trains_as_plain_pytorch():
     assert_close(loss, torch.stack(losses))
     assert_close(model.w, ref.w)
     assert int(model.calls) == D
+
+
+# -- synthetic data ([Note: synthetic data] in runtime/batch.py) -----------------------------
+
+class _Echo(torch.nn.Module):
+    def forward(self, x, labels):
+        return x * 1, labels + 0
+
+
+@pytest.mark.parametrize("mode", [1, 2])
+def test_synthetic_data_replaces_the_inputs_as_popart_does(mode):
+    """Zeros (1) or one normal(0, 1) draw per input tensor (2), the same for every micro-batch
+    and call; integer inputs are zeros; the host's values are never read."""
+    opts = poptorch.Options().deviceIterations(2)
+    with pytest.warns(poptorch.PoptorchLiteWarning, match="host's inputs are not used"):
+        opts._Popart.set("syntheticDataMode", mode)
+    wrapped = poptorch.inferenceModel(_Echo(), opts)
+    x, labels = torch.full((4, 3), 7.0).half(), torch.arange(4)
+    one = (torch.randn((2, 3), generator=torch.Generator().manual_seed(0)).half() if mode == 2
+           else torch.zeros(2, 3, dtype=torch.half))
+    for _ in range(2):
+        out_x, out_labels = wrapped(x, labels)
+        assert out_x.dtype == torch.half and out_labels.dtype == torch.int64
+        torch.testing.assert_close(out_x, torch.cat([one, one]), atol=0, rtol=0)
+        torch.testing.assert_close(out_labels, torch.zeros(4, dtype=torch.int64))
+        x, labels = x + 1, labels + 1

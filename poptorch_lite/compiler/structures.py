@@ -14,16 +14,32 @@ call would return the trace-time object, its tensors frozen. So :func:`flatten`
 first turns every unregistered ``dict``, ``list`` or ``tuple`` subclass into a
 node of its own (``_Container``), whose unflattening builds the subclass again
 from its rebuilt children, the way PopTorch does. A type registered with pytree
-keeps its own flattening. What still comes out as a leaf and is not a tensor is
-a constant of the trace; :func:`tensor_holder` finds a constant that holds
-tensors (a dataclass, an object with tensor attributes, a set of tensors), which
-the trace refuses rather than freeze.
+keeps its own flattening. A ``Mapping`` that is not a ``dict`` (transformers'
+``BatchEncoding``, a ``UserDict``) is walked and rebuilt as a dict subclass is:
+PopTorch accepts dicts, and a tokenizer's output passed whole is one.
+
+Some libraries register their own types with pytree for ``torch.export``, and
+only when asked: transformers registers its ``ModelOutput`` classes as they are
+defined, but its key/value caches (``DynamicCache``, ``EncoderDecoderCache``, ...,
+returned by default with ``use_cache=True``) only when an export asks for them
+(``transformers.exporters.exporter_dynamo.register_cache_pytrees_for_model``, or
+``transformers.integrations.executorch.register_dynamic_cache_export_support`` in
+versions without ``exporters``). :func:`lift` asks that library the same way
+(:data:`_LIBRARY_REGISTRATIONS`) when it meets such a type, then walks it: the
+cache comes back rebuilt at every call with that call's keys and values, as a
+``ModelOutput`` does. The registration is the library's own, global to the
+process, as it is after an export. What still comes out as a leaf and is not a
+tensor is a constant of the trace; :func:`tensor_holder` finds a constant that
+holds tensors (a dataclass, an object with tensor attributes, a set of tensors),
+which the trace refuses rather than freeze.
 """
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
-from typing import Any, Optional
+import sys
+from typing import Any, Callable, Optional
 
 import torch
 from torch.utils import _pytree as pytree
@@ -54,17 +70,52 @@ pytree.register_pytree_node(_Container, _flatten_container, _rebuild,
                             serialized_type_name="poptorch_lite.compiler.structures._Container")
 
 
+def _transformers_registers(kind: type) -> bool:
+    """Register ``kind`` with pytree the way transformers' own export does, if it is one of
+    the caches transformers registers; whether it did ([Note: container subclasses])."""
+    try:
+        from transformers.exporters.exporter_dynamo import is_cache_class, register_pytree_node
+    except ImportError:  # transformers without exporters: its DynamicCache support only
+        from transformers.cache_utils import DynamicCache
+        from transformers.integrations.executorch import (
+            register_dynamic_cache_export_support as register_dynamic)
+        if kind is not DynamicCache:
+            return False
+        register_dynamic()
+        return True
+    if not is_cache_class(kind):
+        return False
+    register_pytree_node(kind)
+    return True
+
+
+#: Top-level module -> its own pytree registration for export, for a type of that library
+#: that pytree does not know yet ([Note: container subclasses]).
+_LIBRARY_REGISTRATIONS: dict[str, Callable[[type], bool]] = {"transformers": _transformers_registers}
+
+
+def _registered_by_its_library(leaf: Any) -> bool:
+    """Whether ``leaf``'s library registered its type with pytree, asked just now."""
+    library = type(leaf).__module__.partition(".")[0]
+    register = _LIBRARY_REGISTRATIONS.get(library)
+    return (register is not None and library in sys.modules and register(type(leaf))
+            and type(leaf) in pytree.SUPPORTED_NODES)
+
+
 def lift(x: Any) -> Any:
     """``x`` with every unregistered container subclass in it turned into a ``_Container``.
 
     pytree takes a ``dict``, ``list`` or ``tuple`` it does not know whole, as one leaf, so a
-    leaf of that kind is exactly an unregistered subclass.
+    leaf of that kind is exactly an unregistered subclass. A ``Mapping`` is walked as a dict;
+    a type whose library registers it with pytree for export is registered so, then walked.
     """
     def one(leaf):
-        if isinstance(leaf, dict):
+        if isinstance(leaf, (dict, collections.abc.Mapping)):
             return _Container(type(leaf), tuple(leaf), [lift(v) for v in leaf.values()])
         if isinstance(leaf, (list, tuple)):
             return _Container(type(leaf), None, [lift(v) for v in leaf])
+        if not isinstance(leaf, torch.Tensor) and _registered_by_its_library(leaf):
+            return lift(leaf)
         return leaf
     return pytree.tree_map(one, x)
 

@@ -7,7 +7,9 @@ that at the dispatcher level on concrete tensors; parameters and buffers are
 passed in as graph inputs through ``functional_call``. A TorchFunctionMode
 marks the result of every torch loss function ([Note: loss provenance]) and
 watches values read while tracing; an inference trace runs dropout as the identity
-(``trace_modes``: [Note: values read while tracing], [Note: inference session]).
+(``trace_modes``: [Note: values read while tracing], [Note: inference session]); ops
+mixing float16 and float32 are cast as PopTorch casts them ([Note: implicit casting] in
+``casting``).
 
 [Note: an export-style trace]
 The trace records one graph that every later micro-batch and call replays, which
@@ -40,6 +42,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import Error, TraceError
 from . import structures
+from .casting import _ImplicitCasting
 from .markers import _current, trace_context
 from .trace_modes import _InferenceSession, _TraceMode, _user_line
 
@@ -264,8 +267,9 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
     try:
         # The session is entered last, so it sees a dropout first ([Note: inference session]):
         # _TraceMode would otherwise turn F.dropout into native_dropout before it could.
+        # Mixed float16/float32 ops are resolved as PopTorch does ([Note: implicit casting]).
         with _preserved_state(model, modes) as before, trace_context(), _export_style(), grad, \
-                _TraceMode(), session:
+                _TraceMode(), _ImplicitCasting(), session:
             versions = {n: b._version for n, b in buffers.items()}
             gm = make_fx(run, tracing_mode="real", record_stack_traces=True,
                          _error_on_data_dependent_ops=False)(*flat)

@@ -8,7 +8,8 @@ the Poplar compiler or its logs (POPTORCH_REFERENCE.md §4: ``useIpuModel``,
 warns once per process (``errors.warn_once``) that it has no effect. Two have
 a consequence here and say so: ``connectionType(ConnectionType.Never)`` (and
 ``useOfflineIpuTarget``) make a wrapped model refuse to run, and
-``enableSyntheticData`` does *not* replace the inputs.
+``enableSyntheticData`` replaces the inputs by synthetic data as PopART does
+([Note: synthetic data] in ``runtime/batch.py``).
 
 Example:
     >>> from poptorch_lite.options import Options
@@ -23,7 +24,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from .. import errors
-from ..enums import ConnectionType, OutputMode, SyncPattern
+from ..enums import ConnectionType, OutputMode, SyncPattern, SyntheticDataMode
 from .base import check_bool, coerce_enum, setter, via_setter, warn_ipu_only
 
 #: Defaults of the values the setters below store on ``Options``.
@@ -301,16 +302,25 @@ class DeviceOptions:
 
     @setter
     def enableSyntheticData(self, enabled: bool):
-        """IPU benchmarking without host I/O: here the inputs are NOT replaced.
+        """Run on synthetic data instead of the host's inputs, as PopTorch does.
+
+        PopTorch sets PopART's ``syntheticDataMode`` to 2 (RandomNormal) when
+        ``enabled`` is true, else 0 (Off); ``_Popart.set("syntheticDataMode", 1)``
+        asks for zeros ([Note: synthetic data] in ``runtime/batch.py``). Warns once
+        that the numbers then differ from the inputs'.
 
         Example:
             >>> from poptorch_lite.options import Options
-            >>> Options().enableSyntheticData(True).synthetic_data
-            True
+            >>> Options().enableSyntheticData(False).synthetic_data_mode
+            <SyntheticDataMode.Off: 0>
         """
-        self._ipu_only("enableSyntheticData", "poptorch_lite does NOT replace the "
-                       "inputs by random data: the model runs on the real host "
-                       "inputs and its numerics stay real", synthetic_data=enabled)
+        self._store(synthetic_data=enabled)
+        self._Popart.set("syntheticDataMode", 2 if enabled else 0)
+
+    @property
+    def synthetic_data_mode(self) -> SyntheticDataMode:
+        """What the model sees instead of the inputs (PopART's ``syntheticDataMode``)."""
+        return SyntheticDataMode(self._Popart.options.get("syntheticDataMode", 0))
 
     @setter
     def setAvailableMemoryProportion(self, available_memory_proportion: dict):

@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 
 from .. import errors
-from ..enums import HalfFloatCastingBehavior
+from ..enums import HalfFloatCastingBehavior, SyntheticDataMode
 from .base import OptionGroup, check_bool, coerce_enum, setter, via_setter, warn_ipu_only
 
 
@@ -141,13 +141,33 @@ class _JitOptions(OptionGroup):
         warn_ipu_only(f"{self._PATH}.traceModel")
 
 
+def _synthetic_data_mode(value: Any) -> SyntheticDataMode:
+    """``value`` as PopART's SyntheticDataMode, warning once that it replaces the inputs."""
+    if isinstance(value, bool) or value not in set(SyntheticDataMode):
+        raise errors.OptionsError(
+            f"syntheticDataMode must be PopART's SyntheticDataMode, 0 (Off), 1 (Zeros) or 2 "
+            f"(RandomNormal), got {value!r}; call e.g. "
+            f"opts.enableSyntheticData(int(popart.SyntheticDataMode.RandomNormal))")
+    mode = SyntheticDataMode(value)
+    if mode != SyntheticDataMode.Off:
+        errors.warn_once(
+            "syntheticDataMode",
+            f"synthetic data ({mode.name}): the host's inputs are not used; the model sees "
+            f"{'zeros' if mode == SyntheticDataMode.Zeros else 'random-normal data'} of the "
+            f"same shapes, so its outputs, losses and trained weights differ from what the "
+            f"inputs would give", errors.PoptorchLiteWarning, stacklevel=5)
+    return mode
+
+
 class _PopartOptions(OptionGroup):
     """``Options._Popart``: raw PopART session options (advanced users).
 
-    ``set("autoRecomputation", n)`` is the one key with an effect here: it is
+    Two keys have an effect here. ``set("autoRecomputation", n)`` is
     ``Options.auto_recomputation`` (PopART's RecomputationType: 0 none,
     1 standard, 2 norms only, 3 pipeline = recompute every forward stage, 4 all).
-    Every other key is stored in :attr:`options` and ignored with a warning.
+    ``set("syntheticDataMode", m)`` (``enableSyntheticData`` sets it) replaces the
+    inputs as PopART does ([Note: synthetic data] in ``runtime/batch.py``). Every
+    other key is stored in :attr:`options` and ignored with a warning.
 
     Example:
         >>> _PopartOptions().set("autoRecomputation", 3).options["autoRecomputation"]
@@ -184,6 +204,8 @@ class _PopartOptions(OptionGroup):
                     f"RecomputationType), got {value!r}; call "
                     f"opts._Popart.set('autoRecomputation', 3) to recompute all "
                     f"forward stages, or 0 to disable")
+        elif key == "syntheticDataMode":
+            value = _synthetic_data_mode(value)
         else:
             warn_ipu_only(f"{self._PATH}.set('{key}')")
         self._store(**{key: value})

@@ -7,6 +7,20 @@ device iteration ``d = k // (G·R)``, accumulation step ``(k // R) % G`` and
 replica ``r = k % R``; its rows are ``k·B .. (k+1)·B``. Every output with a
 batch dimension comes back in the same order. ``options.combined_batch_size``
 is the one function that computes the combined batch.
+
+[Note: synthetic data]
+``Options.enableSyntheticData(True)`` (PopART's ``syntheticDataMode`` 2, RandomNormal) or
+``_Popart.set("syntheticDataMode", 1)`` (Zeros) benchmark a model without host I/O: PopART
+streams no input and fills each input tensor of a micro-batch once, when the program is
+built, with zeros or with draws of a normal(0, 1) generator seeded afresh per tensor,
+converted to the tensor's type (popart ``Ir::prepare``). So every micro-batch of every
+call sees the same data, of the shapes and types of the first call's inputs, and the
+host's values are not read. Here each tensor leaf of a call is replaced the same way: its
+micro-batch shape filled with zeros, or with ``torch.randn`` from a generator seeded 0,
+and repeated for every micro-batch. Integer and bool inputs (labels, token ids, masks) get
+zeros in both modes: a random-normal integer would be a negative index, which an IPU reads
+silently and PyTorch refuses. The option warns once that the numbers differ from the
+inputs'.
 """
 
 from __future__ import annotations
@@ -17,7 +31,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..compiler import structures
-from ..enums import OutputMode
+from ..enums import OutputMode, SyntheticDataMode
 from ..errors import BatchSizeError, InputError, OptionsError, warn_once, PoptorchLiteWarning
 
 _SCALARS = (bool, int, float, complex, str, type(None))
@@ -34,6 +48,7 @@ class MicroBatches:
         args, kwargs: the call's arguments.
         factor: ``D·(R/g)·G``, the number of micro-batches.
         explain: the factor's arithmetic, for error messages.
+        synthetic: what replaces the tensors' values ([Note: synthetic data]).
 
     Raises:
         InputError: an argument that should be a tensor is not (a numpy array,
@@ -46,7 +61,8 @@ class MicroBatches:
         tensor([2., 3.])
     """
 
-    def __init__(self, args: tuple, kwargs: dict, factor: int, explain: str):
+    def __init__(self, args: tuple, kwargs: dict, factor: int, explain: str,
+                 synthetic: SyntheticDataMode = SyntheticDataMode.Off):
         _check_number_lists(list(args) + list(kwargs.values()))
         lifted = structures.lift((tuple(args), dict(kwargs)))
         leaves, self.spec = pytree.tree_flatten(lifted)
@@ -74,6 +90,9 @@ class MicroBatches:
                       "an input tensor requires grad: inputs are detached (a wrapped model "
                       "computes gradients for its parameters only)", PoptorchLiteWarning)
             leaves = [v.detach() if isinstance(v, torch.Tensor) else v for v in leaves]
+        if synthetic != SyntheticDataMode.Off:
+            leaves = [_synthetic(v, factor, synthetic) if isinstance(v, torch.Tensor) else v
+                      for v in leaves]
         self.leaves = leaves
         self.tensor_positions = [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
 
@@ -122,6 +141,17 @@ def _check_leaf(leaf: Any) -> None:
                          f"torch.from_numpy(...) or torch.as_tensor(...)")
     raise InputError(f"an input is a {kind} where a tensor is needed; pass tensors (in tuples, "
                      f"lists or dicts) or Python scalars")
+
+
+def _synthetic(t: torch.Tensor, factor: int, mode: SyntheticDataMode) -> torch.Tensor:
+    """``t``'s stand-in: each micro-batch zeros or the same normal draws ([Note: synthetic data])."""
+    one = t.shape if t.dim() == 0 else (t.shape[0] // factor, *t.shape[1:])
+    if mode == SyntheticDataMode.RandomNormal and t.is_floating_point():
+        data = torch.randn(one, generator=torch.Generator().manual_seed(0)).to(t.dtype)
+    else:
+        data = torch.zeros(one, dtype=t.dtype)
+    data = data.to(t.device)
+    return data if t.dim() == 0 else data.repeat(factor, *[1] * (t.dim() - 1))
 
 
 def _slice(t: torch.Tensor, k: int, factor: int) -> torch.Tensor:

@@ -1,0 +1,94 @@
+"""PopTorch's implicit casting of mixed float16/float32 ops ([Note: implicit casting] in
+compiler/casting.py), against PopTorch's documented examples and plain PyTorch."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import poptorch_lite as poptorch
+
+
+class Adder(torch.nn.Module):
+    def forward(self, x, y):
+        return x + y
+
+
+class SimpleAdder(torch.nn.Module):
+    def forward(self, x, y, z, w):
+        return x + y + 5, z + w + 5
+
+
+def test_poptorchs_half_tests_hold():
+    """pt:tests/half_test.py: half + float is float either way round; half + half stays half,
+    float + float float (test_simple_model); a half Linear on a half input is half."""
+    half, single = torch.tensor([1.0]).half(), torch.tensor([2.0])
+    assert poptorch.inferenceModel(Adder())(half, single).dtype == torch.float
+    assert poptorch.inferenceModel(Adder())(single, half).dtype == torch.float
+    out_half, out_float = poptorch.inferenceModel(SimpleAdder())(
+        half, torch.tensor([2.0]).half(), torch.tensor([3.0]), torch.tensor([4.0]))
+    assert (out_half.dtype, out_half.float().item()) == (torch.half, 8.0)
+    assert (out_float.dtype, out_float.item()) == (torch.float, 12.0)
+    linear = torch.nn.Linear(1, 10).half()
+    out = poptorch.inferenceModel(linear)(half)
+    assert out.dtype == torch.half
+    torch.testing.assert_close(out, linear(half), atol=0, rtol=0)
+
+
+def backbone():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4),
+                               torch.nn.ReLU(), torch.nn.Conv2d(4, 2, 3, stride=2),
+                               torch.nn.GroupNorm(1, 2), torch.nn.Flatten(),
+                               torch.nn.Linear(2 * 3 * 3, 5), torch.nn.LayerNorm(5))
+
+
+def test_a_half_model_called_with_float32_inputs_computes_in_float32():
+    """YOLOv4's backbone test: ``inferenceModel(model.half())(float32 input)``. Conv and norm
+    weights take the input's type (castWeightAndBias), the Linear promotes: float32 out, equal
+    to the model's float32 copy (float16 -> float32 is exact), where plain PyTorch raises."""
+    model = backbone().half().eval()
+    poptorch.BeginBlock(model[3], "second", ipu_id=1)
+    x = torch.randn(4, 3, 8, 8)
+    with pytest.raises(RuntimeError, match="should be the same"):
+        model(x)
+    out = poptorch.inferenceModel(model, poptorch.Options().deviceIterations(2))(x)
+    assert out.dtype == torch.float32
+    with torch.no_grad():
+        expected = copy.deepcopy(model).float()(x)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+
+
+def test_training_a_half_model_on_float32_inputs_reaches_its_half_parameters():
+    """Gradients go through the casts to the float16 parameters, and a training BatchNorm's
+    running statistics are written back into its float16 buffers, as for its float32 copy."""
+    model = backbone().half().train()
+    ref = copy.deepcopy(model).float()
+    x, target = torch.randn(2, 3, 8, 8), torch.randn(2, 5)
+
+    class WithLoss(torch.nn.Module):
+        def __init__(self, net):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x, target):
+            out = self.net(x)
+            return out, torch.nn.functional.mse_loss(out, target)
+
+    wrapped = poptorch.trainingModel(WithLoss(model),
+                                     optimizer=torch.optim.SGD(model.parameters(), lr=0.0))
+    out, loss = wrapped(x, target)
+    ref_out = ref(x)
+    ref_loss = torch.nn.functional.mse_loss(ref_out, target)
+    ref_loss.backward()
+    assert (out.dtype, loss.dtype) == (torch.float32, torch.float32)
+    torch.testing.assert_close(loss, ref_loss.detach(), atol=1e-5, rtol=0)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.dtype == torch.half
+        torch.testing.assert_close(p.grad, q.grad.half(), atol=1e-3, rtol=1e-3, msg=name)
+    torch.testing.assert_close(model[1].running_mean, ref[1].running_mean.half(), atol=1e-3,
+                               rtol=0)
+    torch.testing.assert_close(model[1].running_var, ref[1].running_var.half(), atol=1e-3,
+                               rtol=0)
