@@ -55,7 +55,7 @@ def staged(model, stages):
 def one_side(args):
     case = args.case
     kind = {"conv": "conv16"}.get(case, "mlp")
-    model, optimizer, x, y, B, D, G = tax.build(kind)
+    model, optimizer, x, y, B, D, G, _ = tax.build(kind)
     if args.side == "plain":
         model.cuda()
         optimizer = type(optimizer)(model.parameters(), **optimizer.defaults)

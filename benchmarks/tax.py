@@ -7,7 +7,13 @@
 Cases (issue 11's table):
 - ``conv8``:  Graphcore's MNIST tutorial conv net, micro-batch 8, deviceIterations 50, SGD;
 - ``conv16``: the same net, micro-batch 16, deviceIterations 1, SGD with momentum;
-- ``mlp``:    8 x Linear(1024)+ReLU, one stage, micro-batch 32, accumulation 8, Adam.
+- ``mlp``:    8 x Linear(1024)+ReLU, one stage, micro-batch 32, accumulation 8, Adam;
+- ``tiny``, ``tiny-r4``, ``tiny-g8``: PopTorch's user-guide ``device_iterations.py`` (issue 27
+  D): one Linear(6, 2) with CrossEntropyLoss, micro-batch 2, SGD(lr=0.01) (trainingModel's
+  default optimizer), ``deviceIterations(100)``; ``-r4`` with ``replicationFactor(4)`` (the
+  plain side averages the 4 replicas' micro-batches into each step), ``-g8`` with
+  ``deviceIterations(400)`` and ``gradientAccumulation(8)``. The smallest case of the tax:
+  a step is a few dozen microseconds of arithmetic, so what a step costs besides it shows.
 
 Each pair starts a plain process and a poptorch_lite process side by side; both warm
 up (and trace), then take turns: the parent asks one for a block of ``--calls`` calls,
@@ -32,10 +38,13 @@ import time
 import torch
 import torch.nn as nn
 
-CASES = {  # name: (model, micro-batch, deviceIterations, accumulation, optimizer)
-    "conv8": ("conv", 8, 50, 1, "sgd"),
-    "conv16": ("conv", 16, 1, 1, "sgd-momentum"),
-    "mlp": ("mlp", 32, 1, 8, "adam"),
+CASES = {  # name: (model, micro-batch, deviceIterations, accumulation, optimizer, replicas)
+    "conv8": ("conv", 8, 50, 1, "sgd", 1),
+    "conv16": ("conv", 16, 1, 1, "sgd-momentum", 1),
+    "mlp": ("mlp", 32, 1, 8, "adam", 1),
+    "tiny": ("tiny", 2, 100, 1, "sgd", 1),
+    "tiny-r4": ("tiny", 2, 100, 1, "sgd", 4),
+    "tiny-g8": ("tiny", 2, 400, 8, "sgd", 1),
 }
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -80,13 +89,30 @@ class MLP(nn.Module):
         return out, nn.functional.mse_loss(out, y)
 
 
+class Tiny(nn.Module):
+    """The user guide's ``ExampleModelWithLoss`` for data of shape [3, 2] and 2 classes."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 2)
+        self.loss = nn.CrossEntropyLoss()
+
+    def forward(self, x, target):
+        fc = self.fc(x.reshape([x.shape[0], -1]))
+        return fc, self.loss(fc, target)
+
+
 def build(case):
-    kind, B, D, G, opt = CASES[case]
+    """The case's model, optimizer and one call's inputs; B, D, the micro-batches a step
+    averages (accumulation x replicas), and the replicas."""
+    kind, B, D, G, opt, R = CASES[case]
     torch.manual_seed(0)
-    model = ConvNet() if kind == "conv" else MLP()
-    n = B * D * G
+    model = {"conv": ConvNet, "mlp": MLP, "tiny": Tiny}[kind]()
+    n = B * D * G * R
     if kind == "conv":
         x, y = torch.randn(n, 1, 28, 28), torch.randint(0, 10, (n,))
+    elif kind == "tiny":
+        x, y = torch.rand(n, 3, 2), torch.randint(0, 2, (n,))
     else:
         x, y = torch.randn(n, 1024), torch.randn(n, 1024)
     if opt == "sgd":
@@ -95,7 +121,7 @@ def build(case):
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     else:
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-5)
-    return model, optimizer, x, y, B, D, G
+    return model, optimizer, x, y, B, D, G * R, R
 
 
 def plain_call(model, optimizer, x, y, B, D, G):
@@ -118,15 +144,15 @@ def one_side(args):
     threads = args.threads[0]
     if threads:
         torch.set_num_threads(threads)
-    model, optimizer, x, y, B, D, G = build(args.case)
+    model, optimizer, x, y, B, D, G, R = build(args.case)
     if args.side == "plain":
         def call():
             plain_call(model, optimizer, x, y, B, D, G)
     else:
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
         import poptorch_lite as poptorch
-        opts = poptorch.Options().deviceIterations(D)
-        opts.Training.gradientAccumulation(G)
+        opts = poptorch.Options().deviceIterations(D).replicationFactor(R)
+        opts.Training.gradientAccumulation(G // R)
         wrapped = poptorch.trainingModel(model, opts, optimizer)
 
         def call():
