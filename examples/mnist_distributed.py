@@ -54,6 +54,7 @@ def main(argv=None):
     # Rank and process count come from torchrun's RANK and WORLD_SIZE.
     opts = poptorch.Options().deviceIterations(args.device_iterations).randomSeed(args.seed)
     opts.replicationFactor(args.replicas)
+    opts.outputMode(poptorch.OutputMode.All)  # every micro-batch's loss and outputs, for the bar
     opts.Training.gradientAccumulation(args.gradient_accumulation)
     opts.setExecutionStrategy(strategy(args))
     train_data = poptorch.DataLoader(opts, train_set, batch_size=args.batch_size, shuffle=True)
@@ -75,9 +76,9 @@ def main(argv=None):
         bar = tqdm(train_data, desc=f"epoch {epoch}/{args.epochs}", disable=not main_process)
         running = RunningMean()
         for data, labels in bar:
-            output, loss = training_model(data, labels)
+            output, losses = training_model(data, labels)  # every micro-batch's
             seen += data.shape[0] * P
-            bar.set_postfix(running.add(loss.item(), accuracy(output, labels[-output.shape[0]:])))
+            bar.set_postfix(running.add(losses, output, labels))
     elapsed = time.perf_counter() - start
     training_model.detachFromDevice()
     if not main_process:

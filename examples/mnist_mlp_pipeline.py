@@ -84,6 +84,7 @@ def main(argv=None):
 
     opts = options(args, args.device_iterations)
     opts.Training.gradientAccumulation(args.gradient_accumulation)
+    opts.outputMode(poptorch.OutputMode.All)  # every micro-batch's loss and outputs, for the bar
     train_data = poptorch.DataLoader(opts, train_set, batch_size=args.batch_size, shuffle=True,
                                      generator=torch.Generator().manual_seed(args.seed))
     print(f"effective batch: {args.batch_size} x {args.gradient_accumulation} accumulation = "

@@ -118,6 +118,7 @@ def main(argv=None):
 
     opts = poptorch.Options().deviceIterations(args.device_iterations).randomSeed(args.seed)
     opts.replicationFactor(args.replicas)
+    opts.outputMode(poptorch.OutputMode.All)  # every micro-batch's loss and outputs, for the bar
     opts.Training.gradientAccumulation(args.gradient_accumulation)
     opts.setExecutionStrategy(strategy(args))
     pipelines = spread(opts, args)  # data-parallel pipelines over the processes

@@ -111,6 +111,7 @@ def training_model(args, model, optimizer):
     poptorch.split_at(model, args.splits)  # stage k+1 starts at args.splits[k], on IPU k+1
     opts = options(args, args.device_iterations)
     opts.Training.gradientAccumulation(args.gradient_accumulation)
+    opts.outputMode(poptorch.OutputMode.All)  # every micro-batch's loss and outputs, for the bar
     return poptorch.trainingModel(model, opts, optimizer)
 
 

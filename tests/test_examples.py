@@ -221,6 +221,35 @@ def test_mnist_failing_to_download_points_at_data_dir(tmp_path, monkeypatch):
         mnist.open_mnist(str(tmp_path), True)
 
 
+def test_the_bar_shows_the_epochs_mean_over_every_micro_batch(monkeypatch):
+    """examples/mnist.py's train(): the bar's mean loss and accuracy cover every micro-batch
+    a call trained (12 a call here: 3 device iterations x 2 accumulated x 2 replicas), not
+    the last one that the default output mode returns."""
+    import torch
+    import torch.nn.functional as F
+    import poptorch_lite as poptorch
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    import mnist
+    torch.manual_seed(0)
+    model = mnist.Network()
+    opts = poptorch.Options().deviceIterations(3).replicationFactor(2)
+    opts.Training.gradientAccumulation(2)
+    opts.outputMode(poptorch.OutputMode.All)
+    # lr 0: the weights stay as they are, so plain PyTorch gives each micro-batch's loss
+    training_model = poptorch.trainingModel(model, opts, poptorch.optim.SGD(model.parameters(),
+                                                                            lr=0.0))
+    images, labels = torch.randn(96, 1, 28, 28), torch.randint(0, 10, (96,))
+    calls = [(images[:48], labels[:48]), (images[48:], labels[48:])]
+    seen, _, running = mnist.train(training_model, calls, epochs=1)
+    training_model.destroy()
+    with torch.no_grad():
+        output = model(images)
+        losses = [F.nll_loss(output[k:k + 4], labels[k:k + 4]).item() for k in range(0, 96, 4)]
+    assert (seen, running.micro_batches, running.images) == (96, 24, 96)
+    assert running.loss == pytest.approx(sum(losses) / 24, abs=1e-6)
+    assert running.accuracy == 100.0 * (output.argmax(1) == labels).sum().item() / 96
+
+
 def test_mnist_poptorch_runs_unmodified_through_the_alias():
     result = subprocess.run(
         [sys.executable, "-W", "ignore", "-m", "poptorch_lite", "run",
@@ -248,9 +277,11 @@ def test_gpt2_pipelined_trains_transformers_gpt2_on_the_standard_library():
     assert re.fullmatch(r"corpus: 300000 bytes from [0-9]+ files of the standard library, "
                         r"64 training and 64 held-out windows of 128", lines[0]), lines[0]
     assert lines[1] == "4 stages (recompute on), 842496 parameters, 4 x 8 = 32 windows per step"
-    assert re.fullmatch(r"trained 2 steps in [0-9.]+ s: loss [0-9.]+ at the first step, "
-                        r"[0-9.]+ \(running mean\) at the last", lines[2]), lines[2]
+    assert re.fullmatch(r"trained 2 steps in [0-9.]+ s: loss [0-9.]+ at the first step, [0-9.]+ "
+                        r"at the last \(moving average: 0\.9 old \+ 0\.1 new per step\)",
+                        lines[2]), lines[2]
     held = re.fullmatch(r"held-out loss: ([0-9.]+) before training, ([0-9.]+) after "
                         r"\([0-9.]+ bits per byte\)", lines[3])
     assert held and float(held.group(2)) < float(held.group(1)) <= 6.0, lines[3]
-    assert "loss=" in result.stderr  # the tqdm bar shows the running loss
+    assert "step loss=" in result.stderr and "moving average=" in result.stderr  # the bar
+    assert "loss_type" not in result.stdout + result.stderr  # transformers has no loss to guess
