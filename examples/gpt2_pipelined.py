@@ -34,7 +34,8 @@ try:
 except ImportError:
     sys.exit("examples/gpt2_pipelined.py needs transformers: pip install -e '.[hf]'")
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 parser.add_argument("--stages", type=int, default=2, choices=(2, 4), help="pipeline stages")
 parser.add_argument("--recompute", action="store_true",
                     help="keep only stage inputs and recompute activations in the backward")

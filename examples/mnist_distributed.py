@@ -23,9 +23,11 @@ import poptorch_lite as poptorch
 from mnist import RunningMean, accuracy, datasets
 from mnist_pipelined import Network, strategy
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 parser.add_argument("--data-dir", default=os.environ.get("MNIST_DATA", "data"),
-                    help="folder holding MNIST/ (downloaded there if missing)")
+                    help="folder holding MNIST/ (downloaded there if missing); $MNIST_DATA if "
+                         "set, else data")
 parser.add_argument("--epochs", type=int, default=1, help="passes over the training set")
 parser.add_argument("--batch-size", type=int, default=8, help="micro-batch size")
 parser.add_argument("--gradient-accumulation", type=int, default=4,

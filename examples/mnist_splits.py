@@ -29,9 +29,11 @@ import torch.nn as nn
 import poptorch_lite as poptorch
 from mnist import datasets, test, train
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 parser.add_argument("--data-dir", default=os.environ.get("MNIST_DATA", "data"),
-                    help="folder holding MNIST/ (downloaded there if missing)")
+                    help="folder holding MNIST/ (downloaded there if missing); $MNIST_DATA if "
+                         "set, else data")
 parser.add_argument("--splits", nargs="*", default=["dense128", "dense64"],
                     help="layers that start a new pipeline stage")
 parser.add_argument("--epochs", type=int, default=2, help="passes over the training set")

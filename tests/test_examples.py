@@ -250,6 +250,24 @@ def test_the_bar_shows_the_epochs_mean_over_every_micro_batch(monkeypatch):
     assert running.accuracy == 100.0 * (output.argmax(1) == labels).sum().item() / 96
 
 
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "examples").glob("*.py")))
+def test_help_shows_every_default_and_where_mnist_comes_from(name, monkeypatch):
+    import argparse
+    import importlib
+    import poptorch_lite
+    if name == "gpt2_pipelined":
+        pytest.importorskip("transformers")
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    monkeypatch.setitem(sys.modules, "poptorch", poptorch_lite)  # as `poptorch-lite run` does
+    parser = importlib.import_module(name).parser
+    text = " ".join(parser.format_help().split())
+    for action in parser._actions:
+        if action.option_strings and action.default is not argparse.SUPPRESS:
+            assert f"(default: {action.default})" in text, (action.dest, text)
+    if "--data-dir" in text:
+        assert "$MNIST_DATA if set" in text
+
+
 def test_mnist_poptorch_without_the_alias_says_how_to_run_it():
     result = subprocess.run([sys.executable, str(ROOT / "examples" / "mnist_poptorch.py"), "--help"],
                             capture_output=True, text=True, timeout=600, cwd=ROOT,
