@@ -748,7 +748,7 @@ BAD_INPUTS = [
       r"opts\.deviceIterations\(3\)"]),
     ("op-outside-block", train_call(OpAfterBlock, lambda d: options(
         d, strategy=poptorch.PipelinedExecution())), poptorch.BlockError,
-     ["No active Block", rf"test_wrapper\.py\", line {line_of('# no active block')}",
+     ["No active Block", rf"test_wrapper\.py:{line_of('# no active block')}: ",
       "Block scope"]),
     ("stage-names-unknown-block", train_call(ThreeBlocks, lambda d: options(
         d, strategy=poptorch.ShardedExecution("a", "b", "c", "ghost"))), poptorch.BlockError,
@@ -767,7 +767,7 @@ BAD_INPUTS = [
      ["Couldn't find a loss", "identity_loss"]),
     ("two-losses", train_call(TwoLosses, options, combined=False), poptorch.LossError,
      [r"Multiple independent losses found in graph \(2",
-      rf"test_wrapper\.py\", line {line_of('# two losses')}", r"identity_loss\(l1 \+ l2"]),
+      rf"test_wrapper\.py:{line_of('# two losses')}: ", r"identity_loss\(l1 \+ l2"]),
     ("frozen-options", frozen_options, poptorch.FrozenOptionsError,
      [r"Training\.gradientAccumulation\(\)", r"opts\.clone\(\)"]),
     ("wrapped-twice", wrapped_twice, poptorch.WrapError,

@@ -137,8 +137,8 @@ def _node_source(node: fx.Node) -> Optional[tuple]:
 def _caller() -> tuple:
     """``(file, line)`` of the innermost line of user code on the stack (the model's call)."""
     is_user = user_file_test()
-    frames = [f for f in traceback.extract_stack() if is_user(f.filename)] or [None]
-    return (frames[-1].filename, frames[-1].lineno) if frames[-1] else ("<unknown>", 0)
+    frames = [f for f in traceback.extract_stack() if is_user(f.filename)]
+    return (frames[-1].filename, frames[-1].lineno) if frames else ("<unknown>", 0)
 
 
 def _node_line(node: fx.Node) -> str:
