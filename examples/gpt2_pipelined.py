@@ -11,9 +11,10 @@ layers splits it into ``--stages`` blocks, one stage (IPU, here a CPU stream) ea
 The tied input and output embeddings live in the first and the last stage. The
 text is every ``.py`` file of the running Python's standard library, read from
 disk as bytes (a vocabulary of 256), cut into windows of ``--seq-len`` bytes; a
-tenth of the windows is held out. The tqdm bar shows the running training loss;
-the held-out loss is measured before and after training with an inference model
-of the same weights (dropout off, as PopTorch's inference session runs it).
+tenth of the windows is held out. The tqdm bar shows each step's loss (the mean
+over its micro-batches, which ``OutputMode.All`` returns) and a moving average of
+it; the held-out loss is measured before and after training with an inference
+model of the same weights (dropout off, as PopTorch's inference session runs it).
 """
 
 import argparse
@@ -33,7 +34,8 @@ try:
 except ImportError:
     sys.exit("examples/gpt2_pipelined.py needs transformers: pip install -e '.[hf]'")
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 parser.add_argument("--stages", type=int, default=2, choices=(2, 4), help="pipeline stages")
 parser.add_argument("--recompute", action="store_true",
                     help="keep only stage inputs and recompute activations in the backward")
@@ -81,6 +83,7 @@ def build(args) -> torch.nn.Module:
         vocab_size=256, n_positions=args.seq_len, n_embd=args.width, n_layer=args.layers,
         n_head=args.heads, bos_token_id=0, eos_token_id=0, use_cache=False)
     model = transformers.GPT2LMHeadModel(config)
+    model.loss_type = "ForCausalLM"  # its loss, named: transformers warns when it must guess
     if args.layers % args.stages:
         parser.error(f"--layers {args.layers} do not split into {args.stages} stages")
     per = args.layers // args.stages
@@ -97,6 +100,7 @@ def options(args, training: bool) -> poptorch.Options:
     opts.setExecutionStrategy(poptorch.PipelinedExecution(*stages))
     if training:
         opts.Training.gradientAccumulation(args.gradient_accumulation)
+        opts.outputMode(poptorch.OutputMode.All)  # every micro-batch's loss, not the last one
     else:
         opts.deviceIterations(args.gradient_accumulation)
     return opts
@@ -145,15 +149,15 @@ def main(argv=None):
     for epoch in range(1, args.epochs + 1):
         bar = tqdm(data, desc=f"epoch {epoch}/{args.epochs}")
         for (rows,) in bar:
-            loss = training(input_ids=rows, labels=rows).loss.mean().item()
+            loss = training(input_ids=rows, labels=rows).loss.mean().item()  # the step's mean
             first = loss if first is None else first
             running = loss if running is None else 0.9 * running + 0.1 * loss
             steps += 1
-            bar.set_postfix(loss=f"{running:.3f}")
+            bar.set_postfix({"step loss": f"{loss:.3f}", "moving average": f"{running:.3f}"})
     seconds = time.perf_counter() - start
     training.destroy()
     print(f"trained {steps} steps in {seconds:.1f} s: loss {first:.3f} at the first step, "
-          f"{running:.3f} (running mean) at the last")
+          f"{running:.3f} at the last (moving average: 0.9 old + 0.1 new per step)")
     after = held_out_loss(model, args, held_rows)
     print(f"held-out loss: {before:.3f} before training, {after:.3f} after "
           f"({after / math.log(2):.2f} bits per byte)")

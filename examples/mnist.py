@@ -26,9 +26,11 @@ from tqdm import tqdm
 
 import poptorch_lite as poptorch
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 parser.add_argument("--data-dir", default=os.environ.get("MNIST_DATA", "data"),
-                    help="folder holding MNIST/ (downloaded there if missing)")
+                    help="folder holding MNIST/ (downloaded there if missing); $MNIST_DATA if "
+                         "set, else data")
 parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
 parser.add_argument("--batch-size", type=int, default=16, help="batch size of one step")
 parser.add_argument("--device-iterations", type=int, default=1,
@@ -135,22 +137,40 @@ def report_speed_gained(model, train_set, args):
 
 
 class RunningMean:
-    """The epoch's mean loss and accuracy so far, for a progress bar's postfix."""
+    """The epoch's mean loss and accuracy so far, over every micro-batch trained.
+
+    A call trains on deviceIterations x gradientAccumulation x replicas micro-batches.
+    Under ``OutputMode.All`` (the examples' training option) it returns the loss of each
+    and an output row for each image; the default mode returns the last micro-batch's.
+    """
 
     def __init__(self):
-        self.loss = self.accuracy = 0.0
-        self.calls = 0
+        self.loss_sum, self.micro_batches, self.correct, self.images = 0.0, 0, 0, 0
 
-    def add(self, loss, accuracy_percent):
-        self.calls += 1
-        self.loss += (loss - self.loss) / self.calls
-        self.accuracy += (accuracy_percent - self.accuracy) / self.calls
-        return {"mean loss": f"{self.loss:.4f}", "mean accuracy": f"{self.accuracy:.1f}%"}
+    def add(self, losses, output, labels):
+        """Count one call's losses and outputs; return the figures for a progress bar."""
+        if output.shape[0] != labels.shape[0]:
+            raise ValueError(f"{output.shape[0]} output rows for {labels.shape[0]} labels: "
+                             f"train with opts.outputMode(poptorch.OutputMode.All)")
+        self.loss_sum += losses.sum().item()
+        self.micro_batches += losses.numel()
+        self.correct += (output.argmax(1) == labels).sum().item()
+        self.images += labels.shape[0]
+        return {"epoch mean loss": f"{self.loss:.4f}", "epoch accuracy": f"{self.accuracy:.2f}%"}
+
+    @property
+    def loss(self):
+        return self.loss_sum / self.micro_batches
+
+    @property
+    def accuracy(self):
+        return 100.0 * self.correct / self.images
 
 
 def train(training_model, train_data, epochs, scheduler=None, pipelines=1):
-    """Run ``epochs`` passes with a tqdm bar of the epoch's mean loss and accuracy so far;
-    return (images, seconds).
+    """Run ``epochs`` passes with a tqdm bar of the epoch's mean loss and accuracy so far,
+    over every micro-batch trained (the model's options need ``OutputMode.All``); return
+    (images, seconds, the last epoch's RunningMean).
 
     A torch ``scheduler`` steps after each epoch; ``setOptimizer`` hands the new
     learning rate to the model, as in PopTorch. ``pipelines`` data-parallel copies of the
@@ -165,16 +185,14 @@ def train(training_model, train_data, epochs, scheduler=None, pipelines=1):
         bar = tqdm(train_data, desc=f"epoch {epoch}/{epochs}", disable=not main_process)
         running = RunningMean()
         for data, labels in bar:
-            output, loss = training_model(data, labels)
+            output, losses = training_model(data, labels)  # every micro-batch's (OutputMode.All)
             seen += data.shape[0] * pipelines
-            # Default output mode: the last step's outputs (and a loss per replica).
-            bar.set_postfix(running.add(loss.mean().item(),
-                                        accuracy(output, labels[-output.shape[0]:])))
+            bar.set_postfix(running.add(losses, output, labels))
     elapsed = time.perf_counter() - start
     if main_process:
         print(f"trained on {seen} images in {elapsed:.1f} s "
               f"({seen / max(elapsed, 1e-9):.0f} samples/s)")
-    return seen, elapsed
+    return seen, elapsed, running
 
 
 def test(model, test_set, batch_size, opts):
@@ -209,6 +227,7 @@ def main(argv=None):
         report_speed_gained(model, train_set, args)
 
     opts = poptorch.Options().deviceIterations(args.device_iterations).randomSeed(args.seed)
+    opts.outputMode(poptorch.OutputMode.All)  # every micro-batch's loss and outputs, for the bar
     train_data = poptorch.DataLoader(opts, train_set, batch_size=args.batch_size, shuffle=True,
                                      generator=torch.Generator().manual_seed(args.seed))
     optimizer = poptorch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)

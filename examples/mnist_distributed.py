@@ -23,9 +23,11 @@ import poptorch_lite as poptorch
 from mnist import RunningMean, accuracy, datasets
 from mnist_pipelined import Network, strategy
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 parser.add_argument("--data-dir", default=os.environ.get("MNIST_DATA", "data"),
-                    help="folder holding MNIST/ (downloaded there if missing)")
+                    help="folder holding MNIST/ (downloaded there if missing); $MNIST_DATA if "
+                         "set, else data")
 parser.add_argument("--epochs", type=int, default=1, help="passes over the training set")
 parser.add_argument("--batch-size", type=int, default=8, help="micro-batch size")
 parser.add_argument("--gradient-accumulation", type=int, default=4,
@@ -54,6 +56,7 @@ def main(argv=None):
     # Rank and process count come from torchrun's RANK and WORLD_SIZE.
     opts = poptorch.Options().deviceIterations(args.device_iterations).randomSeed(args.seed)
     opts.replicationFactor(args.replicas)
+    opts.outputMode(poptorch.OutputMode.All)  # every micro-batch's loss and outputs, for the bar
     opts.Training.gradientAccumulation(args.gradient_accumulation)
     opts.setExecutionStrategy(strategy(args))
     train_data = poptorch.DataLoader(opts, train_set, batch_size=args.batch_size, shuffle=True)
@@ -75,9 +78,9 @@ def main(argv=None):
         bar = tqdm(train_data, desc=f"epoch {epoch}/{args.epochs}", disable=not main_process)
         running = RunningMean()
         for data, labels in bar:
-            output, loss = training_model(data, labels)
+            output, losses = training_model(data, labels)  # every micro-batch's
             seen += data.shape[0] * P
-            bar.set_postfix(running.add(loss.item(), accuracy(output, labels[-output.shape[0]:])))
+            bar.set_postfix(running.add(losses, output, labels))
     elapsed = time.perf_counter() - start
     training_model.detachFromDevice()
     if not main_process:

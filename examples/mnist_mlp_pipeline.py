@@ -29,9 +29,11 @@ import torch.nn as nn
 import poptorch_lite as poptorch
 from mnist import datasets, test, train
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 parser.add_argument("--data-dir", default=os.environ.get("MNIST_DATA", "data"),
-                    help="folder holding MNIST/ (downloaded there if missing)")
+                    help="folder holding MNIST/ (downloaded there if missing); $MNIST_DATA if "
+                         "set, else data")
 parser.add_argument("--epochs", type=int, default=2, help="passes over the training set")
 parser.add_argument("--batch-size", type=int, default=8, help="micro-batch size")
 parser.add_argument("--gradient-accumulation", type=int, default=8,
@@ -84,6 +86,7 @@ def main(argv=None):
 
     opts = options(args, args.device_iterations)
     opts.Training.gradientAccumulation(args.gradient_accumulation)
+    opts.outputMode(poptorch.OutputMode.All)  # every micro-batch's loss and outputs, for the bar
     train_data = poptorch.DataLoader(opts, train_set, batch_size=args.batch_size, shuffle=True,
                                      generator=torch.Generator().manual_seed(args.seed))
     print(f"effective batch: {args.batch_size} x {args.gradient_accumulation} accumulation = "

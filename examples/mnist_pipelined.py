@@ -33,9 +33,11 @@ import torch.nn as nn
 import poptorch_lite as poptorch
 from mnist import ConvLayer, datasets, test, train
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 parser.add_argument("--data-dir", default=os.environ.get("MNIST_DATA", "data"),
-                    help="folder holding MNIST/ (downloaded there if missing)")
+                    help="folder holding MNIST/ (downloaded there if missing); $MNIST_DATA if "
+                         "set, else data")
 parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
 parser.add_argument("--batch-size", type=int, default=8, help="micro-batch size")
 parser.add_argument("--gradient-accumulation", type=int, default=8,
@@ -118,6 +120,7 @@ def main(argv=None):
 
     opts = poptorch.Options().deviceIterations(args.device_iterations).randomSeed(args.seed)
     opts.replicationFactor(args.replicas)
+    opts.outputMode(poptorch.OutputMode.All)  # every micro-batch's loss and outputs, for the bar
     opts.Training.gradientAccumulation(args.gradient_accumulation)
     opts.setExecutionStrategy(strategy(args))
     pipelines = spread(opts, args)  # data-parallel pipelines over the processes

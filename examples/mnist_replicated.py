@@ -21,9 +21,11 @@ import torch
 import poptorch_lite as poptorch
 from mnist import Network, datasets, test, train
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 parser.add_argument("--data-dir", default=os.environ.get("MNIST_DATA", "data"),
-                    help="folder holding MNIST/ (downloaded there if missing)")
+                    help="folder holding MNIST/ (downloaded there if missing); $MNIST_DATA if "
+                         "set, else data")
 parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
 parser.add_argument("--batch-size", type=int, default=16, help="batch size of one replica")
 parser.add_argument("--replicas", type=int, default=2, help="replicationFactor")
@@ -45,6 +47,7 @@ def main(argv=None):
 
     opts = poptorch.Options().deviceIterations(args.device_iterations).randomSeed(args.seed)
     opts.replicationFactor(args.replicas)
+    opts.outputMode(poptorch.OutputMode.All)  # every micro-batch's loss and outputs, for the bar
     train_data = poptorch.DataLoader(opts, train_set, batch_size=args.batch_size, shuffle=True,
                                      generator=torch.Generator().manual_seed(args.seed))
     print(f"effective batch: {args.batch_size} x {args.replicas} replicas = "

@@ -29,9 +29,11 @@ import torch.nn as nn
 import poptorch_lite as poptorch
 from mnist import datasets, test, train
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 parser.add_argument("--data-dir", default=os.environ.get("MNIST_DATA", "data"),
-                    help="folder holding MNIST/ (downloaded there if missing)")
+                    help="folder holding MNIST/ (downloaded there if missing); $MNIST_DATA if "
+                         "set, else data")
 parser.add_argument("--splits", nargs="*", default=["dense128", "dense64"],
                     help="layers that start a new pipeline stage")
 parser.add_argument("--epochs", type=int, default=2, help="passes over the training set")
@@ -111,6 +113,7 @@ def training_model(args, model, optimizer):
     poptorch.split_at(model, args.splits)  # stage k+1 starts at args.splits[k], on IPU k+1
     opts = options(args, args.device_iterations)
     opts.Training.gradientAccumulation(args.gradient_accumulation)
+    opts.outputMode(poptorch.OutputMode.All)  # every micro-batch's loss and outputs, for the bar
     return poptorch.trainingModel(model, opts, optimizer)
 
 

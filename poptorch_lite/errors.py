@@ -138,7 +138,7 @@ _warned: set[str] = set()
 
 
 def warn_once(key: str, message: str, category: type[Warning] = IpuOnlyWarning,
-              stacklevel: int = 3) -> bool:
+              stacklevel: int = 3, at: tuple[str, int] | None = None) -> bool:
     """Issue ``message`` as a warning the first time ``key`` is seen in this process.
 
     Args:
@@ -147,6 +147,8 @@ def warn_once(key: str, message: str, category: type[Warning] = IpuOnlyWarning,
         message: the warning text.
         category: the warning class.
         stacklevel: passed to ``warnings.warn`` (3: the caller of the function that warns).
+        at: ``(file, line)`` the warning is about (a line of the user's model, read off the
+            trace), given instead of a frame of the call stack.
 
     Returns:
         True when the warning was issued, False when ``key`` had been seen before.
@@ -160,5 +162,29 @@ def warn_once(key: str, message: str, category: type[Warning] = IpuOnlyWarning,
     if key in _warned:
         return False
     _warned.add(key)
-    warnings.warn(message, category, stacklevel=stacklevel)
+    if at is None:
+        warnings.warn(message, category, stacklevel=stacklevel)
+    else:
+        warnings.warn_explicit(message, category, at[0], at[1])
     return True
+
+
+# [Note: frames a user sees]
+# A refusal is about the user's code, so the user's lines are what its traceback should
+# show. Under pytest, the modules a call passes through on its way to the trace set
+# ``__tracebackhide__ = hide_when_refused``, which hides their frames when the exception
+# is one of ours (an internal bug shows them all; ``pytest --full-trace`` always does).
+# The trace itself runs the user's forward under torch's make_fx, so ``tracing.trace``
+# also drops torch's frames and ours from a refusal's traceback, and from the cause of a
+# TraceError, keeping the user's: the forward's line is the last one shown.
+
+
+def hide_when_refused(excinfo) -> bool:
+    """pytest's ``__tracebackhide__`` hook: hide a frame when a poptorch_lite Error passes it.
+
+    ([Note: frames a user sees].)
+
+    Example:
+        >>> __tracebackhide__ = hide_when_refused  # at the top of a module
+    """
+    return excinfo is not None and isinstance(excinfo.value, Error)

@@ -19,12 +19,12 @@ from typing import Optional
 import torch
 from torch.utils import _pytree as pytree
 
-from . import anchors
-from . import optim as poptorch_optim
+from . import anchors, optim as poptorch_optim
 from .compiler.partition import Partition
 from .distributed.processes import Processes
 from .enums import ConnectionType
-from .errors import DeviceError, PoptorchLiteWarning, UnrecoverableError, WrapError, warn_once
+from .errors import (DeviceError, PoptorchLiteWarning, UnrecoverableError, WrapError,
+                     hide_when_refused as __tracebackhide__, warn_once)
 from .optim.loss_scale import LossScale
 from .optim.optimizers import _PopTorchOptimizer
 from .options.options import Options, batch_factor

@@ -221,17 +221,79 @@ def test_mnist_failing_to_download_points_at_data_dir(tmp_path, monkeypatch):
         mnist.open_mnist(str(tmp_path), True)
 
 
+def test_the_bar_shows_the_epochs_mean_over_every_micro_batch(monkeypatch):
+    """examples/mnist.py's train(): the bar's mean loss and accuracy cover every micro-batch
+    a call trained (12 a call here: 3 device iterations x 2 accumulated x 2 replicas), not
+    the last one that the default output mode returns."""
+    import torch
+    import torch.nn.functional as F
+    import poptorch_lite as poptorch
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    import mnist
+    torch.manual_seed(0)
+    model = mnist.Network()
+    opts = poptorch.Options().deviceIterations(3).replicationFactor(2)
+    opts.Training.gradientAccumulation(2)
+    opts.outputMode(poptorch.OutputMode.All)
+    # lr 0: the weights stay as they are, so plain PyTorch gives each micro-batch's loss
+    training_model = poptorch.trainingModel(model, opts, poptorch.optim.SGD(model.parameters(),
+                                                                            lr=0.0))
+    images, labels = torch.randn(96, 1, 28, 28), torch.randint(0, 10, (96,))
+    calls = [(images[:48], labels[:48]), (images[48:], labels[48:])]
+    seen, _, running = mnist.train(training_model, calls, epochs=1)
+    training_model.destroy()
+    with torch.no_grad():
+        output = model(images)
+        losses = [F.nll_loss(output[k:k + 4], labels[k:k + 4]).item() for k in range(0, 96, 4)]
+    assert (seen, running.micro_batches, running.images) == (96, 24, 96)
+    assert running.loss == pytest.approx(sum(losses) / 24, abs=1e-6)
+    assert running.accuracy == 100.0 * (output.argmax(1) == labels).sum().item() / 96
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "examples").glob("*.py")))
+def test_help_shows_every_default_and_where_mnist_comes_from(name, monkeypatch):
+    import argparse
+    import importlib
+    import poptorch_lite
+    if name == "gpt2_pipelined":
+        pytest.importorskip("transformers")
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    monkeypatch.setitem(sys.modules, "poptorch", poptorch_lite)  # as `poptorch-lite run` does
+    parser = importlib.import_module(name).parser
+    text = " ".join(parser.format_help().split())
+    for action in parser._actions:
+        if action.option_strings and action.default is not argparse.SUPPRESS:
+            assert f"(default: {action.default})" in text, (action.dest, text)
+    if "--data-dir" in text:
+        assert "$MNIST_DATA if set" in text
+
+
+def test_mnist_poptorch_without_the_alias_says_how_to_run_it():
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "mnist_poptorch.py"), "--help"],
+                            capture_output=True, text=True, timeout=600, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert (result.returncode, result.stdout) == (1, "")
+    assert result.stderr == ("No module named 'poptorch': without an IPU, run this script with "
+                             "`poptorch-lite run examples/mnist_poptorch.py ...` (see its "
+                             "docstring)\n")
+
+
 def test_mnist_poptorch_runs_unmodified_through_the_alias():
+    """The demo's defaults (calls of 50 x 8 images, test batches of 80) on 1,000 images: 2
+    calls train, and the test scores the 12 whole batches, saying that 40 images are left."""
     result = subprocess.run(
         [sys.executable, "-W", "ignore", "-m", "poptorch_lite", "run",
          str(ROOT / "examples" / "mnist_poptorch.py"), "--data-dir", str(DATA), "--epochs", "1",
-         "--limit", "800", "--device-iterations", "5"],
+         "--limit", "1000"],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stderr[-3000:]
-    accuracy = re.fullmatch(r"Accuracy on test set: ([0-9]+\.[0-9]{2})%", result.stdout.strip())
-    assert accuracy, result.stdout
-    assert 20.0 < float(accuracy.group(1)) <= 100.0  # 20 SGD steps learn far above chance
+    lines = result.stdout.strip().splitlines()
+    assert lines[0] == "(scored 960 of the 1000 test images: whole batches of 80 only)"
+    accuracy = re.fullmatch(r"Accuracy on test set: ([0-9]+\.[0-9]{2})%", lines[1])
+    assert accuracy and len(lines) == 2, result.stdout
+    assert 20.0 < float(accuracy.group(1)) <= 100.0  # 100 SGD steps learn far above chance
+    assert "epoch mean loss=" in result.stderr and "epoch accuracy=" in result.stderr  # the bar
 
 
 def test_gpt2_pipelined_trains_transformers_gpt2_on_the_standard_library():
@@ -248,9 +310,11 @@ def test_gpt2_pipelined_trains_transformers_gpt2_on_the_standard_library():
     assert re.fullmatch(r"corpus: 300000 bytes from [0-9]+ files of the standard library, "
                         r"64 training and 64 held-out windows of 128", lines[0]), lines[0]
     assert lines[1] == "4 stages (recompute on), 842496 parameters, 4 x 8 = 32 windows per step"
-    assert re.fullmatch(r"trained 2 steps in [0-9.]+ s: loss [0-9.]+ at the first step, "
-                        r"[0-9.]+ \(running mean\) at the last", lines[2]), lines[2]
+    assert re.fullmatch(r"trained 2 steps in [0-9.]+ s: loss [0-9.]+ at the first step, [0-9.]+ "
+                        r"at the last \(moving average: 0\.9 old \+ 0\.1 new per step\)",
+                        lines[2]), lines[2]
     held = re.fullmatch(r"held-out loss: ([0-9.]+) before training, ([0-9.]+) after "
                         r"\([0-9.]+ bits per byte\)", lines[3])
     assert held and float(held.group(2)) < float(held.group(1)) <= 6.0, lines[3]
-    assert "loss=" in result.stderr  # the tqdm bar shows the running loss
+    assert "step loss=" in result.stderr and "moving average=" in result.stderr  # the bar
+    assert "loss_type" not in result.stdout + result.stderr  # transformers has no loss to guess

@@ -238,3 +238,51 @@ def test_the_trace_is_export_style_and_each_microbatch_masks_as_plain_pytorch():
         assert_close(out[rows], o.detach(), atol=1e-6, rtol=0)
         assert_close(loss[k], l.detach(), atol=1e-6, rtol=0)
     assert ref.seen == [(False, False)] * 4
+
+
+USER_TEST = '''\
+import torch
+import poptorch_lite as poptorch
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 2)
+
+    def forward(self, x, y):
+        out = self.fc(x)
+        {line}
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+def test_user():
+    poptorch.trainingModel(Net())(torch.randn(2, 4), torch.tensor([0, 1]))
+'''
+
+
+@pytest.mark.parametrize("line, error", [
+    ("out = out * 2 if out.sum() > 0 else out", "TraceError"),  # refused while tracing
+    ("out = out @ torch.ones(3, 3)", "RuntimeError"),  # failed: TraceError from RuntimeError
+])
+def test_a_trace_error_under_pytest_shows_the_users_lines_and_no_log(tmp_path, line, error):
+    """[Note: frames a user sees] in errors.py: pytest hides this package's frames and the
+    trace keeps torch's out of the traceback, so the failure shows the test's call and the
+    forward's line; torch's structured trace log says nothing."""
+    import os
+    import subprocess
+    import sys
+    test = tmp_path / "test_user.py"
+    test.write_text(USER_TEST.format(line=line))
+    root = pathlib.Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(root)})
+    places = [ln for ln in result.stdout.splitlines() if ln.startswith("test_user.py:")]
+    assert places == (["test_user.py:17: ", "test_user.py:12: TraceError"] if error == "TraceError"
+                      else ["test_user.py:12: RuntimeError", "test_user.py:17: TraceError"]), \
+        result.stdout
+    # no frame of this package's or torch's, no log record
+    assert "poptorch_lite/" not in result.stdout and "torch/" not in result.stdout
+    assert "DEBUG" not in result.stdout and "Captured log" not in result.stdout

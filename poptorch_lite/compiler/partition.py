@@ -27,16 +27,20 @@ that feed another marked value are not final; exactly one must remain.
 from __future__ import annotations
 
 import dataclasses
+import re
+import traceback
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
 
 from ..enums import AutoStage, PipelineSchedule
-from ..errors import BlockError, LossError, PipelineError, PoptorchLiteWarning, warn_once
+from ..errors import (BlockError, LossError, PipelineError, PoptorchLiteWarning,
+                      hide_when_refused as __tracebackhide__, warn_once)
 from ..strategies import ExecutionStrategy
 from . import markers, rng
 from .subgraphs import aliases, segment_groups, subgraphs
+from .trace_modes import user_file_test
 from .tracing import trace
 from .value_info import value_infos
 
@@ -120,10 +124,26 @@ class Partition:
         return [st.ipu for st in self.stages]
 
 
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in [^\n]*\n(?P<code>[^\n]*)')
+
+
+def _node_source(node: fx.Node) -> Optional[tuple]:
+    """``(file, line, code)`` of the line of the model's forward that made ``node`` (the
+    outermost frame of the trace's stack, which starts in the forward), or None."""
+    frame = _FRAME.search(node.meta.get("stack_trace") or "")
+    return (frame["file"], int(frame["line"]), frame["code"].strip()) if frame else None
+
+
+def _caller() -> tuple:
+    """``(file, line)`` of the innermost line of user code on the stack (the model's call)."""
+    is_user = user_file_test()
+    frames = [f for f in traceback.extract_stack() if is_user(f.filename)]
+    return (frames[-1].filename, frames[-1].lineno) if frames else ("<unknown>", 0)
+
+
 def _node_line(node: fx.Node) -> str:
-    trace = node.meta.get("stack_trace", "") or ""
-    lines = [ln.strip() for ln in trace.strip().splitlines()]
-    return " / ".join(lines[:2]) if lines else f"op {node.target}"
+    source = _node_source(node)
+    return f"{source[0]}:{source[1]}: {source[2]}" if source else f"op {node.target}"
 
 
 def _block_stage_ids(blocks: list, strategy: ExecutionStrategy) -> dict:
@@ -264,10 +284,12 @@ def split(gm: fx.GraphModule, param_names: Sequence[str], buffer_names: Sequence
     model_outputs = list(out_node.args[0])
     needed_later = {n for n in model_outputs if isinstance(n, fx.Node)}
     if loss_node is not None and not any(aliases(n, loss_node) for n in needed_later):
+        source = _node_source(loss_node)  # the warning points at the line of the loss
         warn_once("loss.not_returned",
-                  f"the training model computes its loss at {_node_line(loss_node)} but does not "
-                  f"return it: it trains on it, but you cannot watch it; return it from forward "
-                  f"(e.g. return output, loss)", PoptorchLiteWarning, stacklevel=2)
+                  f"the training model computes its loss"
+                  f"{f' ({source[2]})' if source else ''} but does not return it: it trains on "
+                  f"it, but you cannot watch it; return it from forward (e.g. return output, "
+                  f"loss)", PoptorchLiteWarning, at=source[:2] if source else _caller())
     if loss_node is not None:
         needed_later.add(loss_node)
     checkpoint_nodes = {c for c in checkpoints if isinstance(c, fx.Node)}

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.overrides import TorchFunctionMode
 
-from ..errors import TraceError
+from ..errors import TraceError, hide_when_refused as __tracebackhide__
 from . import markers
 from .markers import LOSS_FUNCTIONS
 
@@ -75,14 +75,18 @@ def _user_line(frames) -> str:
     ``__init__``, code that ``exec`` made; ``<eval_with_key>``: an fx graph) name no
     file a user can open, so they are skipped as well.
     """
+    is_user = user_file_test()
+    users = [fr for fr in frames if is_user(fr.filename)]
+    if not users:
+        return "(no line of user code in the traceback)"
+    return f'{users[-1].filename}:{users[-1].lineno}: {users[-1].line}'
+
+
+def user_file_test():
+    """A test of a file name: is code there the user's (not generated, in no library folder)?"""
     library = _library_folders()
-    for fr in reversed(frames):
-        if fr.filename.startswith("<"):
-            continue
-        path = os.path.realpath(fr.filename)
-        if not path.startswith(library):
-            return f'{fr.filename}:{fr.lineno}: {fr.line}'
-    return "(no line of user code in the traceback)"
+    return lambda filename: (not filename.startswith("<")
+                             and not os.path.realpath(filename).startswith(library))
 
 
 def _library_folders() -> tuple:

@@ -32,19 +32,22 @@ recorded graphs, never the module's Python, so nothing else reads them.
 from __future__ import annotations
 
 import contextlib
+import logging
 import operator
+import os
 import traceback
+import types
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
-from ..errors import Error, TraceError
+from ..errors import Error, TraceError, hide_when_refused as __tracebackhide__
 from . import structures
 from .casting import _ImplicitCasting
 from .markers import _current, trace_context
-from .trace_modes import _InferenceSession, _TraceMode, _user_line
+from .trace_modes import _InferenceSession, _TraceMode, _user_line, user_file_test
 
 
 @contextlib.contextmanager
@@ -198,6 +201,37 @@ def _drop_unused_getitems(gm: torch.fx.GraphModule) -> None:
         gm.recompile()
 
 
+def _user_traceback(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """``tb`` with only the user's frames ([Note: frames a user sees] in ``errors``)."""
+    is_user, frames = user_file_test(), []
+    while tb is not None:
+        if is_user(tb.tb_frame.f_code.co_filename):
+            frames.append(tb)
+        tb = tb.tb_next
+    kept = None
+    for t in reversed(frames):
+        kept = types.TracebackType(kept, t.tb_frame, t.tb_lasti, t.tb_lineno)
+    return kept
+
+
+@contextlib.contextmanager
+def _quiet_torch_trace_log():
+    """Keep torch's structured trace log (``torch.__trace``) quiet during the trace, unless
+    asked for with ``TORCH_TRACE``: make_fx interns every stack trace it records there, and
+    pytest, which listens to every logger, prints the empty DEBUG records of a failed test."""
+    log = logging.getLogger("torch.__trace")
+    asked = any(os.environ.get(v) for v in ("TORCH_TRACE", "TORCH_DTRACE", "TORCH_COMPILE_DEBUG"))
+    if asked:
+        yield
+        return
+    level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, training: bool,
           generic: bool = False):
     """Trace ``model(*args, **kwargs)`` into an aten-level graph.
@@ -269,19 +303,21 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
         # _TraceMode would otherwise turn F.dropout into native_dropout before it could.
         # Mixed float16/float32 ops are resolved as PopTorch does ([Note: implicit casting]).
         with _preserved_state(model, modes) as before, trace_context(), _export_style(), grad, \
-                _TraceMode(), _ImplicitCasting(), session:
+                _quiet_torch_trace_log(), _TraceMode(), _ImplicitCasting(), session:
             versions = {n: b._version for n, b in buffers.items()}
             gm = make_fx(run, tracing_mode="real", record_stack_traces=True,
                          _error_on_data_dependent_ops=False)(*flat)
             mutated = frozenset(n for n, b in buffers.items() if b._version != versions[n]
                                 or not torch.equal(b, before[id(b)]))
-    except Error:
-        raise
+    except Error as exc:
+        raise exc.with_traceback(_user_traceback(exc.__traceback__))
     except Exception as exc:
+        where = _user_line(traceback.extract_tb(exc.__traceback__))
         raise TraceError(
-            f"the model could not be traced at {_user_line(traceback.extract_tb(exc.__traceback__))}: {type(exc).__name__}: {exc}. "
+            f"the model could not be traced at {where}: {type(exc).__name__}: {exc}. "
             f"The forward runs once on the first call's real inputs; make it run as plain "
-            f"PyTorch on one micro-batch of those inputs") from exc
+            f"PyTorch on one micro-batch of those inputs"
+        ) from exc.with_traceback(_user_traceback(exc.__traceback__) or exc.__traceback__)
     finally:
         hook.remove()
         torch._C._set_mkldnn_enabled(onednn)
