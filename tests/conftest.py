@@ -21,11 +21,24 @@ DEVICES = ["cpu", "ipu_model", "gpu_twin"] + (["cuda"] if torch.cuda.is_availabl
 
 
 def pytest_generate_tests(metafunc):
-    # Every test taking `device` runs on the CPU, through the IPU Model, and on CUDA when one
-    # is present (models.on_device puts the options there).
-    if "device" in metafunc.fixturenames:
-        marks = {"cuda": [pytest.mark.cuda]}
-        metafunc.parametrize("device", [pytest.param(d, marks=marks.get(d, [])) for d in DEVICES])
+    # Every test taking `device` runs on the CPU, through the IPU Model, on the GPU twin and on
+    # CUDA when one is present (models.on_device puts the options there), unless it lists its
+    # devices itself (the transparency matrix: in full on the CPU, pairwise elsewhere).
+    if "device" in metafunc.fixturenames and not _parametrizes(metafunc, "device"):
+        metafunc.parametrize("device", [pytest.param(d, marks=DEVICE_MARKS.get(d, []))
+                                        for d in DEVICES])
+
+
+DEVICE_MARKS = {"cuda": [pytest.mark.cuda]}
+
+
+def _parametrizes(metafunc, name: str) -> bool:
+    """Whether a ``parametrize`` mark of the test names ``name``."""
+    for mark in metafunc.definition.iter_markers("parametrize"):
+        names = mark.args[0]
+        if name in ([n.strip() for n in names.split(",")] if isinstance(names, str) else names):
+            return True
+    return False
 
 
 @pytest.fixture(autouse=True)

@@ -156,3 +156,25 @@ def shared_traces(monkeypatch):
             _TRACES[k] = traced(model, modes, args, kwargs, strategy, training, generic)
         return copy.deepcopy(_TRACES[k])
     monkeypatch.setattr(program, "partition", partition)
+
+
+def pairwise(rows: list) -> list:
+    """The rows of a matrix that cover every pair of values of every two factors in it.
+
+    Greedy and deterministic: each pick is the first row that covers the most pairs not
+    yet covered. A full matrix runs on one device; the others run this covering subset,
+    since what differs between devices (memories, streams, copies) meets every value of
+    every factor, and every pair of them, there.
+
+    >>> pairwise([(a, b, c) for a in (1, 2) for b in (1, 2) for c in (1, 2)])
+    [(1, 1, 1), (1, 2, 2), (2, 1, 2), (2, 2, 1)]
+    """
+    def pairs(r):
+        return {(i, r[i], j, r[j]) for i in range(len(r)) for j in range(i + 1, len(r))}
+    need = set().union(*map(pairs, rows))
+    chosen = []
+    while need:
+        best = max(rows, key=lambda r: len(pairs(r) & need))
+        chosen.append(best)
+        need -= pairs(best)
+    return chosen

@@ -3,6 +3,7 @@ micro-batch; KeyboardInterrupt; the watchdog), loss scaling, and the lifecycle o
 
 import contextlib
 import copy
+import itertools
 import json
 import pathlib
 import random
@@ -125,11 +126,17 @@ def resumed_from(saved, schedule, ipu_model, x, y):
 # -- failed calls -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("ipu_model", [False, True], ids=["shared", "ipu_model"])
-@pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("kind", ["F", "B", "R"])
-@pytest.mark.parametrize("stage", [0, 1])
-@pytest.mark.parametrize("index", [0, 5, 9])  # first, middle (second run), last micro-batch
+# Every schedule, action kind and failing micro-batch (the first, the middle one that starts
+# the second run, the last); the stage and the memories (shared, or the IPU Model's) turn in
+# step with them, so that each of their values meets every value of the others.
+FAILURES = [pytest.param(schedule, kind, index, k % 2, (k // 2) % 2 == 1,
+                         id=f"{index}-{k % 2}-{kind}-{schedule}-"
+                            f"{'ipu_model' if (k // 2) % 2 else 'shared'}")
+            for k, (schedule, kind, index) in enumerate(
+                itertools.product(SCHEDULES, ["F", "B", "R"], [0, 5, 9]))]
+
+
+@pytest.mark.parametrize("schedule,kind,index,stage,ipu_model", FAILURES)
 def test_a_failing_call_leaves_its_last_step_and_the_next_call_is_exact(
         schedule, kind, stage, index, ipu_model):
     """[Note: commit point]: a failure in run d leaves the state right after step d-1

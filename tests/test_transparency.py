@@ -1,6 +1,7 @@
 """Transparency: a wrapped training model does plain PyTorch's arithmetic, over a matrix."""
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -8,7 +9,8 @@ from torch.testing import assert_close
 
 import poptorch_lite as poptorch
 
-from models import (BlockMLP, data, microbatch_seeds, on_device, reference_training,
+from conftest import DEVICE_MARKS, DEVICES
+from models import (BlockMLP, data, microbatch_seeds, on_device, pairwise, reference_training,
                     shared_traces, twin)
 
 ATOL = 1e-5
@@ -45,6 +47,13 @@ def sharded(G, device):
 
 MATRIX = list(itertools.product([1, 2, 4], [1, 4, 8], [1, 2], [1, 3], ["mean", "sum"],
                                 ["sgd", "adam"]))
+# The whole matrix on the CPU; on the other devices (conftest.DEVICES) the rows that cover
+# every pair of factor values (models.pairwise), or the whole matrix there too in the long
+# run (POPTORCH_LITE_FULL_MATRIX=1; CONTRIBUTING.md).
+FULL = os.environ.get("POPTORCH_LITE_FULL_MATRIX") == "1"
+DEVICE_MATRIX = [("cpu", *row) for row in MATRIX] + [
+    pytest.param(d, *row, marks=DEVICE_MARKS.get(d, []))
+    for d in DEVICES if d != "cpu" for row in (MATRIX if FULL else pairwise(MATRIX))]
 SCHEDULES = ["sequential", "grouped", "interleaved", "gpipe"]
 VARIANTS = list(itertools.product(SCHEDULES, [False, True]))  # (schedule, recompute)
 
@@ -65,8 +74,8 @@ def runnable(schedule, blocks, G):
     return schedule == "sequential" or blocks == 1 or G >= 2 * blocks - 1
 
 
-@pytest.mark.parametrize("blocks,G,R,D,reduction,opt_kind", MATRIX)
-def test_training_matches_plain_pytorch(blocks, G, R, D, reduction, opt_kind, device):
+@pytest.mark.parametrize("device,blocks,G,R,D,reduction,opt_kind", DEVICE_MATRIX)
+def test_training_matches_plain_pytorch(device, blocks, G, R, D, reduction, opt_kind):
     """Every schedule, with and without recomputation, against one plain-PyTorch run."""
     torch.manual_seed(0)
     initial = BlockMLP(blocks)
