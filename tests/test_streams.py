@@ -9,6 +9,7 @@ run the same transparency checks on GPUs when they are present (two-GPU cases sk
 with fewer); the reference is plain PyTorch on the same kind of device.
 """
 
+import contextlib
 import itertools
 import threading
 
@@ -17,7 +18,7 @@ import torch
 from torch.testing import assert_close
 
 import poptorch_lite as poptorch
-from poptorch_lite.runtime import placement as placement_module
+from poptorch_lite.runtime import gpu as gpu_seam, placement as placement_module
 from poptorch_lite.compiler import rng
 from poptorch_lite.runtime.executor import Executor
 from poptorch_lite.runtime.stage_work import StageWork
@@ -27,6 +28,7 @@ from poptorch_lite.runtime.placement import Placement, process_gpu, resolve_devi
 from poptorch_lite.runtime.streams import CpuStream, StreamFailed, arrive
 from poptorch_lite.runtime.weights import Weights
 
+from gpu_twin import TwinGpu
 from models import BlockMLP, data, microbatch_seeds, on_device, reference_training, twin
 
 ATOL = 1e-5
@@ -391,21 +393,36 @@ def train_and_compare(model, opts, ref, G, D=1, seeds=None, lr=0.05):
     train.destroy()
 
 
-@cuda
-@needs_gpu
-@pytest.mark.parametrize("second", ["cuda:0", "cuda:1"], ids=["one_gpu", "two_gpus"])
+# The GPU tests run on CUDA where there is a GPU, and on the GPU twin everywhere (gpu_twin.py:
+# the GPU's branches with CPU tensors; its GPUs are cpu:0 and cpu:1).
+GPU_KINDS = [pytest.param("cuda", marks=[cuda, needs_gpu]), "twin"]
+
+
+@contextlib.contextmanager
+def two_stage_gpus(kind, gpus):
+    """The devices of stages 0 and 1, on one GPU or two, and the reference's device."""
+    if kind == "cuda":
+        if gpus == 2 and GPUS < 2:
+            pytest.skip("needs two CUDA GPUs")
+        yield "cuda:0", f"cuda:{gpus - 1}", "cuda"
+        return
+    with gpu_seam.installed(TwinGpu()):
+        yield "cpu:0", f"cpu:{gpus - 1}", "cpu"
+
+
+@pytest.mark.parametrize("kind", GPU_KINDS)
+@pytest.mark.parametrize("gpus", [1, 2], ids=["one_gpu", "two_gpus"])
 @pytest.mark.parametrize("schedule,recompute", list(itertools.product(SCHEDULES, [False, True])))
-def test_stages_on_gpu_streams_match_plain_pytorch_on_one_gpu(schedule, recompute, second):
+def test_stages_on_gpu_streams_match_plain_pytorch_on_one_gpu(schedule, recompute, gpus, kind):
     """Two stages on one GPU (a stream each) or on two: values and gradients cross streams
     or GPUs; the dropout masks continue from stage to stage as on one GPU
     ([Note: micro-batch RNG])."""
-    if second == "cuda:1" and GPUS < 2:
-        pytest.skip("needs two CUDA GPUs")
-    torch.manual_seed(0)
-    model = BlockMLP(2, dropout=0.3, batchnorm=True)
-    ref = twin(model, "cuda")
-    opts = pipelined(schedule, 4, recompute, D=2).set_ipu_devices({0: "cuda:0", 1: second})
-    train_and_compare(model, opts, ref, 4, D=2, seeds=True)
+    with two_stage_gpus(kind, gpus) as (first, second, reference):
+        torch.manual_seed(0)
+        model = BlockMLP(2, dropout=0.3, batchnorm=True)
+        ref = twin(model, reference)
+        opts = pipelined(schedule, 4, recompute, D=2).set_ipu_devices({0: first, 1: second})
+        train_and_compare(model, opts, ref, 4, D=2, seeds=True)
 
 
 @cuda
@@ -452,31 +469,30 @@ class TiedOnTwoIpus(torch.nn.Module):
             return out, torch.nn.functional.cross_entropy(out, y)
 
 
-@cuda
-@needs_gpu
-@pytest.mark.parametrize("second", ["cuda:0", "cuda:1"], ids=["one_gpu", "two_gpus"])
+@pytest.mark.parametrize("kind", GPU_KINDS)
+@pytest.mark.parametrize("gpus", [1, 2], ids=["one_gpu", "two_gpus"])
 @pytest.mark.parametrize("make,schedule,seeds", [
     (DropoutInBoth, "interleaved", True), (TiedOnTwoIpus, "grouped", None)],
     ids=["dropouts_draw_as_on_one_gpu", "a_tied_weight_across_two_streams"])
-def test_two_stages_on_one_or_two_gpus_match_plain_pytorch_on_one(make, schedule, seeds, second):
-    if second == "cuda:1" and GPUS < 2:
-        pytest.skip("needs two CUDA GPUs")
-    torch.manual_seed(0)
-    model = make()
-    ref = twin(model, "cuda")
-    opts = pipelined(schedule, 4, D=2).set_ipu_devices({0: "cuda:0", 1: second})
-    train_and_compare(model, opts, ref, 4, D=2, seeds=seeds)
+def test_two_stages_on_one_or_two_gpus_match_plain_pytorch_on_one(make, schedule, seeds, gpus,
+                                                                  kind):
+    with two_stage_gpus(kind, gpus) as (first, second, reference):
+        torch.manual_seed(0)
+        model = make()
+        ref = twin(model, reference)
+        opts = pipelined(schedule, 4, D=2).set_ipu_devices({0: first, 1: second})
+        train_and_compare(model, opts, ref, 4, D=2, seeds=seeds)
 
 
-@cuda
-@needs_gpu
-def test_the_gpu_timeline_is_measured_on_the_gpu_and_ordered_per_stream():
-    torch.manual_seed(0)
-    model = BlockMLP(2, width=512)
-    opts = pipelined("grouped", 8).set_ipu_devices({0: "cuda:0", 1: "cuda:0"})
-    train = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
-    x, y = data(8 * 64, width=512)
-    train(x, y)
+@pytest.mark.parametrize("kind", GPU_KINDS)
+def test_the_gpu_timeline_is_measured_on_the_gpu_and_ordered_per_stream(kind):
+    with two_stage_gpus(kind, 1) as (first, second, _):
+        torch.manual_seed(0)
+        model = BlockMLP(2, width=512)
+        opts = pipelined("grouped", 8).set_ipu_devices({0: first, 1: second})
+        train = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+        x, y = data(8 * 64, width=512)
+        train(x, y)
     timeline = train.runStatistics().timeline
     assert len(timeline.spans) == len([a for row in train._last_run[0].rows for a in row if a])
     for stream in (0, 1):
