@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -154,7 +155,9 @@ def shared_traces(monkeypatch):
         k = key(model, modes, args, kwargs, strategy, training, generic)
         if k not in _TRACES:
             _TRACES[k] = traced(model, modes, args, kwargs, strategy, training, generic)
-        return copy.deepcopy(_TRACES[k])
+        with warnings.catch_warnings():  # torch 2.11 deprecates copying its LeafSpec this way
+            warnings.simplefilter("ignore", FutureWarning)
+            return copy.deepcopy(_TRACES[k])
     monkeypatch.setattr(program, "partition", partition)
 
 
