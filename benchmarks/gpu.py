@@ -2,6 +2,7 @@
 
     python benchmarks/gpu.py              # every case; exits 0 with a note when no GPU is present
     python benchmarks/gpu.py --pairs 5 --calls 50
+    python benchmarks/gpu.py --case mlp conv pipe1 --pairs 2   # what benchmarks/gpu_check.sh runs
 
 Cases (each prints plain ms/step, poptorch_lite ms/step, their ratio, and peak device
 memory per device on both sides):
@@ -35,7 +36,7 @@ import tax  # noqa: E402  (the models and the plain loop)
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--case", choices=["mlp", "conv", "pipe1", "pipeN", "offload", "all"],
-                    default="all")
+                    default=["all"], nargs="+", help="cases to run (all: every one)")
 parser.add_argument("--pairs", type=int, default=3, help="plain/poptorch_lite process pairs")
 parser.add_argument("--calls", type=int, default=30, help="timed calls per process")
 parser.add_argument("--side", choices=["plain", "lite"], help="run one side here, print JSON")
@@ -53,7 +54,7 @@ def staged(model, stages):
 
 
 def one_side(args):
-    case = args.case
+    case = args.case[0]
     kind = {"conv": "conv16"}.get(case, "mlp")
     model, optimizer, x, y, B, D, G, _ = tax.build(kind)
     if args.side == "plain":
@@ -139,7 +140,8 @@ def main():
         return one_side(args)
     gpus = torch.cuda.device_count()
     print(f"{gpus} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
-    cases = ["mlp", "conv", "pipe1", "pipeN", "offload"] if args.case == "all" else [args.case]
+    cases = (["mlp", "conv", "pipe1", "pipeN", "offload"] if "all" in args.case else
+             list(dict.fromkeys(args.case)))
     print(f"{'case':8} {'plain ms':>9} {'lite ms':>9} {'ratio':>6} {'spread':>13}  "
           f"peak MiB per GPU (plain | lite)  overlap")
     for case in cases:
