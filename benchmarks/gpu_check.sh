@@ -9,7 +9,8 @@
 # changed (the device machine's image: torch 2.11 and no package index) needs nothing
 # installed but pytest, pytest-xdist, tqdm, torchvision and transformers. MNIST is read
 # from $MNIST_DATA, else ./shared/data, ../shared/data or ./mnist_data (the raw files
-# under MNIST/raw); it is never downloaded. Every step has a time limit and writes its log
+# under MNIST/raw); it is never downloaded. Where ../shared does not travel with the
+# checkout, copy it in first (git ignores ./mnist_data): cp -r ../shared/data mnist_data Every step has a time limit and writes its log
 # to $OUT (at most 8 files); $OUT/summary.txt has one line per step: its exit status, its
 # seconds and the lines that matter (accuracy, ratios, the test counts).
 set -uo pipefail
