@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
-# The whole GPU check in one run, under 8 minutes on one H100 (each step's limit adds to 560 s) (docs/PERFORMANCE.md, "The GPU
-# check"): the CUDA tests, the MNIST examples on the GPU, benchmarks/gpu.py, and GPT-2 at
-# GPT-2 small's shape against plain PyTorch on the same GPU.
+# The whole GPU check in one run, under 8 minutes on one H100 (its steps' limits add up to
+# 560 s; docs/PERFORMANCE.md (h), "The GPU check"): the CUDA tests, the MNIST examples on
+# the GPU, benchmarks/gpu.py, and GPT-2 at GPT-2 small's shape against plain PyTorch on
+# the same GPU.
 #
 #     MNIST_DATA=path/to/data OUT=gpu_logs bash benchmarks/gpu_check.sh
 #
 # It runs the project from this checkout (PYTHONPATH), so a machine whose torch cannot be
-# changed (the device machine's image: torch 2.11 and no package index) needs nothing
+# changed (the GPU machine's image: torch 2.11 and no package index) needs nothing
 # installed but pytest, pytest-xdist, tqdm, torchvision and transformers. MNIST is read
 # from $MNIST_DATA, else ./shared/data, ../shared/data or ./mnist_data (the raw files
 # under MNIST/raw); it is never downloaded. Where ../shared does not travel with the
-# checkout, copy it in first (git ignores ./mnist_data): cp -r ../shared/data mnist_data Every step has a time limit and writes its log
-# to $OUT (at most 8 files); $OUT/summary.txt has one line per step: its exit status, its
-# seconds and the lines that matter (accuracy, ratios, the test counts).
+# checkout, copy it in first (git ignores ./mnist_data): cp -r ../shared/data mnist_data.
+# Every step has a time limit and writes its log to $OUT (at most 8 files);
+# $OUT/summary.txt has one line per step: its exit status, its seconds and the lines that
+# matter (accuracy, ratios, the test counts).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check_logs}
