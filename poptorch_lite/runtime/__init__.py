@@ -6,9 +6,10 @@
 - ``stage_work``: a stage's forward, recompute and backward;
 - ``batch``: micro-batches in, outputs merged;
 - ``executor``: a schedule run on the streams, the gradient reduction and the step;
+- ``channels``: the values, gradients and random streams that cross processes during a run;
 - ``undo``: a failed call put back to its last completed step;
 - ``program``: what one input signature compiles to, ready to run.
 
-``runtime`` uses ``compiler``, ``distributed``'s channels, ``profiling`` and the
-layers below; nothing in it imports a face.
+``runtime`` uses ``compiler``, ``profiling`` and the layers below; nothing in it
+imports ``distributed`` (which uses it) or a face.
 """

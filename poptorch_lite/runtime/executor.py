@@ -19,7 +19,7 @@ import torch
 
 from ..compiler import rng
 from ..compiler.partition import Partition
-from ..distributed.channels import Channels
+from .channels import Channels
 from ..errors import Error, ExecutionError, UnrecoverableError
 from ..profiling.timeline import Recorder
 from .placement import Placement

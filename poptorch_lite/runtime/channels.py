@@ -13,7 +13,7 @@ import torch.distributed as dist
 from ..compiler import rng
 from ..compiler.value_info import ValueInfo
 from ..errors import ChannelError
-from ..runtime.schedule import Action, Kind
+from .schedule import Action, Kind
 
 
 def _lost(what: str, peer: int, exc: BaseException, timeout: float) -> ChannelError:
