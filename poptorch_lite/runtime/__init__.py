@@ -3,7 +3,7 @@
 - ``schedule`` and ``schedule_kinds``: schedules as grids of actions, and their builders (no torch);
 - ``placement``: IPUs on devices and streams, and the streams running their lists;
 - ``weights``: where each weight lives, and what a step does not commit;
-- ``stage_work``: a stage's forward, recompute and backward;
+- ``stage_work``: a stage's forward, recompute and backward (``split_backward``: its two halves); ``run``: the state of a run;
 - ``batch``: micro-batches in, outputs merged;
 - ``executor``: a schedule run on the streams, the gradient reduction and the step;
 - ``channels``: the values, gradients and random streams that cross processes during a run;
