@@ -82,7 +82,7 @@ def test_workers_are_reused_and_released_by_destroy_and_by_garbage_collection():
 # -- the activation stash ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", SCHEDULES + ["zero_bubble"])
 @pytest.mark.parametrize("blocks,G", [(2, 3), (2, 8), (4, 7), (4, 12)])
 def test_stash_depth_is_what_the_schedule_promises(schedule, blocks, G):
     model = poptorch.trainingModel(BlockMLP(blocks), options(schedule, G))
@@ -91,6 +91,7 @@ def test_stash_depth_is_what_the_schedule_promises(schedule, blocks, G):
     assert list(model.runStatistics().peak_stash_depth) == promised
     expected = {"sequential": [1] * blocks, "gpipe": [G] * blocks,
                 "interleaved": [min(G, blocks - s) for s in range(blocks)],
+                "zero_bubble": [min(G, blocks - s) for s in range(blocks)],  # counted until W
                 "grouped": [min(G, 2 * (blocks - s) - 1) for s in range(blocks)]}[schedule]
     assert promised == expected
 
@@ -133,7 +134,7 @@ def run_wide(schedule, recompute, checkpoint=False, dropout=0.0, seed=5, stage=N
     return model, loss, wrapped.runStatistics()
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", SCHEDULES + ["zero_bubble"])
 @pytest.mark.parametrize("checkpoint", [False, True])
 def test_recomputation_gives_identical_numbers_and_keeps_less(schedule, checkpoint):
     plain, plain_loss, plain_stats = run_wide(schedule, False, checkpoint, dropout=0.2)

@@ -45,7 +45,7 @@ def sharded(G, device):
 
 MATRIX = list(itertools.product([1, 2, 4], [1, 4, 8], [1, 2], [1, 3], ["mean", "sum"],
                                 ["sgd", "adam"]))
-SCHEDULES = ["sequential", "grouped", "interleaved", "gpipe"]
+SCHEDULES = ["sequential", "grouped", "interleaved", "gpipe", "zero_bubble"]
 VARIANTS = list(itertools.product(SCHEDULES, [False, True]))  # (schedule, recompute)
 
 
