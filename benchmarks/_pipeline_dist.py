@@ -121,11 +121,11 @@ class _GPT2Part(torch.nn.Module):
     tokens, the last also applies the final norm and the (untied copy of the) output head.
     Attention is causal as in the model (no mask: transformers' SDPA takes ``is_causal``)."""
 
-    def __init__(self, lm, lo, hi):
+    def __init__(self, lm, lo, hi, first, last):
         super().__init__()
         import copy
         t = lm.transformer
-        self.first, self.last = lo == 0, hi == len(t.h)
+        self.first, self.last = first, last
         self.embed = torch.nn.ModuleList([t.wte, t.wpe, t.drop]) if self.first else None
         self.blocks = torch.nn.ModuleList(t.h[lo:hi])
         self.head = (torch.nn.ModuleList([t.ln_f, copy.deepcopy(lm.lm_head)]) if self.last
@@ -154,7 +154,8 @@ def stages(model, S, width, layers):
         return list(conv_stages())
     if model == "gpt2":
         lm, per = gpt2(width, layers), layers // S
-        return [_GPT2Part(lm, s * per, layers if s == S - 1 else (s + 1) * per) for s in range(S)]
+        return [_GPT2Part(lm, s * per, layers if s == S - 1 else (s + 1) * per, s == 0, s == S - 1)
+                for s in range(S)]
     body = mlp(width, layers)
     return [body[stage_slice(s, S, layers)] for s in range(S)]
 

@@ -45,7 +45,7 @@ import torch
 from tqdm import tqdm
 
 import poptorch_lite as poptorch
-from _pipeline_dist import GPT2_SEQ, SCHEDULES as TORCH_SCHEDULES, Ranks, batch, gpt2
+from _pipeline_dist import GPT2_SEQ, SCHEDULES as TORCH_SCHEDULES, Ranks, batch, gpt2, local_stages
 
 S = 2
 
@@ -147,6 +147,8 @@ def run(args, m):
         if args.seq != GPT2_SEQ:
             parser.error(f"--torch-schedules run windows of {GPT2_SEQ} bytes; pass --seq "
                          f"{GPT2_SEQ} or --torch-schedules ''")
+        if args.layers < 2 * S and any(local_stages(n, 0, S)[1] > S for n in names):
+            parser.error(f"--torch-schedules with two stages per process need --layers >= {2 * S}")
         ranks = Ranks("torch", names, S, model="gpt2", width=args.width, layers=args.layers,
                       micro_batch=B, m=m, lr=args.lr)
         for n in names:
