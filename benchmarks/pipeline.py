@@ -82,6 +82,8 @@ parser.add_argument("--torch-schedules", default=",".join(TORCH_SCHEDULES),
                          f"{sorted(TORCH_SCHEDULES)}; empty to skip the 2-process runs")
 parser.add_argument("--timelines", action="store_true",
                     help="also print each schedule's timeline (needs runStatistics)")
+parser.add_argument("--svg", default=None, metavar="DIR",
+                    help="also draw each schedule's timeline as DIR/pipeline_<schedule>_m<m>.svg")
 
 
 def parse_variants(text):
@@ -258,6 +260,13 @@ def print_stash_table(rows, show_timelines):
                 print(f"\n{name}: {stats.timeline.summary()}\n{stats.timeline.render()}")
 
 
+def write_svgs(rows, folder, m):
+    """Each schedule's timeline as a picture (``--svg``)."""
+    for name, stats in rows:
+        if stats is not None:
+            stats.timeline.write_svg(f"{folder}/pipeline_{name.replace(' + ', '_')}_m{m}.svg")
+
+
 def build_variants(args, schedules, process_names, torch_names):
     """The timed variants, in table order, each a callable returning (wall s, CPU s).
 
@@ -362,6 +371,8 @@ def run(args):
               f"ideal, {100 * speed_up / attainable:.0f}% of attainable")
     print()
     print_stash_table(stash, args.timelines)
+    if args.svg:
+        write_svgs(stash, args.svg, m)
     notes = dict.fromkeys(f"{w.category.__name__}: {w.message}" for w in caught)
     if notes:
         print("\nwarnings during the run:")

@@ -15,8 +15,10 @@ the backward twice with ``retain_graph``:
   ``autograd.grad`` to the leaves only, keeping the graph, and a hook on
   each frontier node keeps the gradient that reached it;
 - W runs ``autograd.grad`` from the frontier nodes, seeded with those kept
-  gradients, to the parameters: only the weight-gradient edges run again
-  (``grad_w = dy.T @ x``), never the chain back to the leaves. A frontier
+  gradients, to the parameters, one call per group of parameters sharing a
+  frontier (one call for all would run the chain from an upper frontier
+  down to a lower layer's weights again): only the weight-gradient edges
+  run (``grad_w = dy.T @ x``), never the chain back to the leaves. A frontier
   node that another one feeds is clamped to its kept gradient, so no
   gradient counts twice. A parameter whose path to an output never meets a
   leaf's (stage 0, whose inputs need no gradient) is reached from that
@@ -75,13 +77,15 @@ def _closure(starts, feeds: dict, stop: frozenset = frozenset()) -> tuple:
 
 
 class Deferred:
-    """What a W needs: per frontier node its kept gradient; outputs that seed W directly."""
+    """What a W needs: per group of parameters that share a frontier, the frontier and the
+    outputs that seed it; per frontier node the gradient tuple that reached it in I."""
 
-    __slots__ = ("params", "frontier", "grads", "outputs", "seeds")
+    __slots__ = ("groups", "outputs", "grads")
 
-    def __init__(self, params: list, frontier: list, outputs: list, seeds: list):
-        self.params, self.frontier, self.outputs, self.seeds = params, frontier, outputs, seeds
-        self.grads: dict = {}  # frontier node -> the gradient tuple that reached it in I
+    def __init__(self, groups: list, outputs: list):
+        self.groups = groups    # [(params, frontier nodes, indices of seeding outputs)]
+        self.outputs = outputs  # [(output, its gradient)]
+        self.grads: dict = {}   # frontier node -> the gradient tuple that reached it in I
 
 
 def backward_input(outputs: list, grads: list, leaves: Sequence[torch.Tensor],
@@ -99,25 +103,26 @@ def backward_input(outputs: list, grads: list, leaves: Sequence[torch.Tensor],
         >>> backward_weight(later); w.grad.tolist()
         [[1.0, 1.0], [1.0, 1.0]]
     """
-    params = [p for p in params if p.requires_grad]
     leaves = [t for t in leaves if t.requires_grad]
     out_nodes = [_node(o) for o in outputs]
     feeds = _towards_outputs(out_nodes)
     from_leaves, _ = _closure([_node(t) for t in leaves], feeds)
-    frontier, seeded = set(), set()
+    stop = frozenset(from_leaves)
+    groups: dict = {}  # (frontier, seeding outputs) -> the parameters that have them
     for p in params:
-        node = _node(p)
+        node = _node(p) if p.requires_grad else None
         if node not in feeds:
             continue  # no output of this segment depends on it
-        reached, met = _closure([node], feeds, frozenset(from_leaves))
-        frontier |= met
-        seeded |= {n for n in reached if n in out_nodes}  # outputs reached without a leaf's path
-    seeds = [(o, g) for o, g, n in zip(outputs, grads, out_nodes) if n in seeded]
-    deferred = Deferred(params, list(frontier), [o for o, _ in seeds], [g for _, g in seeds])
-    handles = [n.register_prehook(_keep(deferred.grads, n)) for n in deferred.frontier]
+        reached, met = _closure([node], feeds, stop)
+        seeding = tuple(k for k, n in enumerate(out_nodes) if n in reached and n not in stop)
+        groups.setdefault((frozenset(met), seeding), []).append(p)
+    deferred = Deferred([(ps, list(met), seeding) for (met, seeding), ps in groups.items()],
+                        list(zip(outputs, grads)))
+    frontier = {n for _, met, _ in deferred.groups for n in met}
+    handles = [n.register_prehook(_keep(deferred.grads, n)) for n in frontier]
     try:
         if leaves:
-            got = torch.autograd.grad(outputs, leaves, grads, retain_graph=bool(params),
+            got = torch.autograd.grad(outputs, leaves, grads, retain_graph=bool(groups),
                                       allow_unused=True)
             for leaf, g in zip(leaves, got):
                 if g is not None:
@@ -135,23 +140,32 @@ def _keep(into: dict, node):
 
 
 def backward_weight(deferred: Deferred) -> None:
-    """W: add the parameters' gradients to their ``.grad`` from what I kept; frees the graph."""
-    edges, seeds = list(deferred.outputs), list(deferred.seeds)
-    for node in deferred.frontier:
-        for k, g in enumerate(deferred.grads.get(node, ())):
+    """W: add the parameters' gradients to their ``.grad`` from what I kept, one group of
+    parameters at a time, so each call runs only the edges down to its own parameters;
+    frees the graph."""
+    kept = deferred.grads
+    for k, (params, frontier, seeding) in enumerate(deferred.groups):
+        edges, seeds = [], []
+        for j in seeding:
+            edges.append(deferred.outputs[j][0])
+            seeds.append(deferred.outputs[j][1])
+        for node in frontier:
+            for n, g in enumerate(kept.get(node, ())):
+                if g is not None:
+                    edges.append(GradientEdge(node, n))
+                    seeds.append(g)
+        if not edges:
+            continue
+        handles = [n.register_prehook(lambda _, held=kept[n]: held)
+                   for n in frontier if n in kept] if len(edges) > 1 else []
+        try:
+            got = torch.autograd.grad(edges, params, seeds, allow_unused=True,
+                                      retain_graph=k < len(deferred.groups) - 1)
+        finally:
+            for h in handles:
+                h.remove()
+        for p, g in zip(params, got):
             if g is not None:
-                edges.append(GradientEdge(node, k))
-                seeds.append(g)
-    if not edges or not deferred.params:
-        return
-    handles = [n.register_prehook(lambda _, kept=deferred.grads[n]: kept)
-               for n in deferred.frontier if n in deferred.grads] if len(edges) > 1 else []
-    try:
-        got = torch.autograd.grad(edges, deferred.params, seeds, allow_unused=True)
-    finally:
-        for h in handles:
-            h.remove()
-    for p, g in zip(deferred.params, got):
-        if g is not None:
-            p.grad = g if p.grad is None else p.grad + g
-    deferred.grads.clear()
+                p.grad = g if p.grad is None else p.grad + g
+    kept.clear()
+    deferred.groups, deferred.outputs = [], []
