@@ -99,14 +99,14 @@ class Slow(torch.nn.Module):
 
 def test_balance_by_time_puts_the_slow_layer_alone_and_leaves_the_model_as_it_was(capsys):
     torch.manual_seed(0)
-    seq = torch.nn.Sequential(torch.nn.BatchNorm1d(8), Slow(0.0), Slow(0.0), Slow(0.1))
+    seq = torch.nn.Sequential(torch.nn.BatchNorm1d(8), Slow(0.0), Slow(0.0), Slow(0.2))
     seq.train()
     before = {k: v.clone() for k, v in seq.state_dict().items()}
     x = torch.randn(4, 8)
     rng = torch.get_rng_state()
-    plan = poptorch.balance_by_time(seq, x, stages=2, repeats=2)
+    plan = poptorch.balance_by_time(seq, x, stages=2, repeats=5)  # medians: robust to noise
     assert plan.starts == [0, 3] and plan.begin_blocks == ["3"]
-    assert plan.stage_times[1] > 0.1 > plan.stage_times[0]
+    assert plan.stage_times[1] > 0.2 > plan.stage_times[0]
     assert "expected time" in capsys.readouterr().out
     assert all(p.grad is None for p in seq.parameters())
     for k, v in seq.state_dict().items():
@@ -140,3 +140,13 @@ def test_an_applied_plan_splits_the_model_where_it_says():
     first = plan.starts[1]
     assert [stage_of[f"layers.{k}"] for k in range(4)] == [int(k >= first) for k in range(4)]
     wrapped.destroy()
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from poptorch_lite.frontends import balance
+    from poptorch_lite.runtime import split_backward
+    for module in (split_backward, balance):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__
