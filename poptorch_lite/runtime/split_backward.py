@@ -84,8 +84,15 @@ class Deferred:
 
     def __init__(self, groups: list, outputs: list):
         self.groups = groups    # [(params, frontier nodes, indices of seeding outputs)]
-        self.outputs = outputs  # [(output, its gradient)]
+        self.outputs = outputs  # output index -> (output, its gradient), those that seed W
         self.grads: dict = {}   # frontier node -> the gradient tuple that reached it in I
+
+    def nbytes(self) -> int:
+        """The bytes of the kept gradients (distinct storages), held until W."""
+        held = [g for kept in self.grads.values() for g in kept if g is not None]
+        held += [g for _, g in self.outputs.values()]
+        storages = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in held}
+        return sum(storages.values())
 
 
 def backward_input(outputs: list, grads: list, leaves: Sequence[torch.Tensor],
@@ -117,7 +124,7 @@ def backward_input(outputs: list, grads: list, leaves: Sequence[torch.Tensor],
         seeding = tuple(k for k, n in enumerate(out_nodes) if n in reached and n not in stop)
         groups.setdefault((frozenset(met), seeding), []).append(p)
     deferred = Deferred([(ps, list(met), seeding) for (met, seeding), ps in groups.items()],
-                        list(zip(outputs, grads)))
+                        {j: (outputs[j], grads[j]) for _, seeding in groups for j in seeding})
     frontier = {n for _, met, _ in deferred.groups for n in met}
     handles = [n.register_prehook(_keep(deferred.grads, n)) for n in frontier]
     try:
@@ -168,4 +175,4 @@ def backward_weight(deferred: Deferred) -> None:
             if g is not None:
                 p.grad = g if p.grad is None else p.grad + g
     kept.clear()
-    deferred.groups, deferred.outputs = [], []
+    deferred.groups, deferred.outputs = [], {}

@@ -21,7 +21,9 @@ only what recomputation starts from: the boundary inputs, the values at the
 stage's ``recomputationCheckpoint`` cuts, the pre-forward values of buffers the
 stage writes, and the micro-batch's random state. The run records each
 stage's peak depth and peak bytes (distinct storages, parameters and the
-call's inputs excluded), so tests can hold a schedule to its promise.
+call's inputs excluded), so tests can hold a schedule to its promise. With a
+split backward an entry stays counted from its I to its W, with the output
+gradients its W starts from ([Note: split backward] in ``split_backward``).
 
 [Note: buffers written in forward]
 A stage that writes a buffer in place (``self.queue.copy_(t)``, ``t`` carrying a
@@ -354,7 +356,13 @@ class StageWork:
             boundary = {n: leaf for n, leaf in boundary.items() if n not in remote}
         if boundary:
             _collect_grads(boundary, grads_in)  # input gradients go upstream
-        if step.accum_dtype is not None and not split:
+        if split:  # the output gradients W starts from are held until then too
+            kept = sum(d.nbytes() for d in entry.later)
+            entry.nbytes += kept
+            held = run.stash_bytes[a.stage] = run.stash_bytes[a.stage] + kept
+            if held > run.stats.peak_stash_bytes[a.stage]:
+                run.stats.peak_stash_bytes[a.stage] = held
+        elif step.accum_dtype is not None:
             self._accumulate(a.stage, run, step.accum_dtype)
 
     def _accumulate(self, s: int, run: Run, dtype: torch.dtype) -> None:
