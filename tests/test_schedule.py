@@ -424,6 +424,7 @@ def test_zero_bubble_dependencies_and_validation():
     assert deps("0I1") == ["0F1", "1I1", "0I0", "0R1"]
     assert deps("0W1") == ["0I1", "0W0"]
     assert deps("1G") == ["1W0", "1W1"]
+    assert deps("0G") == ["0W0", "0W1", "1W1"]  # a weight stage 1 shares gets its W there
     rows = build(P.ZeroBubble, 1, 1, True).rows
     assert [[str(a) for a in r] for r in rows] == [["0F0"], ["0I0"], ["0W0"], ["0G"], ["U"]]
     with pytest.raises(ValueError, match="0W0 at row 1 runs before 0I0"):

@@ -150,3 +150,42 @@ def test_docstring_examples_run():
     for module in (split_backward, balance):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__
+
+
+class Tied(torch.nn.Module):
+    """Stage 1 uses stage 0's layer again: its W adds to a weight stage 0 reduces."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, x, y):
+        with poptorch.Block("a", ipu_id=0):
+            h = torch.relu(self.fc(x))
+        with poptorch.Block("b", ipu_id=1):
+            out = self.head(torch.relu(self.fc(h)))
+            return out, torch.nn.functional.cross_entropy(out, y)
+
+
+def test_a_weight_two_stages_share_is_reduced_after_both_ws():
+    """The reduction of stage 0 waits for stage 1's W's too (they ran on another stream
+    after it once, and the step lost their gradient)."""
+    torch.manual_seed(0)
+    model, G = Tied(), 6
+    ref = Tied()
+    ref.load_state_dict(model.state_dict())
+    opts = poptorch.Options().setExecutionStrategy(
+        poptorch.PipelinedExecution(schedule="zero_bubble"))
+    opts.Training.gradientAccumulation(G)
+    train = poptorch.trainingModel(model, opts, torch.optim.Adam(model.parameters(), lr=0.01))
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    for call in range(4):
+        x, y = data(2 * G, seed=call)
+        train(x, y)
+        ref_opt.zero_grad()
+        for k in range(G):
+            (ref(x[2 * k:2 * k + 2], y[2 * k:2 * k + 2])[1] / G).backward()
+        ref_opt.step()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_close(p.detach(), q.detach(), atol=1e-5, rtol=0, msg=name)
+    train.destroy()

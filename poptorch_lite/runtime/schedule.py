@@ -230,7 +230,9 @@ def _dependencies(a: Action, S: int, m: int, training: bool, recompute: tuple = 
     """The actions that must finish in an earlier row before ``a`` may start.
 
     A split backward's I takes B's place (its input gradients are what stage s-1
-    needs); W(s,i) needs I(s,i), and the reduction needs every W.
+    needs); W(s,i) needs I(s,i). The reduction of stage s needs its W's and those
+    of every later stage: a weight that a later stage uses too (tied) gets its
+    gradient there, and without the split B(s,i) already waits for theirs.
     """
     s, i = a.stage, a.microbatch
     if a.kind is Kind.FORWARD:
@@ -248,7 +250,10 @@ def _dependencies(a: Action, S: int, m: int, training: bool, recompute: tuple = 
         return [Action(Kind.BACKWARD_INPUT, s, i)] + (
             [Action(Kind.BACKWARD_WEIGHT, s, i - 1)] if i > 0 else [])
     if a.kind is Kind.REDUCE:
-        return [Action(Kind.BACKWARD_WEIGHT if split else Kind.BACKWARD, s, j) for j in range(m)]
+        if split:
+            return ([Action(Kind.BACKWARD_WEIGHT, s, j) for j in range(m)]
+                    + [Action(Kind.BACKWARD_WEIGHT, t, m - 1) for t in range(s + 1, S)])
+        return [Action(Kind.BACKWARD, s, j) for j in range(m)]
     return [Action(Kind.REDUCE, t) for t in range(S)]  # STEP
 
 

@@ -25,9 +25,11 @@ the backward twice with ``retain_graph``:
   output itself, seeded with the output's gradient: then W is that part of
   the backward whole.
 
-Each ``autograd.grad`` sums its contributions in autograd's own order, so
-the gradients equal a joint backward's up to float reassociation (within
-the contract's 1e-5). A W accumulates into ``.grad`` as ``backward`` does.
+Both halves are ``autograd.backward(..., inputs=...)``: autograd itself
+accumulates into ``.grad``, under its lock, so a weight that two stages
+share (their W's on two streams at once) loses no gradient. Each call sums
+its contributions in autograd's own order, so the gradients equal a joint
+backward's up to float reassociation (within the contract's 1e-5).
 """
 
 from __future__ import annotations
@@ -129,11 +131,7 @@ def backward_input(outputs: list, grads: list, leaves: Sequence[torch.Tensor],
     handles = [n.register_prehook(_keep(deferred.grads, n)) for n in frontier]
     try:
         if leaves:
-            got = torch.autograd.grad(outputs, leaves, grads, retain_graph=bool(groups),
-                                      allow_unused=True)
-            for leaf, g in zip(leaves, got):
-                if g is not None:
-                    leaf.grad = g if leaf.grad is None else leaf.grad + g
+            torch.autograd.backward(outputs, grads, retain_graph=bool(groups), inputs=leaves)
     finally:
         for h in handles:
             h.remove()
@@ -165,14 +163,11 @@ def backward_weight(deferred: Deferred) -> None:
             continue
         handles = [n.register_prehook(lambda _, held=kept[n]: held)
                    for n in frontier if n in kept] if len(edges) > 1 else []
-        try:
-            got = torch.autograd.grad(edges, params, seeds, allow_unused=True,
-                                      retain_graph=k < len(deferred.groups) - 1)
+        try:  # autograd accumulates: a weight two stages share is added to under its lock
+            torch.autograd.backward(edges, seeds, retain_graph=k < len(deferred.groups) - 1,
+                                    inputs=params)
         finally:
             for h in handles:
                 h.remove()
-        for p, g in zip(params, got):
-            if g is not None:
-                p.grad = g if p.grad is None else p.grad + g
     kept.clear()
     deferred.groups, deferred.outputs = [], {}
