@@ -29,11 +29,34 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV,
+                                          ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleInterleavedZeroBubble, ScheduleLoopedBFS,
+                                          ScheduleZBVZeroBubble)
 
 import poptorch_lite as poptorch
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+# Every torch.distributed.pipelining schedule: one stage per rank, or two per rank in a loop
+# (rank r holds stages r and r+S) or a V (stages r and 2S-1-r).
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+             "interleaved1f1b": ScheduleInterleaved1F1B, "loopedbfs": ScheduleLoopedBFS,
+             "interleavedzb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble,
+             "dualpipev": ScheduleDualPipeV}
+_STYLE = {"interleaved1f1b": "loop", "loopedbfs": "loop", "interleavedzb": "loop",
+          "zbv": "v", "dualpipev": "v"}
+
+
+def local_stages(name, s, S):
+    """The stage indices rank ``s`` holds under torch schedule ``name``, and the stage count.
+
+    Example:
+        >>> local_stages("1f1b", 1, 2), local_stages("zbv", 0, 2), local_stages("loopedbfs", 1, 2)
+        (([1], 2), ([0, 3], 4), ([1, 3], 4))
+    """
+    style = _STYLE.get(name)
+    if style is None:
+        return [s], S
+    return ([s, s + S] if style == "loop" else [s, 2 * S - 1 - s]), 2 * S
 STEP_TIMEOUT_S = 600  # a rank that has not answered by then has hung
 
 
@@ -98,11 +121,11 @@ class _GPT2Part(torch.nn.Module):
     tokens, the last also applies the final norm and the (untied copy of the) output head.
     Attention is causal as in the model (no mask: transformers' SDPA takes ``is_causal``)."""
 
-    def __init__(self, lm, lo, hi):
+    def __init__(self, lm, lo, hi, first, last):
         super().__init__()
         import copy
         t = lm.transformer
-        self.first, self.last = lo == 0, hi == len(t.h)
+        self.first, self.last = first, last
         self.embed = torch.nn.ModuleList([t.wte, t.wpe, t.drop]) if self.first else None
         self.blocks = torch.nn.ModuleList(t.h[lo:hi])
         self.head = (torch.nn.ModuleList([t.ln_f, copy.deepcopy(lm.lm_head)]) if self.last
@@ -131,7 +154,8 @@ def stages(model, S, width, layers):
         return list(conv_stages())
     if model == "gpt2":
         lm, per = gpt2(width, layers), layers // S
-        return [_GPT2Part(lm, s * per, layers if s == S - 1 else (s + 1) * per) for s in range(S)]
+        return [_GPT2Part(lm, s * per, layers if s == S - 1 else (s + 1) * per, s == 0, s == S - 1)
+                for s in range(S)]
     body = mlp(width, layers)
     return [body[stage_slice(s, S, layers)] for s in range(S)]
 
@@ -170,20 +194,22 @@ class Pipelined(torch.nn.Module):
 
 def _torch_rank(s, S, names, model, width, layers, micro_batch, m, lr):
     dist.init_process_group("gloo", rank=s, world_size=S)
-    part = stages(model, S, width, layers)[s]
     x, y = batch(model, m * micro_batch, width)
-    opt = torch.optim.SGD(part.parameters(), lr=lr)
-    schedules = {name: SCHEDULES[name](PipelineStage(part, s, S, torch.device("cpu")), m,
-                                       loss_fn=loss_of(model))
-                 for name in names}
+    built = {}
+    for name in names:  # each schedule its own copy of the model, cut as it needs
+        held, n = local_stages(name, s, S)
+        parts = stages(model, n, width, layers)
+        mine = [PipelineStage(parts[k], k, n, torch.device("cpu")) for k in held]
+        opt = torch.optim.SGD([p for k in held for p in parts[k].parameters()], lr=lr)
+        cls = SCHEDULES[name]
+        schedule = cls(mine if name in _STYLE else mine[0], m, loss_fn=loss_of(model))
+        built[name] = (schedule, opt, held, n)
 
     def step(name):
-        if s == 0:
-            schedules[name].step(x)  # split into m micro-batches along dim 0
-        elif s == S - 1:
-            schedules[name].step(target=y, losses=[])
-        else:
-            schedules[name].step()
+        schedule, opt, held, n = built[name]
+        args = (x,) if 0 in held else ()  # split into m micro-batches along dim 0
+        kwargs = dict(target=y, losses=[]) if n - 1 in held else {}
+        schedule.step(*args, **kwargs)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return step

@@ -1,6 +1,6 @@
 """A step of transformers' GPT-2 pipelined: poptorch_lite against plain PyTorch and torch.distributed.pipelining.
 
-    python benchmarks/gpt2.py                      # 2 stages, micro-batch 4, m = 8, 20 repeats
+    python benchmarks/gpt2.py                      # 2 stages, micro-batch 4, m = 4 and 8, 20 repeats
     python benchmarks/gpt2.py --repeats 5 --warmup 1 --torch-schedules ""   # a quick look
     python benchmarks/gpt2.py --device cuda --width 768 --layers 12 --seq 512 \
         --torch-schedules "" --repeats 5 --warmup 2   # GPT-2 small's shape on one GPU
@@ -13,10 +13,18 @@ training step is m micro-batches of B windows forward and backward, gradients av
 one SGD step. Rows:
 
     plain PyTorch, micro-batched   m forwards/backwards of the unwrapped model; the baseline
-    poptorch_lite <schedule>       one call of the wrapped model (stages on worker streams)
+    poptorch_lite <schedule>       one call of the wrapped model (stages on worker streams);
+                                   "+recompute" recomputes every stage, "+loop" cuts the
+                                   layers in 4 virtual stages on IPUs 0, 1, 0, 1
     torch <schedule>               torch.distributed.pipelining, a process per stage (gloo on
                                    loopback), the same layers cut the same way (the output
-                                   head an untied copy of the embedding: stages cannot share it)
+                                   head an untied copy of the embedding: stages cannot share it);
+                                   the looped and V schedules hold 2 of 4 stages per process
+
+Every torch.distributed.pipelining schedule runs by default (GPipe, 1F1B, Interleaved1F1B,
+LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV), beside poptorch_lite's, once
+per m of ``--microbatches``. "stash MiB" is poptorch_lite's peak of activations stashed
+(``runStatistics().peak_stash_bytes``, all stages together); torch does not report it.
 
 "per step" is the wall time of a step over the baseline's (the pipelined rows run the
 stages at once, so on an idle multi-core machine they are below 1). Every process
@@ -37,7 +45,7 @@ import torch
 from tqdm import tqdm
 
 import poptorch_lite as poptorch
-from _pipeline_dist import GPT2_SEQ, SCHEDULES as TORCH_SCHEDULES, Ranks, batch, gpt2
+from _pipeline_dist import GPT2_SEQ, SCHEDULES as TORCH_SCHEDULES, Ranks, batch, gpt2, local_stages
 
 S = 2
 
@@ -45,13 +53,16 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--width", type=int, default=128, help="embedding width")
 parser.add_argument("--layers", type=int, default=4, help="transformer layers, half per stage")
 parser.add_argument("--micro-batch", type=int, default=4, help="windows per micro-batch (B)")
-parser.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (m)")
+parser.add_argument("--microbatches", default="4,8",
+                    help="micro-batches per step (m), comma-separated: a table each")
 parser.add_argument("--lr", type=float, default=1e-4, help="SGD learning rate")
 parser.add_argument("--repeats", type=int, default=20, help="timed steps per variant")
 parser.add_argument("--warmup", type=int, default=3, help="untimed rounds of every variant first")
-parser.add_argument("--schedules", default="sequential,grouped,interleaved+recompute",
-                    help="poptorch_lite variants: a PipelineSchedule name, optionally +recompute")
-parser.add_argument("--torch-schedules", default="gpipe,1f1b",
+parser.add_argument("--schedules",
+                    default="sequential,grouped,interleaved,gpipe,zero_bubble,zero_bubble+loop",
+                    help="poptorch_lite variants: a PipelineSchedule name, optionally +recompute "
+                         "and +loop")
+parser.add_argument("--torch-schedules", default=",".join(TORCH_SCHEDULES),
                     help="torch.distributed.pipelining schedules; empty to skip them")
 parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="where the plain model and poptorch_lite's stages compute")
@@ -88,51 +99,69 @@ def plain_step(base, ids, m, lr):
 
 
 def lite_step(base, ids, m, lr, variant):
-    name, plus, _ = variant.partition("+")
+    """One step of the wrapped model, and the wrapper (for its run statistics)."""
+    name, *extras = variant.split("+")
     model = copy.deepcopy(base)
-    poptorch.BeginBlock(model.transformer.h[len(model.transformer.h) // 2], "s1", ipu_id=1)
+    h = model.transformer.h
+    cuts = [(len(h) * k // 4, k % 2) for k in (1, 2, 3)] if "loop" in extras else [(len(h) // 2, 1)]
+    for at, ipu in cuts:
+        poptorch.BeginBlock(h[at], f"s{at}", ipu_id=ipu)
     opts = poptorch.Options()
     opts.Training.gradientAccumulation(m)
+    auto = [poptorch.AutoStage.AutoIncrement] if "loop" in extras else []  # IPUs repeat
     opts.setExecutionStrategy(poptorch.PipelinedExecution(
-        schedule=poptorch.PipelineSchedule.parse(name)))
-    if plus:
+        *auto, schedule=poptorch.PipelineSchedule.parse(name)))
+    if "recompute" in extras:
         opts._Popart.set("autoRecomputation", 3)
     wrapped = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=lr))
-    return lambda: wrapped(input_ids=ids, labels=ids)
+    return (lambda: wrapped(input_ids=ids, labels=ids)), wrapped
 
 
 def main():
     args = parser.parse_args()
     torch.set_num_threads(1)
-    m, B, cuda = args.microbatches, args.micro_batch, args.device == "cuda"
-    if cuda and not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch.cuda.is_available() is False here")
+    for m in [int(v) for v in args.microbatches.split(",") if v]:
+        run(args, m)
+
+
+def run(args, m):
+    """The table of one m."""
+    B, cuda = args.micro_batch, args.device == "cuda"
     base = gpt2(args.width, args.layers, args.seq)
     base.train()
     ids, _ = batch("gpt2", m * B, args.width, seq_len=args.seq)
     baseline = f"plain PyTorch, micro-batched ({m} x {B})"
     variants = {baseline: timed(plain_step(base, ids.to(args.device), m, args.lr), cuda)}
+    wrappers = {}
     for v in filter(None, args.schedules.split(",")):  # the model stays on the host, as in PopTorch
-        variants[f"poptorch_lite {v}"] = timed(lite_step(base, ids, m, args.lr, v), cuda)
+        if "+loop" in v and m < 7:  # PopTorch's minimum: gradientAccumulation >= 2·stages - 1
+            print(f"poptorch_lite {v}: skipped at m = {m} (4 stages need m >= 7)")
+            continue
+        step, wrappers[f"poptorch_lite {v}"] = lite_step(base, ids, m, args.lr, v)
+        variants[f"poptorch_lite {v}"] = timed(step, cuda)
     names = [n for n in args.torch_schedules.split(",") if n]
     ranks = None
     if names:
         if args.seq != GPT2_SEQ:
             parser.error(f"--torch-schedules run windows of {GPT2_SEQ} bytes; pass --seq "
                          f"{GPT2_SEQ} or --torch-schedules ''")
+        if args.layers < 2 * S and any(local_stages(n, 0, S)[1] > S for n in names):
+            parser.error(f"--torch-schedules with two stages per process need --layers >= {2 * S}")
         ranks = Ranks("torch", names, S, model="gpt2", width=args.width, layers=args.layers,
                       micro_batch=B, m=m, lr=args.lr)
         for n in names:
             variants[f"torch {TORCH_SCHEDULES[n].__name__} ({S} processes)"] = (
                 lambda n=n: (ranks.step(n)[0], 0))
     try:
-        for _ in tqdm(range(args.warmup), desc="warm-up", leave=False):
-            for run in variants.values():
-                run()
+        for _ in tqdm(range(args.warmup), desc=f"warm-up, m = {m}", leave=False):
+            for run_step in variants.values():
+                run_step()
         samples = {label: [] for label in variants}
-        for _ in tqdm(range(args.repeats), desc="timing", leave=False):
-            for label, run in variants.items():
-                samples[label].append(run())
+        for _ in tqdm(range(args.repeats), desc=f"timing, m = {m}", leave=False):
+            for label, run_step in variants.items():
+                samples[label].append(run_step())
     finally:
         if ranks is not None:
             ranks.close()
@@ -143,15 +172,19 @@ def main():
           f"torch {torch.__version__}; on {where}")
     print(f"median of {args.repeats} interleaved steps after {args.warmup} warm-up rounds, "
           f"one intra-op thread per stream/process\n")
-    print(f"{'variant':<44} {'ms/step':>8} {'spread ms':>15} {'per step':>9}"
+    print(f"{'variant':<50} {'ms/step':>8} {'spread ms':>15} {'per step':>9} {'stash MiB':>9}"
           + (f" {'peak GiB':>9}" if cuda else ""))
-    print(f"{'-' * 44} {'-' * 8} {'-' * 15} {'-' * 9}" + (f" {'-' * 9}" if cuda else ""))
+    print(f"{'-' * 50} {'-' * 8} {'-' * 15} {'-' * 9} {'-' * 9}" + (f" {'-' * 9}" if cuda else ""))
     base_ms = statistics.median(t for t, _ in samples[baseline]) * 1e3
     for label, v in samples.items():
         times = [t for t, _ in v]
         ms = statistics.median(times) * 1e3
-        print(f"{label:<44} {ms:8.1f} {min(times) * 1e3:7.1f}-{max(times) * 1e3:<7.1f} "
-              f"{ms / base_ms:8.2f}x" + (f" {max(b for _, b in v) / 2**30:9.2f}" if cuda else ""))
+        stash = (f"{sum(wrappers[label].runStatistics().peak_stash_bytes) / 2**20:9.1f}"
+                 if label in wrappers else f"{'n/a':>9}")
+        print(f"{label:<50} {ms:8.1f} {min(times) * 1e3:7.1f}-{max(times) * 1e3:<7.1f} "
+              f"{ms / base_ms:8.2f}x {stash}"
+              + (f" {max(b for _, b in v) / 2**30:9.2f}" if cuda else ""))
+    print()
 
 
 if __name__ == "__main__":

@@ -51,7 +51,8 @@ import torch
 from tqdm import tqdm
 
 import poptorch_lite as poptorch
-from _pipeline_dist import SCHEDULES as TORCH_SCHEDULES, Pipelined, Ranks, batch, loss_of, stages
+from _pipeline_dist import (SCHEDULES as TORCH_SCHEDULES, Pipelined, Ranks, batch, local_stages,
+                            loss_of, stages)
 
 S = 2  # pipeline stages: blocks "s0" and "s1"
 CEILING = "plain PyTorch, both stages at once, 2 threads"
@@ -63,23 +64,26 @@ parser.add_argument("--width", type=int, default=1024, help="MLP: features of ea
 parser.add_argument("--layers", type=int, default=8, help="MLP: Linear+ReLU layers, half per stage")
 parser.add_argument("--micro-batch", type=int, default=None,
                     help="rows per micro-batch (B; default 32 for the MLP, 8 for the conv net)")
-parser.add_argument("--microbatches", type=int, default=8,
-                    help="micro-batches per step (m, gradient accumulation; at least 2*S-1)")
+parser.add_argument("--microbatches", default="4,8",
+                    help="micro-batches per step (m, gradient accumulation; at least 2*S-1), "
+                         "comma-separated: a table each")
 parser.add_argument("--lr", type=float, default=1e-4, help="SGD learning rate")
 parser.add_argument("--repeats", type=int, default=20, help="timed steps per variant")
 parser.add_argument("--warmup", type=int, default=3, help="untimed rounds of every variant first")
 parser.add_argument("--schedules",
-                    default="sequential,grouped,interleaved,interleaved+recompute,gpipe",
+                    default="sequential,grouped,interleaved,interleaved+recompute,gpipe,zero_bubble",
                     help="poptorch_lite variants, comma-separated: a PipelineSchedule name, "
                          "optionally with +recompute")
 parser.add_argument("--process-schedules", default="grouped,interleaved",
                     help="poptorch_lite schedules run with a stage per process, comma-separated; "
                          "empty to skip")
-parser.add_argument("--torch-schedules", default="gpipe,1f1b",
+parser.add_argument("--torch-schedules", default=",".join(TORCH_SCHEDULES),
                     help=f"torch.distributed.pipelining schedules, comma-separated, of "
                          f"{sorted(TORCH_SCHEDULES)}; empty to skip the 2-process runs")
 parser.add_argument("--timelines", action="store_true",
                     help="also print each schedule's timeline (needs runStatistics)")
+parser.add_argument("--svg", default=None, metavar="DIR",
+                    help="also draw each schedule's timeline as DIR/pipeline_<schedule>_m<m>.svg")
 
 
 def parse_variants(text):
@@ -244,8 +248,9 @@ def print_stash_table(rows, show_timelines):
         depth = per_stage(stats.peak_stash_depth, str)
         busy = per_stage(timeline.utilisation(), lambda u: f"{100 * u:.0f}%")
         bubble = f"{100 * timeline.bubble_fraction():.0f}%"
-        f_b = "/".join(f"{1e3 * statistics.median(s.end - s.start for s in timeline.spans if s.kind == k):.1f}"
-                       for k in "FB")  # median action times: do actions slow down when they overlap?
+        f_b = "/".join(f"{1e3 * statistics.median(spans):.1f}" for spans in (
+            [s.end - s.start for s in timeline.spans if s.kind in kinds] for kinds in ("F", "BIW"))
+            if spans)  # median action times (B: I and W apart): slower when they overlap?
         print(f"{name:<26} {mib:>22} {depth:>10} {bubble:>6} {busy:>22} {f_b:>11}")
     if any(stats is None for _, stats in rows):
         print("(n/a: this poptorch_lite has no PoplarExecutor.runStatistics() yet)")
@@ -253,6 +258,13 @@ def print_stash_table(rows, show_timelines):
         for name, stats in rows:
             if stats is not None:
                 print(f"\n{name}: {stats.timeline.summary()}\n{stats.timeline.render()}")
+
+
+def write_svgs(rows, folder, m):
+    """Each schedule's timeline as a picture (``--svg``)."""
+    for name, stats in rows:
+        if stats is not None:
+            stats.timeline.write_svg(f"{folder}/pipeline_{name.replace(' + ', '_')}_m{m}.svg")
 
 
 def build_variants(args, schedules, process_names, torch_names):
@@ -297,6 +309,13 @@ def main():
     if args.micro_batch is None:
         args.micro_batch = 8 if args.model == "conv" else 32
     torch.set_num_threads(1)  # one intra-op thread per stream (and per rank)
+    for m in [int(v) for v in str(args.microbatches).split(",") if v]:
+        args.microbatches = m
+        run(args)
+
+
+def run(args):
+    """The tables of one m (``args.microbatches``)."""
     m, B = args.microbatches, args.micro_batch
     schedules = parse_variants(args.schedules)
     process_names = [s.value for s, recompute in parse_variants(args.process_schedules)]
@@ -304,6 +323,8 @@ def main():
     unknown = [n for n in torch_names if n not in TORCH_SCHEDULES]
     if unknown:
         parser.error(f"--torch-schedules: unknown {unknown}; choose from {sorted(TORCH_SCHEDULES)}")
+    if args.model == "conv":  # two stages only: no schedule that holds two per process
+        torch_names = [n for n in torch_names if local_stages(n, 0, S)[1] == S]
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", poptorch.PoptorchLiteWarning)
@@ -333,11 +354,12 @@ def main():
     if spread and here:
         print(f"\nsamples/s with a stage per process / with streams in one process (best of "
               f"each): {min(here.values()) / min(spread.values()):.2f}x")
-    one_f_one_b = [label for label in results if "Schedule1F1B" in label]
-    if pop and one_f_one_b:
-        best = min(pop, key=pop.get)
+    peers = {label: wall for label, (wall, _) in results.items() if label.startswith("torch ")}
+    if pop and peers:
+        best, rival = min(pop, key=pop.get), min(peers, key=peers.get)
         print(f"\nsamples/s of the best poptorch_lite variant ({best.split(' ', 1)[1]}) / "
-              f"torch Schedule1F1B's: {results[one_f_one_b[0]][0] / pop[best]:.2f}x")
+              f"the best torch schedule's ({rival.split(' ', 2)[1]}): "
+              f"{peers[rival] / pop[best]:.2f}x")
     scaling = results[baseline][0] / results[CEILING][0]
     attainable = ideal * scaling / S
     print(f"this machine's 2-thread scaling on this work: c = {scaling:.2f} (2.00 = two "
@@ -349,6 +371,8 @@ def main():
               f"ideal, {100 * speed_up / attainable:.0f}% of attainable")
     print()
     print_stash_table(stash, args.timelines)
+    if args.svg:
+        write_svgs(stash, args.svg, m)
     notes = dict.fromkeys(f"{w.category.__name__}: {w.message}" for w in caught)
     if notes:
         print("\nwarnings during the run:")

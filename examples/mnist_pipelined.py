@@ -46,7 +46,7 @@ parser.add_argument("--device-iterations", type=int, default=10,
                     help="optimizer steps per call of the model (steps per execution)")
 parser.add_argument("--stages", type=int, default=2, choices=(2, 4), help="pipeline stages")
 parser.add_argument("--schedule", default="grouped",
-                    choices=("grouped", "interleaved", "sequential", "gpipe"),
+                    choices=("grouped", "interleaved", "sequential", "gpipe", "zero_bubble"),
                     help="pipeline schedule (see docs/TUTORIAL.md)")
 parser.add_argument("--recompute", action="store_true",
                     help="keep only stage inputs and recompute activations in the backward")

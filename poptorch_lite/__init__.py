@@ -21,7 +21,8 @@ from .errors import (BatchSizeError, BlockError, ChannelError, CheckpointError, 
                      InputError, IpuOnlyWarning, LossError, OptimizerError, OptionsError,
                      PipelineError, PoptorchLiteWarning, RecoverableError, ScheduleError,
                      TraceError, UnknownAttributeError, UnrecoverableError, WrapError)
-from .frontends import (IPUInfeedQueue, IPUOutfeedQueue, OptimizerFunctionOutput, pipeline,
+from .frontends import (BalancePlan, IPUInfeedQueue, IPUOutfeedQueue, OptimizerFunctionOutput,
+                        balance_by_time, pipeline,
                         print_pipeline_stage_assignment_summary, set_pipeline_stage_assignment,
                         split_at, stage_summary)
 from .ops import (Attribute, MultiConv, NameScope, identity_loss, ipuHardwareIsAvailable,
@@ -37,7 +38,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AnchorMode", "AsynchronousDataAccessor", "Attribute", "AutoStage", "BatchSizeError", "BeginBlock", "Block",
-    "BlockError", "BlockFunction", "ChannelError", "CheckpointError", "CheckpointInfo", "CommGroupType",
+    "BalancePlan", "BlockError", "BlockFunction", "ChannelError", "CheckpointError", "CheckpointInfo", "CommGroupType",
     "ConfigFileError", "ConnectionType", "DataLoader", "DataLoaderError", "DataLoaderMode",
     "DeviceError", "Error", "ExecutionError", "ExecutionStrategy", "FrozenOptionsError",
     "HalfFloatCastingBehavior", "ICustomArgParser", "IPUInfeedQueue", "IPUOutfeedQueue", "InputError",
@@ -48,7 +49,7 @@ __all__ = [
     "PoptorchLiteWarning", "RecoverableError", "ReductionType", "ScheduleError",
     "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage", "SyncPattern",
     "TensorLocationSettings", "TraceError", "UnknownAttributeError", "UnrecoverableError",
-    "WrapError", "combined_batch_size", "identity_loss", "inferenceModel",
+    "WrapError", "balance_by_time", "combined_batch_size", "identity_loss", "inferenceModel",
     "ipuHardwareIsAvailable", "ipuHardwareVersion", "ipu_print_tensor", "isRunningOnIpu",
     "is_main_process", "keras",
     "load_checkpoint", "nop", "optim", "pipeline", "print_pipeline_stage_assignment_summary",

@@ -256,6 +256,10 @@ class PipelineSchedule(enum.Enum):
       what it needs, one forward then one backward (1F1B): fewest stashed
       activations.
     - ``GPipe``: fill-drain: every forward of the step, then every backward.
+    - ``ZeroBubble``: 1F1B with each backward split into its input gradients and its
+      weight gradients, the latter run where a stage would wait (ZB-H1: 1F1B's
+      peak stash, a smaller bubble). Stages whose ``ipu_id``s repeat become
+      virtual stages interleaved on their IPUs (the V of ZBV, or a loop).
 
     The timelines themselves live in the schedule module.
 
@@ -268,6 +272,7 @@ class PipelineSchedule(enum.Enum):
     Grouped = "grouped"
     Interleaved = "interleaved"
     GPipe = "gpipe"
+    ZeroBubble = "zero_bubble"
 
     @classmethod
     def parse(cls, name: PipelineSchedule | str) -> PipelineSchedule:

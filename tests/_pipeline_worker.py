@@ -51,13 +51,16 @@ class SkipTied(torch.nn.Module):
 # name: (world size, model, processes' IPUs, schedule, G, D, recompute, optimizer)
 CONFIGS = {
     **{f"2-{s}{'-recompute' if r else ''}": (2, "mlp", [[0], [1]], s, 4, 2, r, "sgd")
-       for s in ("sequential", "grouped", "interleaved", "gpipe") for r in (False, True)},
+       for s in ("sequential", "grouped", "interleaved", "gpipe", "zero_bubble")
+       for r in (False, True)},
     "3-grouped": (3, "skip", [[0], [1], [2, 3]], "grouped", 8, 2, False, "sgd"),
     "3-interleaved-recompute-clip": (3, "skip", [[0], [1], [2, 3]], "interleaved", 8, 2, True,
                                      "clip"),
     "3-sequential-back-and-forth": (3, "skip", [[0, 2], [1], [3]], "sequential", 7, 1, False,
                                     "adam"),
     "3-gpipe-back-and-forth-als": (3, "skip", [[0, 2], [1], [3]], "gpipe", 7, 2, False, "als"),
+    "3-zero_bubble-back-and-forth": (3, "skip", [[0, 2], [1], [3]], "zero_bubble", 7, 2, True,
+                                     "adam"),
     "4-grouped-two-replicas": (4, "replicable", [[0], [1]], "grouped", 4, 2, False, "adam"),
     "4-interleaved-two-replicas": (4, "replicable", [[0], [1]], "interleaved", 3, 1, True,
                                    "sgd"),

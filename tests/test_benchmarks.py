@@ -88,7 +88,8 @@ def test_pipeline_benchmark_runs_the_conv_net_with_a_stage_per_process():
     """A smoke run: every kind of row, one timed step each (figures are not checked)."""
     done = subprocess.run([sys.executable, str(BENCH / "pipeline.py"), "--model", "conv",
                            "--repeats", "1", "--warmup", "0", "--schedules", "grouped",
-                           "--process-schedules", "interleaved", "--torch-schedules", "1f1b"],
+                           "--process-schedules", "interleaved", "--torch-schedules", "1f1b",
+                           "--microbatches", "8"],
                           capture_output=True, text=True, timeout=300, cwd=BENCH.parent)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line.split("  ")[0] for line in done.stdout.splitlines()]
@@ -100,12 +101,14 @@ def test_pipeline_benchmark_runs_the_conv_net_with_a_stage_per_process():
 def test_gpt2_benchmark_runs_every_kind_of_row():
     """A smoke run of benchmarks/gpt2.py on a 2-layer GPT-2 (needs transformers)."""
     pytest.importorskip("transformers")
-    done = subprocess.run([sys.executable, "-W", "ignore", str(BENCH / "gpt2.py"), "--layers", "2",
+    done = subprocess.run([sys.executable, "-W", "ignore", str(BENCH / "gpt2.py"), "--layers", "4",
                            "--width", "32", "--repeats", "1", "--warmup", "0", "--schedules",
-                           "sequential,grouped", "--torch-schedules", "1f1b"],
+                           "sequential,zero_bubble", "--torch-schedules", "1f1b,zbv",
+                           "--microbatches", "8"],
                           capture_output=True, text=True, timeout=300, cwd=BENCH.parent)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line.split("  ")[0] for line in done.stdout.splitlines()]
     for row in ("plain PyTorch, micro-batched (8 x 4)", "poptorch_lite sequential",
-                "poptorch_lite grouped", "torch Schedule1F1B (2 processes)"):
+                "poptorch_lite zero_bubble", "torch Schedule1F1B (2 processes)",
+                "torch ScheduleZBVZeroBubble (2 processes)"):
         assert row in rows, done.stdout

@@ -590,6 +590,19 @@ def one_span(**kw):
 GOOD = build(P.Sequential, 1, 1, True)
 
 
+class _SkipsB(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+
+    def forward(self, x):
+        return self.a(x)
+
+
+def _balance_skipping_a_layer():
+    poptorch.balance_by_time(_SkipsB(), torch.ones(1, 1), stages=1, layers=["a", "b"])
+
+
 def grid(rows, **kw):
     fields = dict(name="bad", num_stages=1, num_microbatches=1, training=True,
                   stage_streams=(0,), rows=rows) | kw
@@ -685,6 +698,11 @@ T = {
     "E-BLK-10": lambda: poptorch.split_at(torch.nn.Sequential(torch.nn.ReLU()), ["ghost"]),
     "E-BLK-11": lambda: poptorch.split_at(
         torch.nn.Sequential(torch.nn.ReLU(), torch.nn.ReLU()), ["1", "1"]),
+    "E-BLK-12": lambda: poptorch.balance_by_time(
+        torch.nn.Sequential(torch.nn.ReLU()), torch.ones(1), stages=1, layers=["ghost"]),
+    "E-BLK-13": lambda: poptorch.balance_by_time(
+        torch.nn.Sequential(torch.nn.ReLU()), torch.ones(1), stages=2),
+    "E-BLK-14": lambda: _balance_skipping_a_layer(),
     # the Keras face
     "E-KER-01": lambda: keras_refuses(lambda m, x, y: m.fit(x[:30], y[:30], batch_size=4,
                                                             verbose=0)),

@@ -191,6 +191,7 @@ MATRIX = [
     (3, 8, 4, 2, 2, P.Grouped, "model"),
     (2, 8, 4, 1, 2, P.Interleaved, "sequential"),
     (2, 8, 4, 2, 2, P.Interleaved, "functional"),
+    (2, 8, 4, 1, 2, P.ZeroBubble, "functional"),
     (2, 6, 3, 1, 2, P.Sequential, "functional"),
     (2, 4, 2, 2, 2, P.Sequential, "sequential"),
 ]

@@ -21,7 +21,8 @@ LAYERS = [
     {"enums", "strategies", "phases"},                        # PopTorch's vocabulary (no torch)
     {"options", "optim", "profiling"},                        # what a user configures; reports
     {"compiler"},                                             # module -> stage graphs
-    {"runtime", "distributed"},                               # stage graphs -> a run
+    {"runtime"},                                              # stage graphs -> a run
+    {"distributed"},                                          # other processes (uses runtime)
 ]  # everything else (the wrapper, annotations, ops, data, the frontends, cli, ...) is a face
 
 

@@ -306,7 +306,8 @@ def test_docstring_examples_run():
     import doctest
 
     from poptorch_lite.compiler import rng, value_info
-    from poptorch_lite.distributed import channels, layout
+    from poptorch_lite.distributed import layout
+    from poptorch_lite.runtime import channels
     for module in (layout, channels, value_info, rng):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__

@@ -7,12 +7,13 @@ import pytest
 from poptorch_lite.enums import PipelineSchedule
 from poptorch_lite.runtime.schedule import Action, Kind, Schedule, validate
 from poptorch_lite.runtime.schedule_kinds import (_list_schedule, build, gpipe, grouped, interleaved,
-                                                  sequential)
+                                                  sequential, zero_bubble)
 
 P = PipelineSchedule
-CONCURRENT = [P.Grouped, P.Interleaved, P.GPipe]
+CONCURRENT = [P.Grouped, P.Interleaved, P.GPipe, P.ZeroBubble]
 BUILDERS = {P.Sequential: sequential, P.Grouped: grouped, P.Interleaved: interleaved,
-            P.GPipe: gpipe}
+            P.GPipe: gpipe, P.ZeroBubble: zero_bubble}
+BY_STAGE = [P.Sequential, P.Grouped, P.Interleaved, P.GPipe]  # built per stage, then on streams
 
 # [Note: schedule kinds], one stream per stage, no recomputation: per kind, the training
 # steps, the inference steps, the training peak in flight at stage s, and the warm-up w
@@ -26,6 +27,8 @@ FORMULAS = {
                     lambda S, m, s: min(m, S - s), lambda S, m, s: min(S - 1 - s, m)),
     P.GPipe: (lambda S, m: 2 * m + 2 * S, lambda S, m: m + S - 1,
               lambda S, m, s: m, lambda S, m, s: m),
+    P.ZeroBubble: (lambda S, m: 3 * m + 2 * S, lambda S, m: m + S - 1,  # I in B's place
+                   lambda S, m, s: min(m, S - s), lambda S, m, s: min(S - 1 - s, m)),
 }
 
 
@@ -141,8 +144,8 @@ def test_steps_peak_and_stage_order_match_the_documented_formulas(kind, S, train
         by_stage = [[] for _ in range(S)]  # each stage's actions, in its stream's order
         for acts in s.per_stream():
             for a in acts:
-                if a.kind in (Kind.FORWARD, Kind.BACKWARD):
-                    by_stage[a.stage].append((a.kind.value, a.microbatch))
+                if a.kind is Kind.FORWARD or a.kind.input_grads:
+                    by_stage[a.stage].append((a.kind.value.replace("I", "B"), a.microbatch))
         for t, got in enumerate(by_stage):
             F, B = [i for k, i in got if k == "F"], [i for k, i in got if k == "B"]
             assert F == list(range(m)) and B == (list(range(m)) if training else []), (S, m, t)
@@ -243,10 +246,10 @@ def test_recompute_runs_right_before_each_backward_of_its_stage(kind, streams, r
         assert s.recompute == recompute
         for acts in s.per_stream():
             for k, a in enumerate(acts):
-                if a.kind is Kind.BACKWARD and recompute[a.stage]:
+                if a.kind.input_grads and recompute[a.stage]:
                     assert acts[k - 1] == Action(Kind.RECOMPUTE, a.stage, a.microbatch), (m, str(a))
                 if a.kind is Kind.RECOMPUTE:
-                    assert recompute[a.stage] and acts[k + 1].kind is Kind.BACKWARD
+                    assert recompute[a.stage] and acts[k + 1].kind.input_grads
         assert len([a for a in s.actions() if a.kind is Kind.RECOMPUTE]) == m * sum(recompute)
         plain = build(kind, S, m, True, streams)
         assert _without_recompute(s) == plain.text()  # only rows were inserted
@@ -391,3 +394,53 @@ def test_build_refuses_shapes_it_cannot_schedule():
         S, m, streams, recompute = args
         with pytest.raises(ValueError, match="one stream"):
             build(P.Grouped, S, m, True, streams, recompute)
+
+
+# -- zero bubble: the backward split into I and W ([Note: zero bubble]) -----------------
+
+UNIT = {Kind.FORWARD: 1, Kind.BACKWARD: 2, Kind.BACKWARD_INPUT: 1, Kind.BACKWARD_WEIGHT: 1}
+
+
+def test_zero_bubble_grid_is_exact_and_its_ws_fill_the_bubble():
+    assert build(P.ZeroBubble, 2, 3, True).text() == [
+        _r("0F0 ."), _r("0F1 1F0"), _r(". 1I0"), _r("0I0 1W0"), _r("0W0 1F1"), _r("0F2 1I1"),
+        _r("0I1 1W1"), _r("0W1 1F2"), _r(". 1I2"), _r("0I2 1W2"), _r("0W2 ."), _r("0G 1G"),
+        _r("U ."),
+    ]
+    # bubble (S-1)·(F+I) against 1F1B's (S-1)·(F+B): each stream's work is 3·m
+    for S, m in [(2, 2), (2, 8), (3, 5), (4, 8), (6, 16)]:
+        zb, ofb = build(P.ZeroBubble, S, m, True), build(P.Interleaved, S, m, True)
+        assert zb.makespan(UNIT) == 3 * m + (S - 1) * 2, (S, m)
+        assert ofb.makespan(UNIT) == 3 * m + (S - 1) * 3, (S, m)
+
+
+def test_zero_bubble_dependencies_and_validation():
+    s = build(P.ZeroBubble, 2, 2, True, recompute=[True, False])
+
+    def deps(text):
+        return [str(d) for d in s.dependencies(Action.parse(text))]
+
+    assert Action.parse("1I0") == Action(Kind.BACKWARD_INPUT, 1, 0) and s.split
+    assert deps("0I1") == ["0F1", "1I1", "0I0", "0R1"]
+    assert deps("0W1") == ["0I1", "0W0"]
+    assert deps("1G") == ["1W0", "1W1"]
+    assert deps("0G") == ["0W0", "0W1", "1W1"]  # a weight stage 1 shares gets its W there
+    rows = build(P.ZeroBubble, 1, 1, True).rows
+    assert [[str(a) for a in r] for r in rows] == [["0F0"], ["0I0"], ["0W0"], ["0G"], ["U"]]
+    with pytest.raises(ValueError, match="0W0 at row 1 runs before 0I0"):
+        validate(Schedule("bad", 1, 1, True, (0,), (rows[0], rows[2], rows[1]) + rows[3:],
+                          split=True))
+    with pytest.raises(ValueError, match="0I0 at row 1 is not an action"):
+        validate(Schedule("bad", 1, 1, True, (0,), rows))  # I and W in an unsplit schedule
+
+
+@pytest.mark.parametrize("streams", [(0, 1, 1, 0), (0, 1, 0, 1), (0, 1, 2, 2, 1, 0)])
+def test_virtual_stages_interleave_on_their_streams_with_a_smaller_bubble(streams):
+    """IPUs repeating: the V of ZBV, the loop of Interleaved1F1B; 1F1B's peak per stage."""
+    S = len(streams)
+    for m in (1, 2, 4, 8):
+        zb, ofb = build(P.ZeroBubble, S, m, True, streams), build(P.Interleaved, S, m, True, streams)
+        assert zb.num_streams == max(streams) + 1
+        assert zb.peak_in_flight() == ofb.peak_in_flight() == [min(m, S - s) for s in range(S)]
+        if m >= 4:
+            assert zb.makespan(UNIT) < ofb.makespan(UNIT), (m, zb.render())

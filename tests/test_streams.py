@@ -35,7 +35,7 @@ ATOL = 1e-5
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 cuda = pytest.mark.cuda
 needs_gpu = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")
-SCHEDULES = ["sequential", "grouped", "interleaved", "gpipe"]
+SCHEDULES = ["sequential", "grouped", "interleaved", "gpipe", "zero_bubble"]
 
 
 def pipelined(schedule, G, recompute=False, D=1):

@@ -99,6 +99,8 @@ CASES = [  # (stages, device_mapping, schedule, G, repeat_count, recompute)
     (3, [0, 1, 0], "interleaved", 6, 1, True),
     (4, [0, 0, 1, 1], "grouped", 3, 2, False),
     (4, [0, 1, 1, 0], "gpipe", 8, 1, True),
+    (4, [0, 1, 1, 0], "zero_bubble", 8, 1, True),  # virtual stages: ZBV's V
+    (3, [0, 1, 0], "zero_bubble", 5, 2, False),     # and a loop
     (3, None, "sequential", 1, 3, False),
     (3, [0, 1, 0], "sequential", 2, 2, True),
     (1, None, "grouped", 2, 2, False),

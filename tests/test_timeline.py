@@ -61,7 +61,7 @@ def test_span_label_is_the_schedule_text_form(text):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(kind="X"), "span kind 'X' is not one of FBRGU"),
+    (dict(kind="X"), "span kind 'X' is not one of FBIWRGU"),
     (dict(start=2.0, end=1.0), "span 0F0 ends at 1.0 before it starts at 2.0"),
 ])
 def test_span_refuses_bad_values(kwargs, match):

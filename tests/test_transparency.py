@@ -54,7 +54,7 @@ FULL = os.environ.get("POPTORCH_LITE_FULL_MATRIX") == "1"
 DEVICE_MATRIX = [("cpu", *row) for row in MATRIX] + [
     pytest.param(d, *row, marks=DEVICE_MARKS.get(d, []))
     for d in DEVICES if d != "cpu" for row in (MATRIX if FULL else pairwise(MATRIX))]
-SCHEDULES = ["sequential", "grouped", "interleaved", "gpipe"]
+SCHEDULES = ["sequential", "grouped", "interleaved", "gpipe", "zero_bubble"]
 VARIANTS = list(itertools.product(SCHEDULES, [False, True]))  # (schedule, recompute)
 
 

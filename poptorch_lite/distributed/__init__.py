@@ -2,8 +2,11 @@
 
 - ``layout``: W processes as W/n pipelines of n stages;
 - ``processes``: joining the group, the options check, the owners' weights, the
-  gradient all-reduce, the agreement on a run's outcome, ``is_main_process``;
-- ``channels``: the values, gradients and random streams that cross processes.
+  gradient all-reduce, the agreement on a run's outcome, ``is_main_process``.
+
+The values, gradients and random streams that cross processes during a run are
+the runtime's (``runtime/channels.py``): the executor sends and receives them
+per action. ``distributed`` uses ``runtime``; ``runtime`` never imports it.
 
 [Note: stages in other processes]
 ``Options.Distributed.set_ipu_processes([[0], [1]])`` puts IPU 0 in process 0

@@ -190,8 +190,9 @@ class Model(StageTooling, Executions):
 
         Args:
             gradient_accumulation_steps_per_replica: G.
-            pipeline_schedule: ``PipelineSchedule.Grouped`` (default), ``Interleaved`` or
-                ``Sequential`` (or its name).
+            pipeline_schedule: ``PipelineSchedule.Grouped`` (default), ``Interleaved``,
+                ``Sequential`` or ``ZeroBubble`` (backward split into input and weight
+                gradients; poptorch_lite's own), or its name.
             recomputation_mode: a :class:`RecomputationMode` or its name: recompute
                 every stage.
             offload_weight_update_variables: keep optimizer state off the device

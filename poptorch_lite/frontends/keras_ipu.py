@@ -270,7 +270,7 @@ class IpuSettings:
 
         Raises:
             OptionsError: G is not a positive int, the schedule is unknown or not one of
-                Grouped, Interleaved, Sequential, or ``recompute`` not a RecomputationMode
+                Grouped, Interleaved, Sequential, ZeroBubble, or ``recompute`` not a RecomputationMode
                 (or the name of one).
         """
         G = self.G if G is None else check_positive_int(
@@ -278,9 +278,9 @@ class IpuSettings:
             "set_pipelining_options(gradient_accumulation_steps_per_replica=1)")
         schedule = self.schedule if schedule is None else PipelineSchedule.parse(schedule)
         if schedule not in (PipelineSchedule.Grouped, PipelineSchedule.Interleaved,
-                            PipelineSchedule.Sequential):
-            raise OptionsError(f"IPU Keras pipelines with the Grouped, Interleaved or Sequential "
-                               f"schedule, got {schedule.name}; pass one of them to "
+                            PipelineSchedule.Sequential, PipelineSchedule.ZeroBubble):
+            raise OptionsError(f"IPU Keras pipelines with the Grouped, Interleaved, Sequential or "
+                               f"ZeroBubble schedule, got {schedule.name}; pass one of them to "
                                f"set_pipelining_options")
         if isinstance(recompute, str):  # the mode's name or value, as pipeline() takes it
             key = recompute.lower().replace("_", "")

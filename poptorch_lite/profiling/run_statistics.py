@@ -32,7 +32,7 @@ class RunStatistics:
 
 def run_statistics(schedule, stats: list, recorder, devices: dict, layout) -> RunStatistics:
     """The statistics of a call's runs: its schedule, the per-run stash statistics
-    (``stage_work.RunStats``), the call's timeline recorder, IPU -> device of this
+    (``runtime.run.RunStats``), the call's timeline recorder, IPU -> device of this
     process's stages, and the process layout (None in one process) naming the others."""
     names = [f"ipu{k} ({devices[k]})" if k in devices else
              f"ipu{k} (process {layout.rank_of(layout.pipeline, layout.position_of(k))})"

@@ -10,9 +10,10 @@ import dataclasses
 from typing import Optional
 
 # The kind letters of schedule.Kind and their names in traces and legends.
-KIND_NAMES = {"F": "forward", "B": "backward", "R": "recompute", "G": "reduce", "U": "update"}
+KIND_NAMES = {"F": "forward", "B": "backward", "I": "input gradients", "W": "weight gradients",
+              "R": "recompute", "G": "reduce", "U": "update"}
 _KIND_OF_NAME = {name: letter for letter, name in KIND_NAMES.items()}
-_WORK = frozenset("FBR")  # the kinds that define ramp-down ([Note: timeline phases])
+_WORK = frozenset("FBIWR")  # the kinds that define ramp-down ([Note: timeline phases])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,12 +3,13 @@
 - ``schedule`` and ``schedule_kinds``: schedules as grids of actions, and their builders (no torch);
 - ``placement``: IPUs on devices and streams, and the streams running their lists;
 - ``weights``: where each weight lives, and what a step does not commit;
-- ``stage_work``: a stage's forward, recompute and backward;
+- ``stage_work``: a stage's forward, recompute and backward (``split_backward``: its two halves); ``run``: the state of a run;
 - ``batch``: micro-batches in, outputs merged;
 - ``executor``: a schedule run on the streams, the gradient reduction and the step;
+- ``channels``: the values, gradients and random streams that cross processes during a run;
 - ``undo``: a failed call put back to its last completed step;
 - ``program``: what one input signature compiles to, ready to run.
 
-``runtime`` uses ``compiler``, ``distributed``'s channels, ``profiling`` and the
-layers below; nothing in it imports a face.
+``runtime`` uses ``compiler``, ``profiling`` and the layers below; nothing in it
+imports ``distributed`` (which uses it) or a face.
 """

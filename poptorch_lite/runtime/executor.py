@@ -19,13 +19,14 @@ import torch
 
 from ..compiler import rng
 from ..compiler.partition import Partition
-from ..distributed.channels import Channels
+from .channels import Channels
 from ..errors import Error, ExecutionError, UnrecoverableError
 from ..profiling.timeline import Recorder
 from .placement import Placement
 from .plan import Call, Plan, make_plan
 from .schedule import Action, Kind, Schedule
-from .stage_work import Run, StageWork
+from .run import Run
+from .stage_work import StageWork
 from .streams import ActionFailed, ActionStuck, StreamFailed
 from .update import PartialUpdate, StepArithmetic, Updates
 from .weights import Weights
@@ -98,6 +99,8 @@ class Executor(Updates):
         self.steps_applied = 0  # updates completed ([Note: commit point])
         self.undoable = False   # the caller snapshots whole calls (allOrNothingCalls)
         self.handlers = {Kind.FORWARD: self.work.forward, Kind.BACKWARD: self.work.backward,
+                         Kind.BACKWARD_INPUT: self.work.backward_input,
+                         Kind.BACKWARD_WEIGHT: self.work.backward_weight,
                          Kind.RECOMPUTE: self.work.recompute_action, Kind.REDUCE: self._reduce,
                          Kind.STEP: self._step}
         self._plans: dict = {}
@@ -126,7 +129,7 @@ class Executor(Updates):
         Returns:
             ``(outputs, stats)``: per micro-batch, the model's tensor outputs
             (detached, on the host; None for a micro-batch not kept), and the
-            run's :class:`~poptorch_lite.runtime.stage_work.RunStats`.
+            run's :class:`~poptorch_lite.runtime.run.RunStats`.
 
         Raises:
             ExecutionError: an action failed or got stuck; names stream, stage,

@@ -18,7 +18,7 @@ import torch
 
 from ..compiler import retarget, rng
 from ..compiler.partition import Partition, check_pipeline_minimums, partition
-from ..distributed.channels import Channels
+from .channels import Channels
 from ..enums import ReductionType
 from ..errors import OptionsError, hide_when_refused as __tracebackhide__
 from ..optim.accepted import accum_dtype, max_grad_norm

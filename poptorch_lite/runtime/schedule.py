@@ -11,7 +11,8 @@ schedules are tested as lists.
 [Note: schedule grid]
 Actions have a compact text form: ``"1F0"`` is stage 1's forward of
 micro-batch 0, ``"0B3"`` stage 0's backward of micro-batch 3, ``"2R1"`` a
-recompute, ``"1G"`` the reduction of stage 1's gradients (accumulation, loss
+recompute, ``"1I0"`` and ``"1W0"`` the two halves of a split backward (the input
+gradients, then the weight gradients: [Note: split backward] in ``split_backward``), ``"1G"`` the reduction of stage 1's gradients (accumulation, loss
 scaling, replicas), ``"U"`` the optimizer update. Sequential (sharded) training
 of S=2 stages on m=2 micro-batches, streams 0 and 1:
 
@@ -50,11 +51,18 @@ class Kind(enum.Enum):
 
     FORWARD = "F"
     BACKWARD = "B"
+    BACKWARD_INPUT = "I"    # the input-gradient half of a split backward
+    BACKWARD_WEIGHT = "W"   # the weight-gradient half, after the stage's I of that micro-batch
     RECOMPUTE = "R"
     REDUCE = "G"
     STEP = "U"
 
     __hash__ = object.__hash__  # members are singletons; C-level hashing keeps sets of actions fast
+
+    @property
+    def input_grads(self) -> bool:
+        """Whether the action makes its stage's input gradients (B, or I of a split backward)."""
+        return self is Kind.BACKWARD or self is Kind.BACKWARD_INPUT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +113,7 @@ class Schedule:
         rows: the grid.
         recompute: per stage, whether it recomputes its forward before its
             backward (``R`` actions); empty when no stage does.
+        split: whether each backward is split into I and W actions.
     """
 
     name: str
@@ -114,6 +123,7 @@ class Schedule:
     stage_streams: tuple
     rows: tuple
     recompute: tuple = ()
+    split: bool = False
 
     @property
     def num_streams(self) -> int:
@@ -151,7 +161,7 @@ class Schedule:
             ['0F1', '1B1', '0B0', '0R1']
         """
         deps = _dependencies(a, self.num_stages, self.num_microbatches, self.training,
-                             self.recompute)
+                             self.recompute, self.split)
         previous = self._previous.get(a)
         if previous is not None and previous not in deps:
             deps.append(previous)
@@ -179,7 +189,8 @@ class Schedule:
     def peak_in_flight(self) -> list:
         """Per stage, the most micro-batches forwarded but not yet backwarded at once.
 
-        In inference a micro-batch leaves a stage as soon as its forward ends.
+        In inference a micro-batch leaves a stage as soon as its forward ends; with a
+        split backward, at its W (its activations stay until then).
         """
         live = [0] * self.num_stages
         peak = [0] * self.num_stages
@@ -189,34 +200,69 @@ class Schedule:
                 peak[a.stage] = max(peak[a.stage], live[a.stage])
                 if not self.training:
                     live[a.stage] -= 1
-            elif a.kind is Kind.BACKWARD:
+            elif a.kind is Kind.BACKWARD or a.kind is Kind.BACKWARD_WEIGHT:
                 live[a.stage] -= 1
         return peak
 
+    def makespan(self, cost: dict) -> float:
+        """The time the grid takes when each stream runs its list in order, every action
+        waiting for its dependencies, and an action of kind k takes ``cost[k]`` (0 if absent).
 
-def _dependencies(a: Action, S: int, m: int, training: bool, recompute: tuple = ()) -> list:
-    """The actions that must finish in an earlier row before ``a`` may start."""
+        A model of the runtime for comparing kinds (the bubble), not a measurement.
+
+        Example:
+            >>> from poptorch_lite.enums import PipelineSchedule
+            >>> from poptorch_lite.runtime.schedule_kinds import build
+            >>> build(PipelineSchedule.Sequential, 2, 1, True).makespan({Kind.FORWARD: 1, Kind.BACKWARD: 2})
+            6
+        """
+        end: dict = {}
+        free = [0] * self.num_streams
+        for a in self.actions():  # row order is a topological order
+            k = _stream(a, self.stage_streams)
+            start = max([free[k], *(end[d] for d in self.dependencies(a))])
+            end[a] = free[k] = start + cost.get(a.kind, 0)
+        return max(end.values(), default=0)
+
+
+def _dependencies(a: Action, S: int, m: int, training: bool, recompute: tuple = (),
+                  split: bool = False) -> list:
+    """The actions that must finish in an earlier row before ``a`` may start.
+
+    A split backward's I takes B's place (its input gradients are what stage s-1
+    needs); W(s,i) needs I(s,i). The reduction of stage s needs its W's and those
+    of every later stage: a weight that a later stage uses too (tied) gets its
+    gradient there, and without the split B(s,i) already waits for theirs.
+    """
     s, i = a.stage, a.microbatch
     if a.kind is Kind.FORWARD:
         deps = [Action(Kind.FORWARD, s - 1, i)] if s > 0 else []
         return deps + ([Action(Kind.FORWARD, s, i - 1)] if i > 0 else [])
     if a.kind is Kind.RECOMPUTE:
         return [Action(Kind.FORWARD, s, i)]
-    if a.kind is Kind.BACKWARD:
+    if a.kind is Kind.BACKWARD or a.kind is Kind.BACKWARD_INPUT:
+        kind = a.kind
         deps = [Action(Kind.FORWARD, s, i)]
-        deps += [Action(Kind.BACKWARD, s + 1, i)] if s < S - 1 else []
-        deps += [Action(Kind.BACKWARD, s, i - 1)] if i > 0 else []
+        deps += [Action(kind, s + 1, i)] if s < S - 1 else []
+        deps += [Action(kind, s, i - 1)] if i > 0 else []
         return deps + ([Action(Kind.RECOMPUTE, s, i)] if recompute and recompute[s] else [])
+    if a.kind is Kind.BACKWARD_WEIGHT:
+        return [Action(Kind.BACKWARD_INPUT, s, i)] + (
+            [Action(Kind.BACKWARD_WEIGHT, s, i - 1)] if i > 0 else [])
     if a.kind is Kind.REDUCE:
+        if split:
+            return ([Action(Kind.BACKWARD_WEIGHT, s, j) for j in range(m)]
+                    + [Action(Kind.BACKWARD_WEIGHT, t, m - 1) for t in range(s + 1, S)])
         return [Action(Kind.BACKWARD, s, j) for j in range(m)]
     return [Action(Kind.REDUCE, t) for t in range(S)]  # STEP
 
 
-def _required(S: int, m: int, training: bool, recompute: tuple) -> set:
+def _required(S: int, m: int, training: bool, recompute: tuple, split: bool = False) -> set:
     """Every action a schedule of this shape must hold once."""
     required = {Action(Kind.FORWARD, s, i) for s in range(S) for i in range(m)}
+    backwards = (Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT) if split else (Kind.BACKWARD,)
     if training:
-        required |= {Action(Kind.BACKWARD, s, i) for s in range(S) for i in range(m)}
+        required |= {Action(k, s, i) for k in backwards for s in range(S) for i in range(m)}
         required |= {Action(Kind.RECOMPUTE, s, i) for s in range(S) if recompute and recompute[s]
                      for i in range(m)}
         required |= {Action(Kind.REDUCE, s) for s in range(S)} | {Action(Kind.STEP)}
@@ -238,7 +284,8 @@ def validate(schedule: Schedule) -> None:
     S, m, training = schedule.num_stages, schedule.num_microbatches, schedule.training
     if len(schedule.recompute) not in (0, S):
         raise ScheduleError(f"recompute={schedule.recompute} needs one flag per stage ({S})")
-    required = _required(S, m, training, schedule.recompute)
+    split = schedule.split and training
+    required = _required(S, m, training, schedule.recompute, split)
     done: dict = {}
     for t, row in enumerate(schedule.rows):
         if len(row) != schedule.num_streams:
@@ -248,13 +295,14 @@ def validate(schedule: Schedule) -> None:
                 continue
             if a not in required:
                 raise ScheduleError(f"{a} at row {t} is not an action of this schedule (S={S}, m={m}, "
-                                    f"training={training}, recompute={schedule.recompute})")
+                                    f"training={training}, recompute={schedule.recompute}, "
+                                    f"split={split})")
             if a in done:
                 raise ScheduleError(f"{a} appears twice (rows {done[a]} and {t})")
             stream = _stream(a, schedule.stage_streams)
             if stream != k:
                 raise ScheduleError(f"{a} is on stream {k}; its stage runs on stream {stream}")
-            for d in _dependencies(a, S, m, training, schedule.recompute):  # all required
+            for d in _dependencies(a, S, m, training, schedule.recompute, split):  # all required
                 if done.get(d, t) >= t:
                     raise ScheduleError(f"{a} at row {t} runs before {d}, which it needs")
             done[a] = t

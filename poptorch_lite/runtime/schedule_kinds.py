@@ -1,4 +1,4 @@
-"""Schedule kinds: the builders of Sequential, Grouped, Interleaved and GPipe grids.
+"""Schedule kinds: the builders of Sequential, Grouped, Interleaved, GPipe and ZeroBubble grids.
 
 Each builder is a pure function of (S, m, training, stage streams, recomputed
 stages) returning a validated :class:`~poptorch_lite.runtime.schedule.Schedule`;
@@ -18,9 +18,12 @@ Steps with one stream per stage and no recomputation:
     Grouped     | min(2·(S-1-s), m) | 2·m + 2·S      | m + S - 1 | min(m, 2·(S-s) - 1)
     Interleaved | min(S-1-s, m)     | 2·m + 2·S      | m + S - 1 | min(m, S - s)
     GPipe       | m                 | 2·m + 2·S      | m + S - 1 | m
+    ZeroBubble  | min(S-1-s, m)     | 3·m + 2·S      | m + S - 1 | min(m, S - s)
 
-Stages sharing a stream add rows ([Note: shared streams]); so does
-recomputation ([Note: recomputation rows]), which leaves the peak unchanged.
+ZeroBubble splits each backward into I and W and is built per stream, not per
+stage ([Note: zero bubble]); the other kinds add rows where stages share a
+stream ([Note: shared streams]). Recomputation adds rows too ([Note:
+recomputation rows]) and leaves the peak unchanged.
 """
 
 from __future__ import annotations
@@ -78,19 +81,20 @@ def _with_recompute(rows: tuple, recompute: tuple) -> tuple:
     out = []
     for row in rows:
         r = tuple(Action(Kind.RECOMPUTE, a.stage, a.microbatch)
-                  if a is not None and a.kind is Kind.BACKWARD and recompute[a.stage] else None
+                  if a is not None and a.kind.input_grads and recompute[a.stage] else None
                   for a in row)
         out += [r, row] if any(c is not None for c in r) else [row]
     return tuple(out)
 
 
 def _schedule(name: str, S: int, m: int, training: bool, stage_streams: Sequence[int],
-              recompute: Optional[Sequence[bool]], stage_rows: list) -> Schedule:
+              recompute: Optional[Sequence[bool]], stage_rows: list, split: bool = False) -> Schedule:
     """The Schedule of rows built over stages: placed on streams, recomputes inserted."""
     streams = tuple(stage_streams)
     rec = tuple(bool(r) for r in recompute) if training and recompute and any(recompute) else ()
     rows = _on_streams(stage_rows, streams)
-    return Schedule(name, S, m, training, streams, _with_recompute(rows, rec) if rec else rows, rec)
+    return Schedule(name, S, m, training, streams, _with_recompute(rows, rec) if rec else rows, rec,
+                    split and training)
 
 
 def _list_schedule(orders: list, S: int, m: int, training: bool) -> list:
@@ -265,8 +269,82 @@ def gpipe(S: int, m: int, training: bool, stage_streams: Sequence[int],
     return _schedule("gpipe", S, m, training, stage_streams, recompute, rows)
 
 
+def zero_bubble(S: int, m: int, training: bool, stage_streams: Sequence[int],
+                recompute: Optional[Sequence[bool]] = None) -> Schedule:
+    """Zero-bubble 1F1B (ZB-H1): each backward split into I and W, the W's filling the bubble.
+
+    [Note: zero bubble]
+    A backward is two actions ([Note: split backward] in ``split_backward``): I(s,i)
+    makes the input gradients that stage s-1 waits for, W(s,i) the weight
+    gradients nobody waits for but the reduction. The grid is built per stream,
+    row by row: each stream takes, of the stages it runs, the first that can
+    go of (1) the next I, highest stage first (the critical path), (2) the
+    next F, highest stage first, while stage s holds fewer than ``S - s``
+    micro-batches between F and W (1F1B's peak: the activations stay until
+    W), (3) the oldest W waiting. So a W runs only where its stream would
+    otherwise wait: ZB-H1 under 1F1B's memory bound, counting a micro-batch's
+    activations until its W (ZB-H1 as published frees part of them at I and
+    lets W's lag further). With one stream per stage and F = I = W = B/2, the
+    bubble is ``(S-1)·(F+I)`` against 1F1B's ``(S-1)·(F+B)``: a third less
+    (``Schedule.makespan``); the W's fill the drain. Stages whose IPUs repeat (more stages than
+    streams) are virtual stages on shared streams, scheduled the same way:
+    IPUs ``0, 1, 1, 0`` make the V of ZBV, ``0, 1, 0, 1`` the loop of
+    Interleaved1F1B; then each stream interleaves its stages' actions.
+
+    Example (S=2, m=3, training; the W's of stage 0 fill rows 8 and 10):
+        >>> print(zero_bubble(2, 3, True, (0, 1)).render())
+          step | s0  | s1
+        ------------------
+             0 | 0F0 |
+             1 | 0F1 | 1F0
+             2 |     | 1I0
+             3 | 0I0 | 1W0
+             4 | 0W0 | 1F1
+             5 | 0F2 | 1I1
+             6 | 0I1 | 1W1
+             7 | 0W1 | 1F2
+             8 |     | 1I2
+             9 | 0I2 | 1W2
+            10 | 0W2 |
+            11 | 0G  | 1G
+            12 | U   |
+    """
+    streams = tuple(stage_streams)
+    on = [[s for s in reversed(range(S)) if streams[s] == k] for k in range(max(streams) + 1)]
+    nxt = {k: [0] * S for k in (Kind.FORWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT)}
+    live, done, rows = [0] * S, set(), []
+
+    def ready(kind: Kind, s: int) -> Optional[Action]:
+        i = nxt[kind][s]
+        a = Action(kind, s, i)
+        return a if i < m and all(d in done for d in _dependencies(a, S, m, True, (), True)) else None
+
+    while len(done) < (3 * S * m if training else S * m):
+        row = []
+        for stages in on:
+            a = next((a for s in stages if (a := ready(Kind.BACKWARD_INPUT, s))), None) \
+                if training else None
+            a = a or next((a for s in stages if (not training or live[s] < S - s)
+                           and (a := ready(Kind.FORWARD, s))), None)
+            a = a or next((a for s in reversed(stages) if training
+                           and (a := ready(Kind.BACKWARD_WEIGHT, s))), None)
+            if a is not None:
+                row.append(a)
+        if not row:
+            raise ScheduleError(f"zero_bubble deadlocks at row {len(rows)} (S={S}, m={m}, "
+                                f"stage_streams={streams})")
+        for a in row:
+            nxt[a.kind][a.stage] += 1
+            live[a.stage] += {Kind.FORWARD: 1, Kind.BACKWARD_WEIGHT: -1}.get(a.kind, 0)
+        done.update(row)
+        rows.append(row)
+    return _schedule("zero_bubble", S, m, training, streams, recompute,
+                     rows + (_ending(S) if training else []), split=True)
+
+
 _BUILDERS: dict = {PipelineSchedule.Sequential: sequential, PipelineSchedule.Grouped: grouped,
-                   PipelineSchedule.Interleaved: interleaved, PipelineSchedule.GPipe: gpipe}
+                   PipelineSchedule.Interleaved: interleaved, PipelineSchedule.GPipe: gpipe,
+                   PipelineSchedule.ZeroBubble: zero_bubble}
 
 
 def build(kind: PipelineSchedule, S: int, m: int, training: bool,

@@ -21,7 +21,9 @@ only what recomputation starts from: the boundary inputs, the values at the
 stage's ``recomputationCheckpoint`` cuts, the pre-forward values of buffers the
 stage writes, and the micro-batch's random state. The run records each
 stage's peak depth and peak bytes (distinct storages, parameters and the
-call's inputs excluded), so tests can hold a schedule to its promise.
+call's inputs excluded), so tests can hold a schedule to its promise. With a
+split backward an entry stays counted from its I to its W, with the output
+gradients its W starts from ([Note: split backward] in ``split_backward``).
 
 [Note: buffers written in forward]
 A stage that writes a buffer in place (``self.queue.copy_(t)``, ``t`` carrying a
@@ -49,8 +51,7 @@ segment.
 from __future__ import annotations
 
 import collections
-import dataclasses
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -58,75 +59,11 @@ from ..compiler import rng
 from ..compiler.partition import Partition
 from ..errors import Error
 from .placement import Placement
+from .run import Entry, Run
 from .schedule import Action
+from .split_backward import backward_input, backward_weight
 from .streams import arrive
 from .weights import Weights
-
-
-@dataclasses.dataclass
-class RunStats:
-    """What one run measured ([Note: activation stash]): per stage, peak stash depth and bytes."""
-
-    peak_stash_depth: list
-    peak_stash_bytes: list
-
-
-class Entry:
-    """One micro-batch in a stage's stash ([Note: activation stash])."""
-
-    __slots__ = ("i", "boundary", "segments", "args", "kept", "buffers", "rng", "nbytes")
-
-    def __init__(self, i: int, boundary: dict):
-        self.i = i
-        self.boundary = boundary   # value name -> the leaf this stage computed from
-        self.segments = None       # [(outputs, output names, {name: leaf})], in forward order
-        self.args = None           # recomputation: the forward's arguments
-        self.kept = None           # recomputation: value name -> (tensor, requires_grad)
-        self.buffers = None        # recomputation: buffer name -> value before the forward
-        self.rng = None            # recomputation: the random state the forward started from
-        self.nbytes = 0
-
-
-class Run:
-    """The state of one run of a schedule: values, stashes and gradients per micro-batch."""
-
-    __slots__ = ("inputs", "placed", "ready", "replica_of", "rng", "values", "grads", "results",
-                 "stash", "stash_bytes", "accum", "stats", "excluded", "inbox", "outbox",
-                 "shapes", "sends", "posted", "failed", "remote_failure", "index", "training",
-                 "kept", "keeps", "ahead")
-
-    def __init__(self, partition: Partition, microbatches: Sequence[Sequence[torch.Tensor]],
-                 replica_of: Callable, streams: Optional[list], index: int = 0,
-                 training: bool = True, kept: Sequence[int] = (), ahead: Optional[dict] = None):
-        S, M = len(partition.stages), len(microbatches)
-        self.inputs = microbatches
-        self.placed: dict = {}                             # (ipu, i, k) -> input k in ipu's memory
-        self.ready: dict = {}                              # (device, i) -> CUDA event: copied
-        self.replica_of = replica_of
-        self.rng = streams                                 # per micro-batch, or None
-        self.values = [{} for _ in range(M)]              # value name -> tensor, per micro-batch
-        self.grads = [{} for _ in range(M)]               # value name -> gradient, per micro-batch
-        self.results = [{} for _ in range(M)]             # returned values, detached
-        self.stash = [collections.deque() for _ in range(S)]
-        self.stash_bytes = [0] * S                         # the bytes each stash holds now
-        self.accum: dict = {}                              # param name -> (tensor, accumulator)
-        self.stats = RunStats([0] * S, [0] * S)
-        self.excluded: set = _NOTHING                      # storages not counted as stash
-        # [Note: stages in other processes] in distributed
-        self.inbox: dict = {}     # (stage, i) -> {value name: tensor} from another process
-        self.outbox: dict = {}    # (stage, i) -> {value name: gradient} for another process
-        self.shapes: dict = {}    # (stage, i, name) -> the shape of a received dynamic value
-        self.sends: list = []     # (work, tensor, peer, what) of the messages sent, until received
-        self.posted: dict = {}    # action -> the receives posted for it ahead of time
-        self.failed = None        # (action, exception): the first action that raised here
-        self.remote_failure = None  # (rank, description): a process that failed this run
-        self.index, self.training = index, training  # the run's number in its call; its kind
-        self.kept = kept          # the micro-batches whose outputs the call returns
-        self.keeps = frozenset(kept)
-        self.ahead = ahead or {}  # action -> the next action of its stream that receives
-
-
-_NOTHING: frozenset = frozenset()
 
 
 def _drop(t: torch.Tensor) -> None:
@@ -285,8 +222,9 @@ class StageWork:
         stash.append(entry)
         held = run.stash_bytes[s] = run.stash_bytes[s] + entry.nbytes
         stats = run.stats
-        if len(stash) > stats.peak_stash_depth[s]:
-            stats.peak_stash_depth[s] = len(stash)
+        depth = len(stash) + len(run.waiting[s])  # with those between I and W
+        if depth > stats.peak_stash_depth[s]:
+            stats.peak_stash_depth[s] = depth
         if held > stats.peak_stash_bytes[s]:
             stats.peak_stash_bytes[s] = held
 
@@ -350,10 +288,37 @@ class StageWork:
 
         ``step`` is the executor's ``StepArithmetic`` (loss scaling, accumulator dtype).
         """
+        self._backward(a, run, step, split=False)
+
+    def backward_input(self, a: Action, run: Run, step) -> None:
+        """``sIi``: as ``sBi`` but only the input gradients; the entry waits for its W
+        ([Note: split backward] in ``split_backward``)."""
+        self._backward(a, run, step, split=True)
+
+    def backward_weight(self, a: Action, run: Run, step) -> None:
+        """``sWi``: the weight gradients of the oldest entry whose I ran; frees its graph."""
+        waiting = run.waiting[a.stage]
+        if not waiting or waiting[0].i != a.microbatch:
+            raise Error(f"{a} found no input-gradient half of micro-batch {a.microbatch} "
+                        f"waiting: the schedule broke I-before-W order")
+        entry = waiting.popleft()
+        for deferred in entry.later:
+            backward_weight(deferred)
+        entry.later = None
+        run.stash_bytes[a.stage] -= entry.nbytes
+        if step.accum_dtype is not None:
+            self._accumulate(a.stage, run, step.accum_dtype)
+
+    def _backward(self, a: Action, run: Run, step, split: bool) -> None:
         st = self.partition.stages[a.stage]
         entry = self._head(a, run)
         run.stash[a.stage].popleft()
-        run.stash_bytes[a.stage] -= entry.nbytes
+        if split:  # still held: counted until its W
+            run.waiting[a.stage].append(entry)
+            entry.later = []
+            params = [p for p in self._params[a.stage] if p is not None]
+        else:
+            run.stash_bytes[a.stage] -= entry.nbytes
         i = entry.i
         grads_in = run.grads[i]
         crossing = self.crossing[a.stage] if self.weights.separate_memories else ()
@@ -375,7 +340,10 @@ class StageWork:
                 if g is not None and o.requires_grad:
                     tensors.append(o)
                     grads.append(g)
-            if tensors:
+            if split and tensors:
+                entry.later.append(backward_input(
+                    tensors, grads, [*leaves.values(), *entry.boundary.values()], params))
+            elif tensors:
                 torch.autograd.backward(tensors, grads)
             if leaves:
                 _collect_grads(leaves, pending)
@@ -388,7 +356,13 @@ class StageWork:
             boundary = {n: leaf for n, leaf in boundary.items() if n not in remote}
         if boundary:
             _collect_grads(boundary, grads_in)  # input gradients go upstream
-        if step.accum_dtype is not None:
+        if split:  # the output gradients W starts from are held until then too
+            kept = sum(d.nbytes() for d in entry.later)
+            entry.nbytes += kept
+            held = run.stash_bytes[a.stage] = run.stash_bytes[a.stage] + kept
+            if held > run.stats.peak_stash_bytes[a.stage]:
+                run.stats.peak_stash_bytes[a.stage] = held
+        elif step.accum_dtype is not None:
             self._accumulate(a.stage, run, step.accum_dtype)
 
     def _accumulate(self, s: int, run: Run, dtype: torch.dtype) -> None:

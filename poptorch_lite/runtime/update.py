@@ -38,7 +38,7 @@ import torch
 
 from ..optim.loss_scale import LossScale
 from .schedule import Action
-from .stage_work import Run
+from .run import Run
 
 
 @dataclasses.dataclass

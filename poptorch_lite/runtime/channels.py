@@ -13,7 +13,7 @@ import torch.distributed as dist
 from ..compiler import rng
 from ..compiler.value_info import ValueInfo
 from ..errors import ChannelError
-from ..runtime.schedule import Action, Kind
+from .schedule import Action, Kind
 
 
 def _lost(what: str, peer: int, exc: BaseException, timeout: float) -> ChannelError:
@@ -145,7 +145,7 @@ class Channels:
         """Whether ``a`` waits for messages from other processes."""
         if a.kind is Kind.FORWARD:
             return bool(self.into[a.stage])
-        return a.kind is Kind.BACKWARD and any(
+        return a.kind.input_grads and any(
             info.differentiable for e in self.out_of[a.stage] for info in e.infos)
 
     def post(self, a: Optional[Action], run) -> None:
@@ -165,7 +165,7 @@ class Channels:
                 if self.random and e.s == e.t - 1:
                     posted.append((e.value_group, e.src, _RNG, e.device, None,
                                    f"the random stream of micro-batch {i} (stage {e.s})", e))
-        elif a.kind is Kind.BACKWARD:
+        elif a.kind.input_grads:
             for e in self.out_of[a.stage]:
                 for name, info in zip(e.names, e.infos):
                     if info.differentiable:
@@ -180,7 +180,7 @@ class Channels:
     def before(self, a: Action, run) -> None:
         """Receive what ``a`` needs from other processes (its stage's inputs, or the
         gradients of its outputs)."""
-        if a.kind is not Kind.FORWARD and a.kind is not Kind.BACKWARD:
+        if a.kind is not Kind.FORWARD and not a.kind.input_grads:
             return
         self.post(a, run)
         i = a.microbatch
@@ -214,7 +214,7 @@ class Channels:
                 if self.random and e.t == e.s + 1:
                     self._send(e.value_group, e.dst, rng.pack(run.rng[i]), _RNG, e.device, run,
                                f"the random stream of micro-batch {i} (stage {e.t})")
-        elif a.kind is Kind.BACKWARD:
+        elif a.kind.input_grads:
             made = run.outbox.pop((a.stage, i), {})
             for e in self.into[a.stage]:
                 for name, info in zip(e.names, e.infos):

@@ -1,0 +1,191 @@
+"""The backward split into I and W ([Note: split backward]), the ZeroBubble kind at run time,
+and stages balanced by measured time ([Note: balance by time])."""
+
+import time
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import poptorch_lite as poptorch
+from poptorch_lite.frontends.balance import BalancePlan, partition_even
+from poptorch_lite.runtime.split_backward import backward_input, backward_weight
+
+from models import BlockMLP, data
+
+
+class Counted(torch.autograd.Function):
+    """The identity, counting its backward calls: the chain back to the inputs."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        Counted.calls += 1
+        return g
+
+
+def _graph(x, w1, w2, b):
+    """Two outputs; w2 used twice; b reaches the second output without a leaf's path."""
+    h = torch.tanh(Counted.apply(x) @ w1)
+    return [h @ w2 + b, (h * 2) @ w2, b.sum() * 3]
+
+
+@pytest.mark.parametrize("leaf_grad", [True, False])
+def test_the_split_gives_the_joint_backwards_gradients_and_w_skips_the_chain(leaf_grad):
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, requires_grad=leaf_grad)
+    w1, w2, b = (torch.randn(4, 5, requires_grad=True), torch.randn(5, 2, requires_grad=True),
+                 torch.randn(2, requires_grad=True))
+    grads = [torch.randn(3, 2), torch.randn(3, 2), torch.tensor(1.5)]
+    torch.autograd.backward(_graph(x, w1, w2, b), grads)
+    joint = [t.grad.clone() for t in (w1, w2, b)] + ([x.grad.clone()] if leaf_grad else [])
+    for t in (x, w1, w2, b):
+        t.grad = None
+    Counted.calls = 0
+    outs = _graph(x, w1, w2, b)
+    later = backward_input(outs, grads, [x], [w1, w2, b])
+    assert all(t.grad is None for t in (w1, w2, b))
+    assert Counted.calls == (1 if leaf_grad else 0)
+    if leaf_grad:
+        assert_close(x.grad, joint[3], atol=1e-6, rtol=0)
+    backward_weight(later)
+    assert Counted.calls == (1 if leaf_grad else 0)  # W did not run the chain again
+    for t, g in zip((w1, w2, b), joint):
+        assert_close(t.grad, g, atol=1e-6, rtol=0)
+
+
+def test_a_zero_bubble_run_splits_every_backward_and_keeps_1f1bs_stash():
+    torch.manual_seed(0)
+    opts = poptorch.Options().setExecutionStrategy(
+        poptorch.PipelinedExecution(schedule=poptorch.PipelineSchedule.ZeroBubble))
+    opts.Training.gradientAccumulation(7)
+    net = BlockMLP(4)
+    model = poptorch.trainingModel(net, opts, torch.optim.SGD(net.parameters(), lr=0.1))
+    model(*data(14))
+    stats = model.runStatistics()
+    kinds = sorted({s.kind for s in stats.timeline.spans})
+    assert kinds == ["F", "G", "I", "U", "W"]
+    assert list(stats.peak_stash_depth) == [4, 3, 2, 1]  # min(G, S - s), held until W
+    assert "I input gradients, W weight gradients" in stats.timeline.render(width=40)
+    model.destroy()
+
+
+# -- balance by time ---------------------------------------------------------------------
+
+
+def test_partition_even_minimises_the_slowest_stage():
+    assert partition_even([1, 1, 1, 3], 2) == [0, 3]
+    assert partition_even([4, 1, 1, 1, 1], 2) == [0, 1]
+    assert partition_even([1, 2, 3, 4, 5, 6], 3) == [0, 3, 5]
+    assert partition_even([1, 1], 2) == [0, 1]
+    plan = BalancePlan(["a", "b", "c", "d"], [1.0, 1.0, 1.0, 3.0], [0, 3])
+    assert plan.stage_times == [3.0, 3.0] and plan.begin_blocks == ["d"]
+
+
+class Slow(torch.nn.Module):
+    def __init__(self, seconds):
+        super().__init__()
+        self.fc, self.seconds = torch.nn.Linear(8, 8), seconds
+
+    def forward(self, x):
+        time.sleep(self.seconds)
+        return self.fc(x)
+
+
+def test_balance_by_time_puts_the_slow_layer_alone_and_leaves_the_model_as_it_was(capsys):
+    torch.manual_seed(0)
+    seq = torch.nn.Sequential(torch.nn.BatchNorm1d(8), Slow(0.0), Slow(0.0), Slow(0.2))
+    seq.train()
+    before = {k: v.clone() for k, v in seq.state_dict().items()}
+    x = torch.randn(4, 8)
+    rng = torch.get_rng_state()
+    plan = poptorch.balance_by_time(seq, x, stages=2, repeats=5)  # medians: robust to noise
+    assert plan.starts == [0, 3] and plan.begin_blocks == ["3"]
+    assert plan.stage_times[1] > 0.2 > plan.stage_times[0]
+    assert "expected time" in capsys.readouterr().out
+    assert all(p.grad is None for p in seq.parameters())
+    for k, v in seq.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+class Chain(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x, torch.nn.functional.cross_entropy(x, y)
+
+
+def test_an_applied_plan_splits_the_model_where_it_says():
+    torch.manual_seed(0)
+    model = Chain()
+    plan = poptorch.balance_by_time(model, *data(4), stages=2, verbose=False, apply=True)
+    assert plan.layers == ["layers.0", "layers.1", "layers.2", "layers.3"]
+    opts = poptorch.Options().setExecutionStrategy(
+        poptorch.PipelinedExecution(schedule="zero_bubble"))
+    opts.Training.gradientAccumulation(3)
+    wrapped = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+    wrapped(*data(12))
+    rows = [r.split("|") for r in poptorch.stage_summary(wrapped).splitlines()[2:]]
+    stage_of = {r[0].strip(): int(r[2]) for r in rows}
+    first = plan.starts[1]
+    assert [stage_of[f"layers.{k}"] for k in range(4)] == [int(k >= first) for k in range(4)]
+    wrapped.destroy()
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from poptorch_lite.frontends import balance
+    from poptorch_lite.runtime import split_backward
+    for module in (split_backward, balance):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__
+
+
+class Tied(torch.nn.Module):
+    """Stage 1 uses stage 0's layer again: its W adds to a weight stage 0 reduces."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, x, y):
+        with poptorch.Block("a", ipu_id=0):
+            h = torch.relu(self.fc(x))
+        with poptorch.Block("b", ipu_id=1):
+            out = self.head(torch.relu(self.fc(h)))
+            return out, torch.nn.functional.cross_entropy(out, y)
+
+
+def test_a_weight_two_stages_share_is_reduced_after_both_ws():
+    """The reduction of stage 0 waits for stage 1's W's too (they ran on another stream
+    after it once, and the step lost their gradient)."""
+    torch.manual_seed(0)
+    model, G = Tied(), 6
+    ref = Tied()
+    ref.load_state_dict(model.state_dict())
+    opts = poptorch.Options().setExecutionStrategy(
+        poptorch.PipelinedExecution(schedule="zero_bubble"))
+    opts.Training.gradientAccumulation(G)
+    train = poptorch.trainingModel(model, opts, torch.optim.Adam(model.parameters(), lr=0.01))
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    for call in range(4):
+        x, y = data(2 * G, seed=call)
+        train(x, y)
+        ref_opt.zero_grad()
+        for k in range(G):
+            (ref(x[2 * k:2 * k + 2], y[2 * k:2 * k + 2])[1] / G).backward()
+        ref_opt.step()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_close(p.detach(), q.detach(), atol=1e-5, rtol=0, msg=name)
+    train.destroy()
