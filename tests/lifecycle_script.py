@@ -36,10 +36,16 @@ class Net(torch.nn.Module):
 x, y = torch.randn(48, 64), torch.randint(0, 10, (48,))
 
 
+SCHEDULES = ["grouped", "interleaved", "sequential", "gpipe", "zero_bubble"]
+
+
 def one(k):
+    """Model k trains under the schedules in turn (a zero_bubble run once leaked its wrapper
+    through a cycle in autograd's graph)."""
     net = Net()
     opts = poptorch.Options().deviceIterations(2)
     opts.Training.gradientAccumulation(4)
+    opts.setExecutionStrategy(poptorch.PipelinedExecution(schedule=SCHEDULES[k % len(SCHEDULES)]))
     optimizer = poptorch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     model = poptorch.trainingModel(net, opts, optimizer)
     model(x, y)

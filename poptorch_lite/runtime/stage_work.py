@@ -198,8 +198,12 @@ class StageWork:
         else:
             measure = s not in self._entry_bytes  # once: every micro-batch has the same shapes
 
-            def pack(t: torch.Tensor) -> torch.Tensor:
-                self._count(t, counted, run.excluded)
+            # The hook lives on in the graph's saved tensors: a split backward (zero_bubble)
+            # leaves the input half's nodes retained until the run ends, and a hook that held
+            # this object or the run would make a cycle through autograd's graph that
+            # Python's collector cannot see (the wrapper, its placement and workers leaked).
+            def pack(t: torch.Tensor, count=StageWork._count, excluded=run.excluded):
+                count(t, counted, excluded)
                 return t
             if measure:
                 with rng.use(stream), torch.autograd.graph.saved_tensors_hooks(pack, _identity):
