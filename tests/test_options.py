@@ -869,9 +869,10 @@ def test_enum_values_match_poptorch():
     assert [(m.name, m.value) for m in enums.SharingStrategy] == [
         ("SharedMemory", 0), ("FileSystem", 1), ("Fork", 2), ("ForkServer", 3)]
     assert [(m.name, m.value) for m in AutoStage] == [("SameAsIpu", 0), ("AutoIncrement", 1)]
+    # PopTorch's three, then GPipe and ZeroBubble, poptorch_lite's own
     assert [(m.name, m.value) for m in PipelineSchedule] == [
         ("Sequential", "sequential"), ("Grouped", "grouped"), ("Interleaved", "interleaved"),
-        ("GPipe", "gpipe")]
+        ("GPipe", "gpipe"), ("ZeroBubble", "zero_bubble")]
 
 
 @pytest.mark.parametrize("module", ["enums.py", "strategies.py", "phases.py"])
