@@ -99,16 +99,18 @@ def test_pipeline_benchmark_runs_the_conv_net_with_a_stage_per_process():
 
 
 def test_gpt2_benchmark_runs_every_kind_of_row():
-    """A smoke run of benchmarks/gpt2.py on a 2-layer GPT-2 (needs transformers)."""
+    """A smoke run of benchmarks/gpt2.py on a 4-layer GPT-2 (needs transformers), with a torch
+    schedule of two stages per rank (a loop: torch 2.11's ZBVZeroBubble and DualPipeV fail in
+    their own first step over gloo, "Pair is not connected"; 2.14 runs them)."""
     pytest.importorskip("transformers")
     done = subprocess.run([sys.executable, "-W", "ignore", str(BENCH / "gpt2.py"), "--layers", "4",
                            "--width", "32", "--repeats", "1", "--warmup", "0", "--schedules",
-                           "sequential,zero_bubble", "--torch-schedules", "1f1b,zbv",
+                           "sequential,zero_bubble", "--torch-schedules", "1f1b,interleaved1f1b",
                            "--microbatches", "8"],
                           capture_output=True, text=True, timeout=300, cwd=BENCH.parent)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line.split("  ")[0] for line in done.stdout.splitlines()]
     for row in ("plain PyTorch, micro-batched (8 x 4)", "poptorch_lite sequential",
                 "poptorch_lite zero_bubble", "torch Schedule1F1B (2 processes)",
-                "torch ScheduleZBVZeroBubble (2 processes)"):
+                "torch ScheduleInterleaved1F1B (2 processes)"):
         assert row in rows, done.stdout
