@@ -59,9 +59,6 @@ class TwinStream:
     def synchronize(self) -> None:
         self.run_until(self.launched)
 
-    def query(self) -> bool:
-        return not self.pending
-
 
 class TwinEvent:
     """A stand-in CUDA event: marks a stream's work so far, with the host time it was recorded."""
@@ -77,12 +74,6 @@ class TwinEvent:
     def synchronize(self) -> None:
         if self.stream is not None:
             self.stream.run_until(self.mark)
-
-    def wait(self, stream) -> None:
-        self.synchronize()
-
-    def query(self) -> bool:
-        return self.stream is None or not any(n <= self.mark for n, _ in self.stream.pending)
 
     def elapsed_time(self, end) -> float:
         return (end.time - self.time) * 1e3
