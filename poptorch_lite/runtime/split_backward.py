@@ -25,7 +25,7 @@ the backward twice with ``retain_graph``:
   output itself, seeded with the output's gradient: then W is that part of
   the backward whole.
 
-Both halves are ``autograd.backward(..., inputs=...)``: autograd itself
+Both halves are ``autograd.backward(..., inputs=...)`` (``run_backward``): autograd itself
 accumulates into ``.grad``, under its lock, so a weight that two stages
 share (their W's on two streams at once) loses no gradient. Each call sums
 its contributions in autograd's own order, so the gradients equal a joint
@@ -38,7 +38,8 @@ import collections
 from typing import Sequence
 
 import torch
-from torch.autograd.graph import GradientEdge
+from torch.autograd.graph import GradientEdge, _engine_run_backward
+from torch.overrides import has_torch_function as _has_torch_function
 
 
 def _node(t: torch.Tensor):
@@ -131,11 +132,37 @@ def backward_input(outputs: list, grads: list, leaves: Sequence[torch.Tensor],
     handles = [n.register_prehook(_keep(deferred.grads, n)) for n in frontier]
     try:
         if leaves:
-            torch.autograd.backward(outputs, grads, retain_graph=bool(groups), inputs=leaves)
+            run_backward(outputs, grads, retain_graph=bool(groups), inputs=leaves)
     finally:
         for h in handles:
             h.remove()
     return deferred
+
+
+def run_backward(tensors: Sequence, grads: Sequence, retain_graph: bool = False,
+                 inputs: Sequence[torch.Tensor] = ()) -> None:
+    """``torch.autograd.backward(tensors, grads, retain_graph, inputs=inputs)``, straight to
+    autograd's engine (``inputs`` empty: every leaf).
+
+    ``torch.autograd.backward`` first checks and normalises its arguments in Python
+    (``_make_grads``: a gradient per output, of its shape and dtype), which costs some
+    15 µs a call on a 2-core machine: most of a small stage's backward, paid every
+    micro-batch (``benchmarks/tax.py --case tiny``). The stages pass a gradient for
+    every output (what later stages sent back, the loss's seed), and the engine itself
+    still refuses one of the wrong shape and casts one of another dtype. Tensor
+    subclasses with ``__torch_function__`` take the documented path, which honours it.
+
+    Example:
+        >>> w = torch.ones(2, requires_grad=True)
+        >>> run_backward([w * 3], [torch.ones(2)]); w.grad.tolist()
+        [3.0, 3.0]
+    """
+    if _has_torch_function(tensors) or _has_torch_function(grads):
+        torch.autograd.backward(tensors, grads, retain_graph=retain_graph,
+                                inputs=list(inputs) or None)
+    else:
+        _engine_run_backward(tuple(tensors), tuple(grads), retain_graph, False, tuple(inputs),
+                             allow_unreachable=True, accumulate_grad=True)
 
 
 def _keep(into: dict, node):
@@ -164,8 +191,7 @@ def backward_weight(deferred: Deferred) -> None:
         handles = [n.register_prehook(lambda _, held=kept[n]: held)
                    for n in frontier if n in kept] if len(edges) > 1 else []
         try:  # autograd accumulates: a weight two stages share is added to under its lock
-            torch.autograd.backward(edges, seeds, retain_graph=k < len(deferred.groups) - 1,
-                                    inputs=params)
+            run_backward(edges, seeds, retain_graph=k < len(deferred.groups) - 1, inputs=params)
         finally:
             for h in handles:
                 h.remove()

@@ -61,7 +61,7 @@ from ..errors import Error
 from .placement import Placement
 from .run import Entry, Run
 from .schedule import Action
-from .split_backward import backward_input, backward_weight
+from .split_backward import backward_input, backward_weight, run_backward
 from .streams import arrive
 from .weights import Weights
 
@@ -348,7 +348,7 @@ class StageWork:
                 entry.later.append(backward_input(
                     tensors, grads, [*leaves.values(), *entry.boundary.values()], params))
             elif tensors:
-                torch.autograd.backward(tensors, grads)
+                run_backward(tensors, grads)
             if leaves:
                 _collect_grads(leaves, pending)
         values = run.values[i]
