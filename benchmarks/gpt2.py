@@ -15,7 +15,8 @@ one SGD step. Rows:
     plain PyTorch, micro-batched   m forwards/backwards of the unwrapped model; the baseline
     poptorch_lite <schedule>       one call of the wrapped model (stages on worker streams);
                                    "+recompute" recomputes every stage, "+loop" cuts the
-                                   layers in 4 virtual stages on IPUs 0, 1, 0, 1
+                                   layers in 4 virtual stages on IPUs 0, 1, 0, 1, "+V" on
+                                   IPUs 0, 1, 1, 0 (as ZBV; zero_bubble only)
     torch <schedule>               torch.distributed.pipelining, a process per stage (gloo on
                                    loopback), the same layers cut the same way (the output
                                    head an untied copy of the embedding: stages cannot share it);
@@ -60,9 +61,10 @@ parser.add_argument("--lr", type=float, default=1e-4, help="SGD learning rate")
 parser.add_argument("--repeats", type=int, default=20, help="timed steps per variant")
 parser.add_argument("--warmup", type=int, default=3, help="untimed rounds of every variant first")
 parser.add_argument("--schedules",
-                    default="sequential,grouped,interleaved,gpipe,zero_bubble,zero_bubble+loop",
+                    default="sequential,grouped,interleaved,gpipe,zero_bubble,zero_bubble+loop,"
+                            "zero_bubble+V",
                     help="poptorch_lite variants: a PipelineSchedule name, optionally +recompute "
-                         "and +loop")
+                         "and +loop or +V")
 parser.add_argument("--torch-schedules", default=",".join(TORCH_SCHEDULES),
                     help="torch.distributed.pipelining schedules; empty to skip them")
 parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
@@ -104,12 +106,13 @@ def lite_step(base, ids, m, lr, variant):
     name, *extras = variant.split("+")
     model = copy.deepcopy(base)
     h = model.transformer.h
-    cuts = [(len(h) * k // 4, k % 2) for k in (1, 2, 3)] if "loop" in extras else [(len(h) // 2, 1)]
+    virtual = {"loop": (1, 0, 1), "V": (1, 1, 0)}.get(next((e for e in extras if e in ("loop", "V")), ""))
+    cuts = [(len(h) * k // 4, virtual[k - 1]) for k in (1, 2, 3)] if virtual else [(len(h) // 2, 1)]
     for at, ipu in cuts:
         poptorch.BeginBlock(h[at], f"s{at}", ipu_id=ipu)
     opts = poptorch.Options()
     opts.Training.gradientAccumulation(m)
-    auto = [poptorch.AutoStage.AutoIncrement] if "loop" in extras else []  # IPUs repeat
+    auto = [poptorch.AutoStage.AutoIncrement] if virtual else []  # IPUs repeat
     opts.setExecutionStrategy(poptorch.PipelinedExecution(
         *auto, schedule=poptorch.PipelineSchedule.parse(name)))
     if "recompute" in extras:
@@ -137,7 +140,8 @@ def run(args, m):
     variants = {baseline: timed(plain_step(base, ids.to(args.device), m, args.lr), cuda)}
     wrappers = {}
     for v in filter(None, args.schedules.split(",")):  # the model stays on the host, as in PopTorch
-        if "+loop" in v and m < 7:  # PopTorch's minimum: gradientAccumulation >= 2·stages - 1
+        if "+loop" in v and m < 7 and v.split("+")[0] in ("grouped", "interleaved"):
+            # PopTorch's minimum for its own schedules: gradientAccumulation >= 2·stages - 1
             print(f"poptorch_lite {v}: skipped at m = {m} (4 stages need m >= 7)")
             continue
         step, wrappers[f"poptorch_lite {v}"] = lite_step(base, ids, m, args.lr, v)

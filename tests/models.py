@@ -15,11 +15,13 @@ from poptorch_lite.compiler import rng
 
 
 class BlockMLP(torch.nn.Module):
-    """Four Linear layers split into 1, 2 or 4 blocks on IPUs 0.., with a cross-entropy loss."""
+    """Four Linear layers split into 1, 2 or 4 blocks on IPUs 0.. (or on ``ipus``, one per
+    block: repeated IPUs make virtual stages), with a cross-entropy loss."""
 
     def __init__(self, blocks: int = 2, width: int = 8, classes: int = 4, dropout: float = 0.0,
-                 batchnorm: bool = False):
+                 batchnorm: bool = False, ipus=None):
         super().__init__()
+        self.ipus = tuple(range(blocks)) if ipus is None else tuple(ipus)
         self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(3))
         self.head = torch.nn.Linear(width, classes)
         self.bn = torch.nn.BatchNorm1d(width) if batchnorm else None
@@ -30,7 +32,7 @@ class BlockMLP(torch.nn.Module):
         per = 4 // self.blocks
         for k, layer in enumerate(list(self.layers) + [self.head]):
             if k % per == 0:
-                poptorch.Block.start(f"b{k // per}", ipu_id=k // per)
+                poptorch.Block.start(f"b{k // per}", ipu_id=self.ipus[k // per])
             if layer is self.head:
                 if self.bn is not None:
                     x = self.bn(x)

@@ -338,3 +338,21 @@ def test_stage_graphs_hold_no_unread_alias_or_detach():
     nodes = [n for st in part.stages for gm in (st.module, *(seg.module for seg in st.segments))
              for n in gm.graph.nodes]
     assert nodes and [n for n in nodes if n.target in dead and not n.users] == []
+
+
+@pytest.mark.parametrize("schedule,stages", [
+    ("grouped", [(0, ("b0",)), (1, ("b1", "b2")), (0, ("b3",))]),  # PopTorch merges b1 and b2
+    ("zero_bubble", [(0, ("b0",)), (1, ("b1",)), (1, ("b2",)), (0, ("b3",))]),  # a V
+])
+def test_consecutive_blocks_on_one_ipu_merge_except_as_zero_bubbles_virtual_stages(
+        schedule, stages):
+    """Blocks on IPUs 0, 1, 1, 0 with AutoStage.AutoIncrement: PopTorch's pipelines merge the
+    two on IPU 1 into one stage; ZeroBubble, which PopTorch never had, keeps each stage id
+    its own stage, the V of ZBV ([Note: partition])."""
+    from poptorch_lite.compiler.partition import partition
+    from models import BlockMLP
+    model = BlockMLP(4, ipus=(0, 1, 1, 0))
+    part = partition(model, {m: m.training for m in model.modules()}, data(2), {},
+                     poptorch.PipelinedExecution(poptorch.AutoStage.AutoIncrement,
+                                                 schedule=schedule), True)
+    assert [(st.ipu, st.blocks) for st in part.stages] == stages

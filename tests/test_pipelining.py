@@ -53,12 +53,20 @@ def test_sequential_runs_one_action_at_a_time():
     assert all(a.end <= b.start for a, b in zip(spans, spans[1:]))
 
 
-def test_the_sequential_schedule_has_no_accumulation_minimum():
+@pytest.mark.parametrize("schedule", ["sequential", "gpipe", "zero_bubble"])
+def test_only_poptorchs_own_pipelines_have_an_accumulation_minimum(schedule):
+    """PopTorch's G >= 2N-1 is its pipelines' (Grouped, Interleaved); the schedules it never
+    had run any number of micro-batches, each action of the grid once."""
     torch.manual_seed(0)
     x, y = data(2)
-    poptorch.trainingModel(BlockMLP(4), options("sequential", 1))(x, y)
-    with pytest.raises(poptorch.PipelineError, match=r"gradientAccumulation\(7\)"):
-        poptorch.trainingModel(BlockMLP(4), options("grouped", 1))(x, y)
+    model = poptorch.trainingModel(BlockMLP(4), options(schedule, 1))
+    model(x, y)
+    spans = model.runStatistics().timeline.spans
+    assert sorted(s.label for s in spans) == sorted(str(a) for a in build(
+        PipelineSchedule.parse(schedule), 4, 1, True).actions())
+    for kind in ("grouped", "interleaved"):
+        with pytest.raises(poptorch.PipelineError, match=r"gradientAccumulation\(7\)"):
+            poptorch.trainingModel(BlockMLP(4), options(kind, 1))(x, y)
 
 
 def test_workers_are_reused_and_released_by_destroy_and_by_garbage_collection():

@@ -58,10 +58,11 @@ SCHEDULES = ["sequential", "grouped", "interleaved", "gpipe", "zero_bubble"]
 VARIANTS = list(itertools.product(SCHEDULES, [False, True]))  # (schedule, recompute)
 
 
-def pipelined(schedule, recompute, G, device):
-    """Options for G micro-batches through PipelinedExecution with ``schedule``."""
+def pipelined(schedule, recompute, G, device, *auto):
+    """Options for G micro-batches through PipelinedExecution with ``schedule`` (``auto``:
+    an AutoStage)."""
     opts = poptorch.Options().setExecutionStrategy(
-        poptorch.PipelinedExecution(schedule=schedule))
+        poptorch.PipelinedExecution(*auto, schedule=schedule))
     opts.Training.gradientAccumulation(G)
     on_device(opts, device)
     if recompute:
@@ -70,8 +71,9 @@ def pipelined(schedule, recompute, G, device):
 
 
 def runnable(schedule, blocks, G):
-    """PopTorch's minimum for pipelined schedules: G >= 2N-1 (Sequential has none)."""
-    return schedule == "sequential" or blocks == 1 or G >= 2 * blocks - 1
+    """PopTorch's minimum for its pipelined schedules, G >= 2N-1; those PopTorch never had
+    (Sequential, GPipe, ZeroBubble) have none."""
+    return schedule not in ("grouped", "interleaved") or blocks == 1 or G >= 2 * blocks - 1
 
 
 @pytest.mark.parametrize("device,blocks,G,R,D,reduction,opt_kind", DEVICE_MATRIX)
@@ -170,6 +172,43 @@ def test_dropout_and_batchnorm_match_with_the_same_seed(schedule, recompute, dev
     for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
         assert_close(a, b.cpu(), atol=ATOL, rtol=0, msg=name)
     assert int(model.bn.num_batches_tracked) == G * D
+
+
+@pytest.mark.parametrize("ipus,schedules", [
+    ((0, 1, 0, 1), SCHEDULES),        # a loop: 4 stages on 2 IPUs, in every schedule
+    ((0, 1, 1, 0), ["zero_bubble"]),  # a V: the middle two stages share IPU 1 (ZeroBubble only)
+])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_virtual_stages_on_repeating_ipus_match_plain_pytorch(ipus, schedules, recompute, device):
+    """Blocks whose ipu_ids repeat, with AutoStage.AutoIncrement: 4 stages on 2 streams,
+    with dropout, 2 replicas and accumulation below PopTorch's minimum where the schedule
+    has none, against plain PyTorch seeded per micro-batch."""
+    D, R = 2, 2
+    x, y = data(2 * 8 * R * D)
+    for schedule in schedules:
+        G = 4 if runnable(schedule, 4, 4) else 7
+        torch.manual_seed(0)
+        model = BlockMLP(4, dropout=0.3, ipus=ipus)
+        ref = twin(model, device)
+        opts = pipelined(schedule, recompute, G, device, poptorch.AutoStage.AutoIncrement)
+        opts.deviceIterations(D).replicationFactor(R)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+        n = 2 * G * R * D
+        torch.manual_seed(123)
+        wrapped = poptorch.trainingModel(model, opts, opt)
+        _, loss = wrapped(x[:n], y[:n])
+        torch.manual_seed(123)
+        seeds = microbatch_seeds(D, G * R)
+        _, ref_losses, _ = reference_training(ref, ref_opt, x[:n], y[:n], D, G, R, seeds=seeds)
+        stages = wrapped.runStatistics().timeline.spans
+        assert {s.stage for s in stages if s.stage is not None} == {0, 1, 2, 3}, schedule
+        # OutputMode.Final: each replica's last micro-batch
+        assert_close(loss, torch.stack(ref_losses[-R:]), atol=ATOL, rtol=0, msg=schedule)
+        for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+            assert_close(a.detach(), b.detach().cpu(), atol=ATOL, rtol=0, msg=f"{name}, {schedule}")
+        assert_same_state(opt, ref_opt)
+        wrapped.destroy()
 
 
 @pytest.mark.parametrize("R", [1, 2])

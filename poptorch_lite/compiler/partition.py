@@ -10,7 +10,11 @@ graphs run on whatever tensors they are given: the user's own ``Parameter``
 objects, or a replica's copy of the buffers. Annotations leave marker nodes
 (``markers``) in the graph; every op belongs to the block of the last
 ``begin_block`` before it. A stage is a maximal run of ops on one IPU;
-consecutive blocks on the same IPU merge.
+consecutive blocks on the same IPU merge, as in PopTorch. The ZeroBubble
+schedule, which PopTorch never had, also begins a stage where the stage id
+changes (``AutoStage.AutoIncrement`` or explicit ``Stage``s): blocks on IPUs
+``0, 1, 1, 0`` are then four virtual stages in a V, the middle two on IPU 1
+([Note: zero bubble] in ``runtime/schedule_kinds``).
 
 A value is named by where it comes from: ``param:<name>``, ``buffer:<name>``,
 ``input:<k>`` (the k-th tensor leaf of the call's arguments), or
@@ -262,15 +266,21 @@ def split(gm: fx.GraphModule, param_names: Sequence[str], buffer_names: Sequence
                     f"reorder the Stages, or use ShardedExecution")
             last = (sid, owner[n])
 
-    # 3. Stages: maximal runs of consecutive ops on one IPU.
-    runs: list = []
+    # 3. Stages: maximal runs of consecutive ops on one IPU (and of one stage id, for the
+    # virtual stages of ZeroBubble: [Note: partition]).
+    virtual = strategy.pipelined and strategy.schedule is PipelineSchedule.ZeroBubble
+    runs: list = []  # (ipu, ops, blocks)
+    run_sid = None   # the stage id of the last run's blocks (None: only ops before any block)
     for n in ops:
-        ipu = block_stage[owner[n]][1]
-        if not runs or runs[-1][0] != ipu:
+        (sid, ipu), block = block_stage[owner[n]], owner[n] != "<leading>"
+        if not runs or runs[-1][0] != ipu or (virtual and block and run_sid not in (None, sid)):
             runs.append((ipu, [], []))
+            run_sid = None
         runs[-1][1].append(n)
-        if owner[n] != "<leading>" and owner[n] not in runs[-1][2]:
-            runs[-1][2].append(owner[n])
+        if block:
+            run_sid = sid
+            if owner[n] not in runs[-1][2]:
+                runs[-1][2].append(owner[n])
     if not runs:
         runs = [(0, [], [])]
 
@@ -373,13 +383,19 @@ def check_pipeline_minimums(num_stages: int, strategy: ExecutionStrategy, traini
                             gradient_accumulation: int, device_iterations: int) -> None:
     """PopTorch's minimums for PipelinedExecution (POPTORCH_REFERENCE §5.2).
 
+    They are those of PopTorch's own pipelines, ``Grouped`` and ``Interleaved``. The
+    schedules PopTorch never had run any number of micro-batches, as
+    torch.distributed.pipelining's do: ``Sequential`` one action at a time, ``GPipe``
+    and ``ZeroBubble`` with the ramps that m gives (virtual stages at m = 4 are
+    where a V pays most).
+
     Raises:
         PipelineError: training with gradientAccumulation < 2N-1, or inference
-            with deviceIterations < N, for N pipeline stages. The Sequential
-            schedule runs one action at a time and has no minimum.
+            with deviceIterations < N, for N pipeline stages of a Grouped or
+            Interleaved pipeline.
     """
-    if not strategy.pipelined or strategy.schedule is PipelineSchedule.Sequential \
-            or num_stages < 2:
+    if not strategy.pipelined or num_stages < 2 or strategy.schedule not in (
+            PipelineSchedule.Grouped, PipelineSchedule.Interleaved):
         return
     n = num_stages
     if training and gradient_accumulation < 2 * n - 1:
