@@ -9,7 +9,7 @@ from torch.testing import assert_close
 
 import poptorch_lite as poptorch
 from poptorch_lite.frontends.balance import BalancePlan, partition_even
-from poptorch_lite.runtime.split_backward import backward_input, backward_weight
+from poptorch_lite.runtime.split_backward import backward_input, backward_weight, run_backward
 
 from models import BlockMLP, data
 
@@ -189,3 +189,33 @@ def test_a_weight_two_stages_share_is_reduced_after_both_ws():
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert_close(p.detach(), q.detach(), atol=1e-5, rtol=0, msg=name)
     train.destroy()
+
+
+def test_run_backward_adds_what_autograd_backward_adds_and_refuses_what_it_refuses(monkeypatch):
+    """The stages' backward goes straight to autograd's engine (split_backward.run_backward):
+    the same gradients as torch.autograd.backward, a wrong-shaped gradient refused, another
+    dtype cast, and tensor subclasses through the documented path."""
+    class Sub(torch.Tensor):
+        pass
+
+    def grads(backward, wrap=lambda t: t):
+        w = torch.arange(3.0, requires_grad=True)
+        backward([wrap(w) * 2, (wrap(w) ** 2).sum()],
+                 [torch.ones(3, dtype=torch.float64), torch.tensor(0.5)])
+        return w.grad
+    expected = grads(torch.autograd.backward)
+    assert torch.equal(grads(run_backward), expected)
+    assert expected.dtype == torch.float32 and expected.tolist() == [2.0, 3.0, 4.0]
+    calls, documented = [], torch.autograd.backward
+
+    def counting(*a, **k):
+        calls.append(a)
+        return documented(*a, **k)
+    monkeypatch.setattr(torch.autograd, "backward", counting)
+    assert torch.equal(grads(run_backward, lambda t: t.as_subclass(Sub)), expected)
+    assert calls and isinstance(calls[0][0][0], Sub)  # the subclass took the documented path
+    taken = len(calls)
+    assert torch.equal(grads(run_backward), expected) and len(calls) == taken  # plain ones not
+    w = torch.ones(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"got \[4\] but expected shape compatible with \[3\]"):
+        run_backward([w * 2], [torch.ones(4)])

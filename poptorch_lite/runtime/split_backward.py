@@ -38,8 +38,13 @@ import collections
 from typing import Sequence
 
 import torch
-from torch.autograd.graph import GradientEdge, _engine_run_backward
+from torch.autograd.graph import GradientEdge
 from torch.overrides import has_torch_function as _has_torch_function
+
+try:  # the engine's entry that torch.autograd.backward calls (torch 2.3 and later)
+    from torch.autograd.graph import _engine_run_backward
+except ImportError:  # a torch that moved it: the documented path, a few microseconds slower
+    _engine_run_backward = None
 
 
 def _node(t: torch.Tensor):
@@ -157,7 +162,7 @@ def run_backward(tensors: Sequence, grads: Sequence, retain_graph: bool = False,
         >>> run_backward([w * 3], [torch.ones(2)]); w.grad.tolist()
         [3.0, 3.0]
     """
-    if _has_torch_function(tensors) or _has_torch_function(grads):
+    if _engine_run_backward is None or _has_torch_function(tensors) or _has_torch_function(grads):
         torch.autograd.backward(tensors, grads, retain_graph=retain_graph,
                                 inputs=list(inputs) or None)
     else:
