@@ -219,3 +219,24 @@ def test_run_backward_adds_what_autograd_backward_adds_and_refuses_what_it_refus
     w = torch.ones(3, requires_grad=True)
     with pytest.raises(RuntimeError, match=r"got \[4\] but expected shape compatible with \[3\]"):
         run_backward([w * 2], [torch.ones(4)])
+
+
+def test_a_recomputed_stage_counts_what_its_recompute_rebuilt_until_its_w():
+    """A split backward keeps the rebuilt graph from I until W: the last stage (one micro-batch
+    in flight) then holds what it holds without recomputation, its whole forward graph and
+    the output gradients; interleaved frees it in the backward slot that rebuilt it."""
+    def peaks(schedule, recompute):
+        opts = poptorch.Options().setExecutionStrategy(
+            poptorch.PipelinedExecution(schedule=schedule))
+        opts.Training.gradientAccumulation(3)
+        if recompute:
+            opts._Popart.set("autoRecomputation", 3)
+        torch.manual_seed(0)
+        net = BlockMLP(2, width=64)
+        model = poptorch.trainingModel(net, opts, torch.optim.SGD(net.parameters(), lr=0.1))
+        model(*data(6 * 16, width=64))
+        return list(model.runStatistics().peak_stash_bytes)
+    plain, recomputed = peaks("zero_bubble", False), peaks("zero_bubble", True)
+    assert recomputed[1] == plain[1] > 0
+    assert recomputed[0] < plain[0]  # stage 0: its 2 micro-batches in flight are not all rebuilt
+    assert peaks("interleaved", True)[1] < recomputed[1]

@@ -23,7 +23,9 @@ stage writes, and the micro-batch's random state. The run records each
 stage's peak depth and peak bytes (distinct storages, parameters and the
 call's inputs excluded), so tests can hold a schedule to its promise. With a
 split backward an entry stays counted from its I to its W, with the output
-gradients its W starts from ([Note: split backward] in ``split_backward``).
+gradients its W starts from and, for a recomputed stage, the activations its
+recompute rebuilt, which W's graph holds ([Note: split backward] in
+``split_backward``).
 
 [Note: buffers written in forward]
 A stage that writes a buffer in place (``self.queue.copy_(t)``, ``t`` carrying a
@@ -51,6 +53,7 @@ segment.
 from __future__ import annotations
 
 import collections
+import contextlib
 from typing import Optional, Sequence
 
 import torch
@@ -132,6 +135,10 @@ class StageWork:
         # measured with a saved-tensor hook on the first forward (a Python hook on every
         # saved tensor would otherwise take the GIL in every backward).
         self._entry_bytes: dict = {}
+        # Per recomputed stage, the bytes its recompute rebuilds beyond what the entry kept
+        # (the activations of one micro-batch), measured on its first recompute the same way:
+        # a split backward holds them from I until W.
+        self._rebuilt_bytes: dict = {}
 
     def args(self, s: int, run: Run, i: int, device: torch.device) -> tuple:
         """Stage s's arguments for micro-batch i, and its boundary leaves ([Note: autograd boundary])."""
@@ -272,7 +279,18 @@ class StageWork:
                     v = v.clone()
             env[name] = v
         segments = []
-        with rng.use(entry.rng.snapshot() if entry.rng is not None else None):
+        measure = a.stage not in self._rebuilt_bytes  # once, as for the forward's entry
+        counted: dict = {}
+        if measure:  # what the entry already counts is not counted again
+            held = {t.untyped_storage().data_ptr() for t in (
+                *entry.boundary.values(), *(v for v, _ in entry.kept.values()))}
+
+            def pack(t: torch.Tensor, count=StageWork._count, excluded=run.excluded | held):
+                count(t, counted, excluded)
+                return t
+        with rng.use(entry.rng.snapshot() if entry.rng is not None else None), \
+                (torch.autograd.graph.saved_tensors_hooks(pack, _identity) if measure
+                 else contextlib.nullcontext()):
             for seg in st.segments:
                 leaves, args = {}, []
                 for name in seg.inputs:
@@ -286,6 +304,8 @@ class StageWork:
                         args.append(env[name])
                 segments.append((seg.module(*args), seg.outputs, leaves))
         entry.segments, entry.args, entry.kept, entry.buffers = segments, None, None, None
+        if measure:
+            self._rebuilt_bytes[a.stage] = sum(counted.values())
 
     def backward(self, a: Action, run: Run, step) -> None:
         """``sBi``: backward of the stash head, segment by segment; input gradients go upstream.
@@ -360,8 +380,9 @@ class StageWork:
             boundary = {n: leaf for n, leaf in boundary.items() if n not in remote}
         if boundary:
             _collect_grads(boundary, grads_in)  # input gradients go upstream
-        if split:  # the output gradients W starts from are held until then too
-            kept = sum(d.nbytes() for d in entry.later)
+        if split:  # the output gradients W starts from are held until then too, and what
+            # a recompute rebuilt (the autograd graph that W still runs on)
+            kept = sum(d.nbytes() for d in entry.later) + self._rebuilt_bytes.get(a.stage, 0)
             entry.nbytes += kept
             held = run.stash_bytes[a.stage] = run.stash_bytes[a.stage] + kept
             if held > run.stats.peak_stash_bytes[a.stage]:
