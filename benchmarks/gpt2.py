@@ -13,6 +13,9 @@ training step is m micro-batches of B windows forward and backward, gradients av
 one SGD step. Rows:
 
     plain PyTorch, micro-batched   m forwards/backwards of the unwrapped model; the baseline
+    plain PyTorch, 2 threads       the same m forwards/backwards, m/2 on each of two threads at
+                                   once (each its own copy of the model): no pipeline, no
+                                   bubble, so the machine's two-thread ceiling for this work
     poptorch_lite <schedule>       one call of the wrapped model (stages on worker streams);
                                    "+recompute" recomputes every stage, "+loop" cuts the
                                    layers in 4 virtual stages on IPUs 0, 1, 0, 1, "+V" on
@@ -39,6 +42,7 @@ each figure is the median, with the spread (lowest-highest) beside it.
 """
 
 import argparse
+import concurrent.futures
 import copy
 import statistics
 import time
@@ -101,6 +105,27 @@ def plain_step(base, ids, m, lr):
     return step
 
 
+def ceiling_step(base, ids, m, lr):
+    """The machine's two-thread ceiling: the baseline's m forwards and backwards, m/2 on each of
+    two threads at once, each thread its own copy of the model (then one SGD step on each)."""
+    halves = [ids.chunk(m)[k::2] for k in range(2)]
+    models = [copy.deepcopy(base).to(ids.device) for _ in range(2)]
+    opts = [torch.optim.SGD(mdl.parameters(), lr=lr) for mdl in models]
+    pool = concurrent.futures.ThreadPoolExecutor(2, initializer=torch.set_num_threads,
+                                                 initargs=(1,))
+
+    def half(k):
+        opts[k].zero_grad(set_to_none=True)
+        for c in halves[k]:
+            models[k](input_ids=c, labels=c).loss.backward()
+        opts[k].step()
+
+    def step():
+        for done in [pool.submit(half, 0), pool.submit(half, 1)]:
+            done.result()
+    return step
+
+
 def lite_step(base, ids, m, lr, variant):
     """One step of the wrapped model, and the wrapper (for its run statistics)."""
     name, *extras = variant.split("+")
@@ -138,6 +163,9 @@ def run(args, m):
     ids, _ = batch("gpt2", m * B, args.width, seq_len=args.seq)
     baseline = f"plain PyTorch, micro-batched ({m} x {B})"
     variants = {baseline: timed(plain_step(base, ids.to(args.device), m, args.lr), cuda)}
+    ceiling = "plain PyTorch, 2 threads (the ceiling)"
+    if not cuda:
+        variants[ceiling] = timed(ceiling_step(base, ids, m, args.lr))
     wrappers = {}
     for v in filter(None, args.schedules.split(",")):  # the model stays on the host, as in PopTorch
         if "+loop" in v and m < 7 and v.split("+")[0] in ("grouped", "interleaved"):
@@ -189,6 +217,17 @@ def run(args, m):
         print(f"{label:<50} {ms:8.1f} {min(times) * 1e3:7.1f}-{max(times) * 1e3:<7.1f} "
               f"{ms / base_ms:8.2f}x {stash}"
               + (f" {max(b for _, b in v) / 2**30:9.2f}" if cuda else ""))
+    ms = {label: statistics.median(t for t, _ in v) * 1e3 for label, v in samples.items()}
+    lite = {label: t for label, t in ms.items() if label.startswith("poptorch_lite ")}
+    peers = {label: t for label, t in ms.items() if label.startswith("torch ")}
+    if lite and peers:
+        best, rival = min(lite, key=lite.get), min(peers, key=peers.get)
+        print(f"\nthe best poptorch_lite row ({best.split(' ', 1)[1]}) against the best torch "
+              f"schedule's ({rival.split(' ', 2)[1]}): {peers[rival] / lite[best]:.2f}x as fast")
+    if ceiling in ms and lite:
+        best = min(lite, key=lite.get)
+        print(f"the machine's two-thread ceiling: {ms[ceiling] / base_ms:.2f}x of the baseline's "
+              f"time; the best poptorch_lite row ({best.split(' ', 1)[1]}) is {ms[ceiling] / lite[best]:.2f}x as fast as it")
     print()
 
 

@@ -110,7 +110,9 @@ def test_gpt2_benchmark_runs_every_kind_of_row():
                           capture_output=True, text=True, timeout=300, cwd=BENCH.parent)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line.split("  ")[0] for line in done.stdout.splitlines()]
-    for row in ("plain PyTorch, micro-batched (8 x 4)", "poptorch_lite sequential",
-                "poptorch_lite zero_bubble", "torch Schedule1F1B (2 processes)",
-                "torch ScheduleInterleaved1F1B (2 processes)"):
+    for row in ("plain PyTorch, micro-batched (8 x 4)", "plain PyTorch, 2 threads (the ceiling)",
+                "poptorch_lite sequential", "poptorch_lite zero_bubble",
+                "torch Schedule1F1B (2 processes)", "torch ScheduleInterleaved1F1B (2 processes)"):
         assert row in rows, done.stdout
+    assert "the best poptorch_lite row (" in done.stdout
+    assert "the machine's two-thread ceiling: " in done.stdout
