@@ -405,7 +405,8 @@ def pipeline(computational_stages: Sequence, gradient_accumulation_count: int,
                   "the parameters' dtype (for another accumulator, give a poptorch_lite.optim "
                   "optimizer accum_type=...)", PoptorchLiteWarning)
     training = optimizer is not None or optimizer_function is not None
-    if training and schedule is not PipelineSchedule.Sequential and n > 1 and G < 2 * n - 1:
+    if training and schedule in (PipelineSchedule.Grouped, PipelineSchedule.Interleaved) \
+            and n > 1 and G < 2 * n - 1:  # IPU TF's own pipelines; as check_pipeline_minimums
         raise PipelineError(
             f"gradient_accumulation_count({G}) is too small for the {schedule.name} schedule of "
             f"{n} pipeline stages: it needs at least {2 * n - 1} (2 x stages - 1); pass "
