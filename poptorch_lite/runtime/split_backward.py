@@ -23,7 +23,9 @@ the backward twice with ``retain_graph``:
   gradient counts twice. A parameter whose path to an output never meets a
   leaf's (stage 0, whose inputs need no gradient) is reached from that
   output itself, seeded with the output's gradient: then W is that part of
-  the backward whole.
+  the backward whole. A segment with no leaf that needs a gradient (stage 0)
+  skips the walk over its graph: its W is one backward from the outputs to
+  the parameters.
 
 Both halves are ``autograd.backward(..., inputs=...)`` (``run_backward``): autograd itself
 accumulates into ``.grad``, under its lock, so a weight that two stages
@@ -119,6 +121,11 @@ def backward_input(outputs: list, grads: list, leaves: Sequence[torch.Tensor],
         [[1.0, 1.0], [1.0, 1.0]]
     """
     leaves = [t for t in leaves if t.requires_grad]
+    if not leaves:  # nothing upstream waits for an I: W is the whole backward, one call
+        ps = [p for p in params if p.requires_grad]
+        seeding = tuple(range(len(outputs))) if ps else ()
+        return Deferred([(ps, [], seeding)] if ps else [],
+                        {j: (outputs[j], grads[j]) for j in seeding})
     out_nodes = [_node(o) for o in outputs]
     feeds = _towards_outputs(out_nodes)
     from_leaves, _ = _closure([_node(t) for t in leaves], feeds)
