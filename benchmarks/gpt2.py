@@ -54,6 +54,7 @@ import poptorch_lite as poptorch
 from _pipeline_dist import GPT2_SEQ, SCHEDULES as TORCH_SCHEDULES, Ranks, batch, gpt2, local_stages
 
 S = 2
+VIRTUAL = {"loop": (1, 0, 1), "V": (1, 1, 0)}  # 4 virtual stages: block 0 on IPU 0, these after
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--width", type=int, default=128, help="embedding width")
@@ -131,7 +132,7 @@ def lite_step(base, ids, m, lr, variant):
     name, *extras = variant.split("+")
     model = copy.deepcopy(base)
     h = model.transformer.h
-    virtual = {"loop": (1, 0, 1), "V": (1, 1, 0)}.get(next((e for e in extras if e in ("loop", "V")), ""))
+    virtual = next((VIRTUAL[e] for e in extras if e in VIRTUAL), None)  # the IPUs of blocks 1-3
     cuts = [(len(h) * k // 4, virtual[k - 1]) for k in (1, 2, 3)] if virtual else [(len(h) // 2, 1)]
     for at, ipu in cuts:
         poptorch.BeginBlock(h[at], f"s{at}", ipu_id=ipu)

@@ -16,21 +16,15 @@ two pipeline stages; ``compile`` with ``steps_per_execution``; ``fit``; then
 compile again with the test set's steps per execution and ``evaluate``.
 """
 
-import argparse
-import os
 import time
 
 import torch
 import torch.nn as nn
 
 from poptorch_lite import keras
-from mnist import ConvLayer, open_mnist
+from mnist import ConvLayer, example_parser, open_mnist
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-parser.add_argument("--data-dir", default=os.environ.get("MNIST_DATA", "data"),
-                    help="folder holding MNIST/ (downloaded there if missing); $MNIST_DATA if "
-                         "set, else data")
+parser = example_parser(__doc__)
 parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
 parser.add_argument("--batch-size", type=int, default=32, help="batch size (per replica)")
 parser.add_argument("--steps-per-execution", type=int, default=24,

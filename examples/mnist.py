@@ -26,11 +26,18 @@ from tqdm import tqdm
 
 import poptorch_lite as poptorch
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-parser.add_argument("--data-dir", default=os.environ.get("MNIST_DATA", "data"),
-                    help="folder holding MNIST/ (downloaded there if missing); $MNIST_DATA if "
-                         "set, else data")
+def example_parser(doc: str) -> argparse.ArgumentParser:
+    """An MNIST example's parser: its docstring's first line, every default shown in --help,
+    and --data-dir (every MNIST example's first option)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--data-dir", default=os.environ.get("MNIST_DATA", "data"),
+                        help="folder holding MNIST/ (downloaded there if missing); $MNIST_DATA "
+                             "if set, else data")
+    return parser
+
+
+parser = example_parser(__doc__)
 parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
 parser.add_argument("--batch-size", type=int, default=16, help="batch size of one step")
 parser.add_argument("--device-iterations", type=int, default=1,

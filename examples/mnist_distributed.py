@@ -13,21 +13,15 @@ step, so one step sees batch x accumulation x replicas x processes images.
 Process 0 alone shows progress, evaluates and prints.
 """
 
-import argparse
-import os
 import time
 
 from tqdm import tqdm
 
 import poptorch_lite as poptorch
-from mnist import RunningMean, accuracy, datasets
+from mnist import RunningMean, accuracy, datasets, example_parser
 from mnist_pipelined import Network, strategy
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-parser.add_argument("--data-dir", default=os.environ.get("MNIST_DATA", "data"),
-                    help="folder holding MNIST/ (downloaded there if missing); $MNIST_DATA if "
-                         "set, else data")
+parser = example_parser(__doc__)
 parser.add_argument("--epochs", type=int, default=1, help="passes over the training set")
 parser.add_argument("--batch-size", type=int, default=8, help="micro-batch size")
 parser.add_argument("--gradient-accumulation", type=int, default=4,

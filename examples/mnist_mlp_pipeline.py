@@ -20,20 +20,13 @@ micro-batch i-1" in the steady state, while stream 1 runs forward and
 backward of fc3, fc4 and the loss: the tutorial's three stages, on two streams.
 """
 
-import argparse
-import os
-
 import torch
 import torch.nn as nn
 
 import poptorch_lite as poptorch
-from mnist import datasets, test, train
+from mnist import datasets, example_parser, test, train
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-parser.add_argument("--data-dir", default=os.environ.get("MNIST_DATA", "data"),
-                    help="folder holding MNIST/ (downloaded there if missing); $MNIST_DATA if "
-                         "set, else data")
+parser = example_parser(__doc__)
 parser.add_argument("--epochs", type=int, default=2, help="passes over the training set")
 parser.add_argument("--batch-size", type=int, default=8, help="micro-batch size")
 parser.add_argument("--gradient-accumulation", type=int, default=8,

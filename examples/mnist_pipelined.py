@@ -24,20 +24,13 @@ processes (all of them by default) with
 data-parallel copies of the pipeline. Process 0 alone shows progress and prints.
 """
 
-import argparse
-import os
-
 import torch
 import torch.nn as nn
 
 import poptorch_lite as poptorch
-from mnist import ConvLayer, datasets, test, train
+from mnist import ConvLayer, datasets, example_parser, test, train
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-parser.add_argument("--data-dir", default=os.environ.get("MNIST_DATA", "data"),
-                    help="folder holding MNIST/ (downloaded there if missing); $MNIST_DATA if "
-                         "set, else data")
+parser = example_parser(__doc__)
 parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
 parser.add_argument("--batch-size", type=int, default=8, help="micro-batch size")
 parser.add_argument("--gradient-accumulation", type=int, default=8,

@@ -13,19 +13,12 @@ batch-size x replicas images. On a machine with one device the replicas take
 turns; the arithmetic is the same.
 """
 
-import argparse
-import os
-
 import torch
 
 import poptorch_lite as poptorch
-from mnist import Network, datasets, test, train
+from mnist import Network, datasets, example_parser, test, train
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-parser.add_argument("--data-dir", default=os.environ.get("MNIST_DATA", "data"),
-                    help="folder holding MNIST/ (downloaded there if missing); $MNIST_DATA if "
-                         "set, else data")
+parser = example_parser(__doc__)
 parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
 parser.add_argument("--batch-size", type=int, default=16, help="batch size of one replica")
 parser.add_argument("--replicas", type=int, default=2, help="replicationFactor")

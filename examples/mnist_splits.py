@@ -19,21 +19,15 @@ stage list (``repeat_count`` = device iterations, ``gradient_accumulation_count`
 = accumulation). Both routes give the same numbers.
 """
 
-import argparse
-import os
 from collections import OrderedDict
 
 import torch
 import torch.nn as nn
 
 import poptorch_lite as poptorch
-from mnist import datasets, test, train
+from mnist import datasets, example_parser, test, train
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-parser.add_argument("--data-dir", default=os.environ.get("MNIST_DATA", "data"),
-                    help="folder holding MNIST/ (downloaded there if missing); $MNIST_DATA if "
-                         "set, else data")
+parser = example_parser(__doc__)
 parser.add_argument("--splits", nargs="*", default=["dense128", "dense64"],
                     help="layers that start a new pipeline stage")
 parser.add_argument("--epochs", type=int, default=2, help="passes over the training set")

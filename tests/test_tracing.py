@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import traceback
 from traceback import FrameSummary
 
 import pytest
@@ -302,3 +303,19 @@ def test_a_trace_error_under_pytest_shows_the_users_lines_and_no_log(tmp_path):
     # no frame of this package's or torch's, no log record
     assert "poptorch_lite/" not in result.stdout and "torch/" not in result.stdout
     assert "DEBUG" not in result.stdout and "Captured log" not in result.stdout
+
+
+def test_a_refusals_traceback_keeps_the_users_frames_or_all_when_it_has_none():
+    """tracing._user_traceback ([Note: frames a user sees]): the user's frames only, and a
+    traceback with none of them whole, so that a refusal never shows nothing."""
+    import json
+    from poptorch_lite.compiler.tracing import _user_traceback
+    try:
+        json.loads("{")
+    except ValueError as exc:
+        tb = exc.__traceback__
+    frames = [f.name for f in traceback.extract_tb(tb)]
+    assert frames[0] == "test_a_refusals_traceback_keeps_the_users_frames_or_all_when_it_has_none"
+    assert len(frames) > 1  # json's own frames below this test's
+    assert [f.name for f in traceback.extract_tb(_user_traceback(tb))] == frames[:1]
+    assert _user_traceback(tb.tb_next) is tb.tb_next  # only the standard library's frames

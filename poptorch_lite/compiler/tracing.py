@@ -202,16 +202,17 @@ def _drop_unused_getitems(gm: torch.fx.GraphModule) -> None:
 
 
 def _user_traceback(tb: types.TracebackType | None) -> types.TracebackType | None:
-    """``tb`` with only the user's frames ([Note: frames a user sees] in ``errors``)."""
-    is_user, frames = user_file_test(), []
-    while tb is not None:
-        if is_user(tb.tb_frame.f_code.co_filename):
-            frames.append(tb)
-        tb = tb.tb_next
+    """``tb`` with only the user's frames ([Note: frames a user sees] in ``errors``); ``tb``
+    whole when none of its frames is the user's (then nothing would be left to show)."""
+    is_user, frames, t = user_file_test(), [], tb
+    while t is not None:
+        if is_user(t.tb_frame.f_code.co_filename):
+            frames.append(t)
+        t = t.tb_next
     kept = None
     for t in reversed(frames):
         kept = types.TracebackType(kept, t.tb_frame, t.tb_lasti, t.tb_lineno)
-    return kept
+    return kept or tb
 
 
 @contextlib.contextmanager
@@ -317,7 +318,7 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
             f"the model could not be traced at {where}: {type(exc).__name__}: {exc}. "
             f"The forward runs once on the first call's real inputs; make it run as plain "
             f"PyTorch on one micro-batch of those inputs"
-        ) from exc.with_traceback(_user_traceback(exc.__traceback__) or exc.__traceback__)
+        ) from exc.with_traceback(_user_traceback(exc.__traceback__))
     finally:
         hook.remove()
         torch._C._set_mkldnn_enabled(onednn)
