@@ -37,7 +37,7 @@ def sgd(model, lr=0.05, momentum=0.9):
 
 def assert_same_weights(model, ref):
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert_close(p.detach(), q.detach(), atol=ATOL, rtol=0, msg=name)
+        assert_close(p.detach(), q.detach().cpu(), atol=ATOL, rtol=0, msg=name)
 
 
 # -- 1. output modes (POPTORCH_REFERENCE §3) -------------------------------------------
@@ -474,7 +474,7 @@ def test_compile_runs_no_step(device):
     torch.manual_seed(0)
     model = BlockMLP(2, dropout=0.5, batchnorm=True)
     opt = primed_sgd(model)
-    ref = twin(model)
+    ref = twin(model, device)
     ref_opt = sgd(ref, lr=0.1)
     ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # the same primed momentum
     x, y = data(B * 2)
@@ -811,9 +811,10 @@ def test_non_tensor_loss_and_checkpoint_refused_outside_a_wrapper_too():
         poptorch.recomputationCheckpoint(1.0)
 
 
-def trains_like_plain_pytorch(model, opts, D=1, G=1, R=1):
-    """One call of ``model`` wrapped with ``opts`` against plain PyTorch (outputs, loss, weights)."""
-    ref = twin(model)
+def trains_like_plain_pytorch(model, opts, device, D=1, G=1, R=1):
+    """One call of ``model`` wrapped with ``opts`` against plain PyTorch on ``device``'s kind
+    (outputs, loss, weights)."""
+    ref = twin(model, device)
     x, y = probe_data(B * D * G * R)
     torch.manual_seed(7)
     out, loss = poptorch.trainingModel(model, opts, sgd(model))(x, y)
@@ -832,7 +833,7 @@ def trains_like_plain_pytorch(model, opts, D=1, G=1, R=1):
 def test_three_stage_model_runs_where_accumulation_suffices(strategy, G, device):
     torch.manual_seed(0)
     trains_like_plain_pytorch(ThreeBlocks(), options(device, G=G, mode=All, strategy=strategy),
-                              G=G)
+                              device, G=G)
 
 
 @pytest.mark.parametrize("strategy", [
@@ -841,24 +842,27 @@ def test_three_stage_model_runs_where_accumulation_suffices(strategy, G, device)
 def test_blocks_on_ipus_0_1_0_run_where_stage_order_allows(strategy, device):
     torch.manual_seed(0)
     trains_like_plain_pytorch(ThreeBlocks(ipus=(0, 1, 0)),
-                              options(device, G=5, mode=All, strategy=strategy), G=5)
+                              options(device, G=5, mode=All, strategy=strategy), device,
+                              G=5)
 
 
 def test_two_losses_combined_with_identity_loss_train(device):
     torch.manual_seed(0)
-    trains_like_plain_pytorch(TwoLosses(combined=True), options(device, G=2, mode=All), G=2)
+    trains_like_plain_pytorch(TwoLosses(combined=True), options(device, G=2, mode=All), device,
+                              G=2)
 
 
 def test_replicated_batchnorm_runs_with_broadcast_buffers_off(device):
     torch.manual_seed(0)
     model = Probe()
-    replica0 = twin(model)
+    replica0 = twin(model, device)
     x, _ = probe_data(B * 2)
     opts = options(device, R=2, mode=All).broadcastBuffers(False)
-    trains_like_plain_pytorch(model, opts, R=2)
-    replica0.first(x[:B])  # the host keeps replica 0's buffers: one update, from rows 0..B
+    trains_like_plain_pytorch(model, opts, device, R=2)
+    # The host keeps replica 0's buffers: one update, from rows 0..B.
+    replica0.first(x[:B].to(next(replica0.parameters()).device))
     for (name, a), b in zip(model.named_buffers(), replica0.buffers()):
-        assert_close(a, b, atol=ATOL, rtol=0, msg=name)
+        assert_close(a, b.cpu(), atol=ATOL, rtol=0, msg=name)
 
 
 # -- 6. effective batch arithmetic ------------------------------------------------------
