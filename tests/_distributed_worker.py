@@ -16,7 +16,7 @@ import sys
 import torch
 
 import poptorch_lite as poptorch
-from poptorch_lite.runtime.placement import process_gpu
+from poptorch_lite.runtime.devices import process_gpu
 
 from models import BlockMLP, data
 

@@ -30,7 +30,7 @@ import poptorch_lite as poptorch
 from poptorch_lite import errors, keras
 from poptorch_lite import optim
 from poptorch_lite.compiler import retarget
-from poptorch_lite.runtime.placement import resolve_devices
+from poptorch_lite.runtime.devices import resolve_devices
 from poptorch_lite.runtime.streams import CpuStream
 from poptorch_lite.runtime.schedule import Action, Schedule, validate
 from poptorch_lite.runtime.schedule_kinds import build

@@ -6,9 +6,12 @@ import time
 import pytest
 import torch
 
-from poptorch_lite.runtime.placement import Placement, resolve_devices
+from poptorch_lite.runtime import gpu
+from poptorch_lite.runtime.devices import resolve_devices
+from poptorch_lite.runtime.placement import Placement
 from poptorch_lite.runtime.streams import ActionFailed, ActionStuck
 
+from gpu_twin import TWIN, TwinGpu
 from models import exited, workers
 
 
@@ -109,6 +112,43 @@ def test_a_single_cpu_stream_or_a_total_order_runs_on_the_callers_thread():
     seen.clear()
     run(placement, {0: ["a0"], 1: ["b0"]}, call=record)  # concurrent streams: workers
     assert sorted(seen) == [("a0", False), ("b0", False)]
+    placement.close()
+
+
+def test_gpu_streams_alone_or_in_a_total_order_run_on_the_callers_thread_with_the_gpus_waits():
+    """On the GPU twin, whose copies land only when waited for: the caller launches each
+    action on its stream's own GPU stream, after the caller's earlier work and after the
+    event of the action it depends on on another stream; it synchronizes the streams before
+    it returns or raises, and starts no worker."""
+    twin = TwinGpu()
+    with gpu.installed(twin):
+        placement = Placement([0, 1], {0: TWIN, 1: TWIN})
+    default = twin.current_stream(TWIN)
+    early = twin.copy_in(torch.ones(2), TWIN)  # the caller's work before the run
+    ipu = {"a0": 0, "a1": 0, "b0": 1}
+    made, seen = {}, []
+
+    def call(a):
+        stream = twin.current_stream(TWIN)
+        seen.append((a, threading.current_thread() is threading.main_thread(),
+                     stream is placement.streams[ipu[a]].stream))
+        if a == "a0":
+            seen.append(early.tolist())
+            made[a] = twin.copy_in(torch.full((2,), 3.0), TWIN)  # launched on stream 0
+        elif a == "b0":
+            seen.append(made["a0"].tolist())
+        else:
+            made[a] = twin.copy_in(torch.full((2,), 4.0), TWIN)
+            raise ValueError("boom")
+
+    placement.run_lists({0: ["a0"], 1: ["b0"]}, {"b0": ["a0"]}.get, call,
+                        in_order=[(0, "a0"), (1, "b0")], waited={"a0"}, timed=False)
+    assert seen == [("a0", True, True), [1.0, 1.0], ("b0", True, True), [3.0, 3.0]]
+    assert twin.current_stream(TWIN) is default  # the caller's streams are its own again
+    with pytest.raises(ActionFailed):  # one stream alone, failing: what it launched landed
+        placement.run_lists({0: ["a1"], 1: []}, lambda a: [], call)
+    assert made["a1"].tolist() == [4.0, 4.0]
+    assert workers() == []
     placement.close()
 
 

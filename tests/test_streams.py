@@ -1,5 +1,5 @@
 """The GPU path by construction ([Note: values crossing streams], [Note: GPU timeline],
-[Note: GPUs of a process] in ``placement``).
+[Note: GPUs of a process] in ``devices``).
 
 Each defect that has a shape on the CPU is pinned here with a CPU test: the device a
 mapping names, the GPUs a process takes, what a CPU stream waits for, the streams every
@@ -24,7 +24,8 @@ from poptorch_lite.runtime.executor import Executor
 from poptorch_lite.runtime.stage_work import StageWork
 from poptorch_lite.profiling.timeline import Recorder, Span
 from poptorch_lite.options.device import normalize_device
-from poptorch_lite.runtime.placement import Placement, process_gpu, resolve_devices
+from poptorch_lite.runtime.devices import process_gpu, resolve_devices
+from poptorch_lite.runtime.placement import Placement
 from poptorch_lite.runtime.streams import CpuStream, StreamFailed, arrive
 from poptorch_lite.runtime.weights import Weights
 
@@ -293,9 +294,10 @@ def test_only_the_micro_batches_an_output_mode_returns_are_copied_to_the_host(
 
 def test_inputs_are_copied_once_into_each_ipu_memory_that_lacks_them(monkeypatch, device):
     """A stage reads its inputs from the copies made when the run began (one per micro-batch
-    and IPU memory, holding that micro-batch's rows), and the user's own tensors where the
-    memory is the same. The spy keeps every tensor a stage read alive, so no two copies can
-    share an address (a caching allocator reuses a freed copy's)."""
+    and IPU memory, holding that micro-batch's rows; on a GPU one transfer per input, each
+    micro-batch reading its own rows of it), and the user's own tensors where the memory is
+    the same. The spy keeps every tensor a stage read alive, so no two copies can share an
+    address (a caching allocator reuses a freed copy's)."""
     seen = []
     original = StageWork.args
 
@@ -315,7 +317,8 @@ def test_inputs_are_copied_once_into_each_ipu_memory_that_lacks_them(monkeypatch
     for s, i, a in seen:
         assert torch.equal(a.cpu(), (x if s == 0 else y)[2 * i:2 * i + 2]), (s, i)
     copies = {a.untyped_storage().data_ptr() for _, _, a in seen} - users
-    assert len(copies) == (0 if device == "cpu" else 8)
+    assert len(copies) == {"cpu": 0, "ipu_model": 8}.get(device, 2)
+    assert len({a.data_ptr() for _, _, a in seen}) == 8  # each stage and micro-batch its own rows
 
 
 def test_inputs_copied_into_an_ipus_memory_are_not_counted_as_stash():

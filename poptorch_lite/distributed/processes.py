@@ -56,7 +56,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..enums import ReductionType
 from ..errors import ExecutionError, OptionsError
-from ..runtime.placement import process_gpu
+from ..runtime.devices import process_gpu
 from .layout import Layout
 
 TIMEOUT_ENV = "POPTORCH_LITE_DIST_TIMEOUT"

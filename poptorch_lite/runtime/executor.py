@@ -22,6 +22,7 @@ from ..compiler.partition import Partition
 from .channels import Channels
 from ..errors import Error, ExecutionError, UnrecoverableError
 from ..profiling.timeline import Recorder
+from .gpu import joinable
 from .placement import Placement
 from .plan import Call, Plan, make_plan
 from .schedule import Action, Kind, Schedule
@@ -183,7 +184,8 @@ class Executor(Updates):
             else:
                 spans = self.placement.run_lists(lists, waits.__getitem__,
                                                  self._actor(run, step, recorder),
-                                                 call.watchdog, plan.in_order, begun)
+                                                 call.watchdog, plan.in_order, begun,
+                                                 plan.waited, recorder is not None)
             if channels is not None:
                 self._settle(schedule, run, rows, run_index)
         except StreamFailed as failed:
@@ -298,7 +300,9 @@ class Executor(Updates):
         Each micro-batch gets its own copy in each memory that lacks its inputs, shared
         by the IPUs there (under ``useIpuModel`` every IPU gets a copy of its own). On a
         GPU the copy is asynchronous, on the caller's current stream, from pinned
-        memory, with one event per micro-batch that its readers wait on (``Run.ready``).
+        memory: one transfer per input for all the run's micro-batches where they can
+        be joined (``gpu.joinable``), each micro-batch reading its own rows of it, and
+        one event per GPU after the copies that the readers wait on (``Run.ready``).
         Inputs already where an IPU computes are used as they are.
         """
         separate = self.weights.separate_memories
@@ -307,10 +311,18 @@ class Executor(Updates):
             if (all(first[k].is_cpu for k, _ in self._input_devices) if self._inputs_on_cpu
                     else all(first[k].device == dev for k, dev in self._input_devices)):
                 return
-        gpu, placed = self.gpu, run.placed
-        for i, mb in enumerate(run.inputs):
-            copies = {}     # (device, k) -> micro-batch i's input k there: one per micro-batch
-            copied = set()  # the GPUs that micro-batch i was copied to
+        gpu, placed, inputs = self.gpu, run.placed, run.inputs
+        joined = {}  # (GPU, k) -> every micro-batch's input k there, made by one transfer
+        if not separate:
+            for ipu, keys in self.input_keys.items():
+                device = self.placement.device(ipu)
+                for k in keys if ipu in self.gpu_ipus else ():
+                    leaves = [mb[k] for mb in inputs]
+                    if (device, k) not in joined and joinable(leaves):
+                        joined[device, k] = gpu.copy_in_all(leaves, device)
+        copied = {}  # GPU -> the micro-batches copied there
+        for i, mb in enumerate(inputs):
+            copies = {}  # (device, k) -> micro-batch i's input k there: one per micro-batch
             for ipu, keys in self.input_keys.items():
                 device = self.placement.device(ipu)
                 on_gpu = ipu in self.gpu_ipus
@@ -320,14 +332,17 @@ class Executor(Updates):
                         continue
                     held = None if separate else copies.get((device, k))
                     if held is None:
-                        held = copies[device, k] = (gpu.copy_in(t, device) if on_gpu else
-                                                    t.to(device, copy=True))
+                        together = joined.get((device, k))
+                        held = copies[device, k] = (
+                            together[i] if together is not None else
+                            gpu.copy_in(t, device) if on_gpu else t.to(device, copy=True))
                         if on_gpu:
-                            copied.add(device)
+                            copied.setdefault(device, set()).add(i)
                     placed[ipu, i, k] = held
-            for device in copied:
-                event = gpu.Event()
-                event.record(gpu.current_stream(device))
+        for device, microbatches in copied.items():  # after every copy to it was enqueued
+            event = gpu.Event()
+            event.record(gpu.current_stream(device))
+            for i in microbatches:
                 run.ready[device, i] = event
 
     def _plan(self, schedule: Schedule) -> Plan:

@@ -69,6 +69,36 @@ class Gpu:
             t = t.pin_memory()
         return t.to(device, non_blocking=True, copy=True)
 
+    def copy_in_all(self, ts: list, device: torch.device) -> list:
+        """Copies of the host tensors ``ts`` on ``device`` in one transfer (:func:`joinable`
+        ones: one input's micro-batches): joined in pinned memory, copied asynchronously on
+        this thread's current stream there, and split into views of ``ts``' rows. One
+        transfer costs what one of a micro-batch costs (pinning and a copy's launch, about
+        50 µs on an H100's host), so a call of 8 micro-batches saves 7."""
+        joined = torch.empty((sum(len(t) for t in ts), *ts[0].shape[1:]), dtype=ts[0].dtype,
+                             pin_memory=True)
+        torch.cat(ts, out=joined)
+        return list(joined.to(device, non_blocking=True).split([len(t) for t in ts]))
+
+
+def joinable(ts: list) -> bool:
+    """Whether :meth:`Gpu.copy_in_all` can copy ``ts`` in one transfer: two or more host
+    tensors of one dtype and layout, with rows of one shape, none needing a gradient.
+
+    Example:
+        >>> joinable([torch.zeros(2, 3), torch.ones(1, 3)])
+        True
+        >>> joinable([torch.zeros(2), torch.zeros(())]), joinable([torch.zeros(2, 3)])
+        (False, False)
+    """
+    if len(ts) < 2:
+        return False
+    first = ts[0]
+    return first.dim() > 0 and all(
+        t.device.type == "cpu" and t.dtype == first.dtype and t.layout == torch.strided
+        and t.dim() == first.dim() and t.shape[1:] == first.shape[1:] and not t.requires_grad
+        for t in ts)
+
 
 CUDA = Gpu()
 _current = [CUDA]

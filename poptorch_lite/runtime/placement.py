@@ -13,14 +13,20 @@ after it, and the host waits for every stream before it reads results.
 The caller's thread only watches: it returns when all lists are done, and
 raises :class:`ActionFailed` as soon as an action fails (the other streams
 stop before their next action) or :class:`ActionStuck` when no action has
-finished for ``watchdog`` seconds. One exception: when a run uses a single CPU
-stream, or only CPU streams under a schedule that is a total order (Sequential,
-one action per row), the caller's thread runs the actions itself, in order, as
-plain PyTorch would run the same ops, with all of its intra-op threads.
-Handing every action to a worker thread cost a single-stage model 15–100% of
-its step time on a 2-core machine (its intra-op threads ran a team of their own
-beside the caller's; docs/PERFORMANCE.md (g)), and with one stream, or one
-action at a time, there is nothing to overlap. The watchdog then has no other stream to watch: a
+finished for ``watchdog`` seconds; it sleeps until the last action is done or one
+failed, so the workers' launches do not lose the GIL to it at every action. One
+exception: when a run uses a single stream, or its schedule is a total order
+(Sequential, one action per row), the caller's thread runs the actions itself,
+in order, as plain PyTorch would run the same ops: a CPU stream's with all of
+the caller's intra-op threads, a CUDA stream's launched on that stream (inside
+its context, after the same waits and with the same events that its worker
+would use, the streams synchronized before it returns or raises:
+:meth:`Placement.run_in_order`). Handing every action to a worker thread cost a
+single-stage model 15–100% of its step time on a 2-core machine (its intra-op
+threads ran a team of their own beside the caller's; docs/PERFORMANCE.md (g)),
+and on an H100 a thread hand-off per action and per run made a one-stage
+step 1.23–1.52× plain PyTorch's (docs/PERFORMANCE.md (h)); with one stream, or
+one action at a time, there is nothing to overlap. The watchdog then has no other stream to watch: a
 stuck action there hangs the call as it would hang plain PyTorch, and Ctrl-C
 stops it as usual. Workers start on first use, are reused by
 every run, and stop on ``close()`` or when the placement is garbage
@@ -35,23 +41,13 @@ A CUDA action's span on the timeline is measured on the GPU: its stream
 records a timing event when the action begins (after its waits) and one after
 it, and the run's reference event per GPU (recorded when the run starts, with
 the host's ``time.perf_counter()`` beside it) converts them to host time after
-the run. Launch times would say nothing: a worker launches far ahead of the GPU.
-
-[Note: GPUs of a process]
-Devices are compared as given by ``options.device.normalize_device``: ``"cuda"`` is the
-current CUDA device with its index. Without ``Options.set_ipu_devices``,
-IPU k of a process runs on a GPU of the process's own block: with torchrun's
-``LOCAL_WORLD_SIZE`` = n processes on a host of c GPUs, local process r owns
-cuda:r·(c//n) .. cuda:(r+1)·(c//n)-1 and its IPUs go round-robin over them;
-one process alone uses every GPU, from the current one on. More processes than
-GPUs on a host are refused.
+the run. Launch times would say nothing: the host launches far ahead of the GPU.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import functools
-import os
 import threading
 import time
 import weakref
@@ -59,92 +55,22 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..errors import OptionsError
-from ..options.device import normalize_device
+from .devices import resolve_devices
 from .gpu import current as current_gpu
 from .streams import (ActionFailed, ActionStuck, CpuStream, CudaStream, StreamFailed,
                       _close_all, on_caller)
 
 
-def local_process() -> tuple:
-    """``(LOCAL_RANK, LOCAL_WORLD_SIZE)`` of this process on its host (torchrun's variables).
-
-    Under ``torchrun --nproc_per_node 4`` the third process gets ``(2, 4)``; a process
-    started without them ``(0, 1)``. A launcher that sets only ``LOCAL_RANK`` r counts
-    as r + 1 processes.
-    """
-    rank = int(os.environ.get("LOCAL_RANK", "0"))
-    return rank, max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), rank + 1)
-
-
-def process_gpu() -> int:
-    """The first GPU of this process's block ([Note: GPUs of a process]); CUDA must be present."""
-    rank, processes = local_process()
-    count = torch.cuda.device_count()
-    return rank * max(count // processes, 1) % count
-
-
-def default_device(ipu: int) -> torch.device:
-    """IPU ``ipu``'s device when no mapping is given ([Note: GPUs of a process]).
-
-    Raises:
-        OptionsError: more processes on this host than it has GPUs.
-    """
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    count = torch.cuda.device_count()
-    rank, processes = local_process()
-    if processes == 1:  # one process: every GPU, from the current one on
-        return torch.device("cuda", (torch.cuda.current_device() + ipu) % count)
-    per = count // processes
-    if per == 0:
-        raise OptionsError(
-            f"{processes} processes on this host (LOCAL_WORLD_SIZE) share {count} GPU"
-            f"{'s' if count != 1 else ''}, so processes would run IPUs on the same GPU "
-            f"and contend for it; start at most {count} processes per host (torchrun "
-            f"--nproc_per_node {count}), or map the IPUs yourself with "
-            f"opts.set_ipu_devices(...)")
-    return torch.device("cuda", rank * per + ipu % per)
-
-
-def resolve_devices(ipus: Sequence[int], mapping: Optional[dict]) -> dict:
-    """IPU id -> torch.device, from ``Options.set_ipu_devices`` or the default.
-
-    Raises:
-        OptionsError: an IPU is mapped to a CUDA device this machine does not have.
-
-    Example:
-        >>> resolve_devices([0, 1], {0: torch.device("cpu"), 1: torch.device("cpu")})[1]
-        device(type='cpu')
-    """
-    devices = {}
-    for ipu in ipus:
-        if mapping is not None and ipu in mapping:
-            devices[ipu] = normalize_device(mapping[ipu])
-        else:
-            devices[ipu] = default_device(ipu)
-        dev = devices[ipu]
-        if dev.type == "cuda":
-            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            if dev.index >= count:
-                raise OptionsError(
-                    f"IPU {ipu} is mapped to {dev}, but this machine has {count} CUDA "
-                    f"device{'s' if count != 1 else ''}"
-                    f"{'' if count else ' (torch.cuda.is_available() is False)'}; map it to "
-                    f"{'cuda:0..cuda:' + str(count - 1) if count else 'the CPU'} with "
-                    f"opts.set_ipu_devices(...)")
-        elif dev.type != "cpu":
-            raise OptionsError(
-                f"IPU {ipu} is mapped to {dev}, but poptorch_lite runs stages on 'cpu' or "
-                f"'cuda' devices; map it to one of those with opts.set_ipu_devices(...)")
-    return devices
-
-
 class _Progress:
     """What the workers of one run share: actions done, the first failure, a stop flag."""
 
-    def __init__(self, start: list):
+    def __init__(self, start: list, total: int, timed: bool = True):
         self.cond = threading.Condition()
+        self.finished = threading.Event()  # every action done, or one failed: the caller's
+        self.total = total
+        if not total:
+            self.finished.set()
+        self.timed = timed        # whether the CUDA actions' spans are measured
         self.done: set = set()
         self.start = start        # CUDA events of the caller's work before the run
         self.events: dict = {}    # action -> CUDA event recorded after it
@@ -206,7 +132,8 @@ class Placement:
 
     def run_lists(self, lists: dict, waits: Callable, call: Callable,
                   watchdog: Optional[float] = None, in_order: Optional[list] = None,
-                  begun: Optional[dict] = None) -> dict:
+                  begun: Optional[dict] = None, waited: Optional[set] = None,
+                  timed: bool = True) -> dict:
         """Run every stream's action list concurrently ([Note: streams]).
 
         Args:
@@ -216,12 +143,15 @@ class Placement:
             watchdog: seconds without any action finishing before giving up
                 (None or 0: wait forever).
             in_order: ``(ipu, action)`` for every action, when the schedule is a total
-                order: with CPU streams only, the caller's thread runs them so.
+                order: the caller's thread runs them so (:meth:`run_in_order`).
             begun: what :meth:`begin` returned, if the caller called it (None: now).
+            waited: when the caller's thread runs the lists (:meth:`run_in_order`), the
+                actions another stream waits for (None: any).
+            timed: whether to measure the CUDA actions' spans.
 
         Returns:
-            For each action that ran on a CUDA stream, ``(reference event, its
-            time.perf_counter(), event at its start, event at its end)``
+            When ``timed``, for each action that ran on a CUDA stream, ``(reference event,
+            its time.perf_counter(), event at its start, event at its end)``
             ([Note: GPU timeline]; ``timeline.Recorder.add_gpu`` converts them when asked).
 
         Raises:
@@ -232,22 +162,25 @@ class Placement:
         """
         here, threads = self.here(lists, in_order)
         if here is not None:
-            self._run_here(here, call, threads)
-            return {}
+            return self.run_in_order(here, waits, call, threads, begun, waited, timed)
         # The caller's work so far (weights pushed, an undo) comes first.
         refs = self.begin() if begun is None else begun
-        progress = _Progress([event for event, _ in refs.values()])
-        total = sum(len(actions) for actions in lists.values())
+        progress = _Progress([event for event, _ in refs.values()],
+                             sum(len(actions) for actions in lists.values()), timed)
         futures = {ipu: self.streams[ipu].submit(
             functools.partial(self._work, ipu, actions, waits, call, progress))
             for ipu, actions in lists.items() if actions}
         try:
-            with progress.cond:
-                while len(progress.done) < total and progress.failure is None:
-                    progress.cond.wait(timeout=0.25 if watchdog else None)
+            # The caller sleeps until the last action is done or one failed (woken only then,
+            # not by every action: a wake-up takes the GIL from the workers' launches), and
+            # with a watchdog looks at the progress four times a second.
+            while not progress.finished.wait(timeout=0.25 if watchdog else None):
+                with progress.cond:
                     idle = time.monotonic() - progress.stamp
-                    if watchdog and progress.failure is None and idle > watchdog:
+                    if progress.failure is None and idle > watchdog:
                         progress.failure = ActionStuck(dict(progress.running), watchdog)
+                        break
+            with progress.cond:
                 progress.stop = progress.failure is not None
                 progress.cond.notify_all()
         except BaseException as exc:  # KeyboardInterrupt while waiting: stop the workers, re-raise
@@ -270,9 +203,82 @@ class Placement:
             raise progress.failure
         if failed is not None:
             raise failed
+        if not timed:
+            return {}
         return {a: (*refs[self.devices[ipu]], progress.begun[a], progress.events[a])
                 for ipu, actions in lists.items() if isinstance(self.streams[ipu], CudaStream)
                 for a in actions}
+
+    def run_in_order(self, pairs: list, waits: Callable, call: Callable,
+                     threads: Optional[int] = None, begun: Optional[dict] = None,
+                     waited: Optional[set] = None, timed: bool = True) -> dict:
+        """Run ``(ipu, action)`` pairs in this order on the caller's thread ([Note: streams]).
+
+        An action of a CUDA stream is launched as that stream's worker would launch it:
+        inside the stream's context, after the caller's work so far and the events of the
+        actions it depends on; the streams used are synchronized before this returns or
+        raises ([Note: values crossing streams] in ``streams``).
+
+        Args:
+            pairs: ``(ipu, action)`` in the order to run them; waits, call, begun and
+                timed: as :meth:`run_lists`'s; threads: the intra-op threads to run them
+                with (None: the caller's own).
+            waited: the actions that an action of another stream waits for (None: any):
+                only those, and timed ones, record an event after them.
+
+        Returns:
+            :meth:`run_lists`'s spans.
+
+        Raises:
+            ActionFailed, StreamFailed, KeyboardInterrupt: as :meth:`run_lists`.
+        """
+        gpus = [ipu for ipu in dict.fromkeys(ipu for ipu, _ in pairs)
+                if isinstance(self.streams[ipu], CudaStream)]
+        if not gpus:
+            self._run_here(pairs, call, threads)
+            return {}
+        refs = self.begin() if begun is None else begun
+        start = [event for event, _ in refs.values()]
+        events, spans, started = {}, {}, set()
+        current = context = a = ipu = None
+        try:
+            for ipu, a in pairs:
+                stream = self.streams[ipu]
+                if ipu != current:  # this thread's current streams become ipu's
+                    if context is not None:
+                        context.close()
+                    context, current = stream.context(), ipu
+                    if ipu not in started:
+                        stream.wait(start)
+                        started.add(ipu)
+                needs = waits(a)
+                if needs:
+                    stream.wait([events[d] for d in needs if d in events])
+                on_gpu = ipu in gpus
+                first = stream.record() if timed and on_gpu else None
+                call(a)
+                if on_gpu:
+                    stream.join()
+                    if timed or waited is None or a in waited:
+                        events[a] = stream.record()
+                    if timed:
+                        spans[a] = (*refs[self.devices[ipu]], first, events[a])
+        except BaseException as exc:
+            if context is not None:
+                context.close()
+                context = None
+            self._drain(gpus)  # what was launched lands before the caller moves on
+            raised = on_caller(a, ipu, exc)
+            if raised is exc:
+                raise
+            raise raised from None
+        finally:
+            if context is not None:
+                context.close()
+        failed = self._drain(gpus)
+        if failed is not None:
+            raise failed
+        return spans
 
     def here(self, lists: dict, in_order: Optional[list] = None) -> tuple:
         """Whether the caller's thread runs these lists itself ([Note: streams]): the
@@ -286,9 +292,9 @@ class Placement:
             >>> p.close()
         """
         used = [ipu for ipu, actions in lists.items() if actions]
-        if len(used) == 1 and type(self.streams[used[0]]) is CpuStream:
+        if len(used) == 1:
             return [(used[0], a) for a in lists[used[0]]], self.streams[used[0]].threads
-        if in_order is not None and all(type(self.streams[k]) is CpuStream for k in used):
+        if in_order is not None:
             return list(in_order), None
         return None, None
 
@@ -337,7 +343,7 @@ class Placement:
                 if progress.stop:
                     return
                 stream.wait([progress.events[d] for d in needs if d in progress.events])
-                if gpu:
+                if gpu and progress.timed:
                     progress.begun[a] = stream.record()
                 progress.running[ipu] = a
                 try:
@@ -348,6 +354,7 @@ class Placement:
                             progress.failure = ActionFailed(a, exc)
                         progress.stop = True
                         progress.cond.notify_all()
+                    progress.finished.set()
                     return
                 if gpu:
                     stream.join()
@@ -356,7 +363,9 @@ class Placement:
                     del progress.running[ipu]
                     progress.done.add(a)
                     progress.stamp = time.monotonic()
-                    progress.cond.notify_all()
+                    progress.cond.notify_all()  # the streams waiting for it
+                    if len(progress.done) == progress.total:
+                        progress.finished.set()
 
     def close(self) -> None:
         """Stop every worker thread; a later run starts them again (idempotent)."""

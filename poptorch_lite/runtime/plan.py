@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from .schedule import Schedule
-from .streams import on_caller
+from .streams import CudaStream, on_caller
 
 
 class Plan:
@@ -33,18 +33,23 @@ class Plan:
         waits: action -> the actions on other streams it waits for.
         in_order: ``(ipu, action)`` in row order when the schedule is a total order, else None.
         ahead: action -> the next action of its stream that receives messages (processes).
-        here: when the caller's thread runs every action itself (``Placement.here``),
-            ``(action, handler, (ipu, stage, micro-batch, kind))`` in order; else None.
+        here: when the caller's thread runs every action itself on CPU streams
+            (``Placement.here``), ``(action, handler, (ipu, stage, micro-batch, kind))`` in
+            order; else None (also when it runs them on CUDA streams:
+            ``Placement.run_lists`` does, with ``waited``).
         threads: the intra-op threads for ``here`` (None: the caller's).
+        waited: the actions that an action of another stream waits for.
     """
 
-    __slots__ = ("schedule", "lists", "waits", "rows", "in_order", "ahead", "threads", "here")
+    __slots__ = ("schedule", "lists", "waits", "rows", "in_order", "ahead", "threads", "here",
+                 "waited")
 
     def __init__(self, schedule: Schedule, lists: dict, waits: dict, rows: dict,
                  in_order: Optional[list], ahead: dict, threads: Optional[int],
                  here: Optional[list]):
         self.schedule, self.lists, self.waits, self.rows = schedule, lists, waits, rows
         self.in_order, self.ahead, self.threads, self.here = in_order, ahead, threads, here
+        self.waited = {d for needs in waits.values() for d in needs}
 
 
 def make_plan(schedule: Schedule, placement, handlers: dict, ipu_of: Callable,
@@ -78,6 +83,9 @@ def make_plan(schedule: Schedule, placement, handlers: dict, ipu_of: Callable,
             if channels.receives(a):
                 following = a
     here, threads = placement.here(lists, in_order) if channels is None else (None, None)
+    if here is not None and any(isinstance(placement.streams[ipu], CudaStream)
+                                for ipu, _ in here):
+        here = None  # Placement.run_lists runs them on the caller's thread, with the GPU's waits
     return Plan(schedule, lists, waits, rows, in_order, ahead, threads,
                 None if here is None else [(a, handlers[a.kind], (ipu, a.stage, a.microbatch,
                                                                    a.kind.value))
