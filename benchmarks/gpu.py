@@ -3,9 +3,13 @@
     python benchmarks/gpu.py              # every case; exits 0 with a note when no GPU is present
     python benchmarks/gpu.py --pairs 5 --calls 50
     python benchmarks/gpu.py --case mlp conv pipe1 --pairs 2   # what benchmarks/gpu_check.sh runs
+    python benchmarks/gpu.py --side lite --case conv --profile  # one side, and where its time goes
 
 Cases (each prints plain ms/step, poptorch_lite ms/step, their ratio, and peak device
-memory per device on both sides):
+memory per device on both sides). The plain side's inputs wait on the GPU before it is
+timed, a bar that poptorch_lite, fed host tensors as PopTorch is, must clear with its copies
+in; "vs host-fed" is the ratio against the same plain process copying each call's inputs
+in first (``x.cuda()``), as a loop over a host DataLoader does:
 - ``mlp``: 8 x Linear(1024)+ReLU, one stage, micro-batch 32, accumulation 8, Adam;
 - ``conv``: Graphcore's MNIST tutorial conv net, micro-batch 16, SGD with momentum;
 - ``pipe1``: the MLP in 2 stages on one GPU (two CUDA streams), Grouped, accumulation 8; the
@@ -40,6 +44,8 @@ parser.add_argument("--case", choices=["mlp", "conv", "pipe1", "pipeN", "offload
 parser.add_argument("--pairs", type=int, default=3, help="plain/poptorch_lite process pairs")
 parser.add_argument("--calls", type=int, default=30, help="timed calls per process")
 parser.add_argument("--side", choices=["plain", "lite"], help="run one side here, print JSON")
+parser.add_argument("--profile", action="store_true",
+                    help="with --side: then profile 5 calls (torch.profiler; table on stderr)")
 
 
 def staged(model, stages):
@@ -60,11 +66,16 @@ def one_side(args):
     if args.side == "plain":
         model.cuda()
         optimizer = type(optimizer)(model.parameters(), **optimizer.defaults)
+        host = x, y
         x, y = x.cuda(), y.cuda()
 
         def call():
             tax.plain_call(model, optimizer, x, y, B, D, G)
+
+        def from_host():  # a loop over host batches: each call's inputs copied in first
+            tax.plain_call(model, optimizer, host[0].cuda(), host[1].cuda(), B, D, G)
     else:
+        from_host = None
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
         import poptorch_lite as poptorch
         opts = poptorch.Options().deviceIterations(D)
@@ -95,11 +106,26 @@ def one_side(args):
             torch.cuda.synchronize(d)
         times.append((time.perf_counter() - start) / D)
     peaks = [torch.cuda.max_memory_allocated(d) / 2**20 for d in range(torch.cuda.device_count())]
+    host_times = []
+    for _ in range(args.calls if from_host is not None else 0):
+        start = time.perf_counter()
+        from_host()
+        torch.cuda.synchronize()
+        host_times.append((time.perf_counter() - start) / D)
+    if args.profile:  # host ops and CUDA runtime calls of every thread, kernels on the GPU
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                call()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30),
+              file=sys.stderr)
     overlap = None
     if args.side == "lite" and case in ("pipe1", "pipeN"):
         overlap = both_busy(wrapped.runStatistics().timeline)
     print(json.dumps({"step_ms": 1e3 * statistics.median(times), "peak_mib": peaks,
-                      "overlap": overlap}))
+                      "overlap": overlap,
+                      "host_ms": 1e3 * statistics.median(host_times) if host_times else None}))
 
 
 def both_busy(timeline):
@@ -143,7 +169,7 @@ def main():
     cases = (["mlp", "conv", "pipe1", "pipeN", "offload"] if "all" in args.case else
              list(dict.fromkeys(args.case)))
     print(f"{'case':8} {'plain ms':>9} {'lite ms':>9} {'ratio':>6} {'spread':>13}  "
-          f"peak MiB per GPU (plain | lite)  overlap")
+          f"{'vs host-fed':>11}  peak MiB per GPU (plain | lite)  overlap")
     for case in cases:
         if case == "pipeN" and gpus < 2:
             print(f"{case:8} skipped: needs 2 or more GPUs")
@@ -158,8 +184,9 @@ def main():
         peaks = (" ".join(f"{m:.0f}" for m in pairs[0]["plain"]["peak_mib"]) + " | "
                  + " ".join(f"{m:.0f}" for m in pairs[0]["lite"]["peak_mib"]))
         overlap = pairs[0]["lite"].get("overlap")
+        fed = statistics.median(p["lite"]["step_ms"] / p["plain"]["host_ms"] for p in pairs)
         print(f"{case:8} {plain_ms:9.3f} {lite_ms:9.3f} {statistics.median(ratios):6.3f} "
-              f"{min(ratios):6.3f}-{max(ratios):6.3f}  {peaks}"
+              f"{min(ratios):6.3f}-{max(ratios):6.3f}  {fed:11.3f}  {peaks}"
               + (f"  {overlap:.0%} of the step on two streams at once" if overlap is not None
                  else ""), flush=True)
 

@@ -3,6 +3,7 @@
     python benchmarks/tax.py                       # every case, default threads and one thread
     python benchmarks/tax.py --case conv8 --threads 1 --pairs 7
     python benchmarks/tax.py --side lite --case conv8 --threads 0   # one side (for py-spy)
+    python benchmarks/tax.py --case tiny --threads 1 --twin          # the GPU path's host work
 
 Cases (issue 11's table):
 - ``conv8``:  Graphcore's MNIST tutorial conv net, micro-batch 8, deviceIterations 50, SGD;
@@ -24,9 +25,17 @@ median over its blocks of (poptorch_lite block / the plain block beside it), so 
 shared machine's drift over seconds falls on both sides alike. The parent prints, per
 case and thread count, the median ratio over the pairs with its spread (min-max), the
 median step times, and the ratio of peak RSS.
+
+With ``--twin`` the poptorch_lite side puts every IPU on the GPU twin of the test suite
+(``tests/gpu_twin.py``: the GPU's branches, streams, events and input copies, with CPU
+tensors), so what the GPU path does on the host besides the kernels (hand-offs between
+threads, copies in, events) is measured on a machine without a GPU. The twin's stand-in
+streams cost host time of their own, so it tells which way a change to that path goes, not
+what it is worth on a GPU (``benchmarks/gpu.py`` measures that).
 """
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -56,6 +65,8 @@ parser.add_argument("--calls", type=int, default=0,
                     help="timed calls per block (0: about a quarter second's worth)")
 parser.add_argument("--blocks", type=int, default=15, help="blocks of calls per side and pair")
 parser.add_argument("--side", choices=["plain", "lite"], help="run one side here and print JSON")
+parser.add_argument("--twin", action="store_true",
+                    help="poptorch_lite's IPUs on the GPU twin (tests/gpu_twin.py)")
 parser.add_argument("--serve", action="store_true",
                     help="with --side: time a block of calls per line read from stdin")
 
@@ -138,6 +149,9 @@ def plain_call(model, optimizer, x, y, B, D, G):
         optimizer.step()
 
 
+IN_FORCE = contextlib.ExitStack()  # what stays entered until the process exits (--twin)
+
+
 def one_side(args):
     """One side: standalone, time ``--calls`` calls and print a JSON report; with ``--serve``,
     time a block of calls for each line read on stdin and answer each with a JSON line."""
@@ -153,6 +167,12 @@ def one_side(args):
         import poptorch_lite as poptorch
         opts = poptorch.Options().deviceIterations(D).replicationFactor(R)
         opts.Training.gradientAccumulation(G // R)
+        if args.twin:  # in force for the whole process: placements are made on first call
+            sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+            from gpu_twin import TWIN, TwinGpu
+            from poptorch_lite.runtime import gpu
+            IN_FORCE.enter_context(gpu.installed(TwinGpu()))
+            opts.set_ipu_devices(TWIN)
         wrapped = poptorch.trainingModel(model, opts, optimizer)
 
         def call():
@@ -181,12 +201,12 @@ def one_side(args):
         print(json.dumps(block()), flush=True)
 
 
-def run_pair(case, threads, calls, blocks, lite_first):
+def run_pair(case, threads, calls, blocks, lite_first, twin=False):
     """One plain and one poptorch_lite process, taking turns for ``blocks`` blocks each."""
     sides = {}
     for side in ("plain", "lite"):
         cmd = [sys.executable, __file__, "--side", side, "--case", case, "--threads",
-               str(threads), "--calls", str(calls), "--serve"]
+               str(threads), "--calls", str(calls), "--serve"] + (["--twin"] if twin else [])
         sides[side] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                        text=True)
         json.loads(sides[side].stdout.readline())  # warmed up: one at a time
@@ -223,7 +243,8 @@ def main():
         for threads in args.threads:
             ratios, plain_ms, lite_ms, rss = [], [], [], []
             for k in range(args.pairs):
-                got = run_pair(case, threads, args.calls, args.blocks, lite_first=k % 2 == 1)
+                got = run_pair(case, threads, args.calls, args.blocks, lite_first=k % 2 == 1,
+                               twin=args.twin)
                 ratios.append(statistics.median(
                     lite["step_ms"] / plain["step_ms"] for plain, lite in zip(got["plain"],
                                                                               got["lite"])))

@@ -12,10 +12,10 @@ import torch
 BENCH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-@pytest.mark.parametrize("side", ["plain", "lite"])
+@pytest.mark.parametrize("side", ["plain", "lite", "lite --twin"])
 def test_tax_runs_one_side_and_reports_its_step_time_and_memory(side):
-    done = subprocess.run([sys.executable, str(BENCH / "tax.py"), "--side", side, "--case",
-                           "conv16", "--threads", "1", "--calls", "2"],
+    done = subprocess.run([sys.executable, str(BENCH / "tax.py"), "--side", *side.split(),
+                           "--case", "conv16", "--threads", "1", "--calls", "2"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.strip().splitlines()[-1])
