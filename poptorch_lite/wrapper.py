@@ -354,10 +354,11 @@ class PoplarExecutor(perf_counters.Latencies, PrivateAttributes):
 
     def _split(self, args, kwargs) -> MicroBatches:
         o = self._options
-        explain = (f"Options.deviceIterations({o.device_iterations}) * "
-                   f"(Options.replicationFactor({o.replication_factor}) / "
-                   f"Options.inputReplicaGrouping.input_group_size({o.input_group_size})) * "
-                   f"Options.Training.gradientAccumulation({o.Training.gradient_accumulation})")
+        def explain() -> str:  # only for a refusal
+            return (f"Options.deviceIterations({o.device_iterations}) * "
+                    f"(Options.replicationFactor({o.replication_factor}) / "
+                    f"Options.inputReplicaGrouping.input_group_size({o.input_group_size})) * "
+                    f"Options.Training.gradientAccumulation({o.Training.gradient_accumulation})")
         return MicroBatches(args, kwargs, batch_factor(o), explain, o.synthetic_data_mode)
 
     def _prepare(self, args, kwargs) -> tuple:

@@ -259,3 +259,25 @@ def test_doctests_of_structures():
 
     result = doctest.testmod(structures, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.parametrize("factor", [1, 2])
+def test_plain_tensor_arguments_are_cut_as_any_others(factor):
+    """A call of plain tensors takes a short way (its tree spec worked out once): the same
+    spec, micro-batches and trace signature as the general walk gives."""
+    from torch.utils import _pytree as pytree
+
+    from poptorch_lite.runtime.batch import MicroBatches
+    x, y = torch.arange(8.0).reshape(4, 2), torch.tensor(3)
+    mb = MicroBatches((x, y), {}, factor, str(factor))
+    assert mb.spec == pytree.tree_flatten(((x, y), {}))[1]
+    assert mb.leaves == [x, y]
+    assert mb.signature() == (str(mb.spec), ((4 // factor, 2), torch.float32, x.device),
+                              ((), torch.int64, y.device))
+    rows = 4 // factor
+    for k, tensors in enumerate(mb.all_tensors()):
+        assert torch.equal(tensors[0], x[k * rows:(k + 1) * rows]) and tensors[1] is y
+        args, kwargs = mb.args_kwargs(k)
+        assert torch.equal(args[0], tensors[0]) and args[1] is y and kwargs == {}
+    with pytest.raises(poptorch.BatchSizeError, match=r"must be a multiple of 3 \+ 0 = 3"):
+        MicroBatches((x, y), {}, 3, lambda: "3 + 0")  # the arithmetic, made only when refused

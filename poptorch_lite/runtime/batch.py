@@ -47,7 +47,8 @@ class MicroBatches:
     Args:
         args, kwargs: the call's arguments.
         factor: ``D·(R/g)·G``, the number of micro-batches.
-        explain: the factor's arithmetic, for error messages.
+        explain: the factor's arithmetic, for error messages (or what makes it, called only
+            for one: a call's f-string of options cost as much as its arithmetic's tax).
         synthetic: what replaces the tensors' values ([Note: synthetic data]).
 
     Raises:
@@ -61,24 +62,31 @@ class MicroBatches:
         tensor([2., 3.])
     """
 
-    def __init__(self, args: tuple, kwargs: dict, factor: int, explain: str,
+    def __init__(self, args: tuple, kwargs: dict, factor: int, explain,
                  synthetic: SyntheticDataMode = SyntheticDataMode.Off):
-        _check_number_lists(list(args) + list(kwargs.values()))
-        lifted = structures.lift((tuple(args), dict(kwargs)))
-        leaves, self.spec = pytree.tree_flatten(lifted)
-        broken = structures.unrebuildable(lifted)
-        if broken is not None:
-            raise InputError(
-                f"an input is a {broken[0]}, which cannot be built again from its items "
-                f"({broken[1]}): each micro-batch gets it rebuilt as PopTorch does, "
-                f"type(x)({{key: value}}) for a dict subclass and type(x)(items) for a list or "
-                f"tuple subclass. Give it a constructor that takes that, or pass a plain dict")
+        if not kwargs and all(type(a) is torch.Tensor for a in args):  # the common call
+            leaves = list(args)
+            self.spec, self._spec_text = _tensors_spec(len(args))
+        else:
+            _check_number_lists(list(args) + list(kwargs.values()))
+            lifted = structures.lift((tuple(args), dict(kwargs)))
+            leaves, self.spec = pytree.tree_flatten(lifted)
+            self._spec_text = None
+            broken = structures.unrebuildable(lifted)
+            if broken is not None:
+                raise InputError(
+                    f"an input is a {broken[0]}, which cannot be built again from its items "
+                    f"({broken[1]}): each micro-batch gets it rebuilt as PopTorch does, "
+                    f"type(x)({{key: value}}) for a dict subclass and type(x)(items) for a list "
+                    f"or tuple subclass. Give it a constructor that takes that, or pass a plain "
+                    f"dict")
         self.factor = factor
         for leaf in leaves:
             _check_leaf(leaf)
             if not isinstance(leaf, torch.Tensor):
                 continue
             if leaf.dim() > 0 and leaf.shape[0] % factor:
+                explain = explain() if callable(explain) else explain
                 raise BatchSizeError(
                     f"Invalid batch dimension: In the input {tuple(leaf.shape)}, the batch "
                     f"dimension ({leaf.shape[0]}) must be a multiple of {explain} = {factor}, "
@@ -109,6 +117,8 @@ class MicroBatches:
             >>> mb.all_tensors()
             [[tensor([0., 1.]), tensor(5.)], [tensor([2., 3.]), tensor(5.)]]
         """
+        if self.factor == 1:  # the call is its one micro-batch
+            return [[self.leaves[p] for p in self.tensor_positions]]
         parts = [[t] * self.factor if t.dim() == 0 else t.split(t.shape[0] // self.factor)
                  for t in (self.leaves[p] for p in self.tensor_positions)]
         return [list(mb) for mb in zip(*parts)] if parts else [[] for _ in range(self.factor)]
@@ -122,14 +132,34 @@ class MicroBatches:
 
     def signature(self) -> tuple:
         """What a traced graph is specialised on: structure, constants, micro-batch shapes."""
-        parts: list = [str(self.spec)]
+        parts: list = [self._spec_text or str(self.spec)]
         for k, leaf in enumerate(self.leaves):
-            if isinstance(leaf, torch.Tensor):
-                t = _slice(leaf, 0, self.factor)
-                parts.append((tuple(t.shape), t.dtype, t.device))
+            if isinstance(leaf, torch.Tensor):  # a micro-batch's shape, without slicing one
+                shape = (leaf.shape[0] // self.factor, *leaf.shape[1:]) if leaf.dim() else ()
+                parts.append((shape, leaf.dtype, leaf.device))
             else:
                 parts.append(("const", type(leaf).__name__, repr(leaf)))
         return tuple(parts)
+
+
+_TENSORS_SPECS: dict = {}  # n -> the spec of the arguments (t_1, ..., t_n), no kwargs, and its text
+
+
+def _tensors_spec(n: int) -> tuple:
+    """The tree spec of a call with ``n`` tensor arguments and no keywords, and its text:
+    the same for every such call, so worked out once (a call's flattening of plain tensors
+    took 30 µs, a sixth of a small model's tax; docs/PERFORMANCE.md (h)).
+
+    Example:
+        >>> spec, text = _tensors_spec(2)
+        >>> spec == pytree.tree_flatten(((torch.ones(1), torch.ones(1)), {}))[1]
+        True
+    """
+    got = _TENSORS_SPECS.get(n)
+    if got is None:
+        spec = pytree.tree_flatten((tuple(range(n)), {}))[1]
+        got = _TENSORS_SPECS[n] = (spec, str(spec))
+    return got
 
 
 def _check_leaf(leaf: Any) -> None:
