@@ -11,6 +11,7 @@ sync] in ``runtime/host_sync.py``. ``wrap.py`` makes these wrappers.
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 import weakref
@@ -27,7 +28,7 @@ from .errors import (DeviceError, PoptorchLiteWarning, UnrecoverableError, WrapE
                      hide_when_refused as __tracebackhide__, warn_once)
 from .optim.loss_scale import LossScale
 from .optim.optimizers import _PopTorchOptimizer
-from .options.options import Options, batch_factor
+from .options.options import Options, batch_arithmetic, batch_factor
 from .profiling import perf_counters
 from .profiling.run_statistics import RunStatistics, run_statistics
 from .runtime.batch import MicroBatches, merge, resolve_output_mode, selected_microbatches
@@ -353,13 +354,9 @@ class PoplarExecutor(perf_counters.Latencies, PrivateAttributes):
         return self._options.replication_factor // self._options.input_group_size
 
     def _split(self, args, kwargs) -> MicroBatches:
-        o = self._options
-        def explain() -> str:  # only for a refusal
-            return (f"Options.deviceIterations({o.device_iterations}) * "
-                    f"(Options.replicationFactor({o.replication_factor}) / "
-                    f"Options.inputReplicaGrouping.input_group_size({o.input_group_size})) * "
-                    f"Options.Training.gradientAccumulation({o.Training.gradient_accumulation})")
-        return MicroBatches(args, kwargs, batch_factor(o), explain, o.synthetic_data_mode)
+        o = self._options  # the factor's arithmetic is spelled out only for a refusal
+        return MicroBatches(args, kwargs, batch_factor(o), functools.partial(batch_arithmetic, o),
+                            o.synthetic_data_mode)
 
     def _prepare(self, args, kwargs) -> tuple:
         """The call's micro-batches and its program, compiled and attached (revived first)."""

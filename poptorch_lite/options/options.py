@@ -362,6 +362,19 @@ class Options(DeviceOptions, OptionGroup):
         return twin
 
 
+def batch_arithmetic(options: Options) -> str:
+    """How :func:`batch_factor` comes about, in the options' own words (for a refusal).
+
+    Example:
+        >>> batch_arithmetic(Options().deviceIterations(2))[:27]
+        'Options.deviceIterations(2)'
+    """
+    return (f"Options.deviceIterations({options.device_iterations}) * "
+            f"(Options.replicationFactor({options.replication_factor}) / "
+            f"Options.inputReplicaGrouping.input_group_size({options.input_group_size})) * "
+            f"Options.Training.gradientAccumulation({options.Training.gradient_accumulation})")
+
+
 def batch_factor(options: Options) -> int:
     """``D * (R / g) * G``: micro-batches in one call's combined batch.
 
