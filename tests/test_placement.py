@@ -142,7 +142,7 @@ def test_gpu_streams_alone_or_in_a_total_order_run_on_the_callers_thread_with_th
             raise ValueError("boom")
 
     placement.run_lists({0: ["a0"], 1: ["b0"]}, {"b0": ["a0"]}.get, call,
-                        in_order=[(0, "a0"), (1, "b0")], waited={"a0"}, timed=False)
+                        in_order=[(0, "a0"), (1, "b0")])
     assert seen == [("a0", True, True), [1.0, 1.0], ("b0", True, True), [3.0, 3.0]]
     assert twin.current_stream(TWIN) is default  # the caller's streams are its own again
     with pytest.raises(ActionFailed):  # one stream alone, failing: what it launched landed

@@ -269,7 +269,7 @@ def test_plain_tensor_arguments_are_cut_as_any_others(factor):
 
     from poptorch_lite.runtime.batch import MicroBatches
     x, y = torch.arange(8.0).reshape(4, 2), torch.tensor(3)
-    mb = MicroBatches((x, y), {}, factor, str(factor))
+    mb = MicroBatches((x, y), {}, factor, lambda: str(factor))
     assert mb.spec == pytree.tree_flatten(((x, y), {}))[1]
     assert mb.leaves == [x, y]
     assert mb.signature() == (str(mb.spec), ((4 // factor, 2), torch.float32, x.device),

@@ -25,7 +25,7 @@ inputs'.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
@@ -47,8 +47,8 @@ class MicroBatches:
     Args:
         args, kwargs: the call's arguments.
         factor: ``D·(R/g)·G``, the number of micro-batches.
-        explain: the factor's arithmetic, for error messages (or what makes it, called only
-            for one: a call's f-string of options cost as much as its arithmetic's tax).
+        explain: what spells out the factor's arithmetic, called only for an error message
+            (a call's f-string of options cost as much as a small model's whole tax).
         synthetic: what replaces the tensors' values ([Note: synthetic data]).
 
     Raises:
@@ -57,12 +57,12 @@ class MicroBatches:
         BatchSizeError: a tensor's batch dimension is not a multiple of ``factor``.
 
     Example:
-        >>> mb = MicroBatches((torch.arange(6.0),), {}, 3, "3")
+        >>> mb = MicroBatches((torch.arange(6.0),), {}, 3, lambda: "3")
         >>> mb.args_kwargs(1)[0][0]
         tensor([2., 3.])
     """
 
-    def __init__(self, args: tuple, kwargs: dict, factor: int, explain,
+    def __init__(self, args: tuple, kwargs: dict, factor: int, explain: Callable[[], str],
                  synthetic: SyntheticDataMode = SyntheticDataMode.Off):
         if not kwargs and all(type(a) is torch.Tensor for a in args):  # the common call
             leaves = list(args)
@@ -86,10 +86,9 @@ class MicroBatches:
             if not isinstance(leaf, torch.Tensor):
                 continue
             if leaf.dim() > 0 and leaf.shape[0] % factor:
-                explain = explain() if callable(explain) else explain
                 raise BatchSizeError(
                     f"Invalid batch dimension: In the input {tuple(leaf.shape)}, the batch "
-                    f"dimension ({leaf.shape[0]}) must be a multiple of {explain} = {factor}, "
+                    f"dimension ({leaf.shape[0]}) must be a multiple of {explain()} = {factor}, "
                     f"because one call runs that many micro-batches; pass a batch of "
                     f"micro_batch_size * {factor} rows (poptorch_lite.DataLoader(options, ...) "
                     f"yields such batches)")
@@ -113,7 +112,7 @@ class MicroBatches:
         leaf instead of one slice per leaf and micro-batch).
 
         Example:
-            >>> mb = MicroBatches((torch.arange(4.0), torch.tensor(5.0)), {}, 2, "2")
+            >>> mb = MicroBatches((torch.arange(4.0), torch.tensor(5.0)), {}, 2, lambda: "2")
             >>> mb.all_tensors()
             [[tensor([0., 1.]), tensor(5.)], [tensor([2., 3.]), tensor(5.)]]
         """

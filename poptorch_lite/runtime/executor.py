@@ -181,11 +181,14 @@ class Executor(Updates):
             if plan.here is not None:  # the caller's thread runs it all
                 spans = {}
                 call.run_here(run)
+            elif plan.launch is not None:  # the caller's thread launches it all on the GPU
+                spans = self.placement.run_in_order(plan.launch, waits.__getitem__,
+                                                    self._actor(run, step, recorder),
+                                                    begun=begun)
             else:
                 spans = self.placement.run_lists(lists, waits.__getitem__,
                                                  self._actor(run, step, recorder),
-                                                 call.watchdog, plan.in_order, begun,
-                                                 plan.waited, recorder is not None)
+                                                 call.watchdog, plan.in_order, begun)
             if channels is not None:
                 self._settle(schedule, run, rows, run_index)
         except StreamFailed as failed:
@@ -313,13 +316,12 @@ class Executor(Updates):
                 return
         gpu, placed, inputs = self.gpu, run.placed, run.inputs
         joined = {}  # (GPU, k) -> every micro-batch's input k there, made by one transfer
-        if not separate:
-            for ipu, keys in self.input_keys.items():
-                device = self.placement.device(ipu)
-                for k in keys if ipu in self.gpu_ipus else ():
-                    leaves = [mb[k] for mb in inputs]
-                    if (device, k) not in joined and joinable(leaves):
-                        joined[device, k] = gpu.copy_in_all(leaves, device)
+        for ipu, keys in self.input_keys.items() if not separate else ():
+            device = self.placement.device(ipu)
+            for k in keys if ipu in self.gpu_ipus else ():
+                leaves = [mb[k] for mb in inputs] if (device, k) not in joined else ()
+                if joinable(leaves):
+                    joined[device, k] = gpu.copy_in_all(leaves, device)
         copied = {}  # GPU -> the micro-batches copied there
         for i, mb in enumerate(inputs):
             copies = {}  # (device, k) -> micro-batch i's input k there: one per micro-batch

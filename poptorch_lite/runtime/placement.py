@@ -64,13 +64,12 @@ from .streams import (ActionFailed, ActionStuck, CpuStream, CudaStream, StreamFa
 class _Progress:
     """What the workers of one run share: actions done, the first failure, a stop flag."""
 
-    def __init__(self, start: list, total: int, timed: bool = True):
+    def __init__(self, start: list, total: int):
         self.cond = threading.Condition()
         self.finished = threading.Event()  # every action done, or one failed: the caller's
         self.total = total
         if not total:
             self.finished.set()
-        self.timed = timed        # whether the CUDA actions' spans are measured
         self.done: set = set()
         self.start = start        # CUDA events of the caller's work before the run
         self.events: dict = {}    # action -> CUDA event recorded after it
@@ -132,8 +131,7 @@ class Placement:
 
     def run_lists(self, lists: dict, waits: Callable, call: Callable,
                   watchdog: Optional[float] = None, in_order: Optional[list] = None,
-                  begun: Optional[dict] = None, waited: Optional[set] = None,
-                  timed: bool = True) -> dict:
+                  begun: Optional[dict] = None) -> dict:
         """Run every stream's action list concurrently ([Note: streams]).
 
         Args:
@@ -145,13 +143,10 @@ class Placement:
             in_order: ``(ipu, action)`` for every action, when the schedule is a total
                 order: the caller's thread runs them so (:meth:`run_in_order`).
             begun: what :meth:`begin` returned, if the caller called it (None: now).
-            waited: when the caller's thread runs the lists (:meth:`run_in_order`), the
-                actions another stream waits for (None: any).
-            timed: whether to measure the CUDA actions' spans.
 
         Returns:
-            When ``timed``, for each action that ran on a CUDA stream, ``(reference event,
-            its time.perf_counter(), event at its start, event at its end)``
+            For each action that ran on a CUDA stream, ``(reference event, its
+            time.perf_counter(), event at its start, event at its end)``
             ([Note: GPU timeline]; ``timeline.Recorder.add_gpu`` converts them when asked).
 
         Raises:
@@ -162,11 +157,11 @@ class Placement:
         """
         here, threads = self.here(lists, in_order)
         if here is not None:
-            return self.run_in_order(here, waits, call, threads, begun, waited, timed)
+            return self.run_in_order(here, waits, call, threads, begun)
         # The caller's work so far (weights pushed, an undo) comes first.
         refs = self.begin() if begun is None else begun
         progress = _Progress([event for event, _ in refs.values()],
-                             sum(len(actions) for actions in lists.values()), timed)
+                             sum(len(actions) for actions in lists.values()))
         futures = {ipu: self.streams[ipu].submit(
             functools.partial(self._work, ipu, actions, waits, call, progress))
             for ipu, actions in lists.items() if actions}
@@ -203,15 +198,12 @@ class Placement:
             raise progress.failure
         if failed is not None:
             raise failed
-        if not timed:
-            return {}
         return {a: (*refs[self.devices[ipu]], progress.begun[a], progress.events[a])
                 for ipu, actions in lists.items() if isinstance(self.streams[ipu], CudaStream)
                 for a in actions}
 
     def run_in_order(self, pairs: list, waits: Callable, call: Callable,
-                     threads: Optional[int] = None, begun: Optional[dict] = None,
-                     waited: Optional[set] = None, timed: bool = True) -> dict:
+                     threads: Optional[int] = None, begun: Optional[dict] = None) -> dict:
         """Run ``(ipu, action)`` pairs in this order on the caller's thread ([Note: streams]).
 
         An action of a CUDA stream is launched as that stream's worker would launch it:
@@ -220,11 +212,9 @@ class Placement:
         raises ([Note: values crossing streams] in ``streams``).
 
         Args:
-            pairs: ``(ipu, action)`` in the order to run them; waits, call, begun and
-                timed: as :meth:`run_lists`'s; threads: the intra-op threads to run them
-                with (None: the caller's own).
-            waited: the actions that an action of another stream waits for (None: any):
-                only those, and timed ones, record an event after them.
+            pairs: ``(ipu, action)`` in the order to run them; waits, call and begun: as
+                :meth:`run_lists`'s; threads: the intra-op threads to run them with (None:
+                the caller's own).
 
         Returns:
             :meth:`run_lists`'s spans.
@@ -255,14 +245,12 @@ class Placement:
                 if needs:
                     stream.wait([events[d] for d in needs if d in events])
                 on_gpu = ipu in gpus
-                first = stream.record() if timed and on_gpu else None
+                first = stream.record() if on_gpu else None
                 call(a)
                 if on_gpu:
                     stream.join()
-                    if timed or waited is None or a in waited:
-                        events[a] = stream.record()
-                    if timed:
-                        spans[a] = (*refs[self.devices[ipu]], first, events[a])
+                    events[a] = stream.record()
+                    spans[a] = (*refs[self.devices[ipu]], first, events[a])
         except BaseException as exc:
             if context is not None:
                 context.close()
@@ -343,7 +331,7 @@ class Placement:
                 if progress.stop:
                     return
                 stream.wait([progress.events[d] for d in needs if d in progress.events])
-                if gpu and progress.timed:
+                if gpu:
                     progress.begun[a] = stream.record()
                 progress.running[ipu] = a
                 try:

@@ -35,21 +35,21 @@ class Plan:
         ahead: action -> the next action of its stream that receives messages (processes).
         here: when the caller's thread runs every action itself on CPU streams
             (``Placement.here``), ``(action, handler, (ipu, stage, micro-batch, kind))`` in
-            order; else None (also when it runs them on CUDA streams:
-            ``Placement.run_lists`` does, with ``waited``).
+            order; else None.
+        launch: when the caller's thread runs every action itself and some are on CUDA
+            streams, ``(ipu, action)`` in order (``Placement.run_in_order``); else None.
         threads: the intra-op threads for ``here`` (None: the caller's).
-        waited: the actions that an action of another stream waits for.
     """
 
     __slots__ = ("schedule", "lists", "waits", "rows", "in_order", "ahead", "threads", "here",
-                 "waited")
+                 "launch")
 
     def __init__(self, schedule: Schedule, lists: dict, waits: dict, rows: dict,
                  in_order: Optional[list], ahead: dict, threads: Optional[int],
-                 here: Optional[list]):
+                 here: Optional[list], launch: Optional[list] = None):
         self.schedule, self.lists, self.waits, self.rows = schedule, lists, waits, rows
         self.in_order, self.ahead, self.threads, self.here = in_order, ahead, threads, here
-        self.waited = {d for needs in waits.values() for d in needs}
+        self.launch = launch
 
 
 def make_plan(schedule: Schedule, placement, handlers: dict, ipu_of: Callable,
@@ -83,13 +83,14 @@ def make_plan(schedule: Schedule, placement, handlers: dict, ipu_of: Callable,
             if channels.receives(a):
                 following = a
     here, threads = placement.here(lists, in_order) if channels is None else (None, None)
+    launch = None
     if here is not None and any(isinstance(placement.streams[ipu], CudaStream)
                                 for ipu, _ in here):
-        here = None  # Placement.run_lists runs them on the caller's thread, with the GPU's waits
+        here, launch = None, here  # launched on their CUDA streams, with the GPU's waits
     return Plan(schedule, lists, waits, rows, in_order, ahead, threads,
                 None if here is None else [(a, handlers[a.kind], (ipu, a.stage, a.microbatch,
                                                                    a.kind.value))
-                                           for ipu, a in here])
+                                           for ipu, a in here], launch)
 
 
 class Call:
