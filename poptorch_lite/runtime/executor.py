@@ -106,6 +106,9 @@ class Executor(Updates):
                          Kind.STEP: self._step}
         self._plans: dict = {}
         self.names = [o for o in partition.outputs if isinstance(o, str)]  # returned values
+        self.made_on_gpu = {name: placement.device(st.ipu) for st in partition.stages
+                            if self.local[st.index] and st.ipu in self.gpu_ipus
+                            for name in st.outputs if name in self.names}
 
     def run(self, schedule: Schedule, microbatches: Sequence[Sequence[torch.Tensor]],
             replica_of: Callable, step: Optional[StepArithmetic],
@@ -221,9 +224,7 @@ class Executor(Updates):
         names = self.names
         if channels is not None:  # weights returned, values of data-dependent shape
             channels.share_outputs(run, names, self._result, self.weights)
-        out = [[self._result(run, i, o) for o in names] if keep is None or keep[i] else None
-               for i in range(len(microbatches))]
-        return out, run.stats
+        return self._outputs(run), run.stats
 
     def _actor(self, run: Run, step: Optional[StepArithmetic],
                recorder: Optional[Recorder]) -> Callable:
@@ -365,6 +366,30 @@ class Executor(Updates):
 
     # -- results and failures -------------------------------------------------------------
 
+    def _outputs(self, run: Run) -> list:
+        """Per micro-batch, its returned values on the host (None where not kept).
+
+        A value that a GPU computed comes to the host in one copy for all the kept
+        micro-batches: joined there, copied once and split into views of the host copy,
+        not one blocking copy per micro-batch. ``batch.merge`` then concatenates or sums
+        the views into what the call returns, so none outlives the call.
+        """
+        kept, results = run.kept, run.results
+        out = [None] * len(run.inputs)
+        for i in kept:
+            out[i] = []
+        for name in self.names:
+            values = ([results[i].get(name) for i in kept]
+                      if len(kept) > 1 and name in self.made_on_gpu else ())
+            if values and _joinable(values):
+                copied = torch.cat([v.reshape(-1) for v in values]).cpu()
+                for i, v, piece in zip(kept, values, copied.split([v.numel() for v in values])):
+                    out[i].append(piece.view(v.shape))
+            else:
+                for i in kept:
+                    out[i].append(self._result(run, i, name))
+        return out
+
     def _result(self, run: Run, i: int, name: str) -> torch.Tensor:
         if name in run.results[i]:
             v = run.results[i][name]
@@ -413,3 +438,10 @@ class Executor(Updates):
             location=where) from exc
 
 
+def _joinable(values: list) -> bool:
+    """Whether the values of one output (per kept micro-batch) can come back in one copy:
+    all computed, of one dtype and device, strided."""
+    first = values[0]
+    return first is not None and all(
+        v is not None and v.dtype == first.dtype and v.device == first.device
+        and v.layout == torch.strided for v in values)
