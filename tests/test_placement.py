@@ -152,6 +152,26 @@ def test_gpu_streams_alone_or_in_a_total_order_run_on_the_callers_thread_with_th
     placement.close()
 
 
+def test_a_gpu_action_launched_back_to_back_starts_at_the_event_that_ended_the_last_one():
+    """[Note: GPU timeline]: on the caller's thread, an action that waits for nothing starts
+    at its stream's previous end event (nothing was enqueued between them); the first action
+    of a stream, and one that waits for another stream, record a start of their own after
+    their waits, and every action records its end."""
+    twin = TwinGpu()
+    with gpu.installed(twin):
+        placement = Placement([0, 1], {0: TWIN, 1: TWIN})
+    order = [(0, "a0"), (0, "a1"), (1, "b0"), (1, "b1"), (0, "a2"), (1, "b2")]
+    spans = placement.run_in_order(order, {"b0": ["a1"], "b2": ["a2"]}.get, lambda a: None)
+    ref, host, start, end = zip(*(spans[a] for _, a in order))
+    assert len(set(map(id, end))) == 6
+    fresh = [s for s in start if all(s is not e for e in end)]
+    assert [a for (_, a), s in zip(order, start) if any(s is f for f in fresh)] == \
+        ["a0", "b0", "b2"]
+    assert start[1] is end[0] and start[3] is end[2] and start[4] is end[1]
+    assert all(r is ref[0] for r in ref) and all(h == host[0] for h in host)
+    placement.close()
+
+
 def test_an_interrupt_on_the_callers_thread_names_its_action():
     placement = Placement([0], None)
 

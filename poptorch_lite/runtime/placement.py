@@ -42,6 +42,10 @@ records a timing event when the action begins (after its waits) and one after
 it, and the run's reference event per GPU (recorded when the run starts, with
 the host's ``time.perf_counter()`` beside it) converts them to host time after
 the run. Launch times would say nothing: the host launches far ahead of the GPU.
+Where the caller's thread launches a run (:meth:`Placement.run_in_order`), an
+action that waits for nothing starts at the event that ended its stream's
+previous action: nothing was enqueued between them, and a launch-bound step
+saves an event per action.
 """
 
 from __future__ import annotations
@@ -229,7 +233,8 @@ class Placement:
             return {}
         refs = self.begin() if begun is None else begun
         start = [event for event, _ in refs.values()]
-        events, spans, started = {}, {}, set()
+        events, spans = {}, {}
+        last = {}  # stream -> the event after its latest action, while nothing was enqueued since
         current = context = a = ipu = None
         try:
             for ipu, a in pairs:
@@ -238,18 +243,20 @@ class Placement:
                     if context is not None:
                         context.close()
                     context, current = stream.context(), ipu
-                    if ipu not in started:
+                    if stream not in last:  # its first action: after the caller's work
                         stream.wait(start)
-                        started.add(ipu)
-                needs = waits(a)
+                        last[stream] = None
+                needs = waits(a)  # actions of other streams
                 if needs:
                     stream.wait([events[d] for d in needs if d in events])
+                    last[stream] = None
                 on_gpu = ipu in gpus
-                first = stream.record() if on_gpu else None
+                # [Note: GPU timeline]: back to back, an action starts where the last one ended
+                first = (last[stream] or stream.record()) if on_gpu else None
                 call(a)
                 if on_gpu:
                     stream.join()
-                    events[a] = stream.record()
+                    events[a] = last[stream] = stream.record()
                     spans[a] = (*refs[self.devices[ipu]], first, events[a])
         except BaseException as exc:
             if context is not None:
