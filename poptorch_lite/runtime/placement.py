@@ -252,7 +252,8 @@ class Placement:
                     last[stream] = None
                 on_gpu = ipu in gpus
                 # [Note: GPU timeline]: back to back, an action starts where the last one ended
-                first = (last[stream] or stream.record()) if on_gpu else None
+                first = None if not on_gpu else (
+                    last[stream] if last[stream] is not None else stream.record())
                 call(a)
                 if on_gpu:
                     stream.join()
