@@ -276,12 +276,15 @@ def test_off_the_cpu_each_ipu_on_a_device_computes_with_a_tensor_of_its_own():
 @pytest.mark.parametrize("mode,kept", [(poptorch.OutputMode.Final, [7]),
                                        (poptorch.OutputMode.All, list(range(8))),
                                        (poptorch.OutputMode.EveryN, [4, 5, 6, 7])])
-@pytest.mark.parametrize("device", ["cpu", "gpu_twin"])
+@pytest.mark.parametrize("device,join_bytes", [("cpu", None), ("gpu_twin", None),
+                                               ("gpu_twin", 0)])
 def test_only_the_micro_batches_an_output_mode_returns_are_copied_to_the_host(
-        monkeypatch, mode, kept, device):
+        monkeypatch, mode, kept, device, join_bytes):
     """Only the kept micro-batches' outputs are read; on a GPU, where a run keeps more than
-    one, each output comes back in one copy for all of them (``Executor._outputs``), not
-    one per micro-batch."""
+    one, each output of at most ``JOIN_BYTES`` comes back in one copy for all of them
+    (``Executor._outputs``), a larger one micro-batch by micro-batch."""
+    if join_bytes is not None:
+        monkeypatch.setattr(gpu_seam, "JOIN_BYTES", join_bytes)
     read = []
     original = Executor._result
 
@@ -298,7 +301,7 @@ def test_only_the_micro_batches_an_output_mode_returns_are_copied_to_the_host(
     out, loss = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(),
                                                                     lr=0.1))(x, y)
     # two outputs (logits and loss) per kept micro-batch; run-local indices, 4 per run
-    one_by_one = device == "cpu" or len(kept) == 1
+    one_by_one = device == "cpu" or len(kept) == 1 or join_bytes == 0
     assert sorted(read) == (sorted(i % 4 for i in kept for _ in range(2)) if one_by_one else [])
     outs, losses, _ = reference_training(ref, torch.optim.SGD(ref.parameters(), lr=0.1), x, y,
                                          2, 4, 1)

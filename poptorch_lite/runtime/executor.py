@@ -22,7 +22,7 @@ from ..compiler.partition import Partition
 from .channels import Channels
 from ..errors import Error, ExecutionError, UnrecoverableError
 from ..profiling.timeline import Recorder
-from .gpu import joinable
+from .gpu import copy_out_all, joinable
 from .placement import Placement
 from .plan import Call, Plan, make_plan
 from .schedule import Action, Kind, Schedule
@@ -367,27 +367,18 @@ class Executor(Updates):
     # -- results and failures -------------------------------------------------------------
 
     def _outputs(self, run: Run) -> list:
-        """Per micro-batch, its returned values on the host (None where not kept).
-
-        A value that a GPU computed comes to the host in one copy for all the kept
-        micro-batches: joined there, copied once and split into views of the host copy,
-        not one blocking copy per micro-batch. ``batch.merge`` then concatenates or sums
-        the views into what the call returns, so none outlives the call.
-        """
+        """Per micro-batch, its returned values on the host (None where not kept); a small
+        value a GPU computed in one copy for all the kept micro-batches (``gpu.copy_out_all``)."""
         kept, results = run.kept, run.results
         out = [None] * len(run.inputs)
         for i in kept:
             out[i] = []
         for name in self.names:
-            values = ([results[i].get(name) for i in kept]
-                      if len(kept) > 1 and name in self.made_on_gpu else ())
-            if values and _joinable(values):
-                copied = torch.cat([v.reshape(-1) for v in values]).cpu()
-                for i, v, piece in zip(kept, values, copied.split([v.numel() for v in values])):
-                    out[i].append(piece.view(v.shape))
-            else:
-                for i in kept:
-                    out[i].append(self._result(run, i, name))
+            copied = (copy_out_all([results[i].get(name) for i in kept])
+                      if len(kept) > 1 and name in self.made_on_gpu else None)
+            for i, value in zip(kept, copied) if copied is not None else (
+                    (i, self._result(run, i, name)) for i in kept):
+                out[i].append(value)
         return out
 
     def _result(self, run: Run, i: int, name: str) -> torch.Tensor:
@@ -436,12 +427,3 @@ class Executor(Updates):
             f"action {a} ({a.kind.name.lower()}) failed on {where}: {type(exc).__name__}: {exc}\n"
             f"schedule '{schedule.name}', failing row marked:\n{schedule.render(mark_row=row)}",
             location=where) from exc
-
-
-def _joinable(values: list) -> bool:
-    """Whether the values of one output (per kept micro-batch) can come back in one copy:
-    all computed, of one dtype and device, strided."""
-    first = values[0]
-    return first is not None and all(
-        v is not None and v.dtype == first.dtype and v.device == first.device
-        and v.layout == torch.strided for v in values)

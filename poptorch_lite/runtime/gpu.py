@@ -8,7 +8,8 @@ a call's inputs into GPU memory) goes through a :class:`Gpu`, never through
 takes the one in force when it is made (:func:`current`), and the executor,
 its stage work and its streams ask that placement's. CUDA's is the only one the
 package has. The test suite installs a twin (``tests/gpu_twin.py``) that takes
-the same branches with CPU tensors: its "GPU" is ``torch.device("cpu", 0)``
+the same branches with CPU tensors (:func:`copy_out_all`, the outputs' way back, is plain
+torch that it runs as it is): its "GPU" is ``torch.device("cpu", 0)``
 (distinct from the host's ``cpu``, so inputs are copied into it and weights get
 homes of their own there), its streams and events are stand-ins, and a copy
 into it lands only when something waits for it, as on a GPU; until then the
@@ -22,7 +23,7 @@ copies between two GPUs, and GPU arithmetic itself (the CUDA tests and
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
@@ -98,6 +99,35 @@ def joinable(ts: list) -> bool:
         t.device.type == "cpu" and t.dtype == first.dtype and t.layout == torch.strided
         and t.dim() == first.dim() and t.shape[1:] == first.shape[1:] and not t.requires_grad
         for t in ts)
+
+
+JOIN_BYTES = 1 << 22  # the largest output that :func:`copy_out_all` joins on a GPU
+
+
+def copy_out_all(values: list) -> Optional[list]:
+    """Host copies of one output's values (one per kept micro-batch, made on one GPU) in one
+    copy: joined there, copied back once and split into views of the host copy, where one
+    blocking copy per micro-batch would each cost a launch and a wait. ``batch.merge`` then
+    concatenates or sums the views into what the call returns, so none outlives the call.
+    None where they cannot be joined: not all computed, of several dtypes or devices, not
+    strided, or more than ``JOIN_BYTES`` in all (such copies are bandwidth-bound, and
+    joining them would hold a second copy on the GPU).
+
+    Example:
+        >>> copy_out_all([torch.zeros(2), torch.ones(1, 1)])
+        [tensor([0., 0.]), tensor([[1.]])]
+        >>> copy_out_all([torch.zeros(2), None]) is None
+        True
+    """
+    first = values[0]
+    if first is None or not all(
+            v is not None and v.dtype == first.dtype and v.device == first.device
+            and v.layout == torch.strided for v in values) or sum(
+            v.numel() for v in values) * first.element_size() > JOIN_BYTES:
+        return None
+    copied = torch.cat([v.reshape(-1) for v in values]).cpu()
+    return [piece.view(v.shape) for v, piece in zip(values, copied.split(
+        [v.numel() for v in values]))]
 
 
 CUDA = Gpu()
