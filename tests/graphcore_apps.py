@@ -17,6 +17,11 @@ checks at least as close as theirs.
   serializations and recomputation settings of the app's test, whose check (every step's
   loss within 1e-6) is kept; the token ids are fixed instead of the tokenizer's download.
 
+- ``conformer`` (``speech/conformer/pytorch``): the app's own ``tests/test_forward_grad.py``,
+  unmodified, under pytest: subsampling, convolution and layer-norm modules trained one SGD
+  step, their gradients read back as anchored tensors (``anchorTensor("Gradient___...")``,
+  ``getAnchoredTensor``) and compared with the CPU's within 1e-5, with the outputs.
+
 Not part of the suite: the apps pin older transformers than the ``hf`` extra's (4.26.1 for
 GPT-2; BERT's 4.18.0 pin runs on 4.26.1 too) and import horovod, wandb and graphcore's
 examples-utils at the top (stand-ins are made here; a single-process run never calls them).
@@ -26,6 +31,7 @@ In a venv of its own that reuses the project's torch::
     python -m poptorch_lite run tests/graphcore_apps.py gpt2 EXAMPLES/nlp/gpt2/pytorch sharded
     python -m poptorch_lite run tests/graphcore_apps.py gpt2 EXAMPLES/nlp/gpt2/pytorch pipelined
     python -m poptorch_lite run tests/graphcore_apps.py bert EXAMPLES/nlp/bert/pytorch
+    python -m poptorch_lite run tests/graphcore_apps.py conformer EXAMPLES/speech/conformer/pytorch
 """
 
 import os
@@ -170,7 +176,14 @@ def bert(app: str) -> int:
     return int(failed)
 
 
+def conformer(app: str) -> int:
+    sys.path[:0] = [app, stand_ins()]
+    os.chdir(app)  # the test writes its log file where it runs
+    import pytest
+    return int(pytest.main(["-q", "-p", "no:cacheprovider", "tests/test_forward_grad.py"]))
+
+
 if __name__ == "__main__":
     which, app = sys.argv[1], os.path.abspath(sys.argv[2])
     sys.exit(gpt2(app, sys.argv[3] if len(sys.argv) > 3 else "sharded") if which == "gpt2"
-             else bert(app))
+             else bert(app) if which == "bert" else conformer(app))
