@@ -21,17 +21,22 @@ checks at least as close as theirs.
   unmodified, under pytest: subsampling, convolution and layer-norm modules trained one SGD
   step, their gradients read back as anchored tensors (``anchorTensor("Gradient___...")``,
   ``getAnchoredTensor``) and compared with the CPU's within 1e-5, with the outputs.
+- ``clip`` (``multimodal/CLIP/pytorch``): the app's own ``tests/cpu_ipu_test.py``, unmodified,
+  under pytest: ``CLIP(config).parallelize()`` over 8 IPUs (``PipelinedExecution(AutoStage.
+  SameAsIpu)``, accumulation 15, its feature-queue buffers) against the CPU model in
+  ``torch.optim.AdamW`` for 10 steps, every loss within its 1e-6.
 
 Not part of the suite: the apps pin older transformers than the ``hf`` extra's (4.26.1 for
 GPT-2; BERT's 4.18.0 pin runs on 4.26.1 too) and import horovod, wandb and graphcore's
 examples-utils at the top (stand-ins are made here; a single-process run never calls them).
 In a venv of its own that reuses the project's torch::
 
-    pip install transformers==4.26.1 'tokenizers<0.14' tfrecord scipy pyyaml
+    pip install transformers==4.26.1 'tokenizers<0.14' tfrecord scipy pyyaml pandas ftfy regex
     python -m poptorch_lite run tests/graphcore_apps.py gpt2 EXAMPLES/nlp/gpt2/pytorch sharded
     python -m poptorch_lite run tests/graphcore_apps.py gpt2 EXAMPLES/nlp/gpt2/pytorch pipelined
     python -m poptorch_lite run tests/graphcore_apps.py bert EXAMPLES/nlp/bert/pytorch
     python -m poptorch_lite run tests/graphcore_apps.py conformer EXAMPLES/speech/conformer/pytorch
+    python -m poptorch_lite run tests/graphcore_apps.py clip EXAMPLES/multimodal/CLIP/pytorch
 """
 
 import os
@@ -176,14 +181,19 @@ def bert(app: str) -> int:
     return int(failed)
 
 
-def conformer(app: str) -> int:
+APP_TESTS = {"conformer": "tests/test_forward_grad.py", "clip": "tests/cpu_ipu_test.py"}
+
+
+def app_test(app: str, test: str) -> int:
+    """The app's own test, unmodified, under pytest in this process (``import poptorch`` is
+    poptorch_lite here)."""
     sys.path[:0] = [app, stand_ins()]
-    os.chdir(app)  # the test writes its log file where it runs
+    os.chdir(app)  # the tests write their log files where they run
     import pytest
-    return int(pytest.main(["-q", "-p", "no:cacheprovider", "tests/test_forward_grad.py"]))
+    return int(pytest.main(["-q", "-s", "-p", "no:cacheprovider", test]))
 
 
 if __name__ == "__main__":
     which, app = sys.argv[1], os.path.abspath(sys.argv[2])
     sys.exit(gpt2(app, sys.argv[3] if len(sys.argv) > 3 else "sharded") if which == "gpt2"
-             else bert(app) if which == "bert" else conformer(app))
+             else bert(app) if which == "bert" else app_test(app, APP_TESTS[which]))
