@@ -23,6 +23,7 @@ Example:
 import contextlib
 import threading
 import time
+import weakref
 
 import torch
 
@@ -36,6 +37,8 @@ class TwinStream:
         self.device = device
         self.pending = []    # (sequence number, work) launched and not yet run
         self.launched = 0    # work launched so far
+        self.waited = {}     # other stream -> how far this one waited for it (its work up to)
+        self.synced = 0      # how far the host waited for this stream
         self.lock = threading.RLock()
 
     def launch(self, work) -> None:
@@ -52,12 +55,22 @@ class TwinStream:
 
     def wait_event(self, event) -> None:
         event.synchronize()
+        if event.stream is not None:
+            self.waited[event.stream] = max(self.waited.get(event.stream, 0), event.mark)
 
     def wait_stream(self, other) -> None:
+        mark = other.launched
         other.synchronize()
+        self.waited[other] = max(self.waited.get(other, 0), mark)
 
     def synchronize(self) -> None:
-        self.run_until(self.launched)
+        mark = self.launched
+        self.run_until(mark)
+        self.synced = max(self.synced, mark)
+
+    def sees(self, other, mark: int) -> bool:
+        """Whether work launched on ``other`` up to ``mark`` is visible to this stream's work."""
+        return other is self or max(self.waited.get(other, 0), other.synced) >= mark
 
 
 class TwinEvent:
@@ -85,9 +98,11 @@ class TwinGpu:
 
     def __init__(self):
         self.copies = []
+        self.unwaited = []               # (value's shape, maker, reader): read before landing
         self._default = {}               # device -> its default stream, shared by threads
         self._local = threading.local()  # this thread's current stream per device
         self._lock = threading.Lock()
+        self._made = {}                  # data_ptr -> (the value, its stream, its work's mark)
 
     def is_gpu(self, device) -> bool:
         return device.type == "cpu" and device.index is not None
@@ -121,17 +136,47 @@ class TwinGpu:
     def device(self, device):
         return contextlib.nullcontext()
 
+    def made(self, tensors, device) -> None:
+        """An action's values for other stages: its work on this thread's current stream, so
+        a reader on another stream sees them only after waiting for an event recorded after
+        it (or after the host synchronized this stream)."""
+        stream = self.current_stream(device)
+        stream.launch(lambda: None)  # the action's kernels: its end event comes after them
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.numel():
+                self._made[t.data_ptr()] = (weakref.ref(t), stream, stream.launched)
+
+    def arrive(self, t: torch.Tensor, device) -> torch.Tensor:
+        """``t`` as this thread's stream on ``device`` reads it: NaN (integers: a value out of
+        any range) where it was made on another stream that this one did not wait for."""
+        entry = self._made.get(t.data_ptr()) if t.numel() else None
+        if entry is not None:
+            ref, stream, mark = entry
+            made = ref()
+            reader = self.current_stream(device)
+            if made is not None and made.data_ptr() == t.data_ptr() and not reader.sees(
+                    stream, mark):
+                self.unwaited.append((tuple(t.shape), stream, reader))
+                return _poisoned(t)
+        return t
+
     def copy_in(self, t: torch.Tensor, device) -> torch.Tensor:
         self.copies.append((t, device))
         pinned = t.clone()  # pinning copies the host tensor now; the transfer comes later
-        out = torch.empty_like(t)
-        if out.is_floating_point() or out.is_complex():
-            out.fill_(float("nan"))
-        elif out.dtype != torch.bool:
-            out.fill_(torch.iinfo(out.dtype).max)
+        out = _poisoned(t)
         self.current_stream(device).launch(lambda: out.copy_(pinned))
         return out
 
     def copy_in_all(self, ts, device):
         """One transfer of the joined tensors, landing when waited for; views of its rows."""
         return list(self.copy_in(torch.cat(ts), device).split([len(t) for t in ts]))
+
+
+def _poisoned(t: torch.Tensor) -> torch.Tensor:
+    """A tensor like ``t`` that no computation can mistake for it: NaN, the largest integer,
+    or (booleans) its negation."""
+    if t.dtype == torch.bool:
+        return ~t
+    out = torch.empty_like(t)
+    return out.fill_(float("nan") if out.is_floating_point() or out.is_complex()
+                     else torch.iinfo(out.dtype).max)

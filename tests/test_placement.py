@@ -152,6 +152,32 @@ def test_gpu_streams_alone_or_in_a_total_order_run_on_the_callers_thread_with_th
     placement.close()
 
 
+def test_the_twin_shows_a_value_read_on_another_stream_before_its_event_as_nan():
+    """The twin's rule for values handed between stages ([Note: the GPU seam]): a reader on
+    the maker's own stream sees them; one on another stream sees NaN until it waited for an
+    event recorded after the making action, or the host synchronized the maker's stream."""
+    twin = TwinGpu()
+    maker, reader = twin.Stream(TWIN), twin.Stream(TWIN)
+    early = twin.Event()
+    early.record(maker)  # before the action: waiting for it is not enough
+    value = torch.ones(3)
+    with twin.stream(maker):
+        twin.made([value], TWIN)
+        assert torch.equal(twin.arrive(value.detach(), TWIN), value)
+    after = twin.Event()
+    after.record(maker)
+    with twin.stream(reader):
+        reader.wait_event(early)
+        assert twin.arrive(value.detach(), TWIN).isnan().all()
+        reader.wait_event(after)
+        assert torch.equal(twin.arrive(value.detach(), TWIN), value)
+    assert len(twin.unwaited) == 1
+    late = twin.Stream(TWIN)
+    maker.synchronize()  # the host waited for the maker: every stream sees its values
+    with twin.stream(late):
+        assert torch.equal(twin.arrive(value, TWIN), value)
+
+
 def test_a_gpu_action_launched_back_to_back_starts_at_the_event_that_ended_the_last_one():
     """[Note: GPU timeline]: on the caller's thread, an action that waits for nothing starts
     at its stream's previous end event (nothing was enqueued between them); the first action

@@ -13,9 +13,13 @@ torch that it runs as it is): its "GPU" is ``torch.device("cpu", 0)``
 (distinct from the host's ``cpu``, so inputs are copied into it and weights get
 homes of their own there), its streams and events are stand-ins, and a copy
 into it lands only when something waits for it, as on a GPU; until then the
-copy holds NaN. So a bug of the GPU path that has a shape on the CPU (a copy
-read by the wrong micro-batch, a read that does not wait for its copy) fails
-the CPU suite, which CI runs without a GPU. Not twinned: ``record_stream``,
+copy holds NaN. A stage's activations and its inputs' gradients, handed to
+another stream (:meth:`Gpu.made`, :meth:`Gpu.arrive`), read as NaN there unless
+that stream waited for an event recorded after the action that made them. So a
+bug of the GPU path that has a shape on the CPU (a copy read by the wrong
+micro-batch, a read that does not wait for its copy, a stage that does not wait
+for the stage before it) fails the CPU suite, which CI runs without a GPU. Not
+twinned: ``record_stream``, the tied weights' gradients gathered for the step,
 copies between two GPUs, and GPU arithmetic itself (the CUDA tests and
 ``benchmarks/gpu_check.sh`` run those on a real GPU).
 """
@@ -61,6 +65,28 @@ class Gpu:
     def device(self, device: torch.device) -> contextlib.AbstractContextManager:
         """Make ``device`` this thread's current GPU, while inside."""
         return torch.cuda.device(device)
+
+    def made(self, tensors: list, device: torch.device) -> None:
+        """``tensors``, just computed on this thread's current stream on ``device``, are handed
+        to other stages (a stage's outputs, its inputs' gradients). CUDA needs nothing: a
+        reader on another stream waits for the event recorded after the action ([Note: values
+        crossing streams] in ``streams``). The twin lets them land only then."""
+
+    def arrive(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``t``, made on another stream, for use on this thread's stream on ``device``.
+
+        Called in the worker of the stream that reads ``t``, after it waited for the
+        action that made ``t`` ([Note: values crossing streams] in ``streams``).
+
+        Example:
+            >>> CUDA.arrive(torch.ones(2), torch.device("cpu"))
+            tensor([1., 1.])
+        """
+        if t.device.type == "cuda":  # read on this thread's stream: keep its memory until then
+            t.record_stream(torch.cuda.current_stream(t.device))
+        if t.device == device:
+            return t
+        return t.to(device, non_blocking=device.type == "cuda")
 
     def copy_in(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
         """A copy of ``t`` on ``device``, enqueued on this thread's current stream there:

@@ -93,6 +93,7 @@ class StageWork:
                  remote_inputs: Optional[Sequence[frozenset]] = None):
         self.partition = partition
         self.placement = placement
+        self.gpu = placement.gpu  # [Note: the GPU seam] in ``gpu``
         self.weights = weights
         self.recompute = tuple(recompute or [False] * partition.num_stages)
         # Per stage, its inputs that another process computes: they arrive in the run's
@@ -119,6 +120,10 @@ class StageWork:
         # The IPU that produces each stage output (values crossing IPUs are copied under
         # useIpuModel, gradients too).
         self.producer = {n: st.ipu for st in partition.stages for n in st.outputs}
+        # Per stage, its device when that is a GPU (None: not here, or not a GPU).
+        self.gpu_device = [placement.devices.get(st.ipu) if st.ipu in placement.devices
+                           and self.gpu.is_gpu(placement.devices[st.ipu]) else None
+                           for st in partition.stages]
         self.crossing = [{n for n in st.outputs
                           if any(n in t.inputs and t.ipu != st.ipu for t in partition.stages)}
                          for st in partition.stages]
@@ -164,7 +169,7 @@ class StageWork:
                     self.placement.gpu.current_stream(device).wait_event(ready)
             else:  # computed by an earlier stage: [Note: autograd boundary]
                 produced = received[name] if name in received else run.values[i][name]
-                v = arrive(produced.detach(), device)  # [Note: values crossing streams] in ``streams``
+                v = self.gpu.arrive(produced.detach(), device)  # [Note: values crossing streams]
                 if separate and self.producer[name] != ipu and v.device == produced.device:
                     v = v.clone()  # useIpuModel: the value crosses into another IPU's memory
                 if torch.is_grad_enabled() and produced.requires_grad:
@@ -256,6 +261,8 @@ class StageWork:
             values[name] = o
             if name in wanted and i in run.keeps:  # only returned values are read
                 run.results[i][name] = o.detach()
+        if self.gpu_device[st.index] is not None:
+            self.gpu.made(outs, self.gpu_device[st.index])
 
     def _head(self, a: Action, run: Run) -> Entry:
         entry = run.stash[a.stage][0]
@@ -344,7 +351,7 @@ class StageWork:
         else:
             run.stash_bytes[a.stage] -= entry.nbytes
         i = entry.i
-        grads_in = run.grads[i]
+        grads_in, gpu = run.grads[i], self.gpu_device[a.stage]
         crossing = self.crossing[a.stage] if self.weights.separate_memories else ()
         pending: dict = {}  # value name -> gradient from a later segment's leaf
         for outs, names, leaves in reversed(entry.segments):
@@ -352,7 +359,7 @@ class StageWork:
             for name, o in zip(names, outs):
                 g = grads_in.pop(name, None)
                 if g is not None:  # made by a later stage: [Note: values crossing streams]
-                    g = arrive(g, o.device)
+                    g = self.gpu.arrive(g, o.device if gpu is None else gpu)
                     if name in crossing:
                         g = g.clone()  # useIpuModel: it crosses back into this IPU's memory
                 if name == self.partition.loss:
@@ -380,6 +387,8 @@ class StageWork:
             boundary = {n: leaf for n, leaf in boundary.items() if n not in remote}
         if boundary:
             _collect_grads(boundary, grads_in)  # input gradients go upstream
+            if gpu is not None:
+                self.gpu.made([grads_in[n] for n in boundary if n in grads_in], gpu)
         if split:  # the output gradients W starts from are held until then too, and what
             # a recompute rebuilt (the autograd graph that W still runs on)
             kept = sum(d.nbytes() for d in entry.later) + self._rebuilt_bytes.get(a.stage, 0)

@@ -206,20 +206,14 @@ class CudaStream(CpuStream):
 
 
 def arrive(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t``, made on another stream, for use on this thread's stream on ``device``.
-
-    Called in the worker of the stream that reads ``t``, after it waited for the
-    action that made ``t`` ([Note: values crossing streams]).
+    """``t``, made on another stream, for use on this thread's stream on ``device``
+    (:meth:`Gpu.arrive` of CUDA's seam; the stage work asks its placement's).
 
     Example:
         >>> arrive(torch.ones(2), torch.device("cpu"))
         tensor([1., 1.])
     """
-    if t.device.type == "cuda":  # read on this thread's stream: keep its memory until then
-        t.record_stream(torch.cuda.current_stream(t.device))
-    if t.device == device:
-        return t
-    return t.to(device, non_blocking=device.type == "cuda")
+    return CUDA.arrive(t, device)
 
 
 def _close_all(streams: list, wait: bool = True) -> None:
