@@ -19,9 +19,10 @@ that stream waited for an event recorded after the action that made them. So a
 bug of the GPU path that has a shape on the CPU (a copy read by the wrong
 micro-batch, a read that does not wait for its copy, a stage that does not wait
 for the stage before it) fails the CPU suite, which CI runs without a GPU. Not
-twinned: ``record_stream``, the tied weights' gradients gathered for the step,
-copies between two GPUs, and GPU arithmetic itself (the CUDA tests and
-``benchmarks/gpu_check.sh`` run those on a real GPU).
+twinned: ``record_stream``, the optimizer step's reads of parameter gradients
+made on other streams (a tied weight's included), copies between two GPUs, and
+GPU arithmetic itself (the CUDA tests and ``benchmarks/gpu_check.sh`` run those
+on a real GPU).
 """
 
 from __future__ import annotations
