@@ -60,7 +60,7 @@ step mnist_pipelined 150 "Accuracy|effective|Error|error" \
     $PY examples/mnist_pipelined.py --data-dir "$DATA" &
 wait
 # The same pipeline trained by plain PyTorch on the GPU, step for step (its numbers against
-# poptorch_lite's, within float tolerance), over the first 2000 steps.
+# poptorch_lite's, within float tolerance), over the first 200 steps.
 step mnist_match 60 "same numbers|FAILED|Error|error" \
     $PY benchmarks/gpu_mnist_match.py --data-dir "$DATA" --steps 200
 

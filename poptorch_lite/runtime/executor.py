@@ -106,9 +106,9 @@ class Executor(Updates):
                          Kind.STEP: self._step}
         self._plans: dict = {}
         self.names = [o for o in partition.outputs if isinstance(o, str)]  # returned values
-        self.made_on_gpu = {name: placement.device(st.ipu) for st in partition.stages
-                            if self.local[st.index] and st.ipu in self.gpu_ipus
-                            for name in st.outputs if name in self.names}
+        self.made_on_gpu = frozenset(name for st in partition.stages
+                                     if self.local[st.index] and st.ipu in self.gpu_ipus
+                                     for name in st.outputs if name in self.names)
 
     def run(self, schedule: Schedule, microbatches: Sequence[Sequence[torch.Tensor]],
             replica_of: Callable, step: Optional[StepArithmetic],

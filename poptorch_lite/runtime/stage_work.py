@@ -121,7 +121,7 @@ class StageWork:
         # useIpuModel, gradients too).
         self.producer = {n: st.ipu for st in partition.stages for n in st.outputs}
         # Per stage, its device when that is a GPU (None: not here, or not a GPU).
-        self.gpu_device = [placement.devices.get(st.ipu) if st.ipu in placement.devices
+        self.gpu_device = [placement.devices[st.ipu] if st.ipu in placement.devices
                            and self.gpu.is_gpu(placement.devices[st.ipu]) else None
                            for st in partition.stages]
         self.crossing = [{n for n in st.outputs
@@ -166,7 +166,7 @@ class StageWork:
                     v = run.inputs[i][key]
                 ready = run.ready.get((device, i)) if run.ready else None
                 if ready is not None:  # its copy to this GPU, enqueued by the caller
-                    self.placement.gpu.current_stream(device).wait_event(ready)
+                    self.gpu.current_stream(device).wait_event(ready)
             else:  # computed by an earlier stage: [Note: autograd boundary]
                 produced = received[name] if name in received else run.values[i][name]
                 v = self.gpu.arrive(produced.detach(), device)  # [Note: values crossing streams]
