@@ -66,8 +66,10 @@ def check(anchors: dict, model: torch.nn.Module, training: bool) -> None:
                 f"call is kept (OutputMode.Final or Default); pass one of those")
 
 
-def value(anchors: dict, short: str, model: torch.nn.Module) -> Optional[torch.Tensor]:
-    """The anchored tensor ``short`` of ``model`` (the host copy, synced by the caller).
+def value(anchors: dict, short: str, model: torch.nn.Module,
+          grads: dict) -> Optional[torch.Tensor]:
+    """The anchored tensor ``short`` of ``model`` (the host copy, synced by the caller);
+    ``grads``: each parameter's gradient as its last step used it, where it lives.
 
     Raises:
         DeviceError: ``short`` was not anchored.
@@ -79,6 +81,7 @@ def value(anchors: dict, short: str, model: torch.nn.Module) -> Optional[torch.T
     name = anchors[short][0]
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     if name.startswith(GRADIENT):
-        grad = tensors[name[len(GRADIENT):]].grad
-        return None if grad is None else grad.detach().clone()
+        param = tensors[name[len(GRADIENT):]]
+        grad = grads.get(name[len(GRADIENT):])
+        return None if grad is None else grad.detach().to(param.device, copy=True)
     return tensors[name.removeprefix(UPDATED)].detach().clone()

@@ -175,8 +175,11 @@ def warn_once(key: str, message: str, category: type[Warning] = IpuOnlyWarning,
 # ``__tracebackhide__ = hide_when_refused``, which hides their frames when the exception
 # is one of ours (an internal bug shows them all; ``pytest --full-trace`` always does).
 # The trace itself runs the user's forward under torch's make_fx, so ``tracing.trace``
-# also drops torch's frames and ours from a refusal's traceback, and from the cause of a
-# TraceError, keeping the user's: the forward's line is the last one shown.
+# also drops torch's frames and ours from a refusal's traceback, and from an exception the
+# forward raised itself (``RAISED_IN_TRACE`` marks it), keeping the user's: the forward's
+# line is the last one shown.
+
+RAISED_IN_TRACE = "_poptorch_lite_raised_in_trace"  # an exception's attribute
 
 
 def hide_when_refused(excinfo) -> bool:
@@ -187,4 +190,5 @@ def hide_when_refused(excinfo) -> bool:
     Example:
         >>> __tracebackhide__ = hide_when_refused  # at the top of a module
     """
-    return excinfo is not None and isinstance(excinfo.value, Error)
+    return excinfo is not None and (isinstance(excinfo.value, Error)
+                                    or getattr(excinfo.value, RAISED_IN_TRACE, False))

@@ -228,7 +228,8 @@ class PoplarExecutor(perf_counters.Latencies, PrivateAttributes):
         gradient is None before any step computed one)."""
         self._require_compiled()
         self._weights.to_host()
-        return anchors.value(self._options.anchored_tensors, short_name, self._user_model)
+        return anchors.value(self._options.anchored_tensors, short_name, self._user_model,
+                             self._weights.last_grads)
 
     def copyWeightsToHost(self) -> None:
         """Copy device-side weights and buffers back to the user's model.

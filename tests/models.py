@@ -91,7 +91,7 @@ def reference_training(model, optimizer, x, y, D: int, G: int, R: int, mean: boo
                 if p.grad is not None:
                     p.grad.div_(G * R)
         optimizer.step()
-    grads = {n: p.grad.cpu() for n, p in model.named_parameters()}
+    grads = {n: None if p.grad is None else p.grad.cpu() for n, p in model.named_parameters()}
     return outs, losses, grads
 
 
@@ -183,3 +183,153 @@ def pairwise(rows: list) -> list:
         chosen.append(best)
         need -= pairs(best)
     return chosen
+
+
+# -- models that shape their own gradients ([Note: gradients the forward shapes]) ----------
+
+class RoundThrough(torch.autograd.Function):
+    """A straight-through estimator: round forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.round()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class ScaledBackward(torch.autograd.Function):
+    """The identity whose backward scales by ``k`` (a gradient reversal layer for k < 0)."""
+
+    @staticmethod
+    def forward(ctx, x, k):
+        ctx.k = k
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.k, None
+
+
+class OwnLinear(torch.autograd.Function):
+    """A linear layer with a hand-written backward that doubles its weight's gradient."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        return x @ w.t() + b
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w, 2 * g.t() @ x, g.sum(0)
+
+
+class NoisyRound(torch.autograd.Function):
+    """Dropout then a straight-through round: a Function that draws random numbers."""
+
+    @staticmethod
+    def forward(ctx, x):
+        keep = torch.rand_like(x) > 0.3
+        ctx.save_for_backward(keep)
+        return torch.where(keep, x.round(), torch.zeros_like(x))
+
+    @staticmethod
+    def backward(ctx, g):
+        keep, = ctx.saved_tensors
+        return g * keep
+
+
+@torch.library.custom_op("poptorch_lite_test::thirds_grad", mutates_args=())
+def thirds_grad(x: torch.Tensor) -> torch.Tensor:
+    """A custom op whose registered backward divides the gradient by 3."""
+    return x.clone()
+
+
+@thirds_grad.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+thirds_grad.register_autograd(lambda ctx, g: g / 3)
+
+
+def _ema_update(model, x):
+    with torch.no_grad():  # a teacher's EMA: the buffer follows a weight, outside autograd
+        model.ema.mul_(0.9).add_(model.layers[0].weight, alpha=0.1)
+    return x + model.ema.mean()
+
+
+def _clamped(x):
+    y = x * 1.0
+    with torch.no_grad():
+        y.clamp_(-0.2, 0.2)  # written without history: the gradient passes unmasked
+    return y
+
+
+def _hooked(x):
+    x = x * 1.0
+    x.register_hook(lambda g: g * 3)
+    return x
+
+
+# What the third layer's input goes through, per kind: stops, own gradient code, hooks.
+GRAD_CODE = {
+    "detach": lambda m, x: x.detach(),
+    "data": lambda m, x: x.data * 2,
+    "no_grad": lambda m, x: _no_grad_tanh(x),
+    "no_grad_inplace": lambda m, x: _clamped(x),
+    "ema_buffer": _ema_update,
+    "straight_through": lambda m, x: RoundThrough.apply(x * 4) / 4,
+    "reversal": lambda m, x: ScaledBackward.apply(x, -10.0),
+    "own_backward": lambda m, x: OwnLinear.apply(x, m.layers[1].weight, m.layers[1].bias),
+    "random_function": lambda m, x: NoisyRound.apply(x * 4) / 4,
+    "custom_op": lambda m, x: thirds_grad(x),
+    "library_detach": lambda m, x: x * F.gumbel_softmax(x, tau=0.5, hard=True),
+    "hook": lambda m, x: _hooked(x),
+    "hook_on_stage_input": lambda m, x: (x.register_hook(lambda g: g * -2), x)[1],
+    "checkpoint_reentrant": lambda m, x: torch.utils.checkpoint.checkpoint(
+        torch.tanh, x, use_reentrant=True),
+    "checkpoint": lambda m, x: torch.utils.checkpoint.checkpoint(torch.tanh, x,
+                                                                 use_reentrant=False),
+}
+
+
+def _no_grad_tanh(x):
+    with torch.no_grad():
+        return torch.tanh(x)
+
+
+class GradCodeMLP(BlockMLP):
+    """:class:`BlockMLP` whose third layer's input goes through ``GRAD_CODE[kind]``, and
+    whose first layer's input is halved in place (``x.mul_(0.5)``: the caller sees it)
+    when ``edit_input``. Blocks of 2 and 4 put that point at a stage's start; a hook of
+    the kind "hook" then sits on the value another stage made; with 1 block it is inside."""
+
+    def __init__(self, kind: str, blocks: int = 2, edit_input: bool = False):
+        super().__init__(blocks)
+        self.kind, self.edit_input = kind, edit_input
+        self.register_buffer("ema", torch.zeros(8, 8))
+
+    def forward(self, x, y):
+        if self.edit_input:
+            x.mul_(0.5)
+        per = 4 // self.blocks
+        for k, layer in enumerate(list(self.layers) + [self.head]):
+            if k % per == 0:
+                poptorch.Block.start(f"b{k // per}", ipu_id=self.ipus[k // per])
+            if k == 2:
+                x = GRAD_CODE[self.kind](self, x)
+            if layer is self.head:
+                out = layer(x)
+            else:
+                x = torch.relu(layer(x))
+        return out, F.cross_entropy(out, y)
+
+
+def trained_grads(wrapper) -> dict:
+    """The gradient each parameter's last step used, on the host: a training call leaves the
+    host ``.grad`` as the user left it ([Note: host gradients] in ``runtime/weights``)."""
+    return {n: None if g is None else g.detach().cpu()
+            for n, g in wrapper._weights.last_grads.items()}

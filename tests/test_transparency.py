@@ -10,8 +10,8 @@ from torch.testing import assert_close
 import poptorch_lite as poptorch
 
 from conftest import DEVICE_MARKS, DEVICES
-from models import (BlockMLP, data, microbatch_seeds, on_device, pairwise, reference_training,
-                    shared_traces, twin)
+from models import (GRAD_CODE, BlockMLP, GradCodeMLP, data, microbatch_seeds, on_device,
+                    pairwise, reference_training, shared_traces, trained_grads, twin)
 
 ATOL = 1e-5
 
@@ -98,7 +98,9 @@ def test_training_matches_plain_pytorch(device, blocks, G, R, D, reduction, opt_
             poptorch.ReductionType.Mean if reduction == "mean" else poptorch.ReductionType.Sum)
         opts.outputMode(poptorch.OutputMode.All)
         opt = make_optimizer(opt_kind, model.parameters())
-        out, loss = poptorch.trainingModel(model, opts, opt)(x, y)
+        train = poptorch.trainingModel(model, opts, opt)
+        out, loss = train(x, y)
+        grads = trained_grads(train)
         where = f"{schedule}, recompute={recompute}"
         assert out.shape == (n * B, 4)
         assert loss.shape == ((n,) if n > 1 else ())
@@ -106,7 +108,9 @@ def test_training_matches_plain_pytorch(device, blocks, G, R, D, reduction, opt_
         assert_close(loss, torch.stack(ref_losses).reshape(loss.shape), atol=ATOL, rtol=0,
                      msg=where)
         for name, p in model.named_parameters():
-            assert_close(p.grad, ref_grads[name], atol=ATOL, rtol=0, msg=f"grad of {name}, {where}")
+            assert_close(grads[name], ref_grads[name], atol=ATOL, rtol=0,
+                         msg=f"grad of {name}, {where}")
+            assert p.grad is None, f"the call left a gradient on the host's {name}"
             assert_close(p.detach(), dict(ref.named_parameters())[name].detach().cpu(),
                          atol=ATOL, rtol=0, msg=f"weight {name}, {where}")
         assert_same_state(opt, ref_opt)
@@ -241,12 +245,14 @@ def test_replicas_sharing_inputs_count_once_each(reduction, device):
         2, poptorch.CommGroupType.Consecutive)
     opts.Training.accumulationAndReplicationReductionType(
         poptorch.ReductionType.Mean if reduction == "mean" else poptorch.ReductionType.Sum)
-    poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=lr))(x, y)
+    train = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=lr))
+    train(x, y)
+    grads = trained_grads(train)
     _, _, slice_sums = reference_training(ref, torch.optim.SGD(ref.parameters(), lr=0.0),
                                           x, y, 1, G, 1, mean=False)
     for name, p in model.named_parameters():
         expected = 2 * slice_sums[name] if reduction == "sum" else slice_sums[name] / G
-        assert_close(p.grad, expected, atol=ATOL, rtol=0, msg=name)
+        assert_close(grads[name], expected, atol=ATOL, rtol=0, msg=name)
         initial = dict(ref.named_parameters())[name].detach().cpu()
         assert_close(p.detach(), initial - lr * expected, atol=ATOL, rtol=0, msg=name)
 
@@ -298,10 +304,71 @@ def test_a_buffer_written_with_gradients_in_forward_matches_plain_pytorch(
         ref_outs, ref_losses, ref_grads = reference_training(ref, ref_opt, x, y, D, G, 1)
         assert_close(out, torch.cat(ref_outs), atol=ATOL, rtol=0)
         assert_close(loss, torch.stack(ref_losses), atol=ATOL, rtol=0)
-        for name, p in model.named_parameters():
-            assert_close(p.grad, ref_grads[name], atol=ATOL, rtol=0, msg=name)
+        for name, g in trained_grads(train).items():
+            assert_close(g, ref_grads[name], atol=ATOL, rtol=0, msg=name)
         for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
             assert_close(a, b.detach().cpu(), atol=ATOL, rtol=0, msg=name)
         assert model.queue.grad_fn is None and not model.queue.requires_grad
         assert not torch.equal(model.queue, torch.zeros(2, 8))
     train.destroy()  # its stream workers exit now, not at the next garbage collection
+
+
+# [Note: gradients the forward shapes]: models that stop gradients, bring their own gradient
+# code or edit their inputs. The matrix above trains models whose forward says nothing about
+# its gradients, so a stop or a custom backward that the trace dropped went unseen.
+GRAD_ROWS = [  # (blocks, G, R, schedule, recompute)
+    (1, 2, 1, "grouped", False),
+    (2, 3, 2, "grouped", False),
+    (2, 3, 1, "interleaved", True),
+    (2, 2, 1, "sequential", False),
+    (4, 4, 1, "gpipe", True),
+    (4, 7, 1, "zero_bubble", False),
+    (2, 4, 2, "zero_bubble", True),
+]
+GRAD_MATRIX = [  # replicas refuse a model that writes a buffer (broadcastBuffers)
+    pytest.param(d, kind, *row, marks=DEVICE_MARKS.get(d, []))
+    for d in DEVICES for kind in sorted(GRAD_CODE)
+    for row in (GRAD_ROWS if d == "cpu" or FULL else GRAD_ROWS[1::4])
+    if not (kind == "ema_buffer" and row[2] > 1)]
+
+
+@pytest.mark.parametrize("device,kind,blocks,G,R,schedule,recompute", GRAD_MATRIX)
+def test_models_that_shape_their_own_gradients_match_plain_pytorch(
+        device, kind, blocks, G, R, schedule, recompute):
+    """Stops (detach, .data, no_grad, a write without history, gumbel_softmax's own detach),
+    custom Functions and ops (a straight-through round, gradient reversal, a hand-written
+    backward, one that draws random numbers, a custom op's registered backward), hooks and
+    checkpoints, half of them on a model that halves its input in place: outputs, losses,
+    gradients, weights, buffers, optimizer state and the edited input are plain PyTorch's."""
+    torch.manual_seed(0)
+    edit = GRAD_ROWS.index((blocks, G, R, schedule, recompute)) % 2 == 1
+    model = GradCodeMLP(kind, blocks, edit_input=edit)
+    ref = twin(model, device)
+    x, y = data(2 * G * R * 2)
+    ref_x = x.clone().to("cuda" if device == "cuda" else "cpu")
+    opts = pipelined(schedule, recompute, G, device).replicationFactor(R).deviceIterations(2)
+    opts.outputMode(poptorch.OutputMode.All)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
+    train = poptorch.trainingModel(model, opts, opt)
+    torch.manual_seed(123)
+    out, loss = train(x, y)
+    torch.manual_seed(123)
+    seeds = microbatch_seeds(2, G * R)
+    ref_outs, ref_losses, ref_grads = reference_training(ref, ref_opt, ref_x, y, 2, G, R,
+                                                         seeds=seeds)
+    where = f"{kind}, {schedule}, recompute={recompute}"
+    assert_close(out, torch.cat(ref_outs), atol=ATOL, rtol=0, msg=where)
+    assert_close(loss, torch.stack(ref_losses), atol=ATOL, rtol=0, msg=where)
+    grads = trained_grads(train)
+    for name, p in model.named_parameters():
+        if ref_grads[name] is None:  # stopped: plain PyTorch computed none
+            assert grads.get(name) is None, f"{name} got a gradient, {where}"
+        else:
+            assert_close(grads[name], ref_grads[name], atol=ATOL, rtol=0, msg=f"{name}, {where}")
+        assert p.grad is None, f"{name}: the call left a gradient on the host model"
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert_close(a, b.detach().cpu(), atol=ATOL, rtol=0, msg=f"{name}, {where}")
+    assert_same_state(opt, ref_opt)
+    assert_close(x, ref_x.cpu(), atol=0, rtol=0, msg=f"the input after the call, {where}")
+    train.destroy()

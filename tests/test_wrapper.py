@@ -780,7 +780,7 @@ BAD_INPUTS = [
      [r"identity_loss needs a tensor, got float", r"torch\.(as_)?tensor"]),
     ("checkpoint-of-float", train_call(FloatCheckpoint, options), poptorch.InputError,
      ["All inputs must be tensors", "got float"]),
-    ("trace-fails", train_call(ShapeMismatch, options), poptorch.TraceError,
+    ("trace-fails", train_call(ShapeMismatch, options), RuntimeError,  # the forward's own
      [rf"test_wrapper\.py:{line_of('# trace fails here')}", "cannot be multiplied", "plain PyTorch"]),
     ("replicated-batchnorm", train_call(Probe, lambda d: options(d, R=2)), poptorch.OptionsError,
      [r"\['bn\.num_batches_tracked', 'bn\.running_mean', 'bn\.running_var'\]",
@@ -798,9 +798,10 @@ def test_bad_input_is_refused_and_changes_no_state(setup, error, fragments, devi
     before = snapshot(model, opt)
     with pytest.raises(error) as info:
         trigger()
-    assert isinstance(info.value, poptorch.Error)
+    assert isinstance(info.value, poptorch.Error) or error is RuntimeError
+    text = "\n".join([str(info.value), *getattr(info.value, "__notes__", [])])
     for fragment in fragments:
-        assert re.search(fragment, str(info.value)), (fragment, str(info.value))
+        assert re.search(fragment, text), (fragment, text)
     assert_unchanged(before, model, opt)
 
 

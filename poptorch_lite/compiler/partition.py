@@ -42,7 +42,7 @@ from ..enums import AutoStage, PipelineSchedule
 from ..errors import (BlockError, LossError, PipelineError, PoptorchLiteWarning,
                       hide_when_refused as __tracebackhide__, warn_once)
 from ..strategies import ExecutionStrategy
-from . import markers, rng
+from . import grad_semantics, markers, rng
 from .subgraphs import aliases, segment_groups, subgraphs
 from .trace_modes import user_file_test
 from .tracing import trace
@@ -71,9 +71,11 @@ class Stage:
             returns the values named by ``outputs`` as a tuple.
         inputs: value names ([Note: partition]) of its arguments.
         outputs: value names it produces for later stages or for the caller.
-        written_inputs: inputs from earlier stages that an op of this stage
-            writes in place (``nn.ReLU(inplace=True)`` opening a stage); the
-            executor gives the stage a copy of them.
+        written_inputs: inputs from earlier stages, or of the call, that an op of
+            this stage writes in place (``nn.ReLU(inplace=True)`` opening a stage,
+            ``x += 1`` on an argument); the executor gives the stage a copy of them
+            (and copies a call's edited argument back: [Note: edited arguments] in
+            ``runtime/stage_work``).
         segments: the stage cut after each ``recomputationCheckpoint`` value,
             for recomputation (one segment when it has none).
         random: whether it has random ops ([Note: micro-batch RNG]).
@@ -307,6 +309,9 @@ def split(gm: fx.GraphModule, param_names: Sequence[str], buffer_names: Sequence
     def value_name(n: fx.Node) -> str:
         return source_name.get(n, f"node:{n.name}")
 
+    if training:  # [Note: gradients the forward shapes] in ``grad_semantics``
+        grad_semantics.mark_stops(gm, lambda n: source_name.get(n, "").startswith("param:")
+                                  and trainable(source_name[n].split(":", 1)[1]))
     stages = []
     graphs = subgraphs(gm, [run[1] for run in runs], value_name, needed_later)
     for s, ((ipu, run_nodes, blocks), (module, inputs, outputs, written)) in enumerate(
@@ -316,8 +321,11 @@ def split(gm: fx.GraphModule, param_names: Sequence[str], buffer_names: Sequence
             gm, segment_groups(run_nodes, checkpoint_nodes), value_name, exported)]
         for seg in segments:
             rng.seed_random_ops(seg.module)
+            grad_semantics.stop_gradients(seg.module)
+        random = rng.seed_random_ops(module)
+        grad_semantics.stop_gradients(module)
         stages.append(Stage(s, ipu, tuple(blocks), module, inputs, outputs, written,
-                            tuple(segments), rng.seed_random_ops(module)))
+                            tuple(segments), random))
     output_values = [value_name(n) for n in model_outputs]
     loss = value_name(loss_node) if loss_node is not None else None
     computed = {v for st in stages for v in st.outputs if v.startswith("node:")}

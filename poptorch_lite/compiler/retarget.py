@@ -41,7 +41,7 @@ import torch.fx as fx
 from torch.fx.operator_schemas import normalize_function
 
 from ..errors import TraceError
-from . import rng
+from .subgraphs import base_op, rewrap
 
 aten = torch.ops.aten
 
@@ -64,7 +64,7 @@ def _op(node: fx.Node):
     """The aten op a node calls (seen through the random-stream wrapper), or None."""
     if node.op != "call_function":
         return None
-    target = getattr(node.target, "seeded_op", node.target)  # what rng.seeded wraps
+    target = base_op(node.target)  # what rng.seeded or a no-grad wrapper wraps
     return target if isinstance(target, torch._ops.OpOverload) else None
 
 
@@ -144,8 +144,7 @@ def to_device(gm: fx.GraphModule, device: torch.device) -> None:
         if op in _ATTENTION_OVERLOADS and not _has_kernel(op, device):
             args = _attention_call(node, op)
             if args is not None:
-                seeded = node.target is not op  # keep drawing from the micro-batch's stream
-                node.target = rng.seeded(attention) if seeded else attention
+                node.target = rewrap(node.target, attention)  # keeps its stream, grad mode
                 node.args, node.kwargs = args, {}
                 changed = True
         moved = []

@@ -39,6 +39,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+from .subgraphs import wrap_target
+
 _LOCK = threading.Lock()
 _local = threading.local()
 _GOLDEN = 0x9E3779B97F4A7C15  # spreads consecutive micro-batch indices over the seed space
@@ -206,13 +208,12 @@ class use:
 
 
 def seeded(op):
-    """``op`` drawing from the micro-batch's stream; the result keeps ``op`` as ``.seeded_op``."""
+    """``op`` drawing from the micro-batch's stream (a wrapper ``subgraphs.base_op`` sees
+    through)."""
     def call(*args, **kwargs):
         return _call_in_stream(op, args, kwargs)
-    name = str(op) if isinstance(op, torch._ops.OpOverload) else op.__name__
-    call.__name__ = call.__qualname__ = "seeded_" + name.replace(".", "_")
-    call.seeded_op = op
-    return call
+    call.rewrap = seeded
+    return wrap_target(op, call, "seeded_")
 
 
 def seed_random_ops(gm: fx.GraphModule) -> bool:

@@ -32,6 +32,32 @@ def written_in_place(value: fx.Node) -> bool:
     return False
 
 
+def wrap_target(op, call, prefix: str):
+    """``call``, which calls ``op``, named and marked as a wrapper of it in a graph.
+
+    Wrappers (a random stream's, grad mode's) nest; :func:`base_op` sees through them and
+    :func:`rewrap` puts the same ones around another op.
+    """
+    name = str(op) if isinstance(op, torch._ops.OpOverload) else getattr(op, "__name__", "op")
+    call.__name__ = call.__qualname__ = prefix + name.replace(".", "_")
+    call.wrapped_op = op
+    return call
+
+
+def base_op(target):
+    """The op a node's target calls, through every wrapper."""
+    while hasattr(target, "wrapped_op"):
+        target = target.wrapped_op
+    return target
+
+
+def rewrap(target, op):
+    """``op`` inside the wrappers that ``target`` has around its own op."""
+    if not hasattr(target, "wrapped_op"):
+        return op
+    return target.rewrap(rewrap(target.wrapped_op, op))
+
+
 # Ops whose result holds the same values as their first argument.
 _SAME_VALUES = ("alias", "detach", "clone", "view", "_to_copy", "lift_fresh", "squeeze",
                 "unsqueeze", "reshape")
@@ -93,7 +119,8 @@ def subgraphs(root: fx.GraphModule, groups: list, value_name, exported: set) -> 
         outputs = [n for n in nodes if n in env and (
             n in exported or any(group_of.get(u, k) > k for u in n.users))]
         g.output(tuple(env[n] for n in outputs))
-        written = frozenset(value_name(n) for n in env if value_name(n).startswith("node:")
+        written = frozenset(value_name(n) for n in env
+                            if value_name(n).startswith(("node:", "input:"))
                             and env[n].op == "placeholder" and written_in_place(env[n]))
         result.append((fx.GraphModule(root, g), tuple(inputs),
                        tuple(value_name(n) for n in outputs), written))

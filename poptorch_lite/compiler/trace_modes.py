@@ -53,7 +53,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.overrides import TorchFunctionMode
 
 from ..errors import TraceError, hide_when_refused as __tracebackhide__
-from . import markers
+from . import grad_semantics, markers
 from .markers import LOSS_FUNCTIONS
 
 
@@ -135,9 +135,15 @@ class _TraceMode(TorchFunctionMode):
                 f"would be the first micro-batch's largest class; pass num_classes=<classes>")
         if func is F.dropout:
             return _dropout(*args, **kwargs)
+        # [Note: gradients the forward shapes] in ``grad_semantics``
+        if func == grad_semantics.DATA_GET:
+            return grad_semantics.traced_data(func, args)
+        if func is torch.Tensor.register_hook:
+            return grad_semantics.traced_register_hook(func, *args, **kwargs)
         out = func(*args, **kwargs)
         if func in LOSS_FUNCTIONS and isinstance(out, torch.Tensor):
             markers.MARK_LOSS(out)
+        grad_semantics.record_requires_grad(out)
         return out
 
 

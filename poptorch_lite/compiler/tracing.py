@@ -39,28 +39,30 @@ import traceback
 import types
 
 import torch
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
-from ..errors import Error, TraceError, hide_when_refused as __tracebackhide__
-from . import structures
+from ..errors import RAISED_IN_TRACE, Error, TraceError, hide_when_refused as __tracebackhide__
+from . import grad_semantics, structures
 from .casting import _ImplicitCasting
 from .markers import _current, trace_context
 from .trace_modes import _InferenceSession, _TraceMode, _user_line, user_file_test
 
 
 @contextlib.contextmanager
-def _preserved_state(model: torch.nn.Module, modes: dict):
+def _preserved_state(model: torch.nn.Module, modes: dict, inputs: list):
     """Run the trace with the wrap-time train/eval modes; undo every change it makes.
 
-    The trace really runs the forward once, so RNG draws and buffer updates
-    (BatchNorm statistics, counters) are rolled back afterwards: tracing must
-    change no state ([Note: partition]).
+    The trace really runs the forward once, so RNG draws, buffer updates
+    (BatchNorm statistics, counters) and in-place writes to the inputs (``x += 1``)
+    are rolled back afterwards: tracing must change no state ([Note: partition]); the
+    call's own run then writes them once, as plain PyTorch's forward does.
     """
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    given = [(t, t._version, t.detach().clone()) for t in inputs]
     # Which tensors each module registers: a refused forward may delete or reassign one.
     tables = {m: (list(m._buffers.items()), set(m._non_persistent_buffers_set))
               for m in model.modules()}
@@ -81,6 +83,9 @@ def _preserved_state(model: torch.nn.Module, modes: dict):
                 m._non_persistent_buffers_set.clear()
                 m._non_persistent_buffers_set.update(non_persistent)
         with torch.no_grad():
+            for t, version, saved in given:
+                if t._version != version:
+                    t.copy_(saved)
             for b, saved in buffers:
                 b.copy_(saved)
                 if b.grad_fn is not None and not b._is_view():
@@ -259,8 +264,10 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
         statistics without bumping a version).
 
     Raises:
-        TraceError: the forward failed while tracing (names the user's line), or
-            deleted or reassigned a registered buffer (the model is left as it was).
+        TraceError: the forward deleted or reassigned a registered buffer, or did what
+            the trace refuses (the model is left as it was).
+        Exception: whatever the forward itself raised, with its own type and message and a
+            note naming the user's line (the model is left as it was).
     """
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
@@ -271,6 +278,8 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
     module_blocks: dict = {}
 
     def run(*flat):
+        if training:  # [Note: gradients the forward shapes] in ``grad_semantics``
+            grad_semantics.record_grad_mode(get_proxy_mode().tracer)
         values = dict(zip(names, flat[:len(names)]))
         call_leaves = list(leaves)
         for k, t in zip(tensor_pos, flat[len(names):]):
@@ -303,22 +312,29 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
         # The session is entered last, so it sees a dropout first ([Note: inference session]):
         # _TraceMode would otherwise turn F.dropout into native_dropout before it could.
         # Mixed float16/float32 ops are resolved as PopTorch does ([Note: implicit casting]).
-        with _preserved_state(model, modes) as before, trace_context(), _export_style(), grad, \
-                _quiet_torch_trace_log(), _TraceMode(), _ImplicitCasting(), session:
+        given = [leaves[k] for k in tensor_pos]
+        with _preserved_state(model, modes, given) as before, trace_context(), _export_style(), \
+                grad, _quiet_torch_trace_log(), grad_semantics.recording(training), \
+                _TraceMode(), _ImplicitCasting(), session:
             versions = {n: b._version for n, b in buffers.items()}
-            gm = make_fx(run, tracing_mode="real", record_stack_traces=True,
-                         _error_on_data_dependent_ops=False)(*flat)
+            # A table of its own (empty) keeps detach an op: make_fx's default turns it
+            # into an alias, which gradients pass ([Note: gradients the forward shapes]).
+            gm = make_fx(run, decomposition_table={}, tracing_mode="real",
+                         record_stack_traces=True, _error_on_data_dependent_ops=False)(*flat)
             mutated = frozenset(n for n, b in buffers.items() if b._version != versions[n]
                                 or not torch.equal(b, before[id(b)]))
     except Error as exc:
         raise exc.with_traceback(_user_traceback(exc.__traceback__))
-    except Exception as exc:
+    except Exception as exc:  # the forward's own exception, as PopTorch re-raises it
         where = _user_line(traceback.extract_tb(exc.__traceback__))
-        raise TraceError(
-            f"the model could not be traced at {where}: {type(exc).__name__}: {exc}. "
-            f"The forward runs once on the first call's real inputs; make it run as plain "
-            f"PyTorch on one micro-batch of those inputs"
-        ) from exc.with_traceback(_user_traceback(exc.__traceback__))
+        exc.add_note(f"poptorch_lite: raised while the model was traced at {where}. The "
+                     f"forward runs once on the first call's real inputs; make it run as "
+                     f"plain PyTorch on one micro-batch of those inputs")
+        try:  # [Note: frames a user sees]
+            setattr(exc, RAISED_IN_TRACE, True)
+        except AttributeError:  # an exception type without a __dict__
+            pass
+        raise exc.with_traceback(_user_traceback(exc.__traceback__))
     finally:
         hook.remove()
         torch._C._set_mkldnn_enabled(onednn)

@@ -13,7 +13,9 @@ every process:
   ``dynamic_output_shape``, such as ``nonzero`` or a boolean mask, or anything
   computed from one): such a value travels after a header with its shape;
 - ``differentiable``: the value may require grad, because it is a floating
-  point (or complex) value computed from a trainable parameter. It is a
+  point (or complex) value computed from a trainable parameter, and the trace
+  saw it require grad where the model's own code held it ([Note: gradients the
+  forward shapes] in ``grad_semantics``: a stop makes it False). It is a
   superset of what autograd decides (an op without a derivative, such as
   ``zeros_like``, gives a value that does not require grad): for such a value
   a gradient of zeros travels and the producer drops it, which costs a message
@@ -82,7 +84,7 @@ def value_infos(gm: fx.GraphModule, source_name: dict, trainable: Callable[[str]
         val = n.meta.get("val")
         tags = getattr(n.target, "tags", ())
         dynamic[n] = torch.Tag.dynamic_output_shape in tags or any(dynamic.get(m) for m in inputs)
-        derived = any(differentiable.get(m) for m in inputs)
+        derived = any(differentiable.get(m) for m in inputs) and n.meta.get("requires_grad", True)
         differentiable[n] = derived and (isinstance(val, (tuple, list)) or _can_have_grad(val))
         name = value_name(n)
         if name in wanted and isinstance(val, torch.Tensor):

@@ -370,6 +370,8 @@ class Executor(Updates):
         """Per micro-batch, its returned values on the host (None where not kept); a small
         value a GPU computed in one copy for all the kept micro-batches (``gpu.copy_out_all``)."""
         kept, results = run.kept, run.results
+        for (i, k), edited in run.edited.items():  # [Note: edited arguments] in stage_work
+            run.inputs[i][k].copy_(edited)
         out = [None] * len(run.inputs)
         for i in kept:
             out[i] = []

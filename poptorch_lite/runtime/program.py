@@ -11,6 +11,7 @@ buffer, optimizer state or random state changes.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Optional
 
@@ -95,7 +96,8 @@ class Program:
             return j % R
 
         keep = [k in kept for k in range(mbs.factor)]
-        with ex.call(schedule, step, recorder, options.watchdog_timeout) as call:
+        grads = weights.host_grads_kept() if training else contextlib.nullcontext()
+        with grads, ex.call(schedule, step, recorder, options.watchdog_timeout) as call:
             for d, ks in enumerate(runs):
                 undo = capture(weights, None, loss_scale, False, rng=False) if per_run else None
                 before = ex.steps_applied

@@ -34,7 +34,7 @@ class Entry:
         self.segments = None       # [(outputs, output names, {name: leaf})], in forward order
         self.args = None           # recomputation: the forward's arguments
         self.kept = None           # recomputation: value name -> (tensor, requires_grad)
-        self.buffers = None        # recomputation: buffer name -> value before the forward
+        self.buffers = None        # recomputation: written buffer or argument -> its value before
         self.rng = None            # recomputation: the random state the forward started from
         self.nbytes = 0
         self.later = None          # split backward: per segment, what its W needs
@@ -46,7 +46,7 @@ class Run:
     __slots__ = ("inputs", "placed", "ready", "replica_of", "rng", "values", "grads", "results",
                  "stash", "stash_bytes", "waiting", "accum", "stats", "excluded", "inbox", "outbox",
                  "shapes", "sends", "posted", "failed", "remote_failure", "index", "training",
-                 "kept", "keeps", "ahead")
+                 "kept", "keeps", "ahead", "edited")
 
     def __init__(self, partition: Partition, microbatches: Sequence[Sequence[torch.Tensor]],
                  replica_of: Callable, streams: Optional[list], index: int = 0,
@@ -78,6 +78,7 @@ class Run:
         self.kept = kept          # the micro-batches whose outputs the call returns
         self.keeps = frozenset(kept)
         self.ahead = ahead or {}  # action -> the next action of its stream that receives
+        self.edited: dict = {}    # (i, k) -> micro-batch i's argument k, edited by a stage
 
 
 _NOTHING: frozenset = frozenset()

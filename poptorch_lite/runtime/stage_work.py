@@ -39,6 +39,14 @@ a later micro-batch (or call) reads its value, never its history; plain PyTorch
 would fail, or leak gradients across micro-batches, where a later micro-batch
 reads it with gradients on.
 
+[Note: edited arguments]
+A forward that writes an argument in place (``x += 1``) edits the caller's tensor once
+per call, as plain PyTorch does (the trace undoes its own write). Each micro-batch's
+stage writes a copy of its rows (views of one tensor share a version counter, which
+would fail an earlier micro-batch's backward in a pipeline); the executor copies them
+back into the caller's tensor after the run, from whichever memory the stage ran in. A
+recompute starts from the value before the write, as for a written buffer.
+
 [Note: recomputation]
 A recomputed stage's forward runs without keeping activations (a saved-tensor
 hook drops them). Its recompute action, in the backward slot, re-runs each
@@ -112,10 +120,15 @@ class StageWork:
         # The parameters only this stage uses (their gradient may go to an accumulator).
         users: dict = collections.Counter(n for st in partition.stages for n in st.param_names)
         self.exclusive = [[n for n in st.param_names if users[n] == 1] for st in partition.stages]
-        self.written_buffers = [[n for n in st.inputs if n.startswith("buffer:")
-                                 and n.split(":", 1)[1] in partition.mutated_buffers]
-                                for st in partition.stages]
-        self.written = [frozenset(names) for names in self.written_buffers]
+        written_buffers = [[n for n in st.inputs if n.startswith("buffer:")
+                            and n.split(":", 1)[1] in partition.mutated_buffers]
+                           for st in partition.stages]
+        self.written = [frozenset(names) for names in written_buffers]
+        # Per stage, the state it writes in place that a recompute must start from afresh:
+        # buffers, and the call's arguments ([Note: edited arguments]).
+        self.written_state = [names + [n for n in st.inputs if n.startswith("input:")
+                                       and n in st.written_inputs]
+                              for names, st in zip(written_buffers, partition.stages)]
         self.wanted = {o for o in partition.outputs if isinstance(o, str)}
         # The IPU that produces each stage output (values crossing IPUs are copied under
         # useIpuModel, gradients too).
@@ -167,6 +180,8 @@ class StageWork:
                 ready = run.ready.get((device, i)) if run.ready else None
                 if ready is not None:  # its copy to this GPU, enqueued by the caller
                     self.gpu.current_stream(device).wait_event(ready)
+                if name in st.written_inputs:  # [Note: edited arguments]
+                    v = run.edited[i, key] = v.clone()
             else:  # computed by an earlier stage: [Note: autograd boundary]
                 produced = received[name] if name in received else run.values[i][name]
                 v = self.gpu.arrive(produced.detach(), device)  # [Note: values crossing streams]
@@ -196,7 +211,7 @@ class StageWork:
             entry.args = args
             entry.rng = stream.snapshot() if stream is not None else None
             entry.buffers = {n: args[st.inputs.index(n)].detach().clone()
-                             for n in self.written_buffers[s]}
+                             for n in self.written_state[s]}
             env = dict(zip(st.inputs, args))
             with rng.use(stream), torch.autograd.graph.saved_tensors_hooks(_drop, _gone):
                 for seg in st.segments:

@@ -15,8 +15,8 @@ all-reduces each gradient over the P data-parallel replicas of its stage (Mean:
 /P; ``distributed``). It then clips to ``max_grad_norm`` if finite (the norm of
 the whole model, over a pipeline's processes), then calls ``optimizer.step()`` on the
 parameters' homes ([Note: weight homes] in ``weights``). After a training
-call, each parameter's ``.grad`` holds the gradient its last step used (read
-back with the weights on a separate home).
+call the host parameters' ``.grad`` are the user's again; the gradient each
+last step used stays on its home ([Note: host gradients] in ``weights``).
 
 [Note: commit point]
 Parameters and optimizer state change only in the update action (``U``), the

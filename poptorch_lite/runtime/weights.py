@@ -37,6 +37,16 @@ memory is shared, else a copy per IPU, and per replica with
 ``broadcastBuffers(False)``); replica 0's copies are what :meth:`to_host`
 brings back.
 
+[Note: host gradients]
+A training call leaves the host parameters' ``.grad`` as the user left them, as
+PopTorch does (the gradients live on the device, and only the weights come back): a
+host-side ``loss.backward()`` and ``optimizer.step()`` after a call add nothing of the
+call's. Inside the call a shared home accumulates into the ``Parameter``'s own
+``.grad`` (the first run drops what the user had there, so it never joins the sum);
+afterwards the user's is put back. The gradient each parameter's last step used stays
+on its home, read with ``anchorTensor(name, "Gradient___<name>")`` ([Note: anchored
+tensors] in ``anchors``) or :attr:`Weights.last_grads`.
+
 Host edits. Each host tensor's version is remembered at every sync. A host
 tensor whose version moved was edited (an ``optimizer.step()`` on the host, a
 ``load_state_dict``, an in-place write): :meth:`to_device` pushes it, and
@@ -93,6 +103,7 @@ class Weights:
         self._others: dict = {}       # name -> its users' tensors besides the stepped one
         self._versions: dict = {}
         self.host_stale = False       # the devices hold values the host copy lacks
+        self.last_grads: dict = {}    # name -> the gradient the last step used, on its home
         self._new_replica_buffers()
         self.remember_versions()
 
@@ -164,11 +175,24 @@ class Weights:
 
     # -- gradients and the step -----------------------------------------------------------
 
-    def zero_grads(self) -> None:
-        for p in self.params.values():
+    def zero_grads(self, host: bool = True) -> None:
+        """Drop the gradients of the copies, and of the host parameters with ``host``."""
+        for p in self.params.values() if host else ():
             p.grad = None
         for c in self._copies.values():
             c.grad = None
+
+    @contextlib.contextmanager
+    def host_grads_kept(self):
+        """Around a training call: the host parameters' ``.grad`` as the user left them
+        ([Note: host gradients]); the last step's gradients in :attr:`last_grads`."""
+        held = [(p, p.grad) for p in self.params.values()]
+        try:
+            yield
+        finally:
+            self.last_grads = {n: self.home(n).grad for n in self.home_of}
+            for p, grad in held:
+                p.grad = grad
 
     def shared(self) -> bool:
         """Whether any parameter has users besides its home (gradients to gather)."""
@@ -271,8 +295,8 @@ class Weights:
     def to_host(self) -> None:
         """Bring trained values back to the user's model (``copyWeightsToHost``).
 
-        Parameters (and their last gradients) from separate homes and replica 0's
-        buffer copies; a host tensor edited since the last sync keeps its edit.
+        Parameters from separate homes and replica 0's buffer copies; a host tensor
+        edited since the last sync keeps its edit.
         """
         if not self.host_stale:
             return
@@ -282,7 +306,6 @@ class Weights:
                 for p, h in self._separate_homes:
                     if id(p) not in edited:
                         p.copy_(h)
-                        p.grad = None if h.grad is None else h.grad.to(p.device)
             for (name, replica, ipu), c in self._buffer_copies.items():
                 b = self.buffers[name]
                 if replica == 0 and id(b) not in edited:
@@ -354,7 +377,7 @@ class Weights:
             with torch.no_grad():
                 for t, value in saved:
                     t.copy_(value)
-            self.zero_grads()
+            self.zero_grads(host=False)  # the host's are the user's ([Note: host gradients])
             self.host_stale = stale
             self._versions.update({id(t): t._version for t, _ in saved
                                    if id(t) in self._versions})

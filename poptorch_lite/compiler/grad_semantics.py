@@ -1,0 +1,299 @@
+"""What a forward says about its own gradients, kept in the traced graph.
+
+[Note: gradients the forward shapes]
+The trace records ops below autograd (``make_fx``), so what a forward says about its own
+gradients does not show in the ops themselves: ``h.detach()`` and ``h.data`` record as
+``aten.alias``, ops under ``torch.no_grad()`` record as any other op, a custom
+``torch.autograd.Function`` records as the ops of its forward, and a hook registered with
+``h.register_hook`` records nothing. Replayed as they are, every one of them would let
+gradients through that plain PyTorch stops, or drop the gradient code the model brings
+(a straight-through estimator, a gradient reversal layer, a hand-written backward). So a
+training trace keeps them, and the stages replay them as plain PyTorch ran them:
+
+- **Grad mode.** Every op records whether grad mode was on when it ran
+  (``meta["grad_enabled"]``): ``torch.no_grad()``, ``torch.inference_mode()``,
+  ``set_grad_enabled(False)`` and autograd's own no-grad work (a backward the forward
+  runs itself). A stage runs such an op under ``torch.no_grad()`` (:func:`run_without_grad`;
+  a view detached, :func:`view_without_grad`) where its value could otherwise carry a
+  gradient; elsewhere it costs nothing.
+- **Detach.** ``t.detach()``, in the model's code or a library's (``F.gumbel_softmax``'s
+  hard sample), is kept as ``aten.detach`` (``make_fx``'s default would record an alias),
+  and so is ``t.data``.
+- **Custom Functions.** ``Function.apply`` is one node of the graph that calls the
+  Function at run time (:func:`traced_apply`), so its own forward and backward run, and
+  ``ctx`` is its own. Its arguments are tensors of the trace and constants; a module or
+  an object that holds tensors is refused, since the node could not give it the stage's
+  weights. ``torch.utils.checkpoint``'s reentrant Function is traced through: it is the
+  forward of the function it checkpoints (recomputation is poptorch_lite's own). A
+  Function that draws random numbers draws from the micro-batch's stream ([Note:
+  micro-batch RNG] in ``rng``). The Functions that ``torch.library`` makes for a custom
+  op's ``register_autograd`` are traced through: the op itself lands in the graph, and
+  its registered backward with it.
+- **Tensor hooks.** ``t.register_hook(fn)`` in the forward is a node that registers
+  ``fn`` on the stage's value of ``t`` (:func:`traced_register_hook`), in every micro-batch,
+  as plain PyTorch registers it in every forward (once, where a recompute runs the forward
+  again on the same leaf).
+
+The trace also records, for the values the model's own code saw, whether they required
+grad (``meta["requires_grad"]``): what ``value_info`` tells other processes ([Note:
+value info] in ``value_info``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import (disable_proxy_modes_tracing, get_proxy_mode,
+                                                get_proxy_slot, track_tensor_tree)
+from torch.utils import _pytree as pytree
+
+from ..errors import TraceError
+from . import structures
+from .subgraphs import base_op, wrap_target
+
+_local = threading.local()
+_APPLY = torch.autograd.Function.__dict__["apply"]  # a classmethod (C++'s in newer torch)
+DATA_GET = torch.Tensor.data.__get__
+
+
+# -- run time ----------------------------------------------------------------------------
+
+def run_without_grad(op):
+    """``op`` run under ``torch.no_grad()``: a node traced without grad ([Note: gradients
+    the forward shapes])."""
+    def call(*args, **kwargs):
+        with torch.no_grad():
+            return op(*args, **kwargs)
+    call.rewrap = run_without_grad
+    return wrap_target(op, call, "no_grad_")
+
+
+def view_without_grad(op):
+    """A view op traced without grad: run so, and detached. A view made under ``no_grad``
+    carries no gradient, yet reports its base's ``requires_grad``; as a stage's output it
+    would ask for a gradient that its backward could not take."""
+    def call(*args, **kwargs):
+        with torch.no_grad():
+            return op(*args, **kwargs).detach()
+    call.rewrap = view_without_grad
+    return wrap_target(op, call, "no_grad_")
+
+
+def stop_gradients(gm: fx.GraphModule) -> None:
+    """Run the nodes marked ``meta["no_grad"]`` under ``torch.no_grad()``."""
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.meta.get("no_grad"):
+            schema = _schema(node)
+            view = (schema is not None and not _in_place(node) and len(schema.returns) == 1
+                    and schema.returns[0].alias_info is not None)
+            node.target = (view_without_grad if view else run_without_grad)(node.target)
+            changed = True
+    if changed:
+        gm.recompile()
+
+
+def _schema(node: fx.Node):
+    return getattr(base_op(node.target), "_schema", None)
+
+
+def _in_place(node: fx.Node) -> bool:
+    schema = _schema(node)
+    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write
+                                      for a in schema.arguments)
+
+
+def mark_stops(gm: fx.GraphModule, carries_grad) -> None:
+    """Mark ``meta["no_grad"]`` on the nodes traced without grad whose value could carry a
+    gradient if they ran with it (``carries_grad(placeholder)``: that input may require
+    grad). Out-of-place ones then carry none; an in-place one writes without history."""
+    carries: dict = {}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            carries[n] = carries_grad(n)
+            continue
+        derived = any(carries.get(m, False) for m in n.all_input_nodes)
+        if n.op == "call_function" and derived and n.meta.get("grad_enabled") is False:
+            n.meta["no_grad"] = True
+            derived = _in_place(n)  # an out-of-place result has no history at run time
+        carries[n] = derived
+
+
+class _FunctionCall:
+    """A custom autograd Function's ``apply`` with the call's constant arguments bound."""
+
+    def __init__(self, cls, leaves: list, spec, tensor_at: list):
+        self.cls, self.leaves, self.spec, self.tensor_at = cls, leaves, spec, tensor_at
+
+    def __call__(self, *tensors):
+        leaves = list(self.leaves)
+        for k, t in zip(self.tensor_at, tensors):
+            leaves[k] = t
+        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
+        return _original_apply(self.cls, *args, **kwargs)
+
+
+def _original_apply(cls, *args, **kwargs):
+    return _APPLY.__get__(None, cls)(*args, **kwargs)
+
+
+def _function_node(call: _FunctionCall, random: bool):
+    def apply(*tensors):
+        return call(*tensors)
+    apply.__name__ = apply.__qualname__ = f"apply_{call.cls.__name__}"
+    if random:  # rng.seed_random_ops gives it the micro-batch's stream
+        apply.tags = (torch.Tag.nondeterministic_seeded,)
+    return apply
+
+
+def _hook_node(fn):
+    def register_hook(t):
+        # Once per value: a recomputed stage runs this node again on its boundary leaves.
+        done = t.__dict__.setdefault("_poptorch_lite_hooks", set())
+        if t.requires_grad and register_hook not in done:
+            done.add(register_hook)
+            t.register_hook(fn)
+    register_hook.__name__ = register_hook.__qualname__ = (
+        f"register_hook_{getattr(fn, '__name__', 'fn').replace('<', '').replace('>', '')}")
+    return register_hook
+
+
+# -- trace time ----------------------------------------------------------------------------
+
+def _tracer():
+    """The tracer recording this thread's training trace, or None."""
+    if not getattr(_local, "active", False):
+        return None
+    mode = get_proxy_mode()
+    return mode.tracer if mode is not None else None
+
+
+def record_requires_grad(out) -> None:
+    """Note on the nodes of ``out``'s traced tensors whether they required grad."""
+    tracer = _tracer()
+    if tracer is None:
+        return
+    for t in pytree.tree_leaves(out):
+        if isinstance(t, torch.Tensor):
+            proxy = get_proxy_slot(t, tracer, None)
+            if proxy is not None:
+                proxy.proxy.node.meta["requires_grad"] = t.requires_grad
+
+
+def _random_state():
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+    return [torch.get_rng_state(), *cuda]
+
+
+def traced_apply(cls, *args, **kwargs):
+    """``Function.apply`` while a training trace records: one node that calls it at run time
+    ([Note: gradients the forward shapes])."""
+    tracer = _tracer()
+    if tracer is None:
+        return _original_apply(cls, *args, **kwargs)
+    if cls is torch.utils.checkpoint.CheckpointFunction:  # the forward it checkpoints
+        run_function, _preserve, *inputs = args
+        return run_function(*inputs)
+    if cls.__module__.startswith("torch._library."):  # a custom op's own autograd: the op
+        # lands in the graph and replays with it, in the caller's grad mode (autograd runs
+        # a Function's forward without grad)
+        outer = getattr(_local, "grad_mode", None)
+        _local.grad_mode = torch.is_grad_enabled()
+        try:
+            return _original_apply(cls, *args, **kwargs)
+        finally:
+            _local.grad_mode = outer
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    tensor_at = [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+    for v in leaves:
+        if not isinstance(v, torch.Tensor) and (
+                isinstance(v, torch.nn.Module) or structures.tensor_holder(v)
+                or isinstance(getattr(v, "__self__", None), torch.nn.Module)):
+            raise TraceError(
+                f"the custom autograd Function {cls.__qualname__} is given a "
+                f"{type(v).__name__} that holds tensors: the Function runs as one step of the "
+                f"traced graph, which hands it only tensor arguments (the stage's own weights "
+                f"and values). Pass the tensors it needs as arguments of apply()")
+    constants = [None if isinstance(v, torch.Tensor) else v for v in leaves]
+    call = _FunctionCall(cls, constants, spec, tensor_at)
+    before = _random_state()
+    with disable_proxy_modes_tracing():
+        out = _original_apply(cls, *args, **kwargs)
+    after = _random_state()
+    random = any(not torch.equal(a, b) for a, b in zip(before, after))
+    proxies = [tracer.unwrap_proxy(leaves[k]) for k in tensor_at]
+    proxy = tracer.create_proxy("call_function", _function_node(call, random), tuple(proxies), {})
+    track_tensor_tree(out, proxy, constant=None, tracer=tracer)
+    record_requires_grad(out)
+    return out
+
+
+def traced_register_hook(func, t, hook):
+    """``t.register_hook(hook)`` while a training trace records: also a node that registers
+    it on the stage's value at run time."""
+    tracer = _tracer()
+    if tracer is None and not t.requires_grad:  # an inference trace: no gradient comes
+        return torch.utils.hooks.RemovableHandle({})
+    handle = func(t, hook)
+    if tracer is not None:
+        tracer.create_proxy("call_function", _hook_node(hook), (tracer.unwrap_proxy(t),), {})
+    return handle
+
+
+def traced_data(func, args):
+    """``t.data`` while a training trace records: an alias that stops gradients, as
+    ``t.detach()`` (make_fx records ``.data`` as a plain alias)."""
+    out = func(*args)
+    tracer = _tracer()
+    proxy = get_proxy_slot(out, tracer, None) if tracer is not None else None
+    if proxy is not None and proxy.proxy.node.target is torch.ops.aten.alias.default:
+        proxy.proxy.node.target = torch.ops.aten.detach.default
+    return out
+
+
+_PATCH_LOCK = threading.Lock()
+_patched = {"traces": 0, "apply": None}
+
+
+@contextlib.contextmanager
+def recording(training: bool):
+    """Keep what the forward says about its gradients while a training trace runs on this
+    thread ([Note: gradients the forward shapes]); an inference trace keeps nothing.
+
+    ``Function.apply`` is torch's, replaced while any thread traces; the replacement calls
+    torch's own on every thread but a tracing one.
+    """
+    if not training:
+        yield
+        return
+    previous = getattr(_local, "active", False)
+    with _PATCH_LOCK:
+        if _patched["traces"] == 0:
+            _patched["apply"] = torch.autograd.Function.__dict__["apply"]  # _APPLY, or a user's
+            torch.autograd.Function.apply = classmethod(traced_apply)
+        _patched["traces"] += 1
+    _local.active = True
+    try:
+        yield
+    finally:
+        _local.active = previous
+        with _PATCH_LOCK:
+            _patched["traces"] -= 1
+            if _patched["traces"] == 0:
+                torch.autograd.Function.apply = _patched["apply"]
+
+
+def record_grad_mode(tracer) -> None:
+    """Make ``tracer`` note on each op node whether grad mode was on when it ran."""
+    create_node = tracer.create_node
+
+    def create(kind, target, *args, **kwargs):
+        node = create_node(kind, target, *args, **kwargs)
+        if kind == "call_function":
+            mode = getattr(_local, "grad_mode", None)
+            node.meta["grad_enabled"] = torch.is_grad_enabled() if mode is None else mode
+        return node
+    tracer.create_node = create
