@@ -106,7 +106,7 @@ def save_checkpoint(path, model: PoplarExecutor, dataloader=None, extra: Any = N
         "optimizer_class": type(model._optimizer).__name__,
         "loss_scale": model._loss_scale.state_dict(),
         "steps": model._steps,
-        "rng": _random_state(),
+        "rng": _random_state(model),
         "dataloader": dataloader.state_dict() if dataloader is not None else None,
         "extra": extra,
     }
@@ -169,7 +169,7 @@ def load_checkpoint(path, model: PoplarExecutor, dataloader=None) -> CheckpointI
         model._optimizer.load_state_dict(state["optimizer"])
         model._loss_scale.load_state_dict(state["loss_scale"])
         model._steps = int(state["steps"])
-        _set_random_state(state["rng"])
+        _set_random_state(state["rng"], model)
         if dataloader is not None and loader is not None:
             dataloader.load_state_dict(loader)
     except Exception as e:
@@ -273,15 +273,19 @@ def _agree_on_parts(model: PoplarExecutor, path, problem, steps) -> None:
             f"stopped while saving; resume from an earlier checkpoint")
 
 
-def _random_state() -> dict:
+def _random_state(model: PoplarExecutor) -> dict:
     return {"torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
-            "python": random.getstate()}
+            "python": random.getstate(),
+            "model": model._random.get_state() if model._random is not None else None}
 
 
-def _set_random_state(saved: dict) -> None:
-    """Restore the generators; CUDA's for the GPUs this machine has ([Note: checkpoints])."""
+def _set_random_state(saved: dict, model: PoplarExecutor) -> None:
+    """Restore the generators; CUDA's for the GPUs this machine has ([Note: checkpoints]);
+    the model's own (``Options.randomSeed``) where both have one."""
     torch.set_rng_state(saved["torch"])
+    if model._random is not None and saved.get("model") is not None:
+        model._random.set_state(saved["model"])
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for index, gpu_state in enumerate(saved["cuda"][:gpus]):
         torch.cuda.set_rng_state(gpu_state, index)
@@ -293,7 +297,7 @@ def _current(model: PoplarExecutor, dataloader):
     """What loading changes, copied; the returned function puts it back."""
     weights = {k: v.detach().clone() for k, v in model.model.state_dict().items()}
     optimizer = copy.deepcopy(model._optimizer.state_dict())
-    loss_scale, steps, rng = model._loss_scale.state_dict(), model._steps, _random_state()
+    loss_scale, steps, rng = model._loss_scale.state_dict(), model._steps, _random_state(model)
     loader = dataloader.state_dict() if dataloader is not None else None
 
     def undo() -> None:
@@ -301,7 +305,7 @@ def _current(model: PoplarExecutor, dataloader):
         model._optimizer.load_state_dict(optimizer)
         model._loss_scale.load_state_dict(loss_scale)
         model._steps = steps
-        _set_random_state(rng)
+        _set_random_state(rng, model)
         if loader is not None:
             dataloader.load_state_dict(loader)
     return undo

@@ -1,12 +1,10 @@
 """The PopTorch face: ``trainingModel``, ``inferenceModel`` and the model they return.
 
-A call validates its inputs, compiles a program once per input signature
-(``runtime/program.py``: the model traced and split into stages, placed on
-devices, weights given homes), and runs it (``Program.run``: the schedule on
-the executor), then merges the micro-batch outputs per the output mode. Every
-refusal happens before any parameter, optimizer state, buffer or RNG state
-changes. What reads of the user's model see while it is wrapped: [Note: weight
-sync] in ``runtime/host_sync.py``. ``wrap.py`` makes these wrappers.
+A call validates its inputs, compiles a program once per input signature (``runtime/
+program.py``: traced, split into stages, placed, weights given homes), runs it
+(``Program.run``) and merges the micro-batch outputs per the output mode. Every refusal
+happens before any parameter, optimizer state, buffer or RNG state changes. What reads of
+the user's model see while it is wrapped: [Note: weight sync] in ``runtime/host_sync.py``.
 """
 
 from __future__ import annotations
@@ -22,6 +20,7 @@ from torch.utils import _pytree as pytree
 
 from . import anchors, optim as poptorch_optim
 from .compiler.partition import Partition
+from .compiler.rng import model_generator
 from .distributed.processes import Processes
 from .enums import ConnectionType
 from .errors import (DeviceError, PoptorchLiteWarning, UnrecoverableError, WrapError,
@@ -82,6 +81,7 @@ class PoplarExecutor(perf_counters.Latencies, PrivateAttributes):
             poptorch_optim.loss_scaling(optimizer), options.Training.automatic_loss_scaling,
             options.Training.loss_scaling_growth_interval) if training else None
         self._processes = Processes.for_options(options, training)
+        self._random = model_generator(options.random_seed)  # [Note: micro-batch RNG]
 
     # -- PopTorch's API -------------------------------------------------------------------
 
@@ -122,7 +122,8 @@ class PoplarExecutor(perf_counters.Latencies, PrivateAttributes):
         # [Note: commit point]: a failure leaves the state of the last completed step;
         # allOrNothingCalls also undoes the steps of a failed call.
         full = self._training and opts.all_or_nothing_calls
-        restore = capture(weights, self._optimizer, self._loss_scale, True) if full else None
+        restore = capture(weights, self._optimizer, self._loss_scale, True,
+                          generator=self._random) if full else None
         ex.undoable = full
         applied = ex.steps_applied
         if self._training:
@@ -150,7 +151,7 @@ class PoplarExecutor(perf_counters.Latencies, PrivateAttributes):
         kept = {i for group in self._output_groups() for i in group}  # copied to the host
         outputs, record = program.run(
             mbs, self._options, self._training, self._replicas(), self._optimizer,
-            self._loss_scale, self._weights, kept, per_run)
+            self._loss_scale, self._weights, kept, per_run, self._random)
         # runStatistics() builds the statistics when asked for: per call only the records.
         self._last_run, self._statistics = (*record, dict(self._placement.devices)), None
         self._last_call = (program.partition, len(mbs.tensor_positions))

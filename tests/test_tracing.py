@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import pathlib
 import traceback
 from traceback import FrameSummary
@@ -82,18 +83,23 @@ class ReadsIntoPython(torch.nn.Module):
             return x if x.sum() > 0 else -x
         if self.how == "index":
             return x * [1.0, 2.0][x.argmax() % 2]
+        if self.how == "random":
+            return x if torch.rand(()) > 0.5 else -x  # from constants, but drawn anew each time
         return F.one_hot(x.long().abs())
 
 
 @pytest.mark.parametrize("how, fragment", [
     ("item", "with t.item() at "), ("if", "with bool(t) (an if or while on a tensor) at "),
     ("index", "with t used as an index or size at "),
+    ("random", "with bool(t) (an if or while on a tensor) at "),
     ("one_hot", "OneHot num classes must be specified and must be constant: F.one_hot at ")])
 def test_a_value_read_into_python_is_refused_with_its_line(how, fragment):
     with pytest.raises(poptorch.TraceError) as info:
         poptorch.inferenceModel(ReadsIntoPython(how))(torch.randn(4, 3))
     statement = {"item": "return x * x.sum().item()", "if": "return x if x.sum() > 0 else -x",
                  "index": "return x * [1.0, 2.0][x.argmax() % 2]",
+                 "random": "return x if torch.rand(()) > 0.5 else -x  # from constants, but "
+                           "drawn anew each time",
                  "one_hot": "return F.one_hot(x.long().abs())"}[how]
     source = pathlib.Path(__file__).read_text().splitlines()
     line = next(k for k, text in enumerate(source, 1) if text.strip() == statement)
@@ -120,6 +126,56 @@ def test_the_user_line_is_found_by_folder_not_by_name():
 def test_a_constant_read_into_python_is_fine():
     x = torch.randn(4, 3)
     assert_close(poptorch.inferenceModel(ReadsIntoPython("constant"))(x), x * 3)
+
+
+class CausalEncoder(torch.nn.Module):
+    """A TransformerEncoder whose causal mask is built in forward (torch reads the mask's
+    values to detect that it is causal), and a Normal of constant parameters (torch checks
+    them): values computed from constants alone, read into Python."""
+
+    def __init__(self):
+        super().__init__()
+        layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.enc = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        prior = torch.distributions.Normal(torch.tensor([0.5, 2.0]), torch.tensor([1.0, 3.0]))
+        out = self.head(self.enc(x, mask=mask)).mean(1) + prior.mean.sum()
+        return out, F.cross_entropy(out, y)
+
+
+def test_values_computed_from_constants_alone_are_read_into_python():
+    """[Note: values read while tracing]: the same in every micro-batch, so they are read."""
+    torch.manual_seed(0)
+    model = CausalEncoder()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(6, 5, 8), torch.randint(0, 3, (6,))
+    opts = poptorch.Options()
+    opts.Training.gradientAccumulation(3)
+    train = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+    _, loss = train(x, y)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for k in range(3):
+        ref_loss = ref(x[2 * k:2 * k + 2], y[2 * k:2 * k + 2])[1]
+        (ref_loss / 3).backward()
+    ref_opt.step()
+    assert_close(loss, ref_loss.detach(), atol=1e-5, rtol=0)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_close(p.detach(), q.detach(), atol=1e-5, rtol=0)
+
+
+class DrawsIntegers(torch.nn.Module):
+    def forward(self, x):
+        return (x + 0).random_(5, 100)  # aten.random_.from: an overload named as a keyword
+
+
+def test_an_op_whose_overload_is_named_as_a_python_keyword_traces():
+    out = poptorch.inferenceModel(DrawsIntegers(), poptorch.Options().deviceIterations(2))(
+        torch.zeros(2, 1000))
+    assert out.shape == (2, 1000) and out.min() >= 5 and out.max() < 100
+    assert not torch.equal(out[0], out[1])  # each micro-batch draws from its own stream
 
 
 class DropsBuffer(torch.nn.Module):

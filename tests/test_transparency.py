@@ -8,6 +8,7 @@ import torch
 from torch.testing import assert_close
 
 import poptorch_lite as poptorch
+from poptorch_lite.compiler import rng
 
 from conftest import DEVICE_MARKS, DEVICES
 from models import (GRAD_CODE, BlockMLP, GradCodeMLP, data, microbatch_seeds, on_device,
@@ -176,6 +177,34 @@ def test_dropout_and_batchnorm_match_with_the_same_seed(schedule, recompute, dev
     for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
         assert_close(a, b.cpu(), atol=ATOL, rtol=0, msg=name)
     assert int(model.bn.num_batches_tracked) == G * D
+
+
+def test_a_seeded_model_draws_from_a_random_state_of_its_own(device):
+    """Options.randomSeed(n) seeds the model's own generator, as PopTorch seeds each model's
+    device RNG ([Note: micro-batch RNG]): two models with the same seed draw the same dropout
+    masks, torch's generator is not drawn from, and plain PyTorch seeded per micro-batch from
+    a generator seeded with n does the same arithmetic."""
+    torch.manual_seed(0)
+    model, G = BlockMLP(2, dropout=0.3), 4
+    ref, other = twin(model, device), twin(model)
+    opts = pipelined("interleaved", False, G, device).randomSeed(77).deviceIterations(2)
+    x, y = data(2 * G * 2)
+    state = torch.get_rng_state()
+    losses = []
+    for m in (model, other):
+        train = poptorch.trainingModel(m, opts, torch.optim.SGD(m.parameters(), lr=0.05))
+        losses.append(train(x, y)[1])
+        train.destroy()
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(losses[0], losses[1])
+    own = torch.Generator().manual_seed(77)
+    seeds = [rng.microbatch_seed(base, i) for base in rng.draw_bases(2, own) for i in range(G)]
+    _, ref_losses, _ = reference_training(ref, torch.optim.SGD(ref.parameters(), lr=0.05),
+                                          x, y, 2, G, 1, seeds=seeds)
+    assert_close(losses[0], ref_losses[-1], atol=ATOL, rtol=0)
+    for p, q, r in zip(model.parameters(), other.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+        assert_close(p.detach(), r.detach().cpu(), atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("ipus,schedules", [

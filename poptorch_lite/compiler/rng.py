@@ -10,9 +10,11 @@ random stream, the same in every schedule:
 
 - each run (one schedule over m micro-batches) that has random ops has one
   62-bit ``base``, drawn from torch's default CPU generator (so
-  ``torch.manual_seed`` and ``Options.randomSeed`` control everything); a
-  call draws the bases of its runs together, which gives the same numbers as
-  one draw per run (:func:`draw_bases`);
+  ``torch.manual_seed`` controls everything), or, for a model whose options set
+  ``Options.randomSeed(n)``, from a generator of its own seeded with n, as
+  PopTorch seeds each model's device RNG (:func:`model_generator`: two models
+  with the same seed draw the same numbers); a call draws the bases of its runs
+  together, which gives the same numbers as one draw per run (:func:`draw_bases`);
 - micro-batch i draws from a generator state seeded with
   :func:`microbatch_seed` ``(base, i)``, one per kind of device it touches
   (the CPU, CUDA); its stages use that state in stage order (stage s+1
@@ -56,12 +58,24 @@ def microbatch_seed(base: int, i: int) -> int:
     return (base + i * _GOLDEN) % (1 << 63)
 
 
+def model_generator(seed: Optional[int]) -> Optional[torch.Generator]:
+    """The random state of a model whose options set ``randomSeed(seed)``; None (the model
+    draws from torch's default generator) without one ([Note: micro-batch RNG]).
+
+    Example:
+        >>> a, b = model_generator(7), model_generator(7)
+        >>> draw_bases(2, a) == draw_bases(2, b), model_generator(None)
+        (True, None)
+    """
+    return None if seed is None else torch.Generator().manual_seed(seed)
+
+
 def draw_base() -> int:
     """One draw from torch's default CPU generator: the base of a run's streams."""
     return int(torch.randint(0, 1 << 62, (), dtype=torch.int64))
 
 
-def draw_bases(n: int) -> list:
+def draw_bases(n: int, generator: Optional[torch.Generator] = None) -> list:
     """The bases of a call's ``n`` runs in one draw: the same numbers, and the same generator
     state after, as ``n`` calls of :func:`draw_base` (torch's CPU generator draws one 64-bit
     number per element, in order).
@@ -71,22 +85,26 @@ def draw_bases(n: int) -> list:
         >>> _ = torch.manual_seed(0); draw_bases(3) == one_by_one
         True
     """
-    return torch.randint(0, 1 << 62, (n,), dtype=torch.int64).tolist() if n else []
+    return (torch.randint(0, 1 << 62, (n,), dtype=torch.int64, generator=generator).tolist()
+            if n else [])
 
 
-def rewinder():
+def rewinder(generator: Optional[torch.Generator] = None):
     """A function that puts torch's generators back as they are now, then draws ``k`` bases:
     the state after a call's first ``k`` runs, whose bases were drawn together
     (:func:`draw_bases`). Runs change no generator but by their bases: each random op
     swaps a stream's state in and the generator's back ([Note: micro-batch RNG])."""
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    own = generator.get_state() if generator is not None else None
 
     def rewind(k: int) -> None:
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
-        draw_bases(k)
+        if own is not None:
+            generator.set_state(own)
+        draw_bases(k, generator)
     return rewind
 
 

@@ -34,6 +34,9 @@ PyTorch does. What is refused is a value read *into Python* from a traced
 tensor (``t.item()``, ``if t:``, ``int(t)``, ``float(t)``, ``t.tolist()``,
 indexing a list with ``t``): it would be fixed at the first micro-batch's
 value for every later one (PopTorch's tracer fixes it the same way, silently).
+A value computed from constants alone (no input, weight or buffer, no random op:
+a causal mask built in ``forward``, ``torch.distributions``' checks of constant
+parameters) is the same in every micro-batch, so it is read.
 ``F.one_hot(x)`` without ``num_classes`` is refused as PopTorch refuses it: its
 width would be the first micro-batch's largest class. A tensor passed where
 torch wants a Python number (``torch.arange(t)``) is converted inside torch's
@@ -49,7 +52,8 @@ import traceback
 
 import torch
 import torch.nn.functional as F
-from torch.fx.experimental.proxy_tensor import get_proxy_mode
+from torch.fx.experimental.proxy_tensor import (disable_proxy_modes_tracing, get_proxy_mode,
+                                                get_proxy_slot)
 from torch.overrides import TorchFunctionMode
 
 from ..errors import TraceError, hide_when_refused as __tracebackhide__
@@ -99,8 +103,28 @@ def _library_folders() -> tuple:
     return tuple(os.path.join(os.path.realpath(f), "") for f in folders)
 
 
+def _from_constants(t: torch.Tensor, mode) -> bool:
+    """Whether the traced tensor ``t`` is computed from constants alone: no input, weight or
+    buffer of the trace and no random op among the ops that made it."""
+    proxy = get_proxy_slot(t, mode.tracer, None)
+    if proxy is None:
+        return True
+    stack, seen = [proxy.proxy.node], set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "placeholder" or torch.Tag.nondeterministic_seeded in getattr(
+                node.target, "tags", ()):
+            return False
+        stack.extend(node.all_input_nodes)
+    return True
+
+
 def _read_into_python(func, args: tuple, kwargs: dict):
-    """Run a read of a tensor's value into Python: a constant's is fine, a traced one's refused."""
+    """Run a read of a tensor's value into Python: a constant's is fine (make_fx's own, or one
+    computed from constants alone: the same in every micro-batch), a traced one's refused."""
     tracer = get_proxy_mode()
     if tracer is None:
         return func(*args, **kwargs)
@@ -111,6 +135,9 @@ def _read_into_python(func, args: tuple, kwargs: dict):
     except RuntimeError as exc:
         if "value out of a tracing tensor" not in str(exc):
             raise
+        if isinstance(args[0], torch.Tensor) and _from_constants(args[0], tracer):
+            with disable_proxy_modes_tracing():  # the traced value is real: read it
+                return func(*args, **kwargs)
         raise TraceError(
             f"the forward reads a tensor's value into Python with {_PYTHON_READS[func]} at "
             f"{_user_line(traceback.extract_stack()[:-1])}: the model is traced once, so that "

@@ -32,10 +32,11 @@ recorded graphs, never the module's Python, so nothing else reads them.
 from __future__ import annotations
 
 import contextlib
+import functools
+import keyword
 import logging
 import operator
 import os
-import traceback
 import types
 
 import torch
@@ -47,7 +48,8 @@ from ..errors import RAISED_IN_TRACE, Error, TraceError, hide_when_refused as __
 from . import grad_semantics, structures
 from .casting import _ImplicitCasting
 from .markers import _current, trace_context
-from .trace_modes import _InferenceSession, _TraceMode, _user_line, user_file_test
+from .subgraphs import wrap_target
+from .trace_modes import _InferenceSession, _TraceMode, user_file_test
 
 
 @contextlib.contextmanager
@@ -112,6 +114,28 @@ def _export_style():
     finally:
         for f, value in saved.items():
             setattr(compiler, f, value)
+
+
+@functools.lru_cache(maxsize=None)
+def _callable_overload(op):
+    """``op``, callable by name from a graph's code where its overload's name is a Python
+    keyword (``aten.random_.from``: FX would write ``torch.ops.aten.random_.from(...)``)."""
+    def call(*args, **kwargs):
+        return op(*args, **kwargs)
+    call.tags, call._schema, call.rewrap = op.tags, op._schema, _callable_overload
+    return wrap_target(op, call, "")
+
+
+def _keyword_safe(tracer) -> None:
+    """Make ``tracer`` record ops whose overload is a keyword through :func:`_callable_overload`."""
+    create_node = tracer.create_node
+
+    def create(kind, target, *args, **kwargs):
+        if kind == "call_function" and isinstance(target, torch._ops.OpOverload) \
+                and keyword.iskeyword(target._overloadname):
+            target = _callable_overload(target)
+        return create_node(kind, target, *args, **kwargs)
+    tracer.create_node = create
 
 
 def _check_buffers_kept(model: torch.nn.Module, values: dict) -> None:
@@ -266,8 +290,8 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
     Raises:
         TraceError: the forward deleted or reassigned a registered buffer, or did what
             the trace refuses (the model is left as it was).
-        Exception: whatever the forward itself raised, with its own type and message and a
-            note naming the user's line (the model is left as it was).
+        Exception: whatever the forward itself raised, with its own type and message, its
+            traceback the user's frames (the model is left as it was).
     """
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
@@ -278,6 +302,7 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
     module_blocks: dict = {}
 
     def run(*flat):
+        _keyword_safe(get_proxy_mode().tracer)
         if training:  # [Note: gradients the forward shapes] in ``grad_semantics``
             grad_semantics.record_grad_mode(get_proxy_mode().tracer)
         values = dict(zip(names, flat[:len(names)]))
@@ -325,11 +350,8 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
                                 or not torch.equal(b, before[id(b)]))
     except Error as exc:
         raise exc.with_traceback(_user_traceback(exc.__traceback__))
-    except Exception as exc:  # the forward's own exception, as PopTorch re-raises it
-        where = _user_line(traceback.extract_tb(exc.__traceback__))
-        exc.add_note(f"poptorch_lite: raised while the model was traced at {where}. The "
-                     f"forward runs once on the first call's real inputs; make it run as "
-                     f"plain PyTorch on one micro-batch of those inputs")
+    except Exception as exc:  # the forward's own exception, as PopTorch re-raises it: its
+        # type and message unchanged, its traceback ending at the forward's line
         try:  # [Note: frames a user sees]
             setattr(exc, RAISED_IN_TRACE, True)
         except AttributeError:  # an exception type without a __dict__

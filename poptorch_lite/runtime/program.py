@@ -53,7 +53,8 @@ class Program:
         return self._schedules[m, training]
 
     def run(self, mbs: MicroBatches, options: Options, training: bool, replicas: int,
-            optimizer, loss_scale, weights: Weights, kept: set, per_run: bool = True) -> tuple:
+            optimizer, loss_scale, weights: Weights, kept: set, per_run: bool = True,
+            generator: Optional[torch.Generator] = None) -> tuple:
         """The runs of one call: D runs of G·R micro-batches, one optimizer step each, when
         training; one run of every micro-batch otherwise.
 
@@ -65,7 +66,8 @@ class Program:
         Args:
             mbs: the call's micro-batches; replicas: R, the replicas of this process
                 that run in turn, one per input slice ([Note: batch layout]);
-            kept: the micro-batches whose outputs are copied to the host.
+            kept: the micro-batches whose outputs are copied to the host;
+            generator: the model's own random state (``Options.randomSeed``), or None.
 
         Returns:
             The outputs per micro-batch, and the call's record: (schedule, the runs'
@@ -88,8 +90,8 @@ class Program:
         outputs, stats = [], []
         # The random state is captured once per call: the runs draw their bases together,
         # and a failure rewinds to the state after the runs that committed.
-        rewind = rng.rewinder() if per_run and ex.random else None
-        bases = rng.draw_bases(len(runs)) if ex.random else [None] * len(runs)
+        rewind = rng.rewinder(generator) if per_run and ex.random else None
+        bases = rng.draw_bases(len(runs), generator) if ex.random else [None] * len(runs)
         tensors = mbs.all_tensors()
 
         def replica_of(j: int) -> int:  # micro-batch j of a run: [Note: batch layout]

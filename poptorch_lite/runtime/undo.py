@@ -47,7 +47,7 @@ from .weights import Weights
 
 def capture(weights: Weights, optimizer: Optional[torch.optim.Optimizer],
             loss_scale: Optional[LossScale], params: bool = False,
-            rng: bool = True) -> Callable[[], None]:
+            rng: bool = True, generator: Optional[torch.Generator] = None) -> Callable[[], None]:
     """Capture the state a call may change; return the function that puts it back.
 
     Args:
@@ -56,7 +56,8 @@ def capture(weights: Weights, optimizer: Optional[torch.optim.Optimizer],
         loss_scale: the wrapper's loss scale (None: inference).
         params: capture parameters too (``allOrNothingCalls``); else only what a
             step does not commit.
-        rng: capture torch's random number generators (a run's capture leaves them to
+        rng: capture torch's random number generators, and ``generator`` (the model's
+            own, ``Options.randomSeed``), if any (a run's capture leaves them to
             ``rng.rewinder``, once per call).
     """
     restore_weights = weights.snapshot(params=params)
@@ -67,6 +68,7 @@ def capture(weights: Weights, optimizer: Optional[torch.optim.Optimizer],
         return restore_weights  # a run's capture, most often: only the weights' own
     cpu_rng = torch.get_rng_state() if rng else None
     cuda_rng = torch.cuda.get_rng_state_all() if rng and torch.cuda.is_initialized() else None
+    own_rng = generator.get_state() if rng and generator is not None else None
 
     def restore() -> None:
         restore_weights()
@@ -79,6 +81,8 @@ def capture(weights: Weights, optimizer: Optional[torch.optim.Optimizer],
             torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+        if own_rng is not None:
+            generator.set_state(own_rng)
     return restore
 
 
