@@ -7,7 +7,8 @@ runtime (placement, schedule, executor) -> wrapper; CONTRIBUTING.md maps the mod
 
 from . import keras, optim
 from . import ops_namespace  # registers torch.ops.poptorch.*
-from .annotations import BeginBlock, Block, BlockFunction, recomputationCheckpoint, removeBlocks
+from .annotations import (BeginBlock, Block, BlockFunction, module_repr, recomputationCheckpoint,
+                          removeBlocks)
 from .checkpoint import CheckpointInfo, load_checkpoint, save_checkpoint
 from .custom_args import ICustomArgParser, registerCustomArgParser
 from .data import AsynchronousDataAccessor, DataLoader
@@ -25,7 +26,7 @@ from .frontends import (BalancePlan, IPUInfeedQueue, IPUOutfeedQueue, OptimizerF
                         balance_by_time, pipeline,
                         print_pipeline_stage_assignment_summary, set_pipeline_stage_assignment,
                         split_at, stage_summary)
-from .ops import (Attribute, MultiConv, NameScope, identity_loss, ipuHardwareIsAvailable,
+from .ops import (Attribute, MultiConv, NameScope, for_loop, identity_loss, ipuHardwareIsAvailable,
                   ipuHardwareVersion, ipu_print_tensor, isRunningOnIpu, nop, serializedMatMul,
                   setLogLevel, set_available_memory, set_overlap_for_input, set_overlap_for_output)
 from .options import Options, TensorLocationSettings, combined_batch_size
@@ -49,10 +50,11 @@ __all__ = [
     "PoptorchLiteWarning", "RecoverableError", "ReductionType", "ScheduleError",
     "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage", "SyncPattern",
     "TensorLocationSettings", "TraceError", "UnknownAttributeError", "UnrecoverableError",
-    "WrapError", "balance_by_time", "combined_batch_size", "identity_loss", "inferenceModel",
+    "WrapError", "balance_by_time", "combined_batch_size", "for_loop", "identity_loss",
+    "inferenceModel",
     "ipuHardwareIsAvailable", "ipuHardwareVersion", "ipu_print_tensor", "isRunningOnIpu",
     "is_main_process", "keras",
-    "load_checkpoint", "nop", "optim", "pipeline", "print_pipeline_stage_assignment_summary",
+    "load_checkpoint", "module_repr", "nop", "optim", "pipeline", "print_pipeline_stage_assignment_summary",
     "recomputationCheckpoint", "registerCustomArgParser", "removeBlocks", "save_checkpoint", "serializedMatMul",
     "setLogLevel", "set_available_memory", "set_overlap_for_input", "set_overlap_for_output",
     "set_pipeline_stage_assignment", "split_at", "stage_summary", "trainingModel",

@@ -66,6 +66,20 @@ def check(anchors: dict, model: torch.nn.Module, training: bool) -> None:
                 f"call is kept (OutputMode.Final or Default); pass one of those")
 
 
+def check_updatable_buffers(names: list, model: torch.nn.Module) -> None:
+    """Refuse ``Options.updatableNamedBuffers`` names that are not buffers of ``model``.
+
+    Raises:
+        OptionsError: with the model's buffer names.
+    """
+    buffers = [n for n, _ in model.named_buffers()]
+    unknown = [n for n in names if n not in buffers]
+    if unknown:
+        raise OptionsError(
+            f"Options.updatableNamedBuffers names {unknown}, which the model has no buffer "
+            f"of; its buffers are {buffers if len(buffers) <= 12 else buffers[:12] + ['...']}")
+
+
 def value(anchors: dict, short: str, model: torch.nn.Module,
           grads: dict) -> Optional[torch.Tensor]:
     """The anchored tensor ``short`` of ``model`` (the host copy, synced by the caller);

@@ -36,9 +36,9 @@ def _begin(user_id: Optional[str], ipu_id: Optional[int]) -> None:
 
 
 def _check_ids(user_id: Any, ipu_id: Any) -> None:
-    if user_id is not None and not isinstance(user_id, str):
-        raise BlockError(f"a block's user_id must be a str, got {user_id!r}; "
-                         f"write user_id=\"{user_id}\"")
+    if user_id is not None and (isinstance(user_id, bool) or not isinstance(user_id, (str, int))):
+        raise BlockError(f"a block's user_id must be a str (or an int, as PopTorch allows), "
+                         f"got {user_id!r}; write user_id=\"{user_id}\"")
     if ipu_id is not None and (isinstance(ipu_id, bool) or not isinstance(ipu_id, int) or ipu_id < 0):
         raise BlockError(f"a block's ipu_id must be a non-negative int, got {ipu_id!r}; "
                          f"write e.g. ipu_id=0, or leave it None")
@@ -53,8 +53,27 @@ class _BlockHook:
     def __call__(self, module, inputs):
         _begin(self.user_id, self.ipu_id)
 
-    def __repr__(self):
-        return f"BeginBlock(user_id={self.user_id!r}, ipu_id={self.ipu_id!r})"
+    def __repr__(self):  # PopTorch's, which module_repr shows
+        return f"BeginBlock(user_id={self.user_id}, ipu_id={self.ipu_id})"
+
+
+class BlockStart(torch.nn.Module):
+    """A function that starts a block when called: what ``BeginBlock(function)`` returns, a
+    module (so it can be saved, as PopTorch's ``LegacyBeginBlockFn`` can).
+
+    Example:
+        >>> double = BlockStart(torch.nn.functional.relu, "B1", 1)
+        >>> double._user_id, double._ipu_id
+        ('B1', 1)
+    """
+
+    def __init__(self, layer_to_call: Callable, user_id=None, ipu_id: Optional[int] = None):
+        super().__init__()
+        self._layer_to_call, self._user_id, self._ipu_id = layer_to_call, user_id, ipu_id
+
+    def forward(self, *args, **kwargs):
+        _begin(self._user_id, self._ipu_id)
+        return self._layer_to_call(*args, **kwargs)
 
 
 def BeginBlock(layer_to_call, user_id: Optional[str] = None, ipu_id: Optional[int] = None):
@@ -65,9 +84,10 @@ def BeginBlock(layer_to_call, user_id: Optional[str] = None, ipu_id: Optional[in
 
     Args:
         layer_to_call: an ``nn.Module`` (returned unchanged, parameter names intact),
-            or a plain callable (returned wrapped so that calling it starts the block);
-            PopTorch's keyword name.
-        user_id: the block's name (``Stage`` refers to it); auto-numbered if None.
+            or a plain callable (returned as a :class:`BlockStart` module that starts the
+            block and calls it); PopTorch's keyword name.
+        user_id: the block's name (``Stage`` refers to it; an int is its str); auto-numbered
+            if None.
         ipu_id: the IPU the block runs on.
 
     Raises:
@@ -87,11 +107,7 @@ def BeginBlock(layer_to_call, user_id: Optional[str] = None, ipu_id: Optional[in
         module.register_forward_pre_hook(_BlockHook(user_id, ipu_id))
         return module
     if callable(module):
-        @functools.wraps(module)
-        def begin_then_call(*args, **kwargs):
-            _begin(user_id, ipu_id)
-            return module(*args, **kwargs)
-        return begin_then_call
+        return BlockStart(module, user_id, ipu_id)
     raise BlockError(f"BeginBlock needs an nn.Module or a callable, got {type(module).__name__}")
 
 
@@ -101,6 +117,31 @@ def block_of(module: torch.nn.Module) -> Optional[_BlockHook]:
         if isinstance(hook, _BlockHook):
             return hook
     return None
+
+
+def module_repr(m: torch.nn.Module) -> str:
+    """``repr(m)`` with the BeginBlock annotations shown before the modules they start, as
+    PopTorch's ``module_repr`` shows them (``torch``'s repr leaves forward pre-hooks out).
+
+    Example:
+        >>> net = torch.nn.Sequential(torch.nn.ReLU(), BeginBlock(torch.nn.ReLU(), "B1", 1))
+        >>> print(module_repr(net))
+        Sequential(
+          (0): ReLU()
+          (1): BeginBlock(user_id=B1, ipu_id=1) ReLU()
+        )
+    """
+    lines = m.extra_repr().split("\n") if m.extra_repr() else []
+    children = [f"({name}): " + module_repr(child).replace("\n", "\n  ")
+                for name, child in m._modules.items()]
+    hooks = "".join(f"{hook!r} " for hook in m._forward_pre_hooks.values()
+                    if isinstance(hook, _BlockHook))
+    inner = ""
+    if len(lines) == 1 and not children:
+        inner = lines[0]
+    elif lines or children:
+        inner = "\n  " + "\n  ".join(lines + children) + "\n"
+    return f"{hooks}{m._get_name()}({inner})"
 
 
 def removeBlocks(module: torch.nn.Module) -> torch.nn.Module:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +70,35 @@ def ipu_print_tensor(tensor: torch.Tensor, title: str = "", print_gradient: bool
                   "ipu_print_tensor prints values only; gradients are not printed")
     markers.PRINT_TENSOR(tensor, title)
     return tensor
+
+
+def for_loop(count: int, body: Callable, inputs: list) -> list:
+    """PopTorch's on-device loop, as the loop it stands for: ``body`` runs ``count`` times,
+    each run taking the previous one's outputs as its arguments. The inputs are cloned first
+    (passed by value, as PopTorch's are); the trace unrolls the loop.
+
+    Raises:
+        InputError: ``inputs`` is not a list of tensors, or ``count`` not an int >= 0.
+
+    Example:
+        >>> for_loop(3, lambda x: x * 2, [torch.ones(1)])
+        [tensor([8.])]
+    """
+    if not isinstance(inputs, list):
+        raise InputError("poptorch.for_loop expects input tensors (inputs) to be a list of "
+                         "tensors. (Object is not list)")
+    for k, t in enumerate(inputs):
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"poptorch.for_loop expects input tensors (inputs) to be a list of "
+                             f"tensors. (Object contained in list at index {k} is not "
+                             f"torch.tensor)")
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise InputError(f"poptorch.for_loop needs an int count >= 0, got {count!r}")
+    values = [t.clone() for t in inputs]
+    for _ in range(count):
+        out = body(*values)
+        values = list(out) if isinstance(out, (list, tuple)) else [out]
+    return values
 
 
 def isRunningOnIpu() -> bool:

@@ -14,7 +14,8 @@ import torch
 from . import optim as poptorch_optim
 from .errors import OptionsError
 from .options.options import Options
-from .wrapper import PoplarExecutor, refuse_second_trainer, register_trainer
+from .trainers import refuse_second_trainer, register_trainer
+from .wrapper import PoplarExecutor
 
 
 def _check_options(options) -> Options:

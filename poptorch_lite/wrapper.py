@@ -19,11 +19,12 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import anchors, optim as poptorch_optim
+from .annotations import module_repr
 from .compiler.partition import Partition
 from .compiler.rng import model_generator
 from .distributed.processes import Processes
 from .enums import ConnectionType
-from .errors import (DeviceError, PoptorchLiteWarning, UnrecoverableError, WrapError,
+from .errors import (DeviceError, OptionsError, PoptorchLiteWarning, UnrecoverableError, WrapError,
                      hide_when_refused as __tracebackhide__, warn_once)
 from .optim.loss_scale import LossScale
 from .optim.optimizers import _PopTorchOptimizer
@@ -36,18 +37,11 @@ from .runtime.program import Program, compile_program
 from .runtime.undo import capture, undo_note
 from .runtime.host_sync import watch
 from .runtime.weights import Weights
+from .trainers import (refuse_second_trainer, register_trainer,
+                       training_wrapper as _training_wrapper, unregister_trainer)
 from .wrapper_private import CompiledInputs, PrivateAttributes, check_private
 
 _LOG = logging.getLogger("poptorch_lite")
-
-# Models currently wrapped by a training wrapper (refused a second time until destroy()). Both
-# sides are weak: the wrapper holds its model, so a strong value would keep it alive for ever.
-_TRAINING_WRAPPERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _training_wrapper(model) -> Optional["PoplarExecutor"]:
-    ref = _TRAINING_WRAPPERS.get(model)
-    return None if ref is None else ref()
 
 
 class PoplarExecutor(perf_counters.Latencies, PrivateAttributes):
@@ -252,6 +246,19 @@ class PoplarExecutor(perf_counters.Latencies, PrivateAttributes):
         self._weights.to_host()  # values trained since the last sync are kept
         self._weights.to_device()
 
+    def copyNamedBuffersToDevice(self) -> None:
+        """Push the buffers named by ``Options.updatableNamedBuffers`` to the devices now (a
+        host edit of any buffer reaches them before the next call anyway: [Note: weight sync]).
+
+        Raises:
+            OptionsError: no buffers were named.
+        """
+        self._require_compiled()
+        if not self._options.updatable_named_buffers:
+            raise OptionsError("No named buffers marked as updatable via updatableNamedBuffers "
+                               "option; call opts.updatableNamedBuffers([...]) before wrapping")
+        self._weights.to_device(everything=False)
+
     def setOptimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Use ``optimizer``'s hyper-parameters from the next call on.
 
@@ -302,8 +309,7 @@ class PoplarExecutor(perf_counters.Latencies, PrivateAttributes):
         self._placement = self._weights = self._last_call = None
         self._attached = self._compiled = False
         self._destroyed = True
-        if _training_wrapper(self._user_model) is self:
-            del _TRAINING_WRAPPERS[self._user_model]
+        unregister_trainer(self._user_model, self)
 
     def _revive(self) -> None:
         """A destroyed wrapper called again compiles again, as PopTorch's does, unless
@@ -348,7 +354,7 @@ class PoplarExecutor(perf_counters.Latencies, PrivateAttributes):
 
     def __repr__(self) -> str:
         kind = "trainingModel" if self._training else "inferenceModel"
-        return f"{kind}({self._user_model!r})"
+        return f"{kind}({module_repr(self._user_model)})"
 
     # -- internals ------------------------------------------------------------------------
 
@@ -377,6 +383,8 @@ class PoplarExecutor(perf_counters.Latencies, PrivateAttributes):
             if self._processes is not None:  # first compile: join the group, compare options
                 self._processes.join(self._user_model, self._optimizer)
             anchors.check(self._options.anchored_tensors, self._user_model, self._training)
+            anchors.check_updatable_buffers(self._options.updatable_named_buffers,
+                                            self._user_model)
             if self._weights is not None:
                 self._weights.to_host()  # trace with the trained values, outside the trace
             program, self._weights, self._placement = compile_program(
@@ -435,16 +443,3 @@ class PoplarExecutor(perf_counters.Latencies, PrivateAttributes):
         leaves = [next(merged) if isinstance(v, str) else v[1] for v in part.outputs]
         return pytree.tree_unflatten(leaves, part.out_spec)
 
-
-def register_trainer(model, wrapper: "PoplarExecutor") -> None:
-    """``wrapper`` trains ``model`` now (until its ``destroy()``)."""
-    _TRAINING_WRAPPERS[model] = weakref.ref(wrapper)
-
-
-def refuse_second_trainer(model, wrapper: Optional["PoplarExecutor"]) -> None:
-    """Refuse a second live training wrapper of ``model`` (``wrapper``: the one asking)."""
-    existing = _training_wrapper(model)
-    if existing is not None and existing is not wrapper:
-        raise WrapError("Model has already been wrapped in 'poptorch.trainingModel'. Call "
-                        "destroy() on that wrapper (the object trainingModel returned) to "
-                        "unwrap before wrapping again.")

@@ -106,6 +106,16 @@ def weights_unchanged(model: torch.nn.Module):
         assert torch.equal(torch.get_rng_state(), rng), "the CPU RNG state changed"
 
 
+class CallsAModule(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, layer):
+        return layer(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
 class Two(torch.nn.Module):
     """Two Linear layers in blocks ``ids`` on IPUs ``ipus``; ``tail`` says what follows."""
 
@@ -122,6 +132,8 @@ class Two(torch.nn.Module):
                 h = h @ torch.ones(3, 3)
             if self.tail == "item":
                 h = h * h.sum().item()
+            if self.tail == "function_given_module":
+                h = CallsAModule.apply(h, self.l1)
             if self.tail == "one_hot":
                 h = h + F.one_hot(x.argmax(1))
         if self.tail == "outside":
@@ -683,7 +695,7 @@ T = {
     "E-CFG-17": lambda: refuse(lambda o: o.from_json("[1]")),
     "E-CFG-18": lambda: refuse(lambda o: o.from_json('{"Nope.x": 1}')),
     # annotations and front ends
-    "E-BLK-01": lambda: poptorch.BeginBlock(torch.nn.Linear(2, 2), 3),
+    "E-BLK-01": lambda: poptorch.BeginBlock(torch.nn.Linear(2, 2), 3.5),
     "E-BLK-02": lambda: poptorch.BeginBlock(torch.nn.Linear(2, 2), "a", ipu_id=-1),
     "E-BLK-03": lambda: poptorch.BeginBlock(poptorch.BeginBlock(torch.nn.Linear(2, 2), "a"), "b"),
     "E-BLK-04": lambda: poptorch.BeginBlock(3, "a"),
@@ -790,6 +802,7 @@ T = {
     "E-PART-10": lambda: first_call(Two(bn=True), opts(R=2)),
     "E-PART-16": lambda: first_call(Returning(Holder), opts()),
     "E-PART-17": lambda: first_call(Returning(lambda t: NeedsTwo(t, t)), opts()),
+    "E-PART-18": lambda: first_call(Two(tail="function_given_module"), opts()),
     "E-PART-15": lambda: without_kernel("aten::addmm", lambda: first_call(
         Two(), opts(strategy=poptorch.PipelinedExecution("a", "b"), G=4))),
     # pipelining
@@ -812,6 +825,8 @@ T = {
     "E-WRAP-10": lambda: poptorch.inferenceModel(Two()).attachToDevice(),
     "E-WRAP-11": lambda: compiled_model().getAnchoredTensor("grad"),
     "E-WRAP-12": lambda: compiled_model()._compileWithDispatch,
+    "E-WRAP-13": lambda: compiled_model().copyNamedBuffersToDevice(),
+    "E-WRAP-14": lambda: first_call(Two(), opts().updatableNamedBuffers(["ghost"])),
     # batch sizes and inputs
     "E-TF-01": lambda: tf1_refuses(computational_stages=[]),
     "E-TF-02": lambda: tf1_refuses(computational_stages=[torch.nn.Linear(4, 4), 3]),
@@ -948,6 +963,8 @@ T = {
     "E-OPS-06": lambda: torch.ops.poptorch.internal_cast(torch.ones(1), "FLOAT8"),
     "E-OPS-07": lambda: torch.ops.poptorch.identity_loss(torch.ones(1), 5),
     "E-OPS-08": lambda: poptorch.registerCustomArgParser(tuple, object()),
+    "E-OPS-09": lambda: poptorch.for_loop(2, torch.tanh, (torch.ones(1),)),
+    "E-OPS-10": lambda: poptorch.for_loop(2.5, torch.tanh, [torch.ones(1)]),
     # schedules and timelines
     "E-SCH-01": lambda: Action.parse("1X0"),
     "E-SCH-02": lambda: build(P.Grouped, 0, 2, True),

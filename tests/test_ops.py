@@ -54,6 +54,53 @@ def test_begin_block_twice_is_refused_and_remove_blocks_allows_it_again():
         poptorch.Block("x", ipu_id=-1)
 
 
+def add_one(x):
+    return x + 1.0
+
+
+def test_begin_block_takes_int_ids_a_function_and_module_repr_shows_the_blocks():
+    """PopTorch's pipelining_test: int user_ids; BeginBlock(function) gives a module that
+    saves; module_repr (and the wrapper's repr) show each block before its module, copies
+    included."""
+    l1, l2 = torch.nn.ReLU(), torch.nn.ReLU()
+    model = torch.nn.Sequential(l1, l2)
+    assert "BeginBlock(" not in poptorch.module_repr(model)
+    poptorch.BeginBlock(l2, user_id=1, ipu_id=2)
+    expected = "Sequential(\n  (0): ReLU()\n  (1): BeginBlock(user_id=1, ipu_id=2) ReLU()\n)"
+    assert poptorch.module_repr(model) == expected
+    assert poptorch.module_repr(copy.deepcopy(model)) == expected
+    assert repr(poptorch.inferenceModel(model)) == f"inferenceModel({expected})"
+    block = poptorch.BeginBlock(add_one, 1, 2)
+    assert isinstance(block, torch.nn.Module) and (block._user_id, block._ipu_id) == (1, 2)
+    buffer = io.BytesIO()
+    torch.save(block, buffer)
+    buffer.seek(0)
+    assert torch.equal(torch.load(buffer, weights_only=False)(torch.zeros(1)), torch.ones(1))
+    with pytest.raises(poptorch.BlockError, match="user_id must be a str .or an int"):
+        poptorch.BeginBlock(torch.nn.ReLU(), user_id=1.5)
+
+
+class IntBlocks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(2, 2)
+        self.b = poptorch.BeginBlock(torch.nn.Linear(2, 2), user_id=7, ipu_id=1)
+
+    def forward(self, x):
+        return self.b(poptorch.BeginBlock(torch.relu, user_id=3, ipu_id=0)(self.a(x)))
+
+
+def test_int_block_ids_are_their_str_for_stages():
+    model = IntBlocks()
+    opts = poptorch.Options().deviceIterations(2).setExecutionStrategy(
+        poptorch.PipelinedExecution(poptorch.Stage("3"), poptorch.Stage("7")))
+    infer = poptorch.inferenceModel(model, opts)
+    x = torch.randn(4, 2)
+    torch.testing.assert_close(infer(x), model(x).detach())
+    stages = next(iter(infer._programs.values())).partition.stages
+    assert [(st.blocks, st.ipu) for st in stages] == [(("3",), 0), (("7",), 1)]
+
+
 def test_annotated_models_survive_deepcopy_and_torch_save():
     seq = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(2, 1))
     poptorch.set_pipeline_stage_assignment(seq, [0, 0, 1])
@@ -94,3 +141,38 @@ def test_log_level_names_and_ipu_availability():
     with pytest.raises(poptorch.OptionsError, match="Unknown log level 'LOUD'"):
         poptorch.setLogLevel("LOUD")
     assert poptorch.ipuHardwareIsAvailable(4) is True
+
+
+class Looped(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 3)
+
+    def forward(self, x, y):
+        def body(h, total):
+            h = torch.tanh(self.fc(h))
+            return h, total + h.sum(1)
+        h, total = poptorch.for_loop(3, body, [x, torch.zeros(x.shape[0])])
+        return h, torch.nn.functional.mse_loss(total, y)
+
+
+def test_for_loop_runs_its_body_count_times_and_trains_as_the_plain_loop():
+    torch.manual_seed(0)
+    model = Looped()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(4, 3), torch.randn(4)
+    train = poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    _, loss = train(x, y)
+    h, total = x, torch.zeros(4)
+    for _ in range(3):
+        h = torch.tanh(ref.fc(h))
+        total = total + h.sum(1)
+    ref_loss = torch.nn.functional.mse_loss(total, y)
+    ref_loss.backward()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    torch.testing.assert_close(loss, ref_loss.detach())
+    torch.testing.assert_close(model.fc.weight, ref.fc.weight)
+    with pytest.raises(poptorch.InputError, match=r"to be a list of tensors\. \(Object is not"):
+        poptorch.for_loop(2, torch.tanh, (x,))
+    with pytest.raises(poptorch.InputError, match="at index 1 is not torch.tensor"):
+        poptorch.for_loop(2, torch.tanh, [x, 1.0])

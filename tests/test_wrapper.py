@@ -3,6 +3,7 @@
 import copy
 import inspect
 import itertools
+import pickle
 import re
 
 import pytest
@@ -305,8 +306,15 @@ def test_a_destroyed_wrapper_called_again_compiles_again_and_takes_the_model_bac
     _, ref_losses, _ = reference_training(ref, ref_opt, x, y, 1, 1, 1)
     assert_close(loss, ref_losses[0], atol=ATOL, rtol=0)
     assert_same_weights(model, ref)
-    with pytest.raises(poptorch.WrapError, match=r"destroy\(\) on that wrapper"):
+    with pytest.raises(poptorch.WrapError, match=r"Call model\.destroy\(\) on the model"):
         poptorch.trainingModel(model, options(device))  # the revived wrapper holds it again
+    copied = copy.deepcopy(model)  # a copy's (or a pickle's) destroy() holds no wrapper
+    assert pickle.loads(pickle.dumps(model)).destroy() is None and copied.destroy() is None
+    assert train._weights is not None
+    # PopTorch's model.destroy() unwraps it ([Note: one trainer per model] in trainers)
+    model.destroy()
+    assert train._weights is None and "destroy" not in vars(model)
+    poptorch.trainingModel(model, options(device))
 
 
 def test_a_destroyed_wrapper_is_refused_while_another_holds_the_model(device):
@@ -771,7 +779,7 @@ BAD_INPUTS = [
     ("frozen-options", frozen_options, poptorch.FrozenOptionsError,
      [r"Training\.gradientAccumulation\(\)", r"opts\.clone\(\)"]),
     ("wrapped-twice", wrapped_twice, poptorch.WrapError,
-     ["already been wrapped", r"destroy\(\) on that wrapper"]),
+     ["already been wrapped", r"Call model\.destroy\(\) on the model"]),
     ("numpy-input", train_call(Probe, options, X4.numpy(), Y4), poptorch.InputError,
      [r"numpy\.ndarray", r"torch\.from_numpy"]),
     ("list-of-floats-input", train_call(Probe, options, X4, [0.0, 1.0]), poptorch.InputError,
@@ -961,3 +969,36 @@ def test_synthetic_data_replaces_the_inputs_as_popart_does(mode):
         torch.testing.assert_close(out_x, torch.cat([one, one]), atol=0, rtol=0)
         torch.testing.assert_close(out_labels, torch.zeros(4, dtype=torch.int64))
         x, labels = x + 1, labels + 1
+
+
+class TwoBuffers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("buffer_1", torch.ones(3))
+        self.register_buffer("buffer_2", torch.ones(3))
+
+    def forward(self, x):
+        return (x * self.buffer_1 * self.buffer_2).sum()
+
+
+def test_copy_named_buffers_to_device_needs_names_the_model_has(device):
+    """PopTorch's buffers_test: updatableNamedBuffers are checked when the model compiles,
+    and copyNamedBuffersToDevice needs them. A host edit of any buffer reaches the devices
+    before the next call ([Note: weight sync]), so the push adds no staleness of its own."""
+    model, x = TwoBuffers(), torch.ones(3)
+    infer = poptorch.inferenceModel(model, options(device).updatableNamedBuffers(["buffer_1"]))
+    assert float(infer(x)) == 3.0
+    model.buffer_1.add_(1)
+    infer.copyNamedBuffersToDevice()
+    assert float(infer(x)) == 6.0
+    plain = poptorch.inferenceModel(TwoBuffers(), options(device))
+    plain(x)
+    with pytest.raises(poptorch.OptionsError, match="No named buffers marked as updatable via "
+                                                    "updatableNamedBuffers option"):
+        plain.copyNamedBuffersToDevice()
+    wrong = poptorch.inferenceModel(
+        TwoBuffers(), options(device).updatableNamedBuffers(["buffer_3"]))
+    with pytest.raises(poptorch.OptionsError, match=r"updatableNamedBuffers names \['buffer_3'\],"
+                                                    r" which the model has no buffer of; its "
+                                                    r"buffers are \['buffer_1', 'buffer_2'\]"):
+        wrong(x)

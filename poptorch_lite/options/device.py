@@ -291,14 +291,15 @@ class DeviceOptions:
 
     @setter
     def updatableNamedBuffers(self, buffers: list):
-        """Buffers that ``copyNamedBuffersToDevice`` may update.
+        """Buffers that ``copyNamedBuffersToDevice`` may update (checked against the model's
+        buffers when it compiles).
 
         Example:
             >>> from poptorch_lite.options import Options
             >>> Options().updatableNamedBuffers(['bn.running_mean']).updatable_named_buffers
             ['bn.running_mean']
         """
-        self._ipu_only("updatableNamedBuffers", updatable_named_buffers=list(buffers))
+        self._store(updatable_named_buffers=list(buffers))
 
     @setter
     def enableSyntheticData(self, enabled: bool):

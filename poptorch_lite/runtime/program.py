@@ -184,11 +184,11 @@ def compile_program(model: torch.nn.Module, modes: dict, options: Options, train
     P = processes.layout.pipelines if processes is not None else 1  # data-parallel processes
     if replicas * P > 1 and part.mutated_buffers and o.broadcast_buffers:
         raise OptionsError(
-            f"PopTorch does not support broadcasting buffers: the model changes buffers "
-            f"{sorted(part.mutated_buffers)} and replicationFactor is "
-            f"{o.replication_factor}{f' in each of {P} processes' if P > 1 else ''}. If "
-            f"your model is able to tolerate buffers becoming out of sync between replicas, you "
-            f"can disable buffer broadcasting using poptorch.Options.broadcastBuffers(False)")
+            f"PopTorch does not support broadcasting buffers. If your model is able to "
+            f"tolerate buffers becoming out of sync between replicas, you can disable buffer "
+            f"broadcasting using poptorch.Options.broadcastBuffers(False). (The model changes "
+            f"buffers {sorted(part.mutated_buffers)} and replicationFactor is "
+            f"{o.replication_factor}{f' in each of {P} processes' if P > 1 else ''}.)")
     spans = processes is not None and processes.layout.spans_processes
     if spans:
         check_process_layout(processes.layout, part)
