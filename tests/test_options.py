@@ -340,8 +340,6 @@ IPU_ONLY = [
      ["install/poptorch", "site-packages/torch", "site-packages/poptorch", "y", "z"]),
     ("Options.disableModuleNamescope", lambda o: o.disableModuleNamescope(),
      "module_namescope_enabled", False),
-    ("Options.updatableNamedBuffers", lambda o: o.updatableNamedBuffers(["b"]),
-     "updatable_named_buffers", ["b"]),
     ("Options.setAvailableMemoryProportion",
      lambda o: o.setAvailableMemoryProportion({"IPU0": 0.5, "IPU12": 0.25}),
      "available_memory_proportion", {0: 0.5, 12: 0.25}),
