@@ -86,11 +86,13 @@ def inferenceModel(model, options: Optional[Options] = None) -> PoplarExecutor:
         model = model.model
     options = _check_options(options)
     if options.Training.gradient_accumulation != 1:
+        hint = (" Use poptorch.Options().deviceIterations to process a sufficient number of "
+                "batches each run for pipelined execution instead."
+                if options.execution_strategy.pipelined else "")
         raise OptionsError(
             f"You must set poptorch.Options().Training.gradientAccumulation to 1 or leave it as "
-            f"its default value (1) when running a poptorch.inferenceModel() (it is "
-            f"{options.Training.gradient_accumulation}). Use poptorch.Options().deviceIterations "
-            f"for pipelined execution instead.")
+            f"its default value (1) when running a poptorch.inferenceModel().{hint} (It is "
+            f"{options.Training.gradient_accumulation}.)")
     private = options.clone()
     options._freeze()
     private._freeze()

@@ -532,10 +532,17 @@ def test_options_of_another_type_are_refused(wrap):
 
 
 def test_inference_model_refuses_gradient_accumulation():
+    """PopTorch's text (batching_test), its hint for pipelines only."""
     opts = poptorch.Options()
     opts.Training.gradientAccumulation(2)
     with pytest.raises(poptorch.OptionsError,
-                       match=r"gradientAccumulation to 1 .*\(it is 2\).*deviceIterations"):
+                       match=r"gradientAccumulation to 1 .*Use poptorch\.Options\(\)\."
+                             r"deviceIterations to process .*\(It is 2\.\)$"):
+        poptorch.inferenceModel(BlockMLP(1), opts)
+    opts = poptorch.Options().setExecutionStrategy(poptorch.ShardedExecution())
+    opts.Training.gradientAccumulation(3)
+    with pytest.raises(poptorch.OptionsError,
+                       match=r"poptorch\.inferenceModel\(\)\. \(It is 3\.\)$"):
         poptorch.inferenceModel(BlockMLP(1), opts)
 
 
@@ -774,7 +781,8 @@ BAD_INPUTS = [
     ("no-loss", train_call(NoLoss, options), poptorch.LossError,
      ["Couldn't find a loss", "identity_loss"]),
     ("two-losses", train_call(TwoLosses, options, combined=False), poptorch.LossError,
-     [r"Multiple independent losses found in graph \(2",
+     [r"Multiple independent losses found in graph\. Graph must have one final loss",
+      r"The 2 losses: ",
       rf"test_wrapper\.py:{line_of('# two losses')}: ", r"identity_loss\(l1 \+ l2"]),
     ("frozen-options", frozen_options, poptorch.FrozenOptionsError,
      [r"Training\.gradientAccumulation\(\)", r"opts\.clone\(\)"]),

@@ -357,9 +357,10 @@ def _final_loss(losses: list) -> fx.Node:
                         "it with poptorch_lite.identity_loss(x, reduction)")
     if len(final) > 1:
         lines = "; ".join(_node_line(c) for c in final)
-        raise LossError(f"Multiple independent losses found in graph ({len(final)}: {lines}). "
-                        f"Graph must have one final loss. Wrap final graph loss in "
-                        f"poptorch.identity_loss, e.g. identity_loss(l1 + l2, reduction='none')")
+        raise LossError(f"Multiple independent losses found in graph. Graph must have one final "
+                        f"loss. Wrap final graph loss in poptorch.identity_loss, e.g. "
+                        f"identity_loss(l1 + l2, reduction='none'). The {len(final)} losses: "
+                        f"{lines}")
     return final[0]
 
 
@@ -409,10 +410,11 @@ def check_pipeline_minimums(num_stages: int, strategy: ExecutionStrategy, traini
     if training and gradient_accumulation < 2 * n - 1:
         raise PipelineError(
             f"poptorch.Options().Training.gradientAccumulation must be greater than or equal to "
-            f"the number of pipeline stages ({2 * n - 1}) when using poptorch.PipelinedExecution: "
-            f"gradientAccumulation({gradient_accumulation}) is too small for a {n}-stage pipeline "
-            f"(a model with {n} pipeline stages has an additional {n - 1} stages when training); "
-            f"call opts.Training.gradientAccumulation({2 * n - 1}) or more, or use ShardedExecution")
+            f"the number of pipeline stages ({2 * n - 1}) when using poptorch.PipelinedExecution. "
+            f"Please note that a model with {n} pipeline stages in PopTorch will have an "
+            f"additional {n - 1} stages when training. gradientAccumulation("
+            f"{gradient_accumulation}) is too small for a {n}-stage pipeline: call "
+            f"opts.Training.gradientAccumulation({2 * n - 1}) or more, or use ShardedExecution")
     if not training and device_iterations < n:
         raise PipelineError(
             f"poptorch.Options().deviceIterations must be greater than or equal to the number of "

@@ -212,6 +212,11 @@ class Options(DeviceOptions, OptionGroup):
         torch.manual_seed(random_seed)
         self._store(random_seed=random_seed)
 
+    @property
+    def _execution_strategy(self) -> ExecutionStrategy:
+        """PopTorch's private name of :attr:`execution_strategy` (its own tests read it)."""
+        return self.execution_strategy
+
     @setter
     def setExecutionStrategy(self, strategy: ExecutionStrategy):
         """How blocks become stages: Pipelined (default), Sharded or phased.

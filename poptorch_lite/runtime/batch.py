@@ -94,8 +94,9 @@ class MicroBatches:
                     f"yields such batches)")
         if any(isinstance(v, torch.Tensor) and v.requires_grad for v in leaves):
             warn_once("input.requires_grad",
-                      "an input tensor requires grad: inputs are detached (a wrapped model "
-                      "computes gradients for its parameters only)", PoptorchLiteWarning)
+                      "Input tensor has requires_grad=True set. This tensor will be detached "
+                      "because backward pass via inputs is not supported.",
+                      PoptorchLiteWarning)
             leaves = [v.detach() if isinstance(v, torch.Tensor) else v for v in leaves]
         if synthetic != SyntheticDataMode.Off:
             leaves = [_synthetic(v, factor, synthetic) if isinstance(v, torch.Tensor) else v
