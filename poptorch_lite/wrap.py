@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from . import optim as poptorch_optim
+from .enums import MeanReductionStrategy, OutputMode
 from .errors import OptionsError
 from .options.options import Options
 from .trainers import refuse_second_trainer, register_trainer
@@ -25,6 +26,15 @@ def _check_options(options) -> Options:
         raise OptionsError(f"Invalid type: 'options' is of type {type(options)} "
                            f"(Expected poptorch.Options)")
     return options
+
+
+def _in_force(options: Options, training: bool) -> Options:
+    """The wrapper's own copy of ``options``, with the output mode it runs in: PopTorch's
+    wrapper reads ``OutputMode.Default`` back as Final (training) or All (inference)."""
+    private = options.clone()
+    if private.output_mode == OutputMode.Default:
+        private._store(output_mode=OutputMode.Final if training else OutputMode.All)
+    return private
 
 
 def trainingModel(model, options: Optional[Options] = None,
@@ -62,7 +72,9 @@ def trainingModel(model, options: Optional[Options] = None,
     if optimizer is None:
         optimizer = poptorch_optim.SGD(model.parameters(), lr=0.01)
     poptorch_optim.check_optimizer(optimizer)
-    private = options.clone()
+    private = _in_force(options, True)
+    if poptorch_optim.needs_running_mean(optimizer):  # as PopTorch sets it
+        private.Training._store(mean_reduction_strategy=MeanReductionStrategy.Running)
     options._freeze()
     private._freeze()
     wrapper = PoplarExecutor(model, private, True, optimizer)
@@ -93,7 +105,7 @@ def inferenceModel(model, options: Optional[Options] = None) -> PoplarExecutor:
             f"You must set poptorch.Options().Training.gradientAccumulation to 1 or leave it as "
             f"its default value (1) when running a poptorch.inferenceModel().{hint} (It is "
             f"{options.Training.gradient_accumulation}.)")
-    private = options.clone()
+    private = _in_force(options, False)
     options._freeze()
     private._freeze()
     return PoplarExecutor(model, private, False)

@@ -31,7 +31,8 @@ from .optim.optimizers import _PopTorchOptimizer
 from .options.options import Options, batch_arithmetic, batch_factor
 from .profiling import perf_counters
 from .profiling.run_statistics import RunStatistics, run_statistics
-from .runtime.batch import MicroBatches, merge, resolve_output_mode, selected_microbatches
+from .runtime.batch import (MicroBatches, merge, recompile_note, resolve_output_mode,
+                            selected_microbatches)
 from .runtime.placement import Placement
 from .runtime.program import Program, compile_program
 from .runtime.undo import capture, undo_note
@@ -268,13 +269,8 @@ class PoplarExecutor(perf_counters.Latencies, PrivateAttributes):
         if not self._training:
             raise WrapError("setOptimizer() needs a model wrapped with trainingModel; this one was "
                             "wrapped with inferenceModel, which has no optimizer")
-        poptorch_optim.check_optimizer(optimizer)
-        if optimizer is self._optimizer:
-            return
-        if len(optimizer.state) > 0:
-            self._optimizer = optimizer
-        else:
-            poptorch_optim.copy_hyperparameters(optimizer, self._optimizer)
+        self._optimizer = poptorch_optim.adopt(self._optimizer, optimizer,
+                                               self._options.Training, self._compiled)
         self._loss_scale.scale = poptorch_optim.loss_scaling(self._optimizer)
 
     def detachFromDevice(self) -> None:
@@ -379,6 +375,8 @@ class PoplarExecutor(perf_counters.Latencies, PrivateAttributes):
     def _program(self, mbs: MicroBatches, args: tuple, kwargs: dict) -> Program:
         key = mbs.signature()
         program = self._programs.get(key)
+        if program is None and self._programs:  # [Note: a new signature compiles]
+            _LOG.warning("%s", recompile_note(self._training, next(reversed(self._programs)), key))
         if program is None:
             if self._processes is not None:  # first compile: join the group, compare options
                 self._processes.join(self._user_model, self._optimizer)

@@ -176,3 +176,19 @@ def test_for_loop_runs_its_body_count_times_and_trains_as_the_plain_loop():
         poptorch.for_loop(2, torch.tanh, (x,))
     with pytest.raises(poptorch.InputError, match="at index 1 is not torch.tensor"):
         poptorch.for_loop(2, torch.tanh, [x, 1.0])
+
+
+class MakesIntegers(torch.nn.Module):
+    def forward(self, x):
+        return (torch.randint(0, 10, (3,)), torch.randperm(5), torch.arange(4),
+                x.argmax(1), (x * 10).int())
+
+
+def test_integer_results_keep_plain_pytorchs_dtypes():
+    """README, "Where poptorch_lite departs from PopTorch on purpose": PopTorch returns int32
+    (an IPU has no 64-bit integers); the results here are plain PyTorch's."""
+    x = torch.randn(2, 3)
+    got = poptorch.inferenceModel(MakesIntegers())(x)
+    plain = MakesIntegers()(x)
+    assert [t.dtype for t in got] == [t.dtype for t in plain] == [torch.int64] * 4 + [torch.int32]
+    assert torch.equal(got[2], plain[2]) and torch.equal(got[3], plain[3])

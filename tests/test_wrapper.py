@@ -3,6 +3,7 @@
 import copy
 import inspect
 import itertools
+import logging
 import pickle
 import re
 
@@ -1010,3 +1011,53 @@ def test_copy_named_buffers_to_device_needs_names_the_model_has(device):
                                                     r" which the model has no buffer of; its "
                                                     r"buffers are \['buffer_1', 'buffer_2'\]"):
         wrong(x)
+
+
+def test_a_wrappers_options_say_what_is_in_force():
+    """PopTorch's options_test: a wrapper's options read OutputMode.Default back as the mode
+    it runs in; a float16 accum_type sets the Running mean strategy (refused once compiled);
+    Distributed has PopTorch's stored names."""
+    model = BlockMLP(1)
+    opts = poptorch.Options()
+    training, inference = poptorch.trainingModel(model, opts), poptorch.inferenceModel(model, opts)
+    assert opts.defaultOutputMode() and opts.output_mode == poptorch.OutputMode.Default
+    assert training.options.output_mode == poptorch.OutputMode.Final
+    assert inference.options.output_mode == poptorch.OutputMode.All
+    training.destroy()
+    half = poptorch.optim.SGD(model.parameters(), lr=0.1, accum_type=torch.float16)
+    train = poptorch.trainingModel(model, poptorch.Options(), half)
+    strategy = train.options.Training.meanAccumulationAndReplicationReductionStrategy
+    assert strategy == poptorch.MeanReductionStrategy.Running
+    train.destroy()
+    train = poptorch.trainingModel(model, poptorch.Options(), sgd(model))
+    train(*data(B))
+    with pytest.raises(poptorch.OptimizerError, match="Invalid optimizer: the new optimizer "
+                       r"would require changing options\.Training\.meanAccumulation"):
+        train.setOptimizer(poptorch.optim.SGD(model.parameters(), lr=0.1,
+                                              accum_type=torch.float16))
+    combined = poptorch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9,
+                                  accum_type=torch.float16, use_combined_accum=True)
+    train.setOptimizer(combined)  # the combined variant keeps Post, as in PopTorch
+    distributed = poptorch.Options().Distributed.configureProcessId(1, 4)
+    assert (distributed.distributed_process_id, distributed.num_distributed_processes) == (1, 4)
+
+
+def test_a_new_input_signature_compiles_again_and_says_so_once(caplog):
+    """[Note: a new signature compiles] in runtime/batch.py: PopTorch refuses a call whose
+    shapes or dtypes differ from the compiled one until destroy(); poptorch_lite compiles
+    again, keeps both programs and logs one warning per new signature."""
+    model = torch.nn.Linear(4, 2)
+    infer = poptorch.inferenceModel(model)
+    with caplog.at_level(logging.WARNING, logger="poptorch_lite"):
+        for x in (torch.ones(2, 4), torch.ones(3, 4), torch.ones(2, 4), torch.ones(3, 4)):
+            assert torch.equal(infer(x), model(x).detach())
+        infer(torch.ones(2, 4, dtype=torch.float64))
+    notes = [r.getMessage() for r in caplog.records if r.name == "poptorch_lite"]
+    assert notes == [
+        "inferenceModel: a call whose input signature differs from the compiled one (argument "
+        "leaf 0: shape (2, 4) -> (3, 4)) compiles again and keeps both programs; PopTorch "
+        "would refuse it until destroy()",
+        "inferenceModel: a call whose input signature differs from the compiled one (argument "
+        "leaf 0: shape (3, 4) -> (2, 4), dtype torch.float32 -> torch.float64) compiles again "
+        "and keeps both programs; PopTorch would refuse it until destroy()"]
+    assert len(infer._programs) == 3

@@ -8,8 +8,10 @@
 - ``loss_scale``: the loss scale, fixed or automatic.
 """
 
-from .accepted import check_optimizer, copy_hyperparameters, loss_scaling, max_grad_norm
+from .accepted import (adopt, check_optimizer, copy_hyperparameters, loss_scaling, max_grad_norm,
+                       needs_running_mean)
 from .optimizers import LAMB, SGD, Adam, AdamW, Optimizer, RMSprop, VariableAttributes
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "LAMB", "VariableAttributes",
-           "check_optimizer", "loss_scaling", "max_grad_norm", "copy_hyperparameters"]
+           "adopt", "check_optimizer", "loss_scaling", "max_grad_norm", "copy_hyperparameters",
+           "needs_running_mean"]

@@ -15,12 +15,13 @@ from typing import Any, Optional
 import torch
 
 from .. import errors
+from ..enums import MeanReductionStrategy
 from ..errors import OptimizerError
 from .extras import _EXTRAS, _global_value, _refuse_amsgrad
 from .optimizers import LAMB, SGD, Adam, AdamW, RMSprop, _PopTorchOptimizer
 
-__all__ = ["check_optimizer", "loss_scaling", "accum_dtype", "max_grad_norm",
-           "copy_hyperparameters"]
+__all__ = ["adopt", "check_optimizer", "loss_scaling", "accum_dtype", "max_grad_norm",
+           "copy_hyperparameters", "needs_running_mean"]
 
 
 _ACCEPTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop,
@@ -85,6 +86,48 @@ def accum_dtype(optimizer: torch.optim.Optimizer) -> Optional[torch.dtype]:
     dtype = getattr(optimizer, "accum_type", None) if isinstance(optimizer, _PopTorchOptimizer) \
         else None
     return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def needs_running_mean(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether PopTorch would set ``Training.meanAccumulationAndReplicationReductionStrategy``
+    to ``Running`` for ``optimizer``: a float16 ``accum_type`` without the combined
+    accumulator (POPTORCH_REFERENCE §2; the strategy only says when an IPU divides).
+
+    Example:
+        >>> needs_running_mean(SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1,
+        ...                        accum_type=torch.float16))
+        True
+    """
+    return accum_dtype(optimizer) == torch.float16 and not getattr(
+        optimizer, "use_combined_accum", False)
+
+
+def adopt(current: torch.optim.Optimizer, new: torch.optim.Optimizer, training_options,
+          compiled: bool) -> torch.optim.Optimizer:
+    """The optimizer a wrapper steps after ``setOptimizer(new)``: ``new`` itself when it
+    carries state (a loaded state dict), else ``current`` with ``new``'s hyper-parameters, as
+    PopTorch keeps the state. A float16 ``accum_type`` sets the Running strategy in
+    ``training_options`` (the wrapper's own) as PopTorch does, refused once compiled.
+
+    Raises:
+        OptimizerError: ``new`` is not supported, or would change the strategy after the
+            wrapper compiled (PopTorch's message).
+    """
+    check_optimizer(new)
+    if new is current:
+        return current
+    running = MeanReductionStrategy.Running
+    if needs_running_mean(new) and training_options.mean_reduction_strategy != running:
+        if compiled:
+            raise OptimizerError(
+                "Invalid optimizer: the new optimizer would require changing options.Training."
+                "meanAccumulationAndReplicationReductionStrategy to poptorch.MeanReductionStrategy"
+                ".Running but the executable is already compiled.")
+        training_options._store(mean_reduction_strategy=running)
+    if len(new.state) > 0:
+        return new
+    copy_hyperparameters(new, current)
+    return current
 
 
 def max_grad_norm(optimizer: torch.optim.Optimizer) -> float:

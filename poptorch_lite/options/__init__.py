@@ -8,7 +8,9 @@
 - ``config``: ``loadFromFile``, ``toDict``/``fromDict`` and the options' text form.
 """
 
+from .groups import _DistributedOptions
 from .ipu import TensorLocationSettings
 from .options import Options, combined_batch_size
 
-__all__ = ["Options", "TensorLocationSettings", "combined_batch_size"]
+# _DistributedOptions: PopTorch's name, which popdist subclasses to wrap Options.Distributed.
+__all__ = ["Options", "TensorLocationSettings", "_DistributedOptions", "combined_batch_size"]

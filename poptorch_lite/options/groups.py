@@ -243,6 +243,22 @@ class _DistributedOptions(OptionGroup):
         """Number of processes the execution is distributed over."""
         return self.num_processes
 
+    @property
+    def distributed_process_id(self) -> int:
+        """PopTorch's stored name of :attr:`processId`."""
+        return self.process_id
+
+    @property
+    def num_distributed_processes(self) -> int:
+        """PopTorch's stored name of :attr:`numProcesses`.
+
+        Example:
+            >>> g = _DistributedOptions().configureProcessId(1, 3)
+            >>> g.distributed_process_id, g.num_distributed_processes
+            (1, 3)
+        """
+        return self.num_processes
+
     @setter
     def configureProcessId(self, process_id: int, num_processes: int):
         """Set this process's id and the number of processes.

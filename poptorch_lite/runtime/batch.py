@@ -142,6 +142,48 @@ class MicroBatches:
         return tuple(parts)
 
 
+def recompile_note(training: bool, old: tuple, new: tuple) -> str:
+    """The log line of a call whose signature no compiled program has.
+
+    [Note: a new signature compiles]
+    PopTorch compiles a model for the first call's input signature (the arguments' structure,
+    their shapes and dtypes) and refuses a later call that differs until ``destroy()``.
+    poptorch_lite compiles again instead and keeps every program, since a trace costs
+    seconds, not an IPU compile's minutes, and a smaller last batch or another sequence
+    length is common off an IPU. So that the difference never goes unseen, each new
+    signature logs one warning on the ``poptorch_lite`` logger saying what changed.
+    """
+    kind = "trainingModel" if training else "inferenceModel"
+    return (f"{kind}: a call whose input signature differs from the compiled one "
+            f"({signature_change(old, new)}) compiles again and keeps both programs; PopTorch "
+            f"would refuse it until destroy()")
+
+
+def signature_change(old: tuple, new: tuple) -> str:
+    """What differs between two :meth:`MicroBatches.signature` values, for the log line of a
+    recompile: the arguments' structure, or each leaf whose shape, dtype, device or value did.
+
+    Example:
+        >>> a = ("spec", ((2, 4), torch.float32, torch.device("cpu")))
+        >>> signature_change(a, ("spec", ((3, 4), torch.float32, torch.device("cpu"))))
+        'argument leaf 0: shape (2, 4) -> (3, 4)'
+    """
+    if old[0] != new[0] or len(old) != len(new):
+        return f"the arguments' structure: {old[0]} -> {new[0]}"
+    changes = []
+    for k, (a, b) in enumerate(zip(old[1:], new[1:])):
+        if a == b:
+            continue
+        if a[0] == "const" or b[0] == "const":
+            changes.append(f"argument leaf {k}: {a[-1] if a[0] == 'const' else 'a tensor'} -> "
+                           f"{b[-1] if b[0] == 'const' else 'a tensor'}")
+            continue
+        what = [f"{name} {x} -> {y}" for name, x, y in zip(("shape", "dtype", "device"), a, b)
+                if x != y]
+        changes.append(f"argument leaf {k}: " + ", ".join(what))
+    return "; ".join(changes)
+
+
 _TENSORS_SPECS: dict = {}  # n -> the spec of the arguments (t_1, ..., t_n), no kwargs, and its text
 
 
