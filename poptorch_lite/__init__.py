@@ -32,7 +32,7 @@ from .ops import (Attribute, MultiConv, NameScope, for_loop, identity_loss, ipuH
 from .options import Options, TensorLocationSettings, combined_batch_size
 from .phases import ParallelPhasedExecution, Phase, SerialPhasedExecution
 from .strategies import ExecutionStrategy, PipelinedExecution, ShardedExecution, Stage
-from .wrap import inferenceModel, trainingModel
+from .wrap import inferenceModel, load, trainingModel
 from .wrapper import PoplarExecutor
 
 __version__ = "0.1.0"
@@ -53,7 +53,7 @@ __all__ = [
     "WrapError", "balance_by_time", "combined_batch_size", "for_loop", "identity_loss",
     "inferenceModel",
     "ipuHardwareIsAvailable", "ipuHardwareVersion", "ipu_print_tensor", "isRunningOnIpu",
-    "is_main_process", "keras",
+    "is_main_process", "keras", "load",
     "load_checkpoint", "module_repr", "nop", "optim", "pipeline", "print_pipeline_stage_assignment_summary",
     "recomputationCheckpoint", "registerCustomArgParser", "removeBlocks", "save_checkpoint", "serializedMatMul",
     "setLogLevel", "set_available_memory", "set_overlap_for_input", "set_overlap_for_output",

@@ -7,13 +7,15 @@ wrapper at a time.
 
 from __future__ import annotations
 
-from typing import Optional
+import os
+from typing import Callable, Optional
 
 import torch
 
 from . import optim as poptorch_optim
-from .enums import MeanReductionStrategy, OutputMode
-from .errors import OptionsError
+from .enums import ConnectionType, MeanReductionStrategy, OutputMode
+from .errors import CheckpointError, OptionsError
+from .executables import read
 from .options.options import Options
 from .trainers import refuse_second_trainer, register_trainer
 from .wrapper import PoplarExecutor
@@ -109,3 +111,30 @@ def inferenceModel(model, options: Optional[Options] = None) -> PoplarExecutor:
     options._freeze()
     private._freeze()
     return PoplarExecutor(model, private, False)
+
+
+def load(filename, edit_opts_fn: Optional[Callable] = None):
+    """The wrapper a file written with ``export_model=True`` holds, compiled (PopTorch's
+    ``poptorch.load``, [Note: saved executables] in ``executables``); ``edit_opts_fn`` may
+    edit its options first. A model compiled for an offline target
+    (``useOfflineIpuTarget``: ``ConnectionType.Never``) loads to run.
+
+    Raises:
+        CheckpointError: the file is not one ``save`` wrote, or holds no model.
+    """
+    data = read(filename)
+    if data["model"] is None:
+        raise CheckpointError(
+            f"{os.fspath(filename)} is a valid PopTorch file but was created with "
+            f"'export_model=False' which means you need to re-create the PopTorch model using "
+            f"poptorch.inferenceModel or poptorch.trainingModel then call "
+            f"poptorch_model.loadExecutable(\"{os.fspath(filename)}\").")
+    options = data["options"]
+    if options.connection_type == ConnectionType.Never:
+        options.connectionType(ConnectionType.Always)
+    if edit_opts_fn is not None:
+        edit_opts_fn(options)
+    wrapper = (trainingModel(data["model"], options, data["optimizer"]) if data["training"]
+               else inferenceModel(data["model"], options))
+    wrapper.loadExecutable(filename)
+    return wrapper

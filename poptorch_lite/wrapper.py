@@ -24,6 +24,7 @@ from .compiler.partition import Partition
 from .compiler.rng import model_generator
 from .distributed.processes import Processes
 from .enums import ConnectionType
+from .executables import Executables
 from .errors import (DeviceError, OptionsError, PoptorchLiteWarning, UnrecoverableError, WrapError,
                      hide_when_refused as __tracebackhide__, warn_once)
 from .optim.loss_scale import LossScale
@@ -45,7 +46,7 @@ from .wrapper_private import CompiledInputs, PrivateAttributes, check_private
 _LOG = logging.getLogger("poptorch_lite")
 
 
-class PoplarExecutor(perf_counters.Latencies, PrivateAttributes):
+class PoplarExecutor(perf_counters.Latencies, PrivateAttributes, Executables):
     """A model wrapped by ``trainingModel`` or ``inferenceModel``.
 
     Call it like the model with a combined batch. Attributes that the wrapper

@@ -827,6 +827,7 @@ T = {
     "E-WRAP-12": lambda: compiled_model()._compileWithDispatch,
     "E-WRAP-13": lambda: compiled_model().copyNamedBuffersToDevice(),
     "E-WRAP-14": lambda: first_call(Two(), opts().updatableNamedBuffers(["ghost"])),
+    "E-WRAP-15": lambda tmp: poptorch.inferenceModel(Two()).save(tmp / "m.poptorch"),
     # batch sizes and inputs
     "E-TF-01": lambda: tf1_refuses(computational_stages=[]),
     "E-TF-02": lambda: tf1_refuses(computational_stages=[torch.nn.Linear(4, 4), 3]),
@@ -1021,6 +1022,10 @@ T = {
     "E-CKP-15": lambda: spawned("checkpoint", 1, "swapped"),
     "E-CKP-16": lambda: spawned("checkpoint", 0, "missing"),
     "E-CKP-17": lambda: spawned("checkpoint", 0, "refused"),
+    "E-CKP-18": lambda tmp: (torch.save({"weights": 1}, tmp / "other.pt"),
+                             poptorch.load(tmp / "other.pt")),
+    "E-CKP-19": lambda tmp: (compiled_model().save(tmp / "m.poptorch", export_model=False),
+                             poptorch.load(tmp / "m.poptorch")),
     # several processes
     "E-PROC-01": lambda: poptorch.trainingModel(Two(), spread_options(W=3)),
     "E-PROC-02": rendezvous_missing,

@@ -656,3 +656,46 @@ def test_a_hundred_models_leave_no_threads_and_no_memory_behind():
     assert report["threads"] == []
     assert report["rss_ratio"] <= 1.05, report
     assert report["cuda_bytes"] == 0
+
+
+# -- saved executables ([Note: saved executables] in poptorch_lite/executables.py) ----------
+
+
+def test_a_saved_executable_loads_and_trains_on_as_the_original(tmp_path):
+    """PopTorch's save()/poptorch.load(): the model, optimizer and the model's own random
+    state come back, compiled for the same arguments; both then train identically."""
+    torch.manual_seed(0)
+    net = BlockMLP(2, dropout=0.2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    model = poptorch.trainingModel(net, options("grouped", 4).randomSeed(3), opt)
+    x, y = data(8)
+    model(x, y)
+    path = tmp_path / "nested" / "model.poptorch"
+    model.save(path)
+    loaded = poptorch.load(path)
+    assert loaded.isCompiled() and loaded.model is not net
+    for a, b in zip(loaded.model.state_dict().values(), net.state_dict().values()):
+        assert torch.equal(a, b)
+    x2, y2 = data(8, seed=5)
+    for _ in range(2):
+        assert torch.equal(loaded(x2, y2)[1], model(x2, y2)[1])
+    for a, b in zip(loaded.model.parameters(), net.parameters()):
+        assert torch.equal(a, b)
+    model.destroy()
+    loaded.destroy()
+
+
+def test_an_executable_saved_without_its_model_loads_into_a_wrapper_of_ones_own(tmp_path):
+    net = BlockMLP(1)
+    infer = poptorch.inferenceModel(net, poptorch.Options().deviceIterations(2))
+    x, y = data(4)
+    infer.compileAndExport(tmp_path, x, y, export_model=False)  # a folder: model.poptorch
+    path = tmp_path / "model.poptorch"
+    with pytest.raises(poptorch.CheckpointError, match="was created with 'export_model=False'"):
+        poptorch.load(path)
+    again = poptorch.inferenceModel(net, poptorch.Options().deviceIterations(2))
+    again.loadExecutable(path)
+    assert again.isCompiled() and torch.equal(again(x, y)[0], infer(x, y)[0])
+    with pytest.raises(poptorch.CheckpointError, match="not a poptorch_lite executable"):
+        torch.save({"weights": 1}, tmp_path / "other.pt")
+        poptorch.load(tmp_path / "other.pt")
