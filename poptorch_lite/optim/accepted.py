@@ -114,9 +114,8 @@ def adopt(current: torch.optim.Optimizer, new: torch.optim.Optimizer, training_o
             wrapper compiled (PopTorch's message).
     """
     check_optimizer(new)
-    if new is current:
-        return current
-    running = MeanReductionStrategy.Running
+    running = MeanReductionStrategy.Running  # checked on the same object too: its accum_type
+    # may have been changed in place
     if needs_running_mean(new) and training_options.mean_reduction_strategy != running:
         if compiled:
             raise OptimizerError(
@@ -124,7 +123,7 @@ def adopt(current: torch.optim.Optimizer, new: torch.optim.Optimizer, training_o
                 "meanAccumulationAndReplicationReductionStrategy to poptorch.MeanReductionStrategy"
                 ".Running but the executable is already compiled.")
         training_options._store(mean_reduction_strategy=running)
-    if len(new.state) > 0:
+    if new is current or len(new.state) > 0:
         return new
     copy_hyperparameters(new, current)
     return current

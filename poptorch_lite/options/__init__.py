@@ -8,9 +8,12 @@
 - ``config``: ``loadFromFile``, ``toDict``/``fromDict`` and the options' text form.
 """
 
+from ..errors import ConfigFileError
 from .groups import _DistributedOptions
 from .ipu import TensorLocationSettings
 from .options import Options, combined_batch_size
 
-# _DistributedOptions: PopTorch's name, which popdist subclasses to wrap Options.Distributed.
-__all__ = ["Options", "TensorLocationSettings", "_DistributedOptions", "combined_batch_size"]
+# PopTorch's names here: ConfigFileError (loadFromFile's error) and _DistributedOptions, which
+# popdist subclasses to wrap Options.Distributed.
+__all__ = ["ConfigFileError", "Options", "TensorLocationSettings", "_DistributedOptions",
+           "combined_batch_size"]
