@@ -949,3 +949,13 @@ def test_mean_reduction_strategy_trains_to_the_same_numbers(strategy):
         default = train(lambda o: None)
         chosen = train(lambda o: o.Training.meanAccumulationAndReplicationReductionStrategy(strategy))
     torch.testing.assert_close(chosen, default, rtol=0, atol=0)
+
+
+def test_poptorchs_private_and_module_level_names_of_options():
+    """Names PopTorch's own tests and popdist read: Options._execution_strategy,
+    poptorch.options.ConfigFileError and poptorch.options._DistributedOptions."""
+    import poptorch_lite.options as options_package
+    opts = Options().setExecutionStrategy(ShardedExecution())
+    assert opts._execution_strategy is opts.execution_strategy
+    assert options_package.ConfigFileError is errors.ConfigFileError
+    assert isinstance(opts.Distributed, options_package._DistributedOptions)

@@ -112,10 +112,11 @@ class StageWork:
         self.sources = [[(n, kind, int(key) if kind == "input" else key)
                          for n in st.inputs for kind, key in (n.split(":", 1),)]
                         for st in partition.stages]
-        # Per stage, its inputs other than parameters, with their positions; the parameters'
-        # tensors, looked up on the stage's first forward.
-        self.varying = [[(at, *source) for at, source in enumerate(sources)
-                         if source[1] != "param"] for sources in self.sources]
+        # Per stage, its inputs other than parameters, with their positions and whether the
+        # stage writes them in place; the parameters' tensors, looked up on the first forward.
+        self.varying = [[(at, *source, source[0] in st.written_inputs)
+                         for at, source in enumerate(sources) if source[1] != "param"]
+                        for sources, st in zip(self.sources, partition.stages)]
         self._params: list = [None] * partition.num_stages
         # The parameters only this stage uses (their gradient may go to an accumulator).
         users: dict = collections.Counter(n for st in partition.stages for n in st.param_names)
@@ -124,8 +125,7 @@ class StageWork:
                             and n.split(":", 1)[1] in partition.mutated_buffers]
                            for st in partition.stages]
         self.written = [frozenset(names) for names in written_buffers]
-        # Per stage, the state it writes in place that a recompute must start from afresh:
-        # buffers, and the call's arguments ([Note: edited arguments]).
+        # Per stage, what it writes in place that a recompute starts afresh from (buffers, args).
         self.written_state = [names + [n for n in st.inputs if n.startswith("input:")
                                        and n in st.written_inputs]
                               for names, st in zip(written_buffers, partition.stages)]
@@ -168,7 +168,7 @@ class StageWork:
                                       for _, kind, key in self.sources[s]]
         args, boundary = list(args), {}
         received = run.inbox.pop((s, i), {}) if self.remote[s] else {}
-        for at, name, kind, key in self.varying[s]:
+        for at, name, kind, key, edited in self.varying[s]:
             if kind == "buffer":
                 v = weights.buffer(key, run.replica_of(i), ipu)
                 if name in self.written[s]:  # [Note: buffers written in forward]
@@ -180,7 +180,7 @@ class StageWork:
                 ready = run.ready.get((device, i)) if run.ready else None
                 if ready is not None:  # its copy to this GPU, enqueued by the caller
                     self.gpu.current_stream(device).wait_event(ready)
-                if name in st.written_inputs:  # [Note: edited arguments]
+                if edited:  # [Note: edited arguments]
                     v = run.edited[i, key] = v.clone()
             else:  # computed by an earlier stage: [Note: autograd boundary]
                 produced = received[name] if name in received else run.values[i][name]
@@ -190,7 +190,7 @@ class StageWork:
                 if torch.is_grad_enabled() and produced.requires_grad:
                     v.requires_grad_(True)
                     boundary[name] = v
-                if name in st.written_inputs:  # written in place: leave the producer's value
+                if edited:  # written in place: leave the producer's value
                     v = v.clone()
             args[at] = v
         return args, boundary

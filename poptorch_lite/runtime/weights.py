@@ -187,6 +187,7 @@ class Weights:
         """Around a training call: the host parameters' ``.grad`` as the user left them
         ([Note: host gradients]); the last step's gradients in :attr:`last_grads`."""
         held = [(p, p.grad) for p in self.params.values()]
+        self.last_grads = {}  # free the last call's gradients before this one makes new ones
         try:
             yield
         finally:
