@@ -19,7 +19,8 @@ from .enums import (AnchorMode, AutoStage, CommGroupType, ConnectionType, DataLo
                     SharingStrategy, SyncPattern)
 from .errors import (BatchSizeError, BlockError, ChannelError, CheckpointError, ConfigFileError,
                      DataLoaderError, DeviceError, Error, ExecutionError, FrozenOptionsError,
-                     InputError, IpuOnlyWarning, LossError, OptimizerError, OptionsError,
+                     InputError, IpuOnlyWarning, LossError, OfflineDeviceError, OptimizerError,
+                     OptionsAssertionError, OptionsError,
                      PipelineError, PoptorchLiteWarning, RecoverableError, ScheduleError,
                      TraceError, UnknownAttributeError, UnrecoverableError, WrapError)
 from .frontends import (BalancePlan, IPUInfeedQueue, IPUOutfeedQueue, OptimizerFunctionOutput,
@@ -44,7 +45,8 @@ __all__ = [
     "DeviceError", "Error", "ExecutionError", "ExecutionStrategy", "FrozenOptionsError",
     "HalfFloatCastingBehavior", "ICustomArgParser", "IPUInfeedQueue", "IPUOutfeedQueue", "InputError",
     "IpuOnlyWarning", "MultiConvPlanType", "Liveness", "LossError", "MatMulSerializationMode",
-    "MeanReductionStrategy", "MultiConv", "NameScope", "OptimizerError", "OptimizerFunctionOutput",
+    "MeanReductionStrategy", "MultiConv", "NameScope", "OfflineDeviceError", "OptimizerError",
+    "OptimizerFunctionOutput", "OptionsAssertionError",
     "Options", "OptionsError", "OutputMode", "OverlapMode", "ParallelPhasedExecution", "Phase",
     "PipelineError", "PipelineSchedule", "PipelinedExecution", "PoplarExecutor",
     "PoptorchLiteWarning", "RecoverableError", "ReductionType", "ScheduleError",

@@ -55,6 +55,10 @@ class OptionsError(Error, ValueError):
     """An option has an invalid value, or options disagree with each other."""
 
 
+class OptionsAssertionError(OptionsError, AssertionError):
+    """An option value PopTorch refuses with an ``assert``: also its ``AssertionError``."""
+
+
 class FrozenOptionsError(Error, AttributeError):
     """Options were changed after a wrapper or DataLoader took them."""
 
@@ -89,6 +93,11 @@ class WrapError(Error, RuntimeError):
 
 class DeviceError(Error):
     """Attaching or detaching a device that is not in the required state."""
+
+
+class OfflineDeviceError(DeviceError, AssertionError):
+    """A model compiled for an offline target (``ConnectionType.Never``) is run: PopTorch's
+    ``AssertionError``."""
 
 
 class OptimizerError(Error, ValueError):

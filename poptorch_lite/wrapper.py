@@ -25,7 +25,8 @@ from .compiler.rng import model_generator
 from .distributed.processes import Processes
 from .enums import ConnectionType
 from .executables import Executables
-from .errors import (DeviceError, OptionsError, PoptorchLiteWarning, UnrecoverableError, WrapError,
+from .errors import (DeviceError, OfflineDeviceError, OptionsError, PoptorchLiteWarning,
+                     UnrecoverableError, WrapError,
                      hide_when_refused as __tracebackhide__, warn_once)
 from .optim.loss_scale import LossScale
 from .optim.optimizers import _PopTorchOptimizer
@@ -105,8 +106,10 @@ class PoplarExecutor(perf_counters.Latencies, PrivateAttributes, Executables):
         """
         opts = self._options
         if opts.connection_type == ConnectionType.Never:
-            raise DeviceError("Options.connectionType(ConnectionType.Never) was set: this model "
-                              "can be compiled but not run; use ConnectionType.Always to run it")
+            raise OfflineDeviceError(
+                "Trying to run a model on an offline device (Options.connectionType("
+                "ConnectionType.Never), useOfflineIpuTarget): it can be compiled but not run; use "
+                "ConnectionType.Always to run it")
         mbs, program = self._prepare(args, kwargs)
         trainer = _training_wrapper(self._user_model)
         if trainer is not None and trainer is not self and trainer._weights is not None:

@@ -959,3 +959,12 @@ def test_poptorchs_private_and_module_level_names_of_options():
     assert opts._execution_strategy is opts.execution_strategy
     assert options_package.ConfigFileError is errors.ConfigFileError
     assert isinstance(opts.Distributed, options_package._DistributedOptions)
+
+
+def test_values_poptorch_refuses_with_an_assert_are_also_assertion_errors():
+    """The hierarchy's rule (docs/ERRORS.md): where PopTorch raises a builtin, the class also
+    derives from it; for numIOTiles PopTorch's is an AssertionError."""
+    with pytest.raises(AssertionError, match="numIOTiles must be an even number between 32 "
+                                             "and 192, got 10"):
+        Options().TensorLocations.numIOTiles(10)
+    assert issubclass(errors.OptionsAssertionError, errors.OptionsError)

@@ -364,7 +364,7 @@ class _TensorLocationOptions(OptionGroup):
         """
         if (isinstance(num_tiles, bool) or not isinstance(num_tiles, int)
                 or not 32 <= num_tiles <= 192 or num_tiles % 2):
-            raise errors.OptionsError(
+            raise errors.OptionsAssertionError(
                 f"numIOTiles must be an even number between 32 and 192, got "
                 f"{num_tiles!r}; call e.g. opts.TensorLocations.numIOTiles(32)")
         self._store(num_io_tiles=num_tiles)
