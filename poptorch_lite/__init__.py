@@ -16,7 +16,7 @@ from .distributed import is_main_process
 from .enums import (AnchorMode, AutoStage, CommGroupType, ConnectionType, DataLoaderMode,
                     HalfFloatCastingBehavior, MultiConvPlanType, Liveness, MatMulSerializationMode,
                     MeanReductionStrategy, OutputMode, OverlapMode, PipelineSchedule, ReductionType,
-                    SharingStrategy, SyncPattern)
+                    SharingStrategy, SyncPattern, VariableRetrievalMode)
 from .errors import (BatchSizeError, BlockError, ChannelError, CheckpointError, ConfigFileError,
                      DataLoaderError, DeviceError, Error, ExecutionError, FrozenOptionsError,
                      InputError, IpuOnlyWarning, LossError, OfflineDeviceError, OptimizerError,
@@ -51,7 +51,7 @@ __all__ = [
     "PipelineError", "PipelineSchedule", "PipelinedExecution", "PoplarExecutor",
     "PoptorchLiteWarning", "RecoverableError", "ReductionType", "ScheduleError",
     "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage", "SyncPattern",
-    "TensorLocationSettings", "TraceError", "UnknownAttributeError", "UnrecoverableError",
+    "TensorLocationSettings", "TraceError", "VariableRetrievalMode", "UnknownAttributeError", "UnrecoverableError",
     "WrapError", "balance_by_time", "combined_batch_size", "for_loop", "identity_loss",
     "inferenceModel",
     "ipuHardwareIsAvailable", "ipuHardwareVersion", "ipu_print_tensor", "isRunningOnIpu",

@@ -160,6 +160,19 @@ class CommGroupType(enum.IntEnum):
     NoGrouping = 3
 
 
+class VariableRetrievalMode(enum.IntEnum):
+    """What the host holds of a per-replica variable (``replicaGrouping``): ``OnePerGroup``
+    one value per group of replicas, along dim 0; ``AllReplicas`` one per replica.
+
+    Example:
+        >>> VariableRetrievalMode.OnePerGroup.value
+        0
+    """
+
+    OnePerGroup = 0
+    AllReplicas = 1
+
+
 class Liveness(enum.IntEnum):
     """Where phased execution keeps tensors between phases (IPU-only).
 

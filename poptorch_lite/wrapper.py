@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch.utils import _pytree as pytree
 
-from . import anchors, optim as poptorch_optim
+from . import anchors, optim as poptorch_optim, per_replica
 from .annotations import module_repr
 from .compiler.partition import Partition
 from .compiler.rng import model_generator
@@ -79,6 +79,7 @@ class PoplarExecutor(perf_counters.Latencies, PrivateAttributes, Executables):
             options.Training.loss_scaling_growth_interval) if training else None
         self._processes = Processes.for_options(options, training)
         self._random = model_generator(options.random_seed)  # [Note: micro-batch RNG]
+        self._replica_values: dict = {}  # [Note: per-replica variables] in replica_groups
 
     # -- PopTorch's API -------------------------------------------------------------------
 
@@ -350,7 +351,7 @@ class PoplarExecutor(perf_counters.Latencies, PrivateAttributes, Executables):
         weights = self.__dict__.get("_weights")
         if weights is not None:
             weights.to_host()  # [Note: weight sync]
-        return getattr(self._user_model, name)
+        return per_replica.offer(self, name, getattr(self._user_model, name))
 
     def __repr__(self) -> str:
         kind = "trainingModel" if self._training else "inferenceModel"
@@ -358,8 +359,9 @@ class PoplarExecutor(perf_counters.Latencies, PrivateAttributes, Executables):
 
     # -- internals ------------------------------------------------------------------------
 
-    def _replicas(self) -> int:
-        return self._options.replication_factor // self._options.input_group_size
+    def _replicas(self) -> int:  # every replica runs with per-replica variables
+        o = self._options
+        return o.replication_factor // (1 if self._replica_values else o.input_group_size)
 
     def _split(self, args, kwargs) -> MicroBatches:
         o = self._options  # the factor's arithmetic is spelled out only for a refusal
@@ -391,7 +393,8 @@ class PoplarExecutor(perf_counters.Latencies, PrivateAttributes, Executables):
                 self._weights.to_host()  # trace with the trained values, outside the trace
             program, self._weights, self._placement = compile_program(
                 self._user_model, self._modes, self._options, self._training, mbs,
-                self._replicas(), self._weights, self._placement, self._processes)
+                self._replicas(), self._weights, self._placement, self._processes,
+                self._replica_values)
             self._programs[key], self._compiled = program, True
             self._executable_inputs = CompiledInputs(self._user_model.forward, args, kwargs)
             o = self._options

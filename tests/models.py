@@ -142,7 +142,7 @@ def shared_traces(monkeypatch):
     import poptorch_lite.runtime.program as program
     traced = program.partition
 
-    def key(model, modes, args, kwargs, strategy, training, generic=False):
+    def key(model, modes, args, kwargs, strategy, training, generic=False, replica_values=None):
         leaves = torch.utils._pytree.tree_leaves((args, kwargs))
         signature = tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad)
                           if isinstance(t, torch.Tensor) else repr(t) for t in leaves)
@@ -151,12 +151,14 @@ def shared_traces(monkeypatch):
         plain = tuple(sorted((k, v) for k, v in vars(model).items()
                              if isinstance(v, (bool, int, float, str, type(None)))))
         return (type(model), repr(model), plain, state, tuple(modes.values()), signature,
-                repr(strategy), training, generic)
+                repr(strategy), training, generic, repr(sorted((replica_values or {}).items())))
 
-    def partition(model, modes, args, kwargs, strategy, training, generic=False):
-        k = key(model, modes, args, kwargs, strategy, training, generic)
+    def partition(model, modes, args, kwargs, strategy, training, generic=False,
+                  replica_values=None):
+        k = key(model, modes, args, kwargs, strategy, training, generic, replica_values)
         if k not in _TRACES:
-            _TRACES[k] = traced(model, modes, args, kwargs, strategy, training, generic)
+            _TRACES[k] = traced(model, modes, args, kwargs, strategy, training, generic,
+                                replica_values=replica_values)
         with warnings.catch_warnings():  # torch 2.11 deprecates copying its LeafSpec this way
             warnings.simplefilter("ignore", FutureWarning)
             return copy.deepcopy(_TRACES[k])

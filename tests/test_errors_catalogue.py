@@ -11,6 +11,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import copy
+import pickle
 import os
 import pathlib
 import re
@@ -414,6 +415,25 @@ def terminated():
     accessor = poptorch.AsynchronousDataAccessor([1, 2, 3])
     accessor.terminate()
     list(accessor)
+
+
+class TopWeight(torch.nn.Module):
+    """A weight at the top of the model, where replicaGrouping reaches it (poptorch_model.W)."""
+
+    def __init__(self):
+        super().__init__()
+        self.W = torch.nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x, y):
+        return F.mse_loss(x @ self.W, y)
+
+
+def grouping(compiled=False, R=1, kind=poptorch.CommGroupType.NoGrouping, size=0,
+             mode=poptorch.VariableRetrievalMode.OnePerGroup):
+    model = poptorch.trainingModel(TopWeight(), opts(R=R))
+    if compiled:
+        model(torch.randn(2, 4), torch.randn(2, 4))
+    model.W.replicaGrouping(kind, size, mode)
 
 
 def compiled_model():
@@ -828,6 +848,12 @@ T = {
     "E-WRAP-13": lambda: compiled_model().copyNamedBuffersToDevice(),
     "E-WRAP-14": lambda: first_call(Two(), opts().updatableNamedBuffers(["ghost"])),
     "E-WRAP-15": lambda tmp: poptorch.inferenceModel(Two()).save(tmp / "m.poptorch"),
+    "E-WRAP-16": lambda: grouping(compiled=True),
+    "E-WRAP-17": lambda: pickle.loads(pickle.dumps(poptorch.trainingModel(TopWeight()).W))
+    .replicaGrouping(poptorch.CommGroupType.NoGrouping, 0),
+    "E-WRAP-18": lambda: grouping(mode=poptorch.VariableRetrievalMode.AllReplicas),
+    "E-WRAP-19": lambda: grouping(R=4, kind=poptorch.CommGroupType.Consecutive, size=3),
+    "E-WRAP-20": lambda: grouping(R=2),
     # batch sizes and inputs
     "E-TF-01": lambda: tf1_refuses(computational_stages=[]),
     "E-TF-02": lambda: tf1_refuses(computational_stages=[torch.nn.Linear(4, 4), 3]),

@@ -111,6 +111,9 @@ class Partition:
         module_blocks: layer name -> block id active when it ran (for summaries).
         values: value name -> :class:`~poptorch_lite.compiler.value_info.ValueInfo` of every
             value a stage computes for later stages or the caller ([Note: value info]).
+        replica_values: parameter name -> the value (index along dim 0) each replica computes
+            with, for per-replica variables ([Note: per-replica variables] in
+            ``runtime/replica_groups``); traced as one value.
     """
 
     stages: list
@@ -121,6 +124,7 @@ class Partition:
     checkpoints: frozenset
     module_blocks: dict
     values: dict = dataclasses.field(default_factory=dict)
+    replica_values: dict = dataclasses.field(default_factory=dict)
 
     @property
     def num_stages(self) -> int:
@@ -365,10 +369,12 @@ def _final_loss(losses: list) -> fx.Node:
 
 
 def partition(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict,
-              strategy: ExecutionStrategy, training: bool, generic: bool = False) -> Partition:
+              strategy: ExecutionStrategy, training: bool, generic: bool = False,
+              replica_values: Optional[dict] = None) -> Partition:
     """Trace ``model`` on one micro-batch and split it into stages ([Note: partition]).
 
-    ``generic``: trace without CPU-only kernels (``tracing.trace``).
+    ``generic``: trace without CPU-only kernels (``tracing.trace``); ``replica_values``: the
+    per-replica variables (``Partition.replica_values``).
 
     Example:
         >>> import torch
@@ -378,14 +384,16 @@ def partition(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict,
         >>> p.num_stages
         1
     """
-    gm, pnames, bnames, spec, consts, layer_blocks, mutated = trace(model, modes, args, kwargs,
-                                                                    training, generic)
+    replica_values = dict(replica_values or {})
+    gm, pnames, bnames, spec, consts, layer_blocks, mutated = trace(
+        model, modes, args, kwargs, training, generic, frozenset(replica_values))
     params = dict(model.named_parameters())
     stages, loss, tensor_outputs, checkpoints, _, values = split(
         gm, pnames, bnames, strategy, training, lambda name: params[name].requires_grad)
     it = iter(tensor_outputs)
     outputs = [next(it) if c is None else c for c in consts]
-    return Partition(stages, loss, outputs, spec, mutated, checkpoints, layer_blocks, values)
+    return Partition(stages, loss, outputs, spec, mutated, checkpoints, layer_blocks, values,
+                     replica_values)
 
 
 def check_pipeline_minimums(num_stages: int, strategy: ExecutionStrategy, training: bool,

@@ -263,7 +263,7 @@ def _quiet_torch_trace_log():
 
 
 def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, training: bool,
-          generic: bool = False):
+          generic: bool = False, sliced: frozenset = frozenset()):
     """Trace ``model(*args, **kwargs)`` into an aten-level graph.
 
     Args:
@@ -275,6 +275,8 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
         generic: record no CPU-only kernels (oneDNN's are turned off while tracing),
             for stages that run on another kind of device ([Note: graphs on their
             devices] in ``retarget``).
+        sliced: parameters traced as their first value along dim 0 (per-replica variables:
+            [Note: per-replica variables] in ``runtime/replica_groups``).
 
     Returns:
         ``(graph_module, param_names, buffer_names, out_spec, const_outputs,
@@ -326,7 +328,8 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
         state = _current()
         module_blocks[module] = state.current_block
 
-    flat = list(params.values()) + list(buffers.values()) + [leaves[k] for k in tensor_pos]
+    flat = [p[0] if n in sliced else p for n, p in params.items()] + list(buffers.values()) + \
+        [leaves[k] for k in tensor_pos]
     grad = torch.enable_grad() if training else torch.no_grad()
     session = contextlib.nullcontext() if training else _InferenceSession()
     hook = torch.nn.modules.module.register_module_forward_hook(record_block)

@@ -28,6 +28,7 @@ from ..profiling.timeline import Recorder
 from .batch import MicroBatches
 from .executor import Executor
 from .placement import Placement
+from .replica_groups import every_replica
 from .schedule_kinds import build
 from .undo import capture
 from .update import StepArithmetic
@@ -75,12 +76,13 @@ class Program:
         """
         D, R, G = options.device_iterations, replicas, options.Training.gradient_accumulation
         ex = self.executor
+        g = options.replication_factor // R  # the replicas each micro-batch run stands for
         if training:  # G is 1 for inference models (refused otherwise at wrap time)
             schedule = self.schedule(G * R, True)
-            # [Note: gradient arithmetic]: each micro-batch run stands for input_group_size replicas
+            # [Note: gradient arithmetic]: each micro-batch run stands for g replicas
             mean = options.Training.reduction_type == ReductionType.Mean
             step = StepArithmetic(
-                optimizer, loss_scale, G * R if mean else 1 / options.input_group_size,
+                optimizer, loss_scale, G * R if mean else 1 / g,
                 max_grad_norm(optimizer), accum_dtype(optimizer),
                 options.Training.stop_on_non_finite_loss)
             runs = [range(d * G * R, (d + 1) * G * R) for d in range(D)]
@@ -93,11 +95,14 @@ class Program:
         rewind = rng.rewinder(generator) if per_run and ex.random else None
         bases = rng.draw_bases(len(runs), generator) if ex.random else [None] * len(runs)
         tensors = mbs.all_tensors()
+        if g < options.input_group_size:  # [Note: per-replica variables] in replica_groups
+            tensors = every_replica(tensors, D, G, R, options.input_group_size,
+                                    options.input_group_type)
 
         def replica_of(j: int) -> int:  # micro-batch j of a run: [Note: batch layout]
             return j % R
 
-        keep = [k in kept for k in range(mbs.factor)]
+        keep = [k in kept for k in range(len(tensors))]
         grads = weights.host_grads_kept() if training else contextlib.nullcontext()
         with grads, ex.call(schedule, step, recorder, options.watchdog_timeout) as call:
             for d, ks in enumerate(runs):
@@ -155,16 +160,19 @@ def recomputed(options: Options, stage) -> bool:
 
 def compile_program(model: torch.nn.Module, modes: dict, options: Options, training: bool,
                     mbs: MicroBatches, replicas: int, weights: Optional[Weights],
-                    placement: Optional[Placement], processes) -> tuple:
+                    placement: Optional[Placement], processes,
+                    replica_values: Optional[dict] = None) -> tuple:
     """Trace, split, place and plan the program of ``mbs``'s signature.
 
     Args:
         model: the user's model; modes: its modules' wrap-time train/eval flags.
         options: the wrapper's frozen options; training: a training wrapper.
         mbs: the call's micro-batches (micro-batch 0 is traced).
-        replicas: the in-process replicas R / g.
+        replicas: the in-process replicas R / g (R with per-replica variables).
         weights, placement: the wrapper's, None before its first program.
         processes: the replicas in other processes (``distributed``), or None.
+        replica_values: per-replica variables ([Note: per-replica variables] in
+            ``replica_groups``), name -> each replica's value.
 
     Returns:
         ``(program, weights, placement)``: a program's weights and placement are
@@ -177,7 +185,8 @@ def compile_program(model: torch.nn.Module, modes: dict, options: Options, train
     """
     o = options
     a, kw = mbs.args_kwargs(0)
-    part = partition(model, modes, a, kw, o.execution_strategy, training)
+    part = partition(model, modes, a, kw, o.execution_strategy, training,
+                     replica_values=replica_values)
     check_pipeline_minimums(part.num_stages, o.execution_strategy, training,
                             o.Training.gradient_accumulation, o.device_iterations)
     check_mapped(part, o.ipu_devices)
@@ -205,7 +214,8 @@ def compile_program(model: torch.nn.Module, modes: dict, options: Options, train
     # [Note: graphs on their devices]: a kernel a stage's device lacks asks for a trace
     # without CPU-only kernels; then every graph is rewritten for its device.
     if retarget.lacking(mine, placement.devices):
-        part = partition(model, modes, a, kw, o.execution_strategy, training, generic=True)
+        part = partition(model, modes, a, kw, o.execution_strategy, training, generic=True,
+                         replica_values=replica_values)
         mine = [part.stages[st.index] for st in mine]
     retarget.place(mine, placement.devices)
     weights.place(placement.devices, [(st.ipu, st.param_names) for st in mine])

@@ -73,8 +73,16 @@ from .placement import Placement
 from .run import Entry, Run
 from .schedule import Action
 from .split_backward import backward_input, backward_weight, run_backward
+from .update import check_loss
 from .streams import arrive
 from .weights import Weights
+
+
+def _source(name: str, replica_values: dict) -> tuple:
+    kind, key = name.split(":", 1)
+    if kind == "param" and key in replica_values:
+        kind = "value"
+    return name, kind, int(key) if kind == "input" else key
 
 
 def _drop(t: torch.Tensor) -> None:
@@ -108,9 +116,8 @@ class StageWork:
         # inbox, and their gradients leave by its outbox ([Note: stages in other processes]).
         self.remote = list(remote_inputs or [frozenset()] * partition.num_stages)
         # Each stage's inputs as (name, kind, key), parsed once: [Note: partition] names them
-        # (an input's key is the index of its tensor leaf).
-        self.sources = [[(n, kind, int(key) if kind == "input" else key)
-                         for n in st.inputs for kind, key in (n.split(":", 1),)]
+        # (an input's key is the index of its tensor leaf; a per-replica variable is a "value").
+        self.sources = [[_source(n, partition.replica_values) for n in st.inputs]
                         for st in partition.stages]
         # Per stage, its inputs other than parameters, with their positions and whether the
         # stage writes them in place; the parameters' tensors, looked up on the first forward.
@@ -164,8 +171,8 @@ class StageWork:
         ipu, weights, separate = st.ipu, self.weights, self.weights.separate_memories
         args = self._params[s]
         if args is None:  # a parameter's tensor on an IPU never changes once placed
-            args = self._params[s] = [weights.param(key, ipu) if kind == "param" else None
-                                      for _, kind, key in self.sources[s]]
+            args = self._params[s] = [weights.param(key, ipu) if kind in ("param", "value")
+                                      else None for _, kind, key in self.sources[s]]
         args, boundary = list(args), {}
         received = run.inbox.pop((s, i), {}) if self.remote[s] else {}
         for at, name, kind, key, edited in self.varying[s]:
@@ -173,6 +180,8 @@ class StageWork:
                 v = weights.buffer(key, run.replica_of(i), ipu)
                 if name in self.written[s]:  # [Note: buffers written in forward]
                     v = v.detach()
+            elif kind == "value":  # [Note: per-replica variables] in ``replica_groups``
+                v = args[at][self.partition.replica_values[key][run.replica_of(i)]]
             elif kind == "input":  # placed in this IPU's memory when the run began
                 v = run.placed.get((ipu, i, key)) if run.placed else None
                 if v is None:
@@ -247,7 +256,7 @@ class StageWork:
                 self._entry_bytes[s] = sum(counted.values())
             entry.nbytes = self._entry_bytes[s]
         if self.loss_at[s] is not None and step.check_loss:  # opt-in: a sync per micro-batch
-            _check_loss(outs[self.loss_at[s]], i)
+            check_loss(outs[self.loss_at[s]], i)
         self._keep_outputs(st, run, i, outs)
         stash = run.stash[s]
         stash.append(entry)
@@ -425,17 +434,6 @@ class StageWork:
             g = p.grad.to(dtype)
             run.accum[name] = (p, g if held is None else held[1].add_(g))
             p.grad = None
-
-
-def _check_loss(loss: torch.Tensor, i: int) -> None:
-    """``Training.stopOnNonFiniteLoss(True)``: a non-finite loss stops the call (a debugging aid)."""
-    if not bool(torch.isfinite(loss).all()):
-        value = loss.item() if loss.numel() == 1 else loss.detach().cpu().tolist()
-        raise FloatingPointError(
-            f"the loss of micro-batch {i} is {value}, not finite, so its gradients would be "
-            f"too; check that micro-batch's inputs and the learning rate, or, for float16, "
-            f"turn on opts.Training.setAutomaticLossScaling(True), which skips such steps "
-            f"(opts.Training.stopOnNonFiniteLoss(False) lets such losses through, as PopTorch does)")
 
 
 def _identity(t):

@@ -134,3 +134,14 @@ class Updates:
                 raise PartialUpdate(exc) from exc
         weights.after_step()
         self.steps_applied += 1
+
+
+def check_loss(loss: torch.Tensor, i: int) -> None:
+    """``Training.stopOnNonFiniteLoss(True)``: a non-finite loss stops the call (a debugging aid)."""
+    if not bool(torch.isfinite(loss).all()):
+        value = loss.item() if loss.numel() == 1 else loss.detach().cpu().tolist()
+        raise FloatingPointError(
+            f"the loss of micro-batch {i} is {value}, not finite, so its gradients would be "
+            f"too; check that micro-batch's inputs and the learning rate, or, for float16, "
+            f"turn on opts.Training.setAutomaticLossScaling(True), which skips such steps "
+            f"(opts.Training.stopOnNonFiniteLoss(False) lets such losses through, as PopTorch does)")
