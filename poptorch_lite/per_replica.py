@@ -1,11 +1,12 @@
 """PopTorch's per-replica variables on the face: ``poptorch_model.W.replicaGrouping(...)``.
 
 A parameter read through a wrapper (``poptorch_model.W``) is the model's own ``Parameter``
-with PopTorch's ``replicaGrouping`` method on it (an attribute of that instance, pointing
-at the wrapper it was read through, as PopTorch keys it by wrapper). The call checks its
-arguments against the options and the parameter and records, per parameter name, the
-group of each replica; the runtime does the rest ([Note: per-replica variables] in
-``runtime/replica_groups``).
+(PopTorch hands out a stand-in that is no tensor) with PopTorch's ``replicaGrouping``
+method on it: an attribute of that instance, pointing at the wrapper it was read through,
+as PopTorch keys it by wrapper. A copy or pickle of the parameter carries None there, so
+a saved model never needs poptorch_lite to load. The call checks its arguments against the
+options and the parameter and records, per parameter name, the group of each replica; the
+runtime does the rest ([Note: per-replica variables] in ``runtime/replica_groups``).
 """
 
 from __future__ import annotations
@@ -21,27 +22,26 @@ from .runtime.replica_groups import groups
 
 
 class _ReplicaGrouping:
-    """A parameter's ``replicaGrouping(comm_group_type, shards, variable_retrieval_mode)``;
-    copied or pickled with the parameter, it holds no wrapper (and refuses)."""
+    """A parameter's ``replicaGrouping(comm_group_type, shards, variable_retrieval_mode)``."""
 
     __slots__ = ("wrapper", "name")
 
-    def __init__(self, wrapper=None, name: str = ""):
-        self.wrapper, self.name = wrapper, name
+    def __init__(self, wrapper, name: str):
+        self.wrapper, self.name = wrapper, name  # a weak reference to the wrapper
 
     def __call__(self, comm_group_type, shards: int,
                  variable_retrieval_mode=VariableRetrievalMode.OnePerGroup) -> None:
-        held = self.wrapper() if self.wrapper is not None else None
+        held = self.wrapper()
         if held is None:
-            raise WrapError(f"replicaGrouping() on {self.name or 'a parameter'} needs the "
-                            f"wrapper it was read through: read it as poptorch_model.<name>")
+            raise WrapError(f"replicaGrouping() on {self.name}: the wrapper it was read "
+                            f"through is gone; read it as poptorch_model.{self.name}")
         record(held, self.name, comm_group_type, shards, variable_retrieval_mode)
 
-    def __reduce__(self):
-        return _ReplicaGrouping, ()
+    def __reduce__(self):  # a pickled parameter carries None: loading needs no poptorch_lite
+        return type(None), ()
 
     def __deepcopy__(self, memo):
-        return _ReplicaGrouping()
+        return None
 
 
 def offer(wrapper, name: str, value):

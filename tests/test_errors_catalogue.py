@@ -11,7 +11,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import copy
-import pickle
+import gc
 import os
 import pathlib
 import re
@@ -429,11 +429,15 @@ class TopWeight(torch.nn.Module):
 
 
 def grouping(compiled=False, R=1, kind=poptorch.CommGroupType.NoGrouping, size=0,
-             mode=poptorch.VariableRetrievalMode.OnePerGroup):
+             mode=poptorch.VariableRetrievalMode.OnePerGroup, collected=False):
     model = poptorch.trainingModel(TopWeight(), opts(R=R))
     if compiled:
         model(torch.randn(2, 4), torch.randn(2, 4))
-    model.W.replicaGrouping(kind, size, mode)
+    group = model.W.replicaGrouping
+    if collected:  # the wrapper it was read through is gone
+        del model
+        gc.collect()
+    group(kind, size, mode)
 
 
 def compiled_model():
@@ -849,8 +853,7 @@ T = {
     "E-WRAP-14": lambda: first_call(Two(), opts().updatableNamedBuffers(["ghost"])),
     "E-WRAP-15": lambda tmp: poptorch.inferenceModel(Two()).save(tmp / "m.poptorch"),
     "E-WRAP-16": lambda: grouping(compiled=True),
-    "E-WRAP-17": lambda: pickle.loads(pickle.dumps(poptorch.trainingModel(TopWeight()).W))
-    .replicaGrouping(poptorch.CommGroupType.NoGrouping, 0),
+    "E-WRAP-17": lambda: grouping(collected=True),
     "E-WRAP-18": lambda: grouping(mode=poptorch.VariableRetrievalMode.AllReplicas),
     "E-WRAP-19": lambda: grouping(R=4, kind=poptorch.CommGroupType.Consecutive, size=3),
     "E-WRAP-20": lambda: grouping(R=2),

@@ -2,6 +2,7 @@
 ([Note: per-replica variables] in poptorch_lite/runtime/replica_groups.py)."""
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -103,4 +104,5 @@ def test_replica_grouping_is_checked_and_refused_after_compiling():
     train(torch.randn(8, 4), torch.randn(8, 3))
     with pytest.raises(poptorch.WrapError, match="after the model compiled: call it before"):
         train.W.replicaGrouping(NoGrouping, 0, OnePerGroup)
-    assert not hasattr(copy.deepcopy(train.W), "replicaGrouping")  # the method stays behind
+    assert not hasattr(copy.deepcopy(train.W), "replicaGrouping")  # the method stays behind,
+    assert pickle.loads(pickle.dumps(train.W)).replicaGrouping is None  # and needs no import
