@@ -37,6 +37,7 @@ from poptorch_lite.runtime.schedule import Action, Schedule, validate
 from poptorch_lite.runtime.schedule_kinds import build
 from poptorch_lite.profiling.timeline import Span, Timeline
 
+from models import CallsAModule
 from processes import free_port, start
 
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "ERRORS.md"
@@ -105,16 +106,6 @@ def weights_unchanged(model: torch.nn.Module):
         for k, v in model.state_dict().items():
             assert torch.equal(v, before[k]), f"{k} changed"
         assert torch.equal(torch.get_rng_state(), rng), "the CPU RNG state changed"
-
-
-class CallsAModule(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, layer):
-        return layer(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
 
 
 class Two(torch.nn.Module):

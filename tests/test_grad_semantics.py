@@ -14,7 +14,7 @@ import poptorch_lite as poptorch
 from poptorch_lite.compiler.partition import partition
 from poptorch_lite.strategies import PipelinedExecution
 
-from models import on_device, thirds_grad, trained_grads, twin
+from models import CallsAModule, on_device, thirds_grad, trained_grads, twin
 
 
 class Stopped(torch.nn.Module):
@@ -90,23 +90,13 @@ def test_only_no_grad_ops_whose_values_could_carry_a_gradient_run_without_it():
                    for n in inference.stages[0].module.graph.nodes)
 
 
-class TakesAModule(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, layer):
-        return layer(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
 class GivesAModule(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.a = torch.nn.Linear(4, 4)
 
     def forward(self, x, y):
-        out = TakesAModule.apply(x, self.a)
+        out = CallsAModule.apply(x, self.a)
         return out, F.mse_loss(out, y)
 
 
@@ -118,7 +108,7 @@ def test_a_custom_function_given_a_module_is_refused_before_any_state_changes():
     before = copy.deepcopy(model.state_dict())
     train = poptorch.trainingModel(model, optimizer=opt)
     with pytest.raises(poptorch.TraceError, match=r"the custom autograd Function "
-                       r"TakesAModule is given a Linear that holds tensors.*Pass the tensors "
+                       r"CallsAModule is given a Linear that holds tensors.*Pass the tensors "
                        r"it needs as arguments of apply\(\)"):
         train(torch.randn(2, 4), torch.randn(2, 4))
     for k, v in model.state_dict().items():
