@@ -300,6 +300,8 @@ GRAD_CODE = {
     "own_backward": lambda m, x: OwnLinear.apply(x, m.layers[1].weight, m.layers[1].bias),
     "random_function": lambda m, x: NoisyRound.apply(x * 4) / 4,
     "custom_op": lambda m, x: thirds_grad(x),
+    "module_hooks": lambda m, x: x,     # GradCodeMLP.install_hooks
+    "parameter_hook": lambda m, x: x,
     "library_detach": lambda m, x: x * F.gumbel_softmax(x, tau=0.5, hard=True),
     "hook": lambda m, x: _hooked(x),
     "hook_on_stage_input": lambda m, x: (x.register_hook(lambda g: g * -2), x)[1],
@@ -325,6 +327,16 @@ class GradCodeMLP(BlockMLP):
         super().__init__(blocks)
         self.kind, self.edit_input = kind, edit_input
         self.register_buffer("ema", torch.zeros(8, 8))
+
+    def install_hooks(self) -> "GradCodeMLP":
+        """The hooks registered outside forward, for the kinds that have them (a deep copy
+        keeps a module's hooks but not a parameter's: install after copying)."""
+        if self.kind == "module_hooks":
+            self.layers[1].register_full_backward_hook(lambda m, gi, go: (gi[0] * 0.5,))
+            self.head.register_full_backward_pre_hook(lambda m, go: (go[0] * 3,))
+        if self.kind == "parameter_hook":
+            self.layers[0].weight.register_hook(lambda g: g.clamp(-0.01, 0.01))
+        return self
 
     def forward(self, x, y):
         if self.edit_input:

@@ -408,6 +408,15 @@ def terminated():
     list(accessor)
 
 
+def hooked(model: "Two", full: bool = True) -> "Two":
+    """``model`` with a backward hook on the whole model (full) or on ``l1`` (deprecated)."""
+    if full:
+        model.register_full_backward_hook(lambda m, gi, go: None)
+    else:
+        model.l1.register_backward_hook(lambda m, gi, go: None)
+    return model
+
+
 class TopWeight(torch.nn.Module):
     """A weight at the top of the model, where replicaGrouping reaches it (poptorch_model.W)."""
 
@@ -818,6 +827,8 @@ T = {
     "E-PART-16": lambda: first_call(Returning(Holder), opts()),
     "E-PART-17": lambda: first_call(Returning(lambda t: NeedsTwo(t, t)), opts()),
     "E-PART-18": lambda: first_call(Two(tail="function_given_module"), opts()),
+    "E-PART-19": lambda: first_call(hooked(Two(), full=False), opts()),
+    "E-PART-20": lambda: first_call(hooked(Two()), opts(G=3)),  # its blocks are two stages
     "E-PART-15": lambda: without_kernel("aten::addmm", lambda: first_call(
         Two(), opts(strategy=poptorch.PipelinedExecution("a", "b"), G=4))),
     # pipelining

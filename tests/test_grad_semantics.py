@@ -260,3 +260,46 @@ def test_the_last_steps_gradient_is_read_back_through_its_anchor(device):
     assert grad.device == torch.device("cpu")
     assert_close(grad, ref.linear.weight.grad, atol=1e-6, rtol=0)
     assert model.linear.weight.grad is None
+
+
+class SplitInside(torch.nn.Module):
+    """A module whose forward starts the next block: its input and output in two stages."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.a(x)
+        poptorch.Block.start("b1", ipu_id=1)
+        return self.b(h)
+
+
+class Outer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = SplitInside()
+
+    def forward(self, x, y):
+        out = self.inner(x)
+        return out, F.mse_loss(out, y)
+
+
+def test_module_backward_hooks_that_cannot_be_kept_are_refused():
+    """[Note: gradients the forward shapes]: the deprecated register_backward_hook sees an
+    op's gradients, which the graph does not keep; a module with full backward hooks that
+    spans two stages cannot tie its input's hook to its output's within one stage."""
+    model = Outer()
+    model.inner.register_backward_hook(lambda m, gi, go: None)
+    opts = poptorch.Options()
+    opts.Training.gradientAccumulation(3)
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    with pytest.raises(poptorch.TraceError, match=r"module inner has a hook registered with "
+                                                  r"register_backward_hook, which PyTorch "
+                                                  r"deprecates"):
+        poptorch.trainingModel(model, opts)(x, y)
+    model = Outer()
+    model.inner.register_full_backward_hook(lambda m, gi, go: None)
+    with pytest.raises(poptorch.TraceError, match=r"SplitInside has backward hooks .* its "
+                                                  r"forward spans stages 0 and 1"):
+        poptorch.trainingModel(model, opts)(x, y)

@@ -372,7 +372,8 @@ def test_models_that_shape_their_own_gradients_match_plain_pytorch(
     torch.manual_seed(0)
     edit = GRAD_ROWS.index((blocks, G, R, schedule, recompute)) % 2 == 1
     model = GradCodeMLP(kind, blocks, edit_input=edit)
-    ref = twin(model, device)
+    ref = twin(model, device).install_hooks()
+    model.install_hooks()
     x, y = data(2 * G * R * 2)
     ref_x = x.clone().to("cuda" if device == "cuda" else "cpu")
     opts = pipelined(schedule, recompute, G, device).replicationFactor(R).deviceIterations(2)

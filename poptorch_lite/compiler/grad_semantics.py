@@ -29,6 +29,12 @@ training trace keeps them, and the stages replay them as plain PyTorch ran them:
   micro-batch RNG] in ``rng``). The Functions that ``torch.library`` makes for a custom
   op's ``register_autograd`` are traced through: the op itself lands in the graph, and
   its registered backward with it.
+- **Module backward hooks.** ``register_full_backward_hook`` and
+  ``register_full_backward_pre_hook``: where ``Module.__call__`` sets them up, two nodes set
+  up a fresh ``BackwardHook`` of the module on the stage's values in every micro-batch,
+  with the module's hooks of the time (the deprecated ``register_backward_hook`` is refused).
+  A hook registered on a parameter outside the forward is the parameter's own; its copies on
+  other devices share it (``Weights.share_hooks``).
 - **Tensor hooks.** ``t.register_hook(fn)`` in the forward is a node that registers
   ``fn`` on the stage's value of ``t`` (:func:`traced_register_hook`), in every micro-batch,
   as plain PyTorch registers it in every forward (once, where a recompute runs the forward
@@ -42,6 +48,8 @@ value info] in ``value_info``).
 from __future__ import annotations
 
 import contextlib
+import itertools
+import operator
 import threading
 
 import torch
@@ -226,9 +234,125 @@ def traced_apply(cls, *args, **kwargs):
     random = any(not torch.equal(a, b) for a, b in zip(before, after))
     proxies = [tracer.unwrap_proxy(leaves[k]) for k in tensor_at]
     proxy = tracer.create_proxy("call_function", _function_node(call, random), tuple(proxies), {})
-    track_tensor_tree(out, proxy, constant=None, tracer=tracer)
+    with disable_proxy_modes_tracing():  # its meta would record the copies it makes
+        track_tensor_tree(out, proxy, constant=None, tracer=tracer)
     record_requires_grad(out)
     return out
+
+
+def refuse_legacy_backward_hooks(model: torch.nn.Module) -> None:
+    """Refuse a module hook registered with the deprecated ``register_backward_hook``: it sees
+    the gradients of whichever op made the module's output, which a traced graph does not
+    keep (``register_full_backward_hook`` is kept: [Note: gradients the forward shapes]).
+
+    Raises:
+        TraceError: naming the module and the fix.
+    """
+    for name, m in model.named_modules():
+        if m._backward_hooks and m._is_full_backward_hook is False:
+            raise TraceError(
+                f"module {name or type(m).__name__} has a hook registered with "
+                f"register_backward_hook, which PyTorch deprecates: it sees the gradients of "
+                f"the last op of the module's forward, not the module's, and a traced graph "
+                f"keeps no such op boundary. Use register_full_backward_hook (or "
+                f"register_full_backward_pre_hook), which poptorch_lite keeps")
+
+
+_module_calls = itertools.count()  # tells a module call's input hook from another's
+_setups = threading.local()          # call key -> the BackwardHook of the call running here
+
+
+def _traced_input_hook(original):
+    """``BackwardHook.setup_input_hook`` while a training trace records: also a node that sets
+    up, in every micro-batch, a fresh BackwardHook of the module on the stage's values."""
+    def setup_input_hook(self, args):
+        tracer = _tracer()
+        if tracer is None:
+            return original(self, args)
+        key = next(_module_calls)
+        self._poptorch_lite_key = key
+        return _hook_setup(tracer, args, lambda *a: original(self, a),
+                           _module_input_node(self.module, key))
+    return setup_input_hook
+
+
+def _traced_output_hook(original):
+    """``BackwardHook.setup_output_hook`` while a training trace records: also a node that
+    finishes the micro-batch's BackwardHook that the call's input node made."""
+    def setup_output_hook(self, args):
+        tracer = _tracer()
+        key = getattr(self, "_poptorch_lite_key", None)
+        if tracer is None or key is None:
+            return original(self, args)
+        single = not isinstance(args, tuple)
+        values = (args,) if single else args
+        out = _hook_setup(tracer, values, lambda *a: original(self, a),
+                          _module_output_node(self.module, key))
+        return out[0] if single else out
+    return setup_output_hook
+
+
+def _hook_setup(tracer, args: tuple, real, node_fn) -> tuple:
+    """Run ``real`` (torch's own setup) on the trace's tensors with the proxy off, and record
+    ``node_fn`` over the tensors of ``args`` as the node that makes the results."""
+    at = [k for k, v in enumerate(args) if isinstance(v, torch.Tensor)]
+    with disable_proxy_modes_tracing():
+        out = real(*args)
+    proxy = tracer.create_proxy("call_function", node_fn,
+                                tuple(tracer.unwrap_proxy(args[k]) for k in at), {})
+    tensors = tuple(out[k] for k in at)
+    with disable_proxy_modes_tracing():  # its meta would record the copies it makes
+        track_tensor_tree(tensors, proxy, constant=None, tracer=tracer)
+    record_requires_grad(tensors)
+    return out
+
+
+def _module_input_node(module, key: int):
+    def module_backward_hook_inputs(*tensors):
+        hooks, _ = module._get_backward_hooks()
+        bw = torch.utils.hooks.BackwardHook(module, hooks, module._get_backward_pre_hooks())
+        _setups.__dict__[key] = bw
+        return tuple(bw.setup_input_hook(tensors))
+    module_backward_hook_inputs.module_hook = (module, key)
+    return module_backward_hook_inputs
+
+
+def _module_output_node(module, key: int):
+    def module_backward_hook_outputs(*tensors):
+        return tuple(_setups.__dict__.pop(key).setup_output_hook(tensors))
+    module_backward_hook_outputs.module_hook = (module, key)
+    return module_backward_hook_outputs
+
+
+def passes_on(node: fx.Node):
+    """The node whose values ``node`` passes on when it is a module backward hook's setup or
+    a pick of its results, else None: such a node belongs to its input's block (the setup of
+    a module's output runs after the module returned, past the end of a ``with Block``)."""
+    target = node.target
+    if target is operator.getitem and node.args and isinstance(node.args[0], fx.Node):
+        return node.args[0] if hasattr(node.args[0].target, "module_hook") else None
+    if hasattr(target, "module_hook") and node.all_input_nodes:
+        return node.all_input_nodes[0]
+    return None
+
+
+def check_module_hooks(groups: list) -> None:
+    """Refuse a module with backward hooks whose input and output land in different stages
+    (``groups``: each stage's nodes): one BackwardHook ties them within a micro-batch.
+
+    Raises:
+        TraceError: naming the module and the fix.
+    """
+    stage_of: dict = {}
+    for s, nodes in enumerate(groups):
+        for n in nodes:
+            module, key = getattr(n.target, "module_hook", (None, None))
+            if module is not None and stage_of.setdefault(key, s) != s:
+                raise TraceError(
+                    f"{type(module).__name__} has backward hooks (register_full_backward_hook) "
+                    f"and its forward spans stages {stage_of[key]} and {s}: a module's hooks "
+                    f"need its input and its output in one stage; move the BeginBlock that "
+                    f"splits it to the module itself, or out of it")
 
 
 def traced_register_hook(func, t, hook):
@@ -255,7 +379,15 @@ def traced_data(func, args):
 
 
 _PATCH_LOCK = threading.Lock()
-_patched = {"traces": 0, "apply": None}
+_patched = {"traces": 0, "saved": {}}
+
+
+def _patches() -> dict:
+    """(owner, name) -> what replaces it while a training trace records."""
+    hook = torch.utils.hooks.BackwardHook
+    return {(torch.autograd.Function, "apply"): classmethod(traced_apply),
+            (hook, "setup_input_hook"): _traced_input_hook(hook.__dict__["setup_input_hook"]),
+            (hook, "setup_output_hook"): _traced_output_hook(hook.__dict__["setup_output_hook"])}
 
 
 @contextlib.contextmanager
@@ -263,8 +395,8 @@ def recording(training: bool):
     """Keep what the forward says about its gradients while a training trace runs on this
     thread ([Note: gradients the forward shapes]); an inference trace keeps nothing.
 
-    ``Function.apply`` is torch's, replaced while any thread traces; the replacement calls
-    torch's own on every thread but a tracing one.
+    ``Function.apply`` and the setup of modules' backward hooks are torch's, replaced while
+    any thread traces; each replacement does torch's own on every thread but a tracing one.
     """
     if not training:
         yield
@@ -272,8 +404,9 @@ def recording(training: bool):
     previous = getattr(_local, "active", False)
     with _PATCH_LOCK:
         if _patched["traces"] == 0:
-            _patched["apply"] = torch.autograd.Function.__dict__["apply"]  # _APPLY, or a user's
-            torch.autograd.Function.apply = classmethod(traced_apply)
+            for (owner, name), replacement in _patches().items():
+                _patched["saved"][owner, name] = owner.__dict__[name]
+                setattr(owner, name, replacement)
         _patched["traces"] += 1
     _local.active = True
     try:
@@ -283,7 +416,8 @@ def recording(training: bool):
         with _PATCH_LOCK:
             _patched["traces"] -= 1
             if _patched["traces"] == 0:
-                torch.autograd.Function.apply = _patched["apply"]
+                for (owner, name), original in _patched["saved"].items():
+                    setattr(owner, name, original)
 
 
 def record_grad_mode(tracer) -> None:

@@ -245,6 +245,10 @@ def split(gm: fx.GraphModule, param_names: Sequence[str], buffer_names: Sequence
         elif n.target is markers.MARK_CHECKPOINT:
             checkpoints.append(n.args[0])
         else:
+            passed = grad_semantics.passes_on(n)  # a module hook's output after its Block closed
+            if current is None and passed in owner:
+                owner[n] = owner[passed]
+                continue
             if current is None:
                 raise BlockError(
                     f"No active Block, all the ops must belong to a Block: {n.target} at "
@@ -289,6 +293,7 @@ def split(gm: fx.GraphModule, param_names: Sequence[str], buffer_names: Sequence
                 runs[-1][2].append(owner[n])
     if not runs:
         runs = [(0, [], [])]
+    grad_semantics.check_module_hooks([run[1] for run in runs])
 
     # 4. The loss, by provenance ([Note: loss provenance]).
     loss_node = None

@@ -295,6 +295,8 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
         Exception: whatever the forward itself raised, with its own type and message, its
             traceback the user's frames (the model is left as it was).
     """
+    if training:
+        grad_semantics.refuse_legacy_backward_hooks(model)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     names = list(params) + list(buffers)

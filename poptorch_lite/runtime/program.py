@@ -104,6 +104,8 @@ class Program:
 
         keep = [k in kept for k in range(len(tensors))]
         grads = weights.host_grads_kept() if training else contextlib.nullcontext()
+        if training:  # a hook registered on a parameter since the last call reaches its copies
+            weights.share_hooks()
         with grads, ex.call(schedule, step, recorder, options.watchdog_timeout) as call:
             for d, ks in enumerate(runs):
                 undo = capture(weights, None, loss_scale, False, rng=False) if per_run else None

@@ -182,6 +182,15 @@ class Weights:
         for c in self._copies.values():
             c.grad = None
 
+    def share_hooks(self) -> None:
+        """Give each copy of a parameter the host parameter's gradient hooks (its own
+        ``register_hook``'s: one dict for both), as a shared home has them already."""
+        params = self.params
+        for (name, _), c in self._copies.items():
+            hooks = params[name]._backward_hooks
+            if c._backward_hooks is not hooks:
+                c._backward_hooks = hooks
+
     @contextlib.contextmanager
     def host_grads_kept(self):
         """Around a training call: the host parameters' ``.grad`` as the user left them
