@@ -13,6 +13,8 @@ from gpu_twin import TwinGpu
 import probes
 from models import exited, workers
 
+pytest_plugins = ["hygiene"]  # every test leaves the process as it found it (tests/hygiene.py)
+
 # "ipu_model": every IPU on the CPU with a memory of its own (Options.useIpuModel(True)), the
 # path that separate GPUs take, so that it runs on machines without one. "gpu_twin": every
 # IPU on the GPU twin (gpu_twin.py): the GPU's branches, streams, events and asynchronous
