@@ -19,12 +19,15 @@ import sys
 from typing import Optional, Sequence
 
 _NOT_ALIASED = {"__main__", "cli", "side_modules"}  # no part of PopTorch's API
+# Holds ``poptorch/__init__.py``, which makes the alias in a child process (not a package of
+# poptorch_lite: it has no ``__init__.py`` of its own, so the alias never walks into it).
+CHILD_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_alias")
 
 
 def alias_poptorch() -> None:
     """Make ``import poptorch`` and ``import poptorch.X`` give poptorch_lite and its modules,
     and ``import popart`` / ``import popdist`` the stand-ins of ``side_modules`` where no real
-    one is installed.
+    one is installed. The alias reaches child processes too (:func:`reach_children`).
 
     Example:
         >>> alias_poptorch()
@@ -39,6 +42,22 @@ def alias_poptorch() -> None:
         if name not in _NOT_ALIASED:  # subpackages too: poptorch.options, poptorch.optim, ...
             sys.modules[f"poptorch.{name}"] = importlib.import_module(info.name)
     importlib.import_module("poptorch_lite.side_modules").install()
+    reach_children()
+
+
+def reach_children() -> None:
+    """Give this process's children the alias: a process started with ``spawn`` or
+    ``forkserver`` (a DataLoader's workers under those start methods, a user's
+    ``multiprocessing``), and a subprocess running Python, do not inherit ``sys.modules``, so
+    their ``import poptorch`` (or unpickling an object whose module imports it) would fail, or
+    find another poptorch than their parent's. :data:`CHILD_PATH` goes on ``sys.path`` right
+    after the script's folder (spawned children copy the parent's path) and first on
+    ``PYTHONPATH`` (which every subprocess inherits). Idempotent."""
+    if CHILD_PATH not in sys.path:
+        sys.path.insert(min(1, len(sys.path)), CHILD_PATH)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if CHILD_PATH not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([CHILD_PATH] + paths)
 
 
 def _parser() -> argparse.ArgumentParser:

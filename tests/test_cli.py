@@ -99,8 +99,11 @@ def test_version_names_the_package_and_torch(tmp_path):
 def test_alias_gives_the_same_module_objects():
     from poptorch_lite import cli
     saved = {k: v for k, v in sys.modules.items() if k == "poptorch" or k.startswith("poptorch.")}
+    path, environ = list(sys.path), dict(os.environ)
     try:
         cli.alias_poptorch()
+        assert sys.path[1] == cli.CHILD_PATH  # for spawned children, after the script's folder
+        assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == cli.CHILD_PATH  # subprocesses
         import poptorch
         import poptorch.enums
         import poptorch.optim
@@ -117,3 +120,56 @@ def test_alias_gives_the_same_module_objects():
         for k in [k for k in sys.modules if k == "poptorch" or k.startswith("poptorch.")]:
             del sys.modules[k]
         sys.modules.update(saved)
+        sys.path[:] = path
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+CHILDREN = textwrap.dedent('''
+    import multiprocessing
+    import subprocess
+    import sys
+    import torch
+    import poptorch
+
+
+    class Squares(torch.utils.data.Dataset):  # its module imports poptorch, as a user's does
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return torch.tensor([float(i * i)])
+
+
+    def child(queue):
+        import poptorch_lite
+        queue.put(poptorch.__name__ + " " + str(poptorch is poptorch_lite))
+
+
+    if __name__ == "__main__":
+        spawn = multiprocessing.get_context("spawn")
+        queue = spawn.Queue()
+        p = spawn.Process(target=child, args=(queue,))
+        p.start()
+        print("spawned:", queue.get(timeout=60))
+        p.join()
+        out = subprocess.run([sys.executable, "-c", "import poptorch, poptorch.optim; "
+                              "print('subprocess:', poptorch.__name__, poptorch.optim.__name__)"],
+                             capture_output=True, text=True, check=True).stdout
+        print(out, end="")
+        loader = poptorch.DataLoader(poptorch.Options(), Squares(), batch_size=2, num_workers=2,
+                                     multiprocessing_context="spawn")
+        print("spawned DataLoader workers:", [b.flatten().tolist() for b in loader])
+''')
+
+
+def test_the_alias_reaches_spawned_children_and_subprocesses(tmp_path):
+    # A child started with spawn imports the script as __mp_main__, and a subprocess starts
+    # from nothing: neither inherits sys.modules, so each needs `import poptorch` to resolve.
+    (tmp_path / "children.py").write_text(CHILDREN)
+    result = run_cli("run", "children.py", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == [
+        "spawned: poptorch_lite True",
+        "subprocess: poptorch_lite poptorch_lite.optim",
+        "spawned DataLoader workers: [[0.0, 1.0], [4.0, 9.0]]"]

@@ -1,0 +1,12 @@
+"""``import poptorch`` in a child of a process that made ``poptorch`` poptorch_lite.
+
+``cli.alias_poptorch`` puts this folder's parent last on the child processes' path (``sys.path``
+for ``multiprocessing``'s spawned children, ``PYTHONPATH`` for any subprocess), so a child's
+``import poptorch``, or its unpickling of anything from a module that imports ``poptorch``,
+gets the same alias as its parent. The alias replaces this module in ``sys.modules``, and the
+import returns poptorch_lite itself.
+"""
+
+from poptorch_lite.cli import alias_poptorch
+
+alias_poptorch()
