@@ -371,12 +371,42 @@ def wait_until(condition, timeout_s: float = 2.0) -> bool:
 
 
 def test_early_preload_fills_the_buffer_before_iteration(loaders):
+    # Both load their first item as they are made (PopTorch's worker does as it starts); only
+    # early_preload goes on before the first iter(). PopTorch's test_early_preload reads the
+    # buffer's slots through the private _worker._data_buffers.indices_mem.
     lazy, eager = Recording(10), Recording(10)
     loaders.append(AsynchronousDataAccessor(lazy, buffer_size=2))
+    assert lazy.seen == [0]  # already loaded when the constructor returns
     loaders.append(AsynchronousDataAccessor(eager, buffer_size=2, early_preload=True))
     assert wait_until(lambda: len(eager.seen) == 3)  # 2 in the queue, 1 waiting to be put
     time.sleep(0.05)
-    assert lazy.seen == [] and eager.seen == [0, 1, 2]
+    assert lazy.seen == [0] and eager.seen == [0, 1, 2]
+    assert loaders[0]._worker._data_buffers.indices_mem == [1, 0]
+    assert loaders[1]._worker._data_buffers.indices_mem == [1, 1]
+    assert next(iter(loaders[0])) == 0
+    assert wait_until(lambda: len(lazy.seen) == 4)  # iterating lets it fill the buffer
+    loaders[0].terminate()
+    assert loaders[0]._worker is None
+
+
+def test_a_first_item_that_cannot_be_loaded_is_refused_by_the_constructor(loaders):
+    class Broken(torch.utils.data.Dataset):
+        def __len__(self):
+            return 100
+
+        def __getitem__(self, index):
+            raise AssertionError("Broken dataset")
+
+    loader = DataLoader(Options(), Broken(), batch_size=1, num_workers=2)
+    with pytest.raises(errors.Error, match=r"^AsynchronousDataAccessor worker thread failed "
+                       r"to start: loading the first item failed: AssertionError: Caught "
+                       r"AssertionError in DataLoader worker process 0") as info:
+        AsynchronousDataAccessor(loader)
+    assert "Broken dataset" in str(info.value.__cause__)
+    with pytest.raises(errors.Error, match=r"failed to start: loading the first item failed: "
+                       r"AssertionError: Broken dataset \(the original"):
+        DataLoader(Options(), Broken(), batch_size=1,
+                   mode=DataLoaderMode.Async)
 
 
 @pytest.mark.parametrize("load_indefinitely", [True, False])
@@ -398,6 +428,32 @@ def test_accessor_over_a_sync_loader(loaders):
     loaders.append(accessor)
     assert len(accessor) == len(loader) == 3
     assert labels(accessor) == labels(loader)
+
+
+def test_ctrl_c_while_an_epoch_opens_stays_a_keyboard_interrupt():
+    # Opening an epoch (torch's iterator waking its workers) runs on the caller's thread, where
+    # Ctrl-C lands: it must go through, not become a loading failure raised later.
+    class Interrupted:
+        def __iter__(self):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        AsynchronousDataAccessor(Interrupted())
+
+
+def test_a_sync_loader_iterates_beside_a_users_accessor_over_it(loaders):
+    # PopTorch's test_indexable_dataloader_len[Sync]: the accessor reads the loader through
+    # iterators of its own (PopTorch's reads a copy in its process), so the loader's own
+    # persistent workers are not reset under the accessor's thread, which is already loading
+    # its next epoch (load_indefinitely) while the loader is iterated directly.
+    loader = DataLoader(opts(), data(101), batch_size=4, num_workers=2)
+    accessor = AsynchronousDataAccessor(loader)
+    loaders.append(accessor)
+    epoch = [[4 * i + k for k in range(4)] for i in range(25)]
+    for _ in range(2):
+        assert labels(accessor) == epoch
+        assert labels(loader) == epoch
+    assert len(accessor) == len(loader) == 25
 
 
 def test_accessor_refuses_a_loader_that_has_one(loaders):
@@ -546,3 +602,48 @@ def test_script_with_an_async_loader_exits_cleanly(tmp_path, how, code):
         assert result.stdout.strip() == "seen 10"
     if how == "raise":
         assert result.stderr.rstrip().endswith("RuntimeError: the script failed mid-epoch")
+
+
+_CTRL_C_SCRIPT = textwrap.dedent("""
+    import sys, time, torch
+    import poptorch_lite as poptorch
+
+    data = torch.utils.data.TensorDataset(torch.randn(100, 1, 8, 8), torch.arange(100))
+    loader = poptorch.DataLoader(poptorch.Options().deviceIterations(2), data, batch_size=16,
+                                 shuffle=True, drop_last=True, num_workers=2,
+                                 mode=poptorch.DataLoaderMode.Async)
+    if sys.argv[1] == "iterated":
+        for _ in loader:
+            pass
+    try:  # "ready" inside: a Ctrl-C right after it still lands here
+        print("ready", flush=True)
+        time.sleep(60)
+        print("no Ctrl-C came")
+    except KeyboardInterrupt:
+        print("KeyboardInterrupt received", flush=True)
+""")
+
+
+@pytest.mark.parametrize("state", ["iterated", "made"])
+def test_ctrl_c_beside_an_async_loader_stops_the_script_cleanly(tmp_path, state):
+    """PopTorch's test_KeyboardInterrupt_in_async_data_accessor: Ctrl-C, which a terminal sends
+    to the script and to every worker process of its group, ends the script at once, with its
+    own handling only: no traceback from the loader's thread or torch's workers."""
+    import signal
+    script = tmp_path / "script.py"
+    script.write_text(_CTRL_C_SCRIPT)
+    root = str(pathlib.Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    child = subprocess.Popen([sys.executable, "-u", str(script), state], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        assert child.stdout.readline() == "ready\n"
+        start = time.monotonic()
+        os.killpg(child.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        out, err = child.communicate(timeout=30)
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.communicate()
+    assert time.monotonic() - start < 10
+    assert (child.returncode, out, err) == (0, "KeyboardInterrupt received\n", "")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import queue
 import threading
+import types
 import weakref
 from typing import Any, Iterable, Iterator, Optional
 
@@ -95,15 +96,25 @@ def _join_live_epochs() -> None:
 
 
 class _Epoch:
-    """One epoch, loaded ahead by a daemon thread into a bounded queue."""
+    """One epoch, loaded ahead by a daemon thread into a bounded queue.
 
-    def __init__(self, source: Iterator[Any], buffer_size: int):
+    The thread loads the first item at once and the rest once ``go`` is set (by the first
+    ``iter()``, or at once with ``early_preload``), as PopTorch's worker loads its first
+    element while it starts and waits for an iterator before it fills its buffer. ``ready``
+    is set once the first item, the end or a failure is in the queue; ``first_failure`` is
+    the failure when loading the first item failed."""
+
+    def __init__(self, source: Iterator[Any], buffer_size: int, go: bool):
         global _exit_handler_registered
         if not _exit_handler_registered:  # registered on first use: no import-time side effect
             atexit.register(_join_live_epochs)
             _exit_handler_registered = True
         self.queue: queue.Queue = queue.Queue(maxsize=buffer_size)
         self.stopping = False
+        self.go, self.ready = threading.Event(), threading.Event()
+        if go:
+            self.go.set()
+        self.first_failure: Optional[_Failure] = None
         self.thread = threading.Thread(target=self._run, args=(source,), daemon=True,
                                        name="poptorch_lite.AsynchronousDataAccessor")
         _LIVE.add(self)
@@ -116,9 +127,24 @@ class _Epoch:
                 if not self._put(item):
                     return
                 index += 1
+                if index == 1:
+                    self.ready.set()
+                    if not self._wait_for_go():
+                        return
             self._put(_End)
         except BaseException as error:  # forwarded to the consumer
-            self._put(_Failure(error, index))
+            failure = _Failure(error, index)
+            if index == 0:
+                self.first_failure = failure
+            self._put(failure)
+        finally:
+            self.ready.set()
+
+    def _wait_for_go(self) -> bool:
+        while not self.stopping:
+            if self.go.wait(_POLL_S):
+                return True
+        return False
 
     def _put(self, item: Any) -> bool:
         while not self.stopping:
@@ -172,15 +198,22 @@ class AsynchronousDataAccessor:
         buffer_size: items loaded ahead.
         miss_sleep_time_in_ms: accepted and ignored (the thread blocks on the queue).
         load_indefinitely: start loading the next epoch as soon as one ends.
-        early_preload: start loading at construction instead of at ``iter()``.
+        early_preload: fill the buffer at construction (the first item is loaded then in any
+            case; the rest waits for the first ``iter()`` without it).
         sharing_strategy: accepted and ignored (no process, nothing to share).
         rebatched_size: cut the loaded batches into batches of this many rows
             (a short last one is dropped unless ``dataset`` is a DataLoader
             with drop_last=False).
 
+    PopTorch's accessor starts its worker, which loads the first item, when it is made; so
+    does this one, and a first item that cannot be loaded is refused there. A user's accessor
+    over a Sync ``DataLoader`` reads it through torch iterators of its own (PopTorch's worker
+    process reads a copy), so the loader can still be iterated directly beside it.
+
     Raises:
         errors.DataLoaderError: ``dataset`` is a DataLoader with its own
-            accessor, or an argument is invalid.
+            accessor, or an argument is invalid, or loading the first item failed
+            (the original exception is chained as ``__cause__``).
 
     Example:
         >>> accessor = AsynchronousDataAccessor([1, 2, 3])
@@ -191,7 +224,7 @@ class AsynchronousDataAccessor:
 
     def __init__(self, dataset: Iterable[Any], buffer_size: int = 3, miss_sleep_time_in_ms: float = 0.1,
                  load_indefinitely: bool = True, early_preload: bool = False, sharing_strategy: Any = None,
-                 rebatched_size: Optional[int] = None):
+                 rebatched_size: Optional[int] = None, *, _loader_owned: bool = False):
         self._epochs: set[_Epoch] = set()
         self._current: Optional[_Epoch] = None
         self._next: Optional[_Epoch] = None
@@ -213,22 +246,43 @@ class AsynchronousDataAccessor:
         # Garbage collection may run this on a thread that holds threading's internal locks
         # (one that is starting): it must not join, so it only tells the threads to stop.
         self._finalizer = weakref.finalize(self, _stop_all, self._epochs, False)
-        if early_preload:
-            self._next = self._open()
+        self._loader_owned = _loader_owned  # the Async DataLoader's own accessor
+        self._next = self._open(go=early_preload)
+        self._next.ready.wait()
+        failure = self._next.first_failure
+        if failure is not None:
+            self.terminate()
+            raise errors.DataLoaderError(
+                f"AsynchronousDataAccessor worker thread failed to start: loading the first item "
+                f"failed: {type(failure.error).__name__}: {failure.error} (the original is chained "
+                f"as __cause__; iterate the dataset directly to debug it)") from failure.error
 
-    def _open(self) -> _Epoch:
+    def _open(self, go: bool = True) -> _Epoch:
         """Opens the next epoch here (so a DataLoader's epoch number is read in order)."""
         is_loader = _opens_own_epochs(self._dataset)
         try:
-            source = self._dataset._sync_iter() if is_loader else iter(self._dataset)
+            source = (self._dataset._sync_iter(own_iterator=not self._loader_owned) if is_loader
+                      else iter(self._dataset))
             if self.rebatched_size is not None:
                 drop_last = self._dataset._rebatched_drop_last if is_loader else True
                 source = _rebatch(source, self.rebatched_size, drop_last)
-        except BaseException as error:  # reported by the first next()
+        except Exception as error:  # reported by the first next(); Ctrl-C goes through now
             source = _failing(error)
-        epoch = _Epoch(source, self._buffer_size)
+        epoch = _Epoch(source, self._buffer_size, go)
         self._epochs.add(epoch)
         return epoch
+
+    @property
+    def _worker(self) -> Optional[types.SimpleNamespace]:
+        """What PopTorch's tests read of its worker: ``_worker._data_buffers.indices_mem``, a
+        flag per slot of the buffer, 1 where a loaded item waits to be read (None once
+        terminated)."""
+        if self._terminated:
+            return None
+        epoch = self._current or self._next
+        loaded = min(epoch.queue.qsize(), self._buffer_size) if epoch is not None else 0
+        flags = [1] * loaded + [0] * (self._buffer_size - loaded)
+        return types.SimpleNamespace(_data_buffers=types.SimpleNamespace(indices_mem=flags))
 
     def _close(self, epoch: Optional[_Epoch]) -> None:
         if epoch is not None:
@@ -261,6 +315,7 @@ class AsynchronousDataAccessor:
         self._check_live()
         self._close(self._current)
         self._current, self._next = self._next or self._open(), None
+        self._current.go.set()
         return self._items(self._current)
 
     def _items(self, epoch: _Epoch) -> Iterator[Any]:

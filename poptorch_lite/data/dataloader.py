@@ -222,7 +222,8 @@ class DataLoader(torch.utils.data.DataLoader):
         self._resume: Optional[tuple] = None
         if mode != DataLoaderMode.Sync:
             self._accessor = AsynchronousDataAccessor(self, **async_options,
-                                                      rebatched_size=self._rebatched_size)
+                                                      rebatched_size=self._rebatched_size,
+                                                      _loader_owned=True)
 
     @property
     def combinedBatchSize(self) -> Optional[int]:
@@ -276,15 +277,18 @@ class DataLoader(torch.utils.data.DataLoader):
             return iter(self._accessor)
         return self._counted(self._sync_iter())
 
-    def _sync_iter(self) -> Iterator[Any]:
-        """One epoch of the torch loader (the Async worker thread calls this)."""
+    def _sync_iter(self, own_iterator: bool = False) -> Iterator[Any]:
+        """One epoch of the torch loader (the Async worker thread calls this). With
+        ``own_iterator`` (a user's accessor over this loader) a torch iterator of its own, with
+        worker processes of its own for the epoch, so that iterating the loader directly at
+        the same time does not reset it under the accessor's thread."""
         if self._epoch_sampler is not None:
             self._epoch_sampler.epoch = self._next_epoch
         self._epoch, self._consumed = self._next_epoch, 0
         if self._resume is not None:  # [Note: loader position]: restore after the skip
             self._resume = (*self._resume[:2], torch.get_rng_state())
         self._next_epoch += 1
-        return super().__iter__()
+        return self._get_iterator() if own_iterator else super().__iter__()
 
     def _counted(self, batches: Iterator[Any]) -> Iterator[Any]:
         for batch in batches:
