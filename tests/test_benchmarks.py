@@ -116,3 +116,24 @@ def test_gpt2_benchmark_runs_every_kind_of_row():
         assert row in rows, done.stdout
     assert "the best poptorch_lite row (" in done.stdout
     assert "the machine's two-thread ceiling: " in done.stdout
+
+
+def test_the_short_soak_leaves_threads_files_and_processes_as_after_its_warm_up():
+    """benchmarks/soak.py --short: every phase (tiny calls, wrappers through every schedule,
+    the loaders, Ctrl-C at random moments in one process and under torchrun, pipelines across
+    processes) ends with no more threads, files or children than after the warm-up."""
+    done = subprocess.run([sys.executable, str(BENCH / "soak.py"), "--short"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[-1] == "targets met"
+    table = {line[:18].strip(): line[18:].split() for line in lines[2:9]}
+    assert list(table) == ["start", "warm-up", "after tiny", "after wrappers", "after loaders",
+                           "after interrupts", "end"]
+    warm, end = table["warm-up"][1:], table["end"][1:]  # threads, OS threads, files, children
+    assert [int(e) <= int(w) for w, e in zip(warm, end)] == [True] * 4
+    assert int(end[3]) == 0  # no child process at the end
+    ctrl_c = next(line for line in lines if line.startswith("interrupts:"))
+    assert "'call': " in ctrl_c  # a Ctrl-C landed inside a call, on every schedule
+    assert sorted(line[:9] for line in lines if line.startswith("process") and " RSS MiB " in line
+                  ) == ["process 0", "process 1"]

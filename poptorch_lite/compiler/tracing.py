@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import keyword
+import linecache
 import logging
 import operator
 import os
@@ -371,3 +372,31 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
     layer_blocks = {name: module_blocks[m] for name, m in model.named_modules()
                     if m in module_blocks and name}
     return gm, list(params), list(buffers), result["spec"], consts, layer_blocks, mutated
+
+
+@contextlib.contextmanager
+def generated_sources(keys: list):
+    """Collect into ``keys`` the names under which torch.fx keeps the source of every graph
+    module made inside (``torch.fx.graph_module._loader``, which feeds ``linecache`` so that
+    tracebacks show the generated code). torch keeps them for the process's life, some 15 KB
+    a wrapper, so :func:`forget_sources` drops them once those graphs are gone
+    (``benchmarks/soak.py``: 200 wrappers made and destroyed grew by 3 MiB). A torch without
+    that cache collects nothing."""
+    cache = getattr(getattr(torch.fx.graph_module, "_loader", None), "eval_cache", None)
+    before = set(cache) if isinstance(cache, dict) else None
+    try:
+        yield keys
+    finally:
+        if before is not None:
+            keys.extend(k for k in list(cache) if k not in before)
+
+
+def forget_sources(keys: list) -> None:
+    """Drop the sources :func:`generated_sources` collected from torch.fx's cache and
+    ``linecache``."""
+    cache = getattr(getattr(torch.fx.graph_module, "_loader", None), "eval_cache", None)
+    for key in keys:
+        if isinstance(cache, dict):
+            cache.pop(key, None)
+        linecache.cache.pop(key, None)
+    keys.clear()

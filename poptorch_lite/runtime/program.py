@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from typing import Optional
 
 import torch
 
-from ..compiler import retarget, rng
+from ..compiler import retarget, rng, tracing
 from ..compiler.partition import Partition, check_pipeline_minimums, partition
 from .channels import Channels
 from ..enums import ReductionType
@@ -185,6 +186,20 @@ def compile_program(model: torch.nn.Module, modes: dict, options: Options, train
         TraceError, BlockError, LossError, PipelineError, OptionsError: refused
             before any state changes.
     """
+    keys: list = []  # the generated graphs' sources torch.fx keeps, forgotten with them
+    try:
+        with tracing.generated_sources(keys):
+            made = _compiled(model, modes, options, training, mbs, weights, placement, replicas,
+                             processes, replica_values)
+    except BaseException:
+        tracing.forget_sources(keys)
+        raise
+    weakref.finalize(made[0], tracing.forget_sources, keys)
+    return made
+
+
+def _compiled(model, modes, options, training, mbs, weights, placement, replicas, processes,
+              replica_values):
     o = options
     a, kw = mbs.args_kwargs(0)
     part = partition(model, modes, a, kw, o.execution_strategy, training,

@@ -238,9 +238,11 @@ class StageWork:
             # leaves the input half's nodes retained until the run ends, and a hook that held
             # this object or the run would make a cycle through autograd's graph that
             # Python's collector cannot see (the wrapper, its placement and workers leaked).
+            # Nor may it return the tensor: a node saving its own output would hold itself
+            # through the grad_fn for ever (soak.py: zero_bubble wrappers leaked them).
             def pack(t: torch.Tensor, count=StageWork._count, excluded=run.excluded):
                 count(t, counted, excluded)
-                return t
+                return t.detach()
             if measure:
                 with rng.use(stream), torch.autograd.graph.saved_tensors_hooks(pack, _identity):
                     outs = st.module(*args)
@@ -318,7 +320,7 @@ class StageWork:
 
             def pack(t: torch.Tensor, count=StageWork._count, excluded=run.excluded | held):
                 count(t, counted, excluded)
-                return t
+                return t.detach()  # as in forward(): no cycle through a saved output
         with rng.use(entry.rng.snapshot() if entry.rng is not None else None), \
                 (torch.autograd.graph.saved_tensors_hooks(pack, _identity) if measure
                  else contextlib.nullcontext()):
