@@ -227,25 +227,36 @@ def interrupted_once(schedule: str, rng: random.Random, slow: bool) -> str:
     wrapped(*next(iter(loader)))  # traced: the interrupt lands in training, not in the trace
     where = ["loader"]
     main = threading.main_thread().ident
-    timer = threading.Timer(rng.uniform(0.0, 0.3), signal.pthread_kill, (main, signal.SIGINT))
+    delay = rng.uniform(0.0, 0.3)
+    timer = threading.Timer(delay, signal.pthread_kill, (main, signal.SIGINT))
+    lost = []  # a Ctrl-C the loop ran past: a second one, 5 s later, ends it and says so
+    again = threading.Timer(delay + 5.0, lambda: lost.append(where[0]) or signal.pthread_kill(
+        main, signal.SIGINT))
     start = time.monotonic()
     try:
-        timer.start()
+        timer.start(), again.start()
         while True:  # epochs until Ctrl-C
             for x, y in loader:
                 where[0] = "call"
                 wrapped(x, y)
                 where[0] = "loader"
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         stopped = time.monotonic() - start
+        interrupt = exc
     finally:
         timer.join()
+        again.cancel()
     handle.remove()
+    if lost:
+        raise SystemExit(f"{schedule}: the loop ran past a Ctrl-C ({lost[0]}); a second one "
+                         f"stopped it")
     if stopped > 5:
         raise SystemExit(f"{schedule}: the interrupt took {stopped:.1f} s to stop the loop")
     if not same(state(model, optimizer), steps[-1]):
+        import traceback
         raise SystemExit(f"{schedule}: after a Ctrl-C ({where[0]}) the model is not as after "
-                         f"its last completed step ({len(steps) - 1} steps)")
+                         f"its last completed step ({len(steps) - 1} steps); the interrupt:\n"
+                         + "".join(traceback.format_exception(interrupt)[-6:]))
     wrapped(*batch(opts))  # it trains on after the interrupt
     wrapped.destroy()
     loader.terminate()

@@ -8,7 +8,7 @@ that test's teardown, which names what was left behind:
   workers when it is collected, as in a user's program);
 - a changed signal handler, a signal blocked in (or pending for) the main thread;
 - a changed torch global: default dtype, intra-op threads, grad mode, inference mode,
-  deterministic algorithms, anomaly mode;
+  deterministic algorithms, anomaly mode; and Python's automatic garbage collection;
 - a file descriptor opened and not closed;
 - a changed ``os.environ``.
 
@@ -97,7 +97,7 @@ def _torch_globals() -> dict:
             "grad mode": torch.is_grad_enabled(),
             "inference mode": torch.is_inference_mode_enabled(),
             "deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
-            "anomaly mode": torch.is_anomaly_enabled()}
+            "anomaly mode": torch.is_anomaly_enabled(), "automatic gc": gc.isenabled()}
 
 
 def snapshot() -> dict:

@@ -249,6 +249,48 @@ def test_keyboard_interrupt_undoes_the_call_to_its_last_step_and_stops_every_str
     assert workers() == []
 
 
+def test_ctrl_c_inside_the_optimizers_step_is_held_until_the_step_is_counted():
+    # Sequential updates on the caller's thread, where Ctrl-C lands. Raised inside
+    # optimizer.step() it left the step applied (here: all of it, from a post-step hook) but
+    # not counted, and the call "undone" to before it; held, the step counts and the call
+    # stops right after it.
+    net, opt, model = stateful_model("sequential")
+    x, y = warm_up(model, net)
+    steps, handle = after_each_step(net, opt)
+    interrupt = opt.register_step_post_hook(
+        lambda *_: len(steps) == 1 and signal.pthread_kill(threading.main_thread().ident,
+                                                           signal.SIGINT))
+    with pytest.raises(KeyboardInterrupt) as info:
+        model(x, y)
+    assert info.value.__notes__[-1].startswith(
+        "poptorch_lite: the call was undone to its last completed optimizer step: 1 of its 2 "
+        "steps were applied")
+    handle.remove(), interrupt.remove()
+    assert len(steps) == 1
+    assert_same_state(state(net, opt), steps[0])
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    model(x, y)
+
+
+def test_no_automatic_garbage_collection_runs_inside_a_call():
+    # A collection runs the finalizers of whatever garbage it finds, on the thread that
+    # allocated, and CPython drops a Ctrl-C that lands in a finalizer: a call would run on
+    # past it. Collection is paused while a call runs, and a caller's own choice is kept.
+    import gc
+    net, opt, model = stateful_model("grouped")
+    x, y = warm_up(model, net)
+    seen = []
+    PROBE["fn"] = lambda k, s, i: seen.append(gc.isenabled())
+    model(x, y)
+    assert seen and set(seen) == {False} and gc.isenabled()
+    gc.disable()
+    try:
+        model(x, y)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_keyboard_interrupt_raised_inside_an_action_stays_a_keyboard_interrupt():
     net, opt, model = stateful_model("interleaved")
     x, y = warm_up(model, net)

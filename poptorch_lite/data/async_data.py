@@ -35,6 +35,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import errors
+from ..runtime.program import collection_paused
 
 _POLL_S = 0.05  # how often a blocked loader thread or consumer re-checks for a stop
 
@@ -156,14 +157,18 @@ class _Epoch:
         return False
 
     def get(self) -> Any:
-        """The next item (or ``_End`` / a ``_Failure``), waiting for the thread."""
-        while True:
-            try:
-                return self.queue.get(timeout=_POLL_S)
-            except queue.Empty:
-                if not self.thread.is_alive() and self.queue.empty():
-                    raise errors.DataLoaderError("the AsynchronousDataAccessor's thread stopped "
-                                                 "mid-epoch; create a new accessor") from None
+        """The next item (or ``_End`` / a ``_Failure``), waiting for the thread; no automatic
+        garbage collection meanwhile, where a Ctrl-C could land in a finalizer and be lost
+        (``runtime.program.collection_paused``)."""
+        with collection_paused():
+            while True:
+                try:
+                    return self.queue.get(timeout=_POLL_S)
+                except queue.Empty:
+                    if not self.thread.is_alive() and self.queue.empty():
+                        raise errors.DataLoaderError(
+                            "the AsynchronousDataAccessor's thread stopped mid-epoch; create a "
+                            "new accessor") from None
 
     def stop(self, join: bool = True) -> None:
         """Stops the thread and, with ``join``, waits for it (idempotent)."""

@@ -12,6 +12,7 @@ buffer, optimizer state or random state changes.
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 import weakref
 from typing import Optional
@@ -107,7 +108,8 @@ class Program:
         grads = weights.host_grads_kept() if training else contextlib.nullcontext()
         if training:  # a hook registered on a parameter since the last call reaches its copies
             weights.share_hooks()
-        with grads, ex.call(schedule, step, recorder, options.watchdog_timeout) as call:
+        with grads, ex.call(schedule, step, recorder, options.watchdog_timeout) as call, \
+                collection_paused():
             for d, ks in enumerate(runs):
                 undo = capture(weights, None, loss_scale, False, rng=False) if per_run else None
                 before = ex.steps_applied
@@ -159,6 +161,24 @@ def recomputed(options: Options, stage) -> bool:
     if chosen:
         return any(chosen)
     return options.auto_recomputation >= 3  # PopART's RecomputationType.Pipeline
+
+
+@contextlib.contextmanager
+def collection_paused():
+    """No automatic garbage collection while a call runs. A collection runs the finalizers of
+    the garbage it finds on the thread that happened to allocate, and CPython drops a Ctrl-C
+    that lands in a finalizer ("Exception ignored in: <finalize object ...>
+    KeyboardInterrupt"), so a call could run on past its Ctrl-C, and after it, a loop
+    (``benchmarks/soak.py`` saw both). Collection resumes when the call ends; a caller that
+    turned it off keeps it off."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def compile_program(model: torch.nn.Module, modes: dict, options: Options, training: bool,

@@ -30,8 +30,11 @@ snapshot (``Options.allOrNothingCalls(True)``) and can undo the whole call.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import signal
+import threading
 from typing import Optional
 
 import torch
@@ -99,14 +102,19 @@ class Updates:
                 grad.div_(divisor)
 
     def _step(self, a: Action, run: Run, step: StepArithmetic) -> None:
-        # [Note: gradient arithmetic] clip, then one optimizer update; [Note: loss scaling]
-        # skips it when automatic loss scaling finds a non-finite gradient. Inside
-        # stepping(), the host parameters stand for their homes ([Note: weight homes]).
         weights = self.weights
         if self.channels is not None:  # [Note: stages in other processes]: all step, or none
             run.remote_failure = self.channels.settle(run, self._describe(run), self._result)
             if run.failed is not None or run.remote_failure is not None:
                 return
+        with ctrl_c_after():  # [Note: commit point]: a step is whole, or not begun
+            self._commit(step)
+
+    def _commit(self, step: StepArithmetic) -> None:
+        # [Note: gradient arithmetic] clip, then one optimizer update; [Note: loss scaling]
+        # skips it when automatic loss scaling finds a non-finite gradient. Inside
+        # stepping(), the host parameters stand for their homes ([Note: weight homes]).
+        weights = self.weights
         with weights.stepping():
             if self.channels is not None:  # a weight used in several processes: one gradient
                 self.channels.reduce_tied(weights.params)
@@ -134,6 +142,31 @@ class Updates:
                 raise PartialUpdate(exc) from exc
         weights.after_step()
         self.steps_applied += 1
+
+
+@contextlib.contextmanager
+def ctrl_c_after():
+    """Hold a Ctrl-C that arrives inside the block until the block is done, then raise it.
+
+    An update on the caller's thread (a run on one stream, or Sequential) is where Ctrl-C
+    lands: raised inside ``optimizer.step()`` it left some parameters or momenta updated and
+    others not, with nothing to put them back from (``benchmarks/soak.py`` found it). Held
+    until the step is counted, it leaves the model as after that step, as a Ctrl-C anywhere
+    else leaves it as after the last completed one. Only Python's own SIGINT handler on the
+    main thread is swapped (a worker's update is never interrupted: the caller stops the
+    workers before their next action); a handler of the user's stays in force."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    held: list = []
+    signal.signal(signal.SIGINT, lambda *_: held.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if held:
+        raise KeyboardInterrupt
 
 
 def check_loss(loss: torch.Tensor, i: int) -> None:
