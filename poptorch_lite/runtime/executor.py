@@ -98,6 +98,7 @@ class Executor(Updates):
         self._stepped = {n: p for n, p in weights.params.items() if n in here}
         self._failure_lock = threading.Lock()
         self.steps_applied = 0  # updates completed ([Note: commit point])
+        self.ctrl_c = None  # the call's update.CtrlC on the main thread, else None
         self.undoable = False   # the caller snapshots whole calls (allOrNothingCalls)
         self.handlers = {Kind.FORWARD: self.work.forward, Kind.BACKWARD: self.work.backward,
                          Kind.BACKWARD_INPUT: self.work.backward_input,

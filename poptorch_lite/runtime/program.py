@@ -33,7 +33,7 @@ from .placement import Placement
 from .replica_groups import every_replica
 from .schedule_kinds import build
 from .undo import capture
-from .update import StepArithmetic
+from .update import CtrlC, StepArithmetic
 from .weights import Weights
 
 
@@ -109,7 +109,7 @@ class Program:
         if training:  # a hook registered on a parameter since the last call reaches its copies
             weights.share_hooks()
         with grads, ex.call(schedule, step, recorder, options.watchdog_timeout) as call, \
-                collection_paused():
+                collection_paused(), CtrlC.installed() as ex.ctrl_c:
             for d, ks in enumerate(runs):
                 undo = capture(weights, None, loss_scale, False, rng=False) if per_run else None
                 before = ex.steps_applied

@@ -83,7 +83,8 @@ class PartialUpdate(Exception):
 class Updates:
     """The ``sG`` (reduce) and ``U`` (update) actions of an :class:`~poptorch_lite.runtime.
     executor.Executor`, which supplies ``weights``, ``owned`` (the parameters each stage
-    reduces), ``channels``, ``processes``, the parameters it steps and ``steps_applied``."""
+    reduces), ``channels``, ``processes``, the parameters it steps, ``steps_applied`` and
+    ``ctrl_c`` (the call's :class:`CtrlC`, or None)."""
 
     def _reduce(self, a: Action, run: Run, step: StepArithmetic) -> None:
         # [Note: gradient arithmetic] sum over micro-batches -> mean (or sum), unscaled.
@@ -107,8 +108,16 @@ class Updates:
             run.remote_failure = self.channels.settle(run, self._describe(run), self._result)
             if run.failed is not None or run.remote_failure is not None:
                 return
-        with ctrl_c_after():  # [Note: commit point]: a step is whole, or not begun
+        guard = self.ctrl_c  # [Note: commit point]: a step is whole, or not begun
+        if guard is None:
             self._commit(step)
+            return
+        guard.in_step = True
+        try:
+            self._commit(step)
+        finally:
+            guard.in_step = False
+        guard.raise_held()
 
     def _commit(self, step: StepArithmetic) -> None:
         # [Note: gradient arithmetic] clip, then one optimizer update; [Note: loss scaling]
@@ -144,29 +153,49 @@ class Updates:
         self.steps_applied += 1
 
 
-@contextlib.contextmanager
-def ctrl_c_after():
-    """Hold a Ctrl-C that arrives inside the block until the block is done, then raise it.
+class CtrlC:
+    """A SIGINT handler for one call on the main thread: Ctrl-C raises KeyboardInterrupt at
+    once, as Python's own handler does, except inside an update, where it is held until the
+    step is counted and then raised (:meth:`raise_held`).
 
     An update on the caller's thread (a run on one stream, or Sequential) is where Ctrl-C
     lands: raised inside ``optimizer.step()`` it left some parameters or momenta updated and
-    others not, with nothing to put them back from (``benchmarks/soak.py`` found it). Held
-    until the step is counted, it leaves the model as after that step, as a Ctrl-C anywhere
-    else leaves it as after the last completed one. Only Python's own SIGINT handler on the
-    main thread is swapped (a worker's update is never interrupted: the caller stops the
-    workers before their next action); a handler of the user's stays in force."""
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
-        yield
-        return
-    held: list = []
-    signal.signal(signal.SIGINT, lambda *_: held.append(True))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    if held:
+    others not, with nothing to put them back from (``benchmarks/soak.py`` found it). Held,
+    it leaves the model as after that step, as a Ctrl-C anywhere else leaves it as after the
+    last completed one. Installed once per call (two ``signal.signal`` calls, some 8 µs),
+    not per step; only over Python's own handler (a user's stays in force), and only on the
+    main thread (a worker's update is never interrupted: the caller stops the workers before
+    their next action)."""
+
+    def __init__(self):
+        self.in_step = False
+        self.held = False
+
+    def __call__(self, signum, frame) -> None:
+        if self.in_step:
+            self.held = True
+            return
         raise KeyboardInterrupt
+
+    def raise_held(self) -> None:
+        if self.held:
+            self.held = False
+            raise KeyboardInterrupt
+
+    @classmethod
+    @contextlib.contextmanager
+    def installed(cls):
+        """Yields the handler in force for the block, or None where none is installed."""
+        if (threading.current_thread() is not threading.main_thread()
+                or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+            yield None
+            return
+        guard = cls()
+        signal.signal(signal.SIGINT, guard)
+        try:
+            yield guard
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def check_loss(loss: torch.Tensor, i: int) -> None:
