@@ -58,12 +58,18 @@ def resources() -> dict:
     status = pathlib.Path("/proc/self/status").read_text()
     field = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
     field = {k: v.split()[0] for k, v in field.items() if v.split()}
-    children = 0
+    children = 0  # live ones: an exited child not yet reaped holds nothing
     for task in os.listdir("/proc/self/task"):
         try:
-            children += len(pathlib.Path(f"/proc/self/task/{task}/children").read_text().split())
+            pids = pathlib.Path(f"/proc/self/task/{task}/children").read_text().split()
         except OSError:
-            pass
+            continue
+        for pid in pids:
+            try:
+                stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue
+            children += stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     return {"rss_mib": int(field["VmRSS"]) / 1024, "py_threads": threading.active_count(),
             "os_threads": int(field["Threads"]), "files": len(os.listdir("/proc/self/fd")),
             "children": children}

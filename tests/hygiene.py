@@ -48,7 +48,9 @@ def _threads() -> dict:
 
 
 def _children() -> set:
-    """The process's live children (zombies already reaped by their owner are gone)."""
+    """The process's live children. A zombie (exited, not yet reaped) is not counted: it holds
+    nothing, and multiprocessing reaps it when it next starts or lists a process (torch 2.11's
+    DataLoader leaves its workers so after a worker raised)."""
     pids = set()
     try:
         tasks = os.listdir("/proc/self/task")
@@ -60,7 +62,15 @@ def _children() -> set:
                 pids.update(int(p) for p in f.read().split())
         except OSError:
             pass
-    return pids
+    return {pid for pid in pids if _state(pid) not in ("Z", "X", None)}
+
+
+def _state(pid: int):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def _fds() -> dict:

@@ -105,7 +105,8 @@ class _Epoch:
     is set once the first item, the end or a failure is in the queue; ``first_failure`` is
     the failure when loading the first item failed."""
 
-    def __init__(self, source: Iterator[Any], buffer_size: int, go: bool):
+    def __init__(self, source: Iterator[Any], buffer_size: int, go: bool,
+                 owns_source: bool = True):
         global _exit_handler_registered
         if not _exit_handler_registered:  # registered on first use: no import-time side effect
             atexit.register(_join_live_epochs)
@@ -116,6 +117,7 @@ class _Epoch:
         if go:
             self.go.set()
         self.first_failure: Optional[_Failure] = None
+        self.owns_source = owns_source  # not a loader's persistent iterator
         self.thread = threading.Thread(target=self._run, args=(source,), daemon=True,
                                        name="poptorch_lite.AsynchronousDataAccessor")
         _LIVE.add(self)
@@ -134,6 +136,13 @@ class _Epoch:
                         return
             self._put(_End)
         except BaseException as error:  # forwarded to the consumer
+            # The error's traceback holds this frame: without the source, so that torch's
+            # iterator, and its worker processes, end now, not when the caller drops the error.
+            # (A loader's persistent workers stay for its next epoch, as in torch.)
+            shutdown = getattr(source, "_shutdown_workers", None) if self.owns_source else None
+            del source
+            if shutdown is not None:  # joined here (torch 2.11 leaves failed workers unjoined)
+                shutdown()
             failure = _Failure(error, index)
             if index == 0:
                 self.first_failure = failure
@@ -273,7 +282,8 @@ class AsynchronousDataAccessor:
                 source = _rebatch(source, self.rebatched_size, drop_last)
         except Exception as error:  # reported by the first next(); Ctrl-C goes through now
             source = _failing(error)
-        epoch = _Epoch(source, self._buffer_size, go)
+        epoch = _Epoch(source, self._buffer_size, go, owns_source=not (is_loader and
+                                                                      self._loader_owned))
         self._epochs.add(epoch)
         return epoch
 
