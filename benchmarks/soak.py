@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import multiprocessing
 import os
 import pathlib
 import random
@@ -54,7 +55,11 @@ RSS_TOLERANCE = 0.05
 
 
 def resources() -> dict:
-    """This process's figures: resident MiB, Python and OS threads, open fds, children."""
+    """This process's figures: resident MiB, Python and OS threads, open fds, children.
+    Exited children are reaped first (``multiprocessing.active_children``): torch 2.11's
+    DataLoader leaves workers it shut down unjoined when Ctrl-C lands in it, and each holds
+    a pipe until multiprocessing next starts a process."""
+    multiprocessing.active_children()
     status = pathlib.Path("/proc/self/status").read_text()
     field = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
     field = {k: v.split()[0] for k, v in field.items() if v.split()}
