@@ -54,8 +54,8 @@ class TwinStream:
                 work()
 
     def wait_event(self, event) -> None:
-        event.synchronize()
-        if event.stream is not None:
+        if event.stream is not None:  # the device waits: the host learns nothing
+            event.stream.run_until(event.mark)
             self.waited[event.stream] = max(self.waited.get(event.stream, 0), event.mark)
 
     def wait_stream(self, other) -> None:
@@ -85,8 +85,11 @@ class TwinEvent:
         self.time = time.perf_counter()
 
     def synchronize(self) -> None:
+        """The host waits for the event: the work before it is visible to all that follows
+        (a host stage reads a GPU stage's values after this)."""
         if self.stream is not None:
             self.stream.run_until(self.mark)
+            self.stream.synced = max(self.stream.synced, self.mark)
 
     def elapsed_time(self, end) -> float:
         return (end.time - self.time) * 1e3

@@ -468,17 +468,20 @@ def test_stages_on_gpu_streams_match_plain_pytorch_on_one_gpu(schedule, recomput
         train_and_compare(model, opts, ref, 4, D=2, seeds=True)
 
 
-@cuda
-@needs_gpu
-@pytest.mark.parametrize("mapping", [{0: "cpu", 1: "cuda:0"}, {0: "cuda:0", 1: "cpu"}],
-                         ids=["cpu_then_gpu", "gpu_then_cpu"])
+@pytest.mark.parametrize("kind", GPU_KINDS)
+@pytest.mark.parametrize("gpu_first", [False, True], ids=["cpu_then_gpu", "gpu_then_cpu"])
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_stages_on_the_cpu_and_a_gpu_match_plain_pytorch(mapping, schedule):
-    torch.manual_seed(0)
-    model = BlockMLP(2)
-    ref = twin(model, "cpu")
-    opts = pipelined(schedule, 4, D=2).set_ipu_devices(mapping)
-    train_and_compare(model, opts, ref, 4, D=2)
+def test_stages_on_the_cpu_and_a_gpu_match_plain_pytorch(gpu_first, schedule, kind):
+    """A host stage and a GPU stage in one run. Sequential runs it in order on the caller's
+    thread, which switches between the host's stream and the GPU's at every action (on an
+    H100 that switch once raised: the host's stream had no context to leave)."""
+    with two_stage_gpus(kind, 1) as (gpu, _, _):
+        torch.manual_seed(0)
+        model = BlockMLP(2)
+        ref = twin(model, "cpu")
+        mapping = {0: gpu, 1: "cpu"} if gpu_first else {0: "cpu", 1: gpu}
+        opts = pipelined(schedule, 4, D=2).set_ipu_devices(mapping)
+        train_and_compare(model, opts, ref, 4, D=2)
 
 
 class DropoutInBoth(torch.nn.Module):

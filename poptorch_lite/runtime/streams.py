@@ -104,9 +104,11 @@ class CpuStream:
         self.threads = threads
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
 
-    def context(self):
-        """What the worker runs its list inside (the CUDA streams on a GPU)."""
-        return contextlib.nullcontext()
+    def context(self) -> contextlib.ExitStack:
+        """What the worker runs its list inside (the CUDA streams on a GPU), already entered:
+        ``close()`` leaves it, as ``with`` does (``Placement.run_in_order`` switches between
+        the streams of a run that mixes the host and a GPU by closing one and taking the next)."""
+        return contextlib.ExitStack()
 
     def wait(self, events: list) -> None:
         """Order this stream's next action after ``events`` ([Note: values crossing streams]).
