@@ -103,6 +103,51 @@ def test_on_a_gpu_the_attention_is_the_composite_op_that_picks_the_gpus_kernel()
     assert aten._scaled_dot_product_flash_attention_for_cpu.default not in calls
 
 
+class Normed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.bn = torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x, y):
+        with poptorch.Block("a", ipu_id=0):
+            h = self.fc(x)
+        with poptorch.Block("b", ipu_id=1):
+            out = self.head(torch.relu(self.bn(h)))
+            return out, F.cross_entropy(out, y)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_on_a_gpu_batch_norm_is_the_op_that_picks_cudnn_as_plain_pytorch_does(training):
+    """Traced on the CPU, batch norm is ``native_batch_norm``; plain PyTorch on a GPU runs
+    cuDNN's kernel, which rounds differently (an H200 saw a ResNet's first loss differ in its
+    7th digit), so a GPU stage calls ``torch.batch_norm`` as ``F.batch_norm`` does. On the
+    CPU the recorded op stays."""
+    def calls(gm):
+        return [base_op(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+
+    host = stages_of(Normed(), training)[1].module
+    assert aten.native_batch_norm.default in calls(host)
+    retarget.to_device(host, torch.device("cpu"))
+    assert aten.native_batch_norm.default in calls(host)
+    gpu = stages_of(Normed(), training)[1].module
+    retarget.to_device(gpu, CUDA0)
+    assert retarget.batch_norm in calls(gpu)
+    assert aten.native_batch_norm.default not in calls(gpu)
+
+
+def test_the_batch_norm_a_gpu_stage_calls_takes_the_recorded_ops_arguments_in_order():
+    torch.manual_seed(0)
+    x, w, b = torch.randn(6, 3), torch.randn(3), torch.randn(3)
+    stats = [torch.randn(3), torch.rand(3) + 0.5]
+    mine = [t.clone() for t in stats]
+    expected = aten.native_batch_norm(x, w, b, *stats, True, 0.3, 1e-3)[0]
+    assert_close(retarget.batch_norm(x, w, b, *mine, True, 0.3, 1e-3)[0], expected,
+                 rtol=0, atol=0)
+    for s, m in zip(stats, mine):  # the running statistics took the same update
+        assert_close(m, s, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("variant,args", [
     (aten._scaled_dot_product_efficient_attention.default, lambda q, m: (q, q, q, m, False)),
     (aten._scaled_dot_product_flash_attention.default, lambda q, m: (q, q, q)),

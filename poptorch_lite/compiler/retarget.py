@@ -20,7 +20,11 @@ for the stage's device:
   recorded as the trace device's variant (``_scaled_dot_product_flash_attention_for_cpu``
   on the CPU; the flash, memory-efficient or cuDNN variant on a GPU); it is
   put back as ``aten.scaled_dot_product_attention``, which picks the best
-  kernel of the stage's device at run time, as plain PyTorch does there. An
+  kernel of the stage's device at run time, as plain PyTorch does there.
+  Batch norm is recorded as the CPU's ``native_batch_norm``; plain PyTorch on
+  a GPU runs cuDNN's (``torch.batch_norm`` chooses it), whose sums are
+  rounded differently, so on a GPU it is put back as ``torch.batch_norm``
+  (found on an H200: a ResNet's first loss differed in its 7th digit). An
   op that is left with no kernel for the stage's device is found before
   anything runs (:func:`missing_kernels`): the wrapper then traces again with
   oneDNN's CPU-only kernels turned off (an LSTM traced on the CPU records
@@ -107,7 +111,7 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
 def _attention_call(node: fx.Node, op) -> Optional[tuple]:
     """The arguments of :func:`attention` for an attention-variant node, or None when the
     graph reads more than its output (the log-sum-exp of a variant has no composite)."""
-    if any(u.target is not operator.getitem or u.args[1] != 0 for u in node.users):
+    if not _only_output_read(node):
         return None
     _, named = normalize_function(op, tuple(node.args), dict(node.kwargs),
                                   normalize_to_only_use_kwargs=True)
@@ -115,6 +119,38 @@ def _attention_call(node: fx.Node, op) -> Optional[tuple]:
     return (named["query"], named["key"], named["value"], mask, named.get("dropout_p", 0.0),
             named.get("is_causal", False), named.get("scale"))
 
+
+def batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    """``aten.native_batch_norm`` as plain PyTorch's ``F.batch_norm`` runs it: through
+    ``torch.batch_norm``, which picks cuDNN's kernel on a GPU; a tuple whose first item is
+    the output (the graph reads only that one)."""
+    return (torch.batch_norm(input, weight, bias, running_mean, running_var, training,
+                             momentum, eps, torch.backends.cudnn.enabled),)
+
+
+def _only_output_read(node: fx.Node) -> bool:
+    return all(u.target is operator.getitem and u.args[1] == 0 for u in node.users)
+
+
+def _rewritten(node: fx.Node, op, device: torch.device) -> bool:
+    """Put a kernel the trace device chose back as the op that chooses at run time (in
+    place); whether it did."""
+    if op in _ATTENTION_OVERLOADS and not _has_kernel(op, device):
+        args = _attention_call(node, op)
+        if args is not None:
+            node.target = rewrap(node.target, attention)  # keeps its stream, grad mode
+            node.args, node.kwargs = args, {}
+            return True
+    elif op is aten.native_batch_norm.default and device.type == "cuda" and \
+            _only_output_read(node):
+        _, named = normalize_function(op, tuple(node.args), dict(node.kwargs),
+                                      normalize_to_only_use_kwargs=True)
+        node.target = rewrap(node.target, batch_norm)
+        node.args, node.kwargs = tuple(named[k] for k in (
+            "input", "weight", "bias", "running_mean", "running_var", "training",
+            "momentum", "eps")), {}
+        return True
+    return False
 
 
 def to_device(gm: fx.GraphModule, device: torch.device) -> None:
@@ -140,13 +176,8 @@ def to_device(gm: fx.GraphModule, device: torch.device) -> None:
             continue
         if node.op != "call_function":
             continue
-        op = _op(node)
-        if op in _ATTENTION_OVERLOADS and not _has_kernel(op, device):
-            args = _attention_call(node, op)
-            if args is not None:
-                node.target = rewrap(node.target, attention)  # keeps its stream, grad mode
-                node.args, node.kwargs = args, {}
-                changed = True
+        if _rewritten(node, _op(node), device):
+            changed = True
         moved = []
 
         def on(value):
