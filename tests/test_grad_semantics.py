@@ -53,9 +53,10 @@ def test_a_gradient_stopped_in_forward_leaves_the_layer_before_it_untouched(how,
     assert torch.equal(model.a.weight, before)  # plain PyTorch leaves it as it was
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     G = 3 if blocks == 2 else 1
+    xs, ys = x.to(ref.a.weight.device), y.to(ref.a.weight.device)  # the reference's device
     for k in range(G):
-        F.mse_loss(ref.b(ref.a(x[k * 6 // G:(k + 1) * 6 // G]).detach()),
-                   y[k * 6 // G:(k + 1) * 6 // G]).div(G).backward()
+        F.mse_loss(ref.b(ref.a(xs[k * 6 // G:(k + 1) * 6 // G]).detach()),
+                   ys[k * 6 // G:(k + 1) * 6 // G]).div(G).backward()
     ref_opt.step()
     assert_close(model.b.weight, ref.b.weight.detach().cpu(), atol=1e-6, rtol=0)
     assert trained_grads(train)["a.weight"] is None
