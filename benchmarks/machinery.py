@@ -9,8 +9,8 @@ side), ``bare`` (a loop over the stage graph poptorch_lite compiled: clear the g
 forward under the micro-batch's random stream, backward, ``optimizer.step()``) and ``lite``
 (the wrapped model). ``lite - bare`` is what the runtime adds per step around the same
 arithmetic: the run's setup, dispatch and bookkeeping ([Note: one setup per call] in
-``runtime/plan.py``). With ``--timers``, timers around ``Program.run``, ``Executor._run``,
-``Call.run_here`` and the action handlers split that per layer (the timers cost about a
+``runtime/plan.py``). With ``--timers``, timers around ``Program.run``, ``Executor.run_call``,
+``Executor._run_here`` and the action handlers split that per layer (the timers cost about a
 microsecond each). Medians per optimizer step over the rounds.
 """
 
@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import poptorch_lite as poptorch  # noqa: E402
 from poptorch_lite.compiler import rng  # noqa: E402
-from poptorch_lite.runtime import executor, plan, program, stage_work, update  # noqa: E402
+from poptorch_lite.runtime import executor, program, stage_work, update  # noqa: E402
 
 D, B = 50, 8
 
@@ -80,8 +80,8 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.timers:  # before any wrapper exists: the executors bind the handlers
-        for owner, name in ((program.Program, "run"), (executor.Executor, "_run"),
-                            (plan.Call, "run_here"), (stage_work.StageWork, "forward"),
+        for owner, name in ((program.Program, "run"), (executor.Executor, "run_call"),
+                            (executor.Executor, "_run_here"), (stage_work.StageWork, "forward"),
                             (stage_work.StageWork, "backward"), (update.Updates, "_reduce"),
                             (update.Updates, "_step")):
             timed(owner, name, name)
@@ -135,9 +135,10 @@ def measure(name, rounds, timers):
     if timers:
         per = {k: v / (rounds * D) * 1e6 for k, v in TIMERS.items()}
         handlers = sum(per[k] for k in ("forward", "backward", "_reduce", "_step"))
-        print(f"  own time per step (us): Program.run {per['run'] - per['_run']:.1f}, "
-              f"Executor._run {per['_run'] - per['run_here']:.1f}, Call.run_here "
-              f"{per['run_here'] - handlers:.1f}; handlers: forward {per['forward']:.1f}, "
+        print(f"  own time per step (us): Program.run {per['run'] - per['run_call']:.1f}, "
+              f"Executor.run_call {per['run_call'] - per['_run_here']:.1f}, "
+              f"Executor._run_here {per['_run_here'] - handlers:.1f}; "
+              f"handlers: forward {per['forward']:.1f}, "
               f"backward {per['backward']:.1f}, reduce {per['_reduce']:.1f}, "
               f"step {per['_step']:.1f}")
 

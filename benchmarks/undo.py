@@ -18,8 +18,7 @@ import time
 import torch
 
 import poptorch_lite as poptorch
-from poptorch_lite import wrapper
-from poptorch_lite.runtime import program
+from poptorch_lite.runtime import compiled, program
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--width", type=int, default=1024, help="features of each Linear layer")
@@ -32,12 +31,12 @@ parser.add_argument("--repeats", type=int, default=15, help="timed calls per sid
 @contextlib.contextmanager
 def without_snapshot():
     """No capture at all: the wrapper's of a whole call, and each run's (``Program.run``)."""
-    captured = wrapper.capture, program.capture
-    wrapper.capture = program.capture = lambda *args, **kwargs: (lambda: None)
+    captured = compiled.capture, program.capture
+    compiled.capture = program.capture = lambda *args, **kwargs: (lambda: None)
     try:
         yield
     finally:
-        wrapper.capture, program.capture = captured
+        compiled.capture, program.capture = captured
 
 
 def main():

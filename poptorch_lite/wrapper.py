@@ -1,50 +1,38 @@
 """The PopTorch face: ``trainingModel``, ``inferenceModel`` and the model they return.
 
-A call validates its inputs, compiles a program once per input signature (``runtime/
-program.py``: traced, split into stages, placed, weights given homes), runs it
-(``Program.run``) and merges the micro-batch outputs per the output mode. Every refusal
+The face checks what PopTorch checks, pairs training and inference wrappers, attaches and
+detaches, and keeps the loss scale; a call's work (split, compile once per input signature,
+run, merge) and every piece of state it lasts on belong to the wrapper's
+``runtime.compiled.CompiledModel`` ([Note: a call's direction] there). Every refusal
 happens before any parameter, optimizer state, buffer or RNG state changes. What reads of
 the user's model see while it is wrapped: [Note: weight sync] in ``runtime/host_sync.py``.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
 import warnings
-import weakref
 from typing import Optional
 
 import torch
-from torch.utils import _pytree as pytree
 
-from . import anchors, optim as poptorch_optim, per_replica
+from . import optim as poptorch_optim, per_replica
 from .annotations import module_repr
-from .compiler.partition import Partition
 from .compiler.rng import model_generator
 from .distributed.processes import Processes
 from .enums import ConnectionType
 from .executables import Executables
 from .errors import (DeviceError, OfflineDeviceError, OptionsError, PoptorchLiteWarning,
-                     UnrecoverableError, WrapError,
-                     hide_when_refused as __tracebackhide__, warn_once)
+                     WrapError, hide_when_refused as __tracebackhide__, warn_once)
 from .optim.loss_scale import LossScale
 from .optim.optimizers import _PopTorchOptimizer
-from .options.options import Options, batch_arithmetic, batch_factor
+from .options.options import Options
 from .profiling import perf_counters
-from .profiling.run_statistics import RunStatistics, run_statistics
-from .runtime.batch import (MicroBatches, merge, recompile_note, resolve_output_mode,
-                            selected_microbatches)
-from .runtime.placement import Placement
-from .runtime.program import Program, compile_program
-from .runtime.undo import capture, undo_note
-from .runtime.host_sync import watch
-from .runtime.weights import Weights
+from .profiling.run_statistics import RunStatistics
+from .runtime import anchors
+from .runtime.compiled import CompiledModel
 from .trainers import (refuse_second_trainer, register_trainer,
                        training_wrapper as _training_wrapper, unregister_trainer)
 from .wrapper_private import CompiledInputs, PrivateAttributes, check_private
-
-_LOG = logging.getLogger("poptorch_lite")
 
 
 class PoplarExecutor(perf_counters.Latencies, PrivateAttributes, Executables):
@@ -60,26 +48,16 @@ class PoplarExecutor(perf_counters.Latencies, PrivateAttributes, Executables):
         self._user_model = model
         self._options = options
         self._training = training
-        self._modes = {m: m.training for m in model.modules()}  # traced with wrap-time modes
         self._optimizer = optimizer
-        self._programs: dict = {}
-        self._placement: Optional[Placement] = None
-        self._weights: Optional[Weights] = None
-        self._attached = False
-        self._compiled = False
         self._destroyed = False  # destroy() ran; a call compiles again (PopTorch)
-        self._release: Optional[weakref.finalize] = None  # syncs and unwatches the model
-        self._statistics: Optional[RunStatistics] = None  # built from _last_run when asked for
-        self._last_run = None
-        self._groups = None      # _output_groups()
-        self._last_call: Optional[tuple] = None  # (partition, tensor inputs), for perf counters
-        self._steps = 0  # optimizer steps taken (skipped ones included)
         self._loss_scale = LossScale(
             poptorch_optim.loss_scaling(optimizer), options.Training.automatic_loss_scaling,
             options.Training.loss_scaling_growth_interval) if training else None
         self._processes = Processes.for_options(options, training)
         self._random = model_generator(options.random_seed)  # [Note: micro-batch RNG]
-        self._replica_values: dict = {}  # [Note: per-replica variables] in replica_groups
+        # What the calls compute with and keep: [Note: a call's direction] in runtime/compiled
+        self._state: CompiledModel = CompiledModel(model, options, training, self._processes,
+                                                   self._random)
 
     # -- PopTorch's API -------------------------------------------------------------------
 
@@ -111,51 +89,12 @@ class PoplarExecutor(perf_counters.Latencies, PrivateAttributes, Executables):
                 "Trying to run a model on an offline device (Options.connectionType("
                 "ConnectionType.Never), useOfflineIpuTarget): it can be compiled but not run; use "
                 "ConnectionType.Always to run it")
-        mbs, program = self._prepare(args, kwargs)
-        trainer = _training_wrapper(self._user_model)
-        if trainer is not None and trainer is not self and trainer._weights is not None:
-            trainer._weights.to_host()  # [Note: weight sync]: follow the training model
-        weights = self._weights
-        if weights.edited():  # host edits reach the devices
-            weights.to_device(everything=False)
-        ex = program.executor
-        # [Note: commit point]: a failure leaves the state of the last completed step;
-        # allOrNothingCalls also undoes the steps of a failed call.
-        full = self._training and opts.all_or_nothing_calls
-        restore = capture(weights, self._optimizer, self._loss_scale, True,
-                          generator=self._random) if full else None
-        ex.undoable = full
-        applied = ex.steps_applied
-        if self._training:
-            weights.optimizer_state_to_homes(self._optimizer)
-        try:
-            result = self._run(program, mbs, per_run=not full)
-        except BaseException as exc:
-            applied = ex.steps_applied - applied
-            if restore is not None:
-                restore()
-                applied = 0
-            self._steps += applied
-            exc.add_note(undo_note(applied, opts.device_iterations if self._training else 0,
-                                    isinstance(exc, UnrecoverableError)))
-            raise
-        if self._training:
-            self._steps += opts.device_iterations
-            if self._loss_scale.automatic and isinstance(
-                    self._optimizer, _PopTorchOptimizer):
-                self._optimizer.loss_scaling = self._loss_scale.scale  # [Note: loss scaling]
+        self._ready()
+        result = self._state.call(args, kwargs, self._optimizer, self._loss_scale)
+        if self._training and self._loss_scale.automatic and isinstance(
+                self._optimizer, _PopTorchOptimizer):
+            self._optimizer.loss_scaling = self._loss_scale.scale  # [Note: loss scaling]
         return result
-
-    def _run(self, program: Program, mbs: MicroBatches, per_run: bool = True):
-        """The runs of one call (``Program.run``), then the merged outputs."""
-        kept = {i for group in self._output_groups() for i in group}  # copied to the host
-        outputs, record = program.run(
-            mbs, self._options, self._training, self._replicas(), self._optimizer,
-            self._loss_scale, self._weights, kept, per_run, self._random)
-        # runStatistics() builds the statistics when asked for: per call only the records.
-        self._last_run, self._statistics = (*record, dict(self._placement.devices)), None
-        self._last_call = (program.partition, len(mbs.tensor_positions))
-        return self._merge(program.partition, outputs)
 
     def runStatistics(self) -> RunStatistics:
         """The last call's timeline and activation-stash peaks (poptorch_lite's own).
@@ -171,12 +110,10 @@ class PoplarExecutor(perf_counters.Latencies, PrivateAttributes, Executables):
             >>> model.runStatistics().timeline.spans[0].label
             '0F0'
         """
-        if self._last_run is None:
+        statistics = self._state.run_statistics()
+        if statistics is None:
             raise DeviceError("runStatistics() reports on the last call: call the model first")
-        if self._statistics is None:
-            self._statistics = run_statistics(
-                *self._last_run, self._processes.layout if self._processes is not None else None)
-        return self._statistics
+        return statistics
 
     def getPerfCounters(self) -> dict:
         """PopTorch's performance counters of the last call ([Note: performance counters]).
@@ -198,21 +135,23 @@ class PoplarExecutor(perf_counters.Latencies, PrivateAttributes, Executables):
             >>> len(model.getPerfCounters()["input"][0])
             1
         """
-        if not self._compiled or self._last_call is None:
+        state = self._state
+        if not self._compiled or state.last_call is None:
             return perf_counters.empty()
-        part, num_inputs = self._last_call
+        part, num_inputs = state.last_call
         o = self._options
         per_run = (o.Training.gradient_accumulation if self._training else o.device_iterations)
         return perf_counters.counters(
             self.runStatistics().timeline, num_inputs, sum(isinstance(v, str) for v in part.outputs),
-            self._output_groups(), per_run * self._replicas())
+            state.outputs().groups, per_run * state.replicas())
 
     def compile(self, *args, **kwargs) -> None:
         """Trace and check the model for these inputs without running a step."""
         if self._compiled:
             warn_once("compile.twice", "compile() was called on a model that is already "
                       "compiled; nothing to do", PoptorchLiteWarning)
-        self._prepare(args, kwargs)
+        self._ready()
+        self._state.prepare(args, kwargs, self._optimizer)
 
     def isCompiled(self) -> bool:
         return self._compiled
@@ -242,7 +181,7 @@ class PoplarExecutor(perf_counters.Latencies, PrivateAttributes, Executables):
         """
         self._require_compiled()
         self._weights.to_host()
-        owner = self._owner() if self._processes is not None else None
+        owner = self._state.owner() if self._processes is not None else None
         if owner is not None:  # what arrived from the owners is not a host edit
             self._weights.remember_versions(self._processes.from_owners(self._user_model, owner))
 
@@ -283,10 +222,7 @@ class PoplarExecutor(perf_counters.Latencies, PrivateAttributes, Executables):
         if not self._compiled or not self._attached:
             raise DeviceError("Device is not attached: compile or call the model before "
                               "detachFromDevice()")
-        self._weights.to_host()
-        self._placement.close()
-        self._attached = False
-        self._unwatch_model()
+        self._state.detach()
 
     def attachToDevice(self) -> None:
         """Attach again after ``detachFromDevice()`` (a call attaches automatically)."""
@@ -294,21 +230,14 @@ class PoplarExecutor(perf_counters.Latencies, PrivateAttributes, Executables):
         if self._attached:
             raise DeviceError("Device is already attached: call detachFromDevice() before "
                               "attachToDevice()")
-        self._attach()
+        self._state.attach()
 
     def isAttachedToDevice(self) -> bool:
         return self._attached
 
     def destroy(self) -> None:
         """Copy weights back, release workers and unwrap (the model can be wrapped again)."""
-        if self._weights is not None:
-            self._weights.to_host()
-        self._unwatch_model()
-        if self._placement is not None:
-            self._placement.close()
-        self._programs.clear()
-        self._placement = self._weights = self._last_call = None
-        self._attached = self._compiled = False
+        self._state.destroy()
         self._destroyed = True
         unregister_trainer(self._user_model, self)
 
@@ -348,7 +277,8 @@ class PoplarExecutor(perf_counters.Latencies, PrivateAttributes, Executables):
     def __getattr__(self, name: str):
         if name.startswith("_"):
             check_private(self.__dict__, name)  # [Note: private attributes]
-        weights = self.__dict__.get("_weights")
+        state = self.__dict__.get("_state")
+        weights = state.weights if state is not None else None
         if weights is not None:
             weights.to_host()  # [Note: weight sync]
         return per_replica.offer(self, name, getattr(self._user_model, name))
@@ -359,92 +289,41 @@ class PoplarExecutor(perf_counters.Latencies, PrivateAttributes, Executables):
 
     # -- internals ------------------------------------------------------------------------
 
-    def _replicas(self) -> int:  # every replica runs with per-replica variables
-        o = self._options
-        return o.replication_factor // (1 if self._replica_values else o.input_group_size)
-
-    def _split(self, args, kwargs) -> MicroBatches:
-        o = self._options  # the factor's arithmetic is spelled out only for a refusal
-        return MicroBatches(args, kwargs, batch_factor(o), functools.partial(batch_arithmetic, o),
-                            o.synthetic_data_mode)
-
-    def _prepare(self, args, kwargs) -> tuple:
-        """The call's micro-batches and its program, compiled and attached (revived first)."""
-        mbs = self._split(args, kwargs)
+    def _ready(self) -> None:
+        """Before a call compiles or runs: a destroyed wrapper compiles again, and an
+        inference wrapper follows its training wrapper's weights ([Note: weight sync])."""
         if self._destroyed:
             self._revive()
-        program = self._program(mbs, args, kwargs)
-        if not self._attached:
-            self._attach()
-        return mbs, program
-
-    def _program(self, mbs: MicroBatches, args: tuple, kwargs: dict) -> Program:
-        key = mbs.signature()
-        program = self._programs.get(key)
-        if program is None and self._programs:  # [Note: a new signature compiles]
-            _LOG.warning("%s", recompile_note(self._training, next(reversed(self._programs)), key))
-        if program is None:
-            if self._processes is not None:  # first compile: join the group, compare options
-                self._processes.join(self._user_model, self._optimizer)
-            anchors.check(self._options.anchored_tensors, self._user_model, self._training)
-            anchors.check_updatable_buffers(self._options.updatable_named_buffers,
-                                            self._user_model)
-            if self._weights is not None:
-                self._weights.to_host()  # trace with the trained values, outside the trace
-            program, self._weights, self._placement = compile_program(
-                self._user_model, self._modes, self._options, self._training, mbs,
-                self._replicas(), self._weights, self._placement, self._processes,
-                self._replica_values)
-            self._programs[key], self._compiled = program, True
-            self._executable_inputs = CompiledInputs(self._user_model.forward, args, kwargs)
-            o = self._options
-            _LOG.info("%s", program.describe(
-                self._training, o.device_iterations, self._replicas(),
-                o.Training.gradient_accumulation,
-                next((t.shape[0] for t in mbs.tensors(0) if t.dim() > 0), 1)))
-        return program
-
-    def _attach(self) -> None:
-        if self._processes is not None and self._training:  # every replica starts the same
-            self._processes.broadcast_from_main(self._user_model, self._owner())
-        self._attached = True
-        self._weights.to_device()
-        self._watch_model()
-
-    def _owner(self):
-        """Parameter or buffer name -> the position in the pipeline of the process that runs
-        it (None: no stage does); None when every process runs every stage."""
-        channels = next(iter(self._programs.values())).executor.channels
-        return None if channels is None else channels.weight_owner.get
+        trainer = _training_wrapper(self._user_model)
+        if trainer is not None and trainer is not self and trainer._weights is not None:
+            trainer._weights.to_host()
 
     def _require_compiled(self) -> None:
         if not self._compiled:
             raise DeviceError("Model has not been compiled or has been destroyed: call the "
                               "model (or model.compile(...)) first")
 
-    def _watch_model(self) -> None:
-        """Reading the user's model brings it up to date ([Note: weight sync]); so does this
-        wrapper being garbage collected without ``destroy()``."""
-        if self._release is None:
-            self._release = watch(self._user_model, self._weights, self)
+    # The compiled state's fields, by the private names PopTorch's clients and this
+    # package's modules read ([Note: private attributes] in ``wrapper_private``).
+    _programs = property(lambda self: self._state.programs)
+    _weights = property(lambda self: self._state.weights)
+    _placement = property(lambda self: self._state.placement)
+    _last_run = property(lambda self: self._state.last_run)
+    _replica_values = property(lambda self: self._state.replica_values)
 
-    def _unwatch_model(self) -> None:
-        if self._release is not None:
-            self._release()
-            self._release = None
+    @property
+    def _executable_inputs(self) -> Optional[CompiledInputs]:
+        """The last compile's arguments, as PopTorch keeps them (None before one)."""
+        compiled = self._state.compiled_args
+        return None if compiled is None else CompiledInputs(self._user_model.forward, *compiled)
+    _compiled = property(lambda self: bool(self._state.programs))
+    _attached = property(lambda self: self._state.attached)
 
-    def _output_groups(self) -> list:
-        """The micro-batches each returned output step holds, per the output mode."""
-        if self._groups is None:  # the options are frozen: once per wrapper
-            o = self._options
-            mode = resolve_output_mode(o.output_mode, self._training)
-            self._groups = selected_microbatches(
-                mode, o.output_return_period or 1, o.device_iterations,
-                o.Training.gradient_accumulation, self._replicas())
-        return self._groups
+    @property
+    def _steps(self) -> int:
+        """Optimizer steps taken (skipped ones included); a checkpoint sets it."""
+        return self._state.steps
 
-    def _merge(self, part: Partition, per_microbatch: list):
-        merged = iter(merge(per_microbatch, self._output_groups()))
-        leaves = [next(merged) if isinstance(v, str) else v[1] for v in part.outputs]
-        return pytree.tree_unflatten(leaves, part.out_spec)
-
+    @_steps.setter
+    def _steps(self, steps: int) -> None:
+        self._state.steps = steps

@@ -139,7 +139,7 @@ def shared_traces(monkeypatch):
     devices). Only for models whose forward depends on nothing but their structure and
     plain attributes (``BlockMLP``); a test that checks what tracing warns must not use it.
     """
-    import poptorch_lite.runtime.program as program
+    import poptorch_lite.runtime.compiling as program
     traced = program.partition
 
     def key(model, modes, args, kwargs, strategy, training, generic=False, replica_values=None):

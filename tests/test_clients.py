@@ -291,7 +291,8 @@ def test_doctests_of_the_client_modules():
     import doctest
     import warnings
 
-    from poptorch_lite import anchors, custom_args, ops
+    from poptorch_lite import custom_args, ops
+    from poptorch_lite.runtime import anchors
     from poptorch_lite.optim import precision as optim_precision
 
     with warnings.catch_warnings():

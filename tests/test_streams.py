@@ -321,7 +321,8 @@ def test_inputs_are_copied_once_into_each_ipu_memory_that_lacks_them(monkeypatch
 
     def spy(self, s, run, i, dev):
         args, boundary = original(self, s, run, i, dev)
-        seen.extend((s, i, a) for a, (_, kind, _) in zip(args, self.sources[s]) if kind == "input")
+        seen.extend((s, i, a) for a, (_, kind, _) in zip(args, self.stages[s].sources)
+                    if kind == "input")
         return args, boundary
     monkeypatch.setattr(StageWork, "args", spy)
     torch.manual_seed(0)

@@ -128,15 +128,16 @@ def test_values_crossing_ipus_are_copied_only_into_a_memory_of_their_own(separat
     infer = poptorch.inferenceModel(BlockMLP(2), opts)
     x, y = data(4)
     infer(x, y)
-    work = next(iter(infer._programs.values())).executor.work
-    run = stage_work.Run(work.partition, [list(x[:2].split(2)) + [y[:2]]], lambda i: 0, None)
+    ex = next(iter(infer._programs.values())).executor
+    work = ex.work
+    run = stage_work.Run(ex.partition, [list(x[:2].split(2)) + [y[:2]]], lambda i: 0, None)
     with torch.no_grad():
         work.forward(Action(Kind.FORWARD, 0, 0), run, None)
         args, _ = work.args(1, run, 0, CPU)
-    crossing = [n for n in work.partition.stages[1].inputs if n in run.values[0]]
+    crossing = [n for n in work.stages[1].inputs if n in run.values[0]]
     assert crossing
     for name in crossing:
-        arg = args[work.partition.stages[1].inputs.index(name)]
+        arg = args[work.stages[1].inputs.index(name)]
         shared = arg.data_ptr() == run.values[0][name].data_ptr()
         assert shared is not separate and torch.equal(arg, run.values[0][name])
     infer.destroy()

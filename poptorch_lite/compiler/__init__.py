@@ -6,7 +6,9 @@
 - ``value_info``: what a value computed by a stage looks like;
 - ``partition``: the traced graph split into stages, and the loss found;
 - ``retarget``: stage graphs rewritten for the device they run on;
-- ``rng``: one random stream per micro-batch, which the stage graphs draw from.
+- ``rng``: one random stream per micro-batch, which the stage graphs draw from;
+- ``lowered``: each stage as the runtime runs it, its graphs and the tables of what they
+  read and write (the compile step's last product).
 
 Imports go down only: ``compiler`` uses ``options``, ``optim`` and the vocabulary
 (``errors``, ``enums``, ``strategies``), never ``runtime`` or the faces.

@@ -1,4 +1,5 @@
-"""Micro-batch splitting and merging.
+"""Micro-batch splitting: a call's combined batch into its micro-batches (``merge``: the
+other end).
 
 [Note: batch layout]
 One call's combined batch holds ``F = D·(R/g)·G`` micro-batches laid out as
@@ -31,8 +32,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..compiler import structures
-from ..enums import OutputMode, SyntheticDataMode
-from ..errors import BatchSizeError, InputError, OptionsError, warn_once, PoptorchLiteWarning
+from ..enums import SyntheticDataMode
+from ..errors import BatchSizeError, InputError, warn_once, PoptorchLiteWarning
 
 _SCALARS = (bool, int, float, complex, str, type(None))
 
@@ -239,60 +240,3 @@ def _check_number_lists(values: Sequence) -> None:
         if isinstance(v, (list, tuple)) and v and all(isinstance(x, (int, float)) for x in v):
             raise InputError(f"an input is a {type(v).__name__} of numbers where a tensor is "
                              f"needed; pass torch.tensor({v!r})")
-
-
-def resolve_output_mode(mode: OutputMode, training: bool) -> OutputMode:
-    """``OutputMode.Default`` is Final for training and All for inference."""
-    if mode == OutputMode.Default:
-        return OutputMode.Final if training else OutputMode.All
-    return OutputMode(mode)
-
-
-def selected_microbatches(mode: OutputMode, period: int, D: int, G: int, R: int) -> list:
-    """Which micro-batches an output mode returns, as groups to combine.
-
-    Returns a list of groups; each group's outputs are summed (Sum) or taken
-    alone (the others); the groups are then joined in order.
-
-    Example:
-        >>> selected_microbatches(OutputMode.Final, 1, D=2, G=2, R=1)
-        [[3]]
-    """
-    def k(d, g, r):
-        return (d * G + g) * R + r
-
-    if mode == OutputMode.All:
-        return [[i] for i in range(D * G * R)]
-    if mode == OutputMode.Final:
-        return [[k(D - 1, G - 1, r)] for r in range(R)]
-    if mode == OutputMode.Sum:
-        return [[k(d, g, r) for d in range(D) for g in range(G)] for r in range(R)]
-    if mode == OutputMode.EveryN:
-        return [[i] for d in range(period - 1, D, period) for i in range(d * G * R, (d + 1) * G * R)]
-    raise OptionsError(f"unknown output mode {mode!r}")
-
-
-def merge(per_microbatch: Sequence[Sequence[torch.Tensor]], groups: list) -> list:
-    """Combine one list of output leaves per micro-batch into the returned leaves.
-
-    With more than one group, scalars stack into shape ``(n,)`` and other
-    outputs concatenate along dim 0; with one group the shape is unchanged
-    (POPTORCH_REFERENCE §3, the shape rule). Only the micro-batches in ``groups``
-    are read (the others may be None: not copied to the host).
-    """
-    n_out = len(per_microbatch[groups[0][0]]) if per_microbatch and groups else 0
-    merged = []
-    for j in range(n_out):
-        pieces = []
-        for group in groups:
-            value = per_microbatch[group[0]][j]
-            for i in group[1:]:
-                value = value + per_microbatch[i][j]
-            pieces.append(value)
-        if len(pieces) == 1:
-            merged.append(pieces[0])
-        elif pieces[0].dim() == 0:
-            merged.append(torch.stack(pieces))
-        else:
-            merged.append(torch.cat(pieces))
-    return merged

@@ -18,32 +18,31 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..compiler import rng
+from ..compiler.lowered import Lowered
 from ..compiler.partition import Partition
 from .channels import Channels
 from ..errors import Error, ExecutionError, UnrecoverableError
 from ..profiling.timeline import Recorder
-from .gpu import copy_out_all, joinable
+from .gpu import copy_out_all
+from .inputs import InputPlacement
 from .placement import Placement
 from .plan import Call, Plan, make_plan
 from .schedule import Action, Kind, Schedule
 from .run import Run
 from .stage_work import StageWork
-from .streams import ActionFailed, ActionStuck, StreamFailed
+from .streams import ActionFailed, ActionStuck, StreamFailed, on_caller
 from .update import PartialUpdate, StepArithmetic, Updates
 from .weights import Weights
-
-_HOST = torch.device("cpu")
 
 
 class Executor(Updates):
     """Runs schedules over the stages of one partition.
 
     Args:
-        partition: the stages.
+        partition: the stages; lowered: their lowered form, what the stages run ([Note:
+            lowered stages] in ``compiler/lowered``).
         placement: devices and streams of their IPUs.
         weights: the tensors the stages compute with.
-        recompute: per stage, whether it is recomputed ([Note: recomputation] in
-            ``stage_work``).
         processes: the replicas in other processes, whose gradients the step
             all-reduces with this one's (None: one process; ``distributed``).
         channels: the messages to the stages that other processes run (None: every
@@ -53,15 +52,14 @@ class Executor(Updates):
         See ``wrapper.PoplarExecutor``, which builds one per traced input signature.
     """
 
-    def __init__(self, partition: Partition, placement: Placement, weights: Weights,
-                 recompute: Optional[Sequence[bool]] = None, processes=None,
-                 channels: Optional[Channels] = None):
+    def __init__(self, partition: Partition, lowered: Lowered, placement: Placement,
+                 weights: Weights, processes=None, channels: Optional[Channels] = None):
         self.partition = partition
         self.processes = processes
         self.channels = channels
         self.placement = placement
         self.weights = weights
-        self.work = StageWork(partition, placement, weights, recompute,
+        self.work = StageWork(lowered, placement, weights,
                               channels.remote_inputs if channels is not None else None)
         self.random = any(st.random for st in partition.stages)
         # The stages this process runs (all of them unless a pipeline spans processes).
@@ -82,17 +80,11 @@ class Executor(Updates):
             for name in st.inputs:
                 if name.startswith("buffer:"):
                     self.buffer_ipu.setdefault(name.split(":", 1)[1], st.ipu)
-        # The input leaves each IPU reads, and the IPUs whose actions are timed on the GPU.
-        self.input_keys = {}
-        for st, sources in zip(partition.stages, self.work.sources):
-            keys = [key for _, kind, key in sources if kind == "input"]
-            if keys and self.local[st.index]:
-                self.input_keys.setdefault(st.ipu, set()).update(keys)
         self.gpu = placement.gpu  # [Note: the GPU seam] in ``gpu``
+        # The IPUs whose actions are timed on the GPU, and where each IPU reads the inputs.
         self.gpu_ipus = {ipu for ipu, dev in placement.devices.items() if self.gpu.is_gpu(dev)}
-        self._input_devices = [(k, placement.device(ipu)) for ipu, keys in self.input_keys.items()
-                               for k in keys]
-        self._inputs_on_cpu = all(dev == _HOST for _, dev in self._input_devices)
+        self.inputs = InputPlacement(lowered.stages, self.local, placement,
+                                     weights.separate_memories)
         # The parameters this process steps (all of them unless stages run elsewhere).
         here = {n for st in partition.stages if self.local[st.index] for n in st.param_names}
         self._stepped = {n: p for n, p in weights.params.items() if n in here}
@@ -140,14 +132,14 @@ class Executor(Updates):
             ExecutionError: an action failed or got stuck; names stream, stage,
                 micro-batch and action and shows the grid with the failing row marked.
         """
-        with self.call(schedule, step, recorder, watchdog) as call:
-            return call.run(microbatches, replica_of, run_index, keep, base)
+        with self.open_call(schedule, step, recorder, watchdog) as call:
+            return self.run_call(call, microbatches, replica_of, run_index, keep, base)
 
-    def call(self, schedule: Schedule, step: Optional[StepArithmetic],
+    def open_call(self, schedule: Schedule, step: Optional[StepArithmetic],
              recorder: Optional[Recorder] = None, watchdog: Optional[float] = None) -> Call:
         """A call's runs of ``schedule``, set up once ([Note: one setup per call] in ``plan``):
-        ``with ex.call(...) as call: call.run(microbatches, replica_of, index, keep, base)``
-        for each run (arguments and result as :meth:`run`'s).
+        ``with ex.open_call(...) as call: ex.run_call(call, microbatches, replica_of, index, keep,
+        base)`` for each run (arguments and result as :meth:`run`'s).
 
         Raises:
             ExecutionError: an earlier call left this model's processes out of step.
@@ -157,12 +149,12 @@ class Executor(Updates):
                 f"this model's processes went out of step in an earlier call ({self.broken}): "
                 f"messages between them may be half delivered, so no further call can run; "
                 f"restart every process (from the last checkpoint: poptorch_lite.load_checkpoint)")
-        return Call(self._run, self._plan(schedule), step, recorder, watchdog)
+        return Call(self._plan(schedule), step, recorder, watchdog)
 
-    def _run(self, call: Call, microbatches: Sequence[Sequence[torch.Tensor]],
-             replica_of: Callable, run_index: int, keep: Optional[Sequence[bool]],
-             base: Optional[int]) -> tuple:
-        """One run of ``call``'s schedule (:meth:`run`)."""
+    def run_call(self, call: Call, microbatches: Sequence[Sequence[torch.Tensor]],
+                 replica_of: Callable, run_index: int = 0, keep: Optional[Sequence[bool]] = None,
+                 base: Optional[int] = None) -> tuple:
+        """One run of ``call``'s schedule (:meth:`run`'s arguments and result)."""
         p, plan, step, recorder = self.partition, call.plan, call.step, call.recorder
         schedule = plan.schedule
         streams = None
@@ -173,7 +165,7 @@ class Executor(Updates):
         run = Run(p, microbatches, replica_of, streams, run_index, schedule.training,
                   [i for i in range(len(microbatches)) if keep is None or keep[i]], plan.ahead)
         begun = self.placement.begin() if self.gpu_ipus else None  # before the inputs' copies
-        self._place_inputs(run)
+        self.inputs.place(run)
         if schedule.training:
             self.weights.zero_grads()
             if self.work.measures():  # only the stash's byte count reads it: skip the storages
@@ -184,7 +176,7 @@ class Executor(Updates):
         try:
             if plan.here is not None:  # the caller's thread runs it all
                 spans = {}
-                call.run_here(run)
+                self._run_here(call, run)
             elif plan.launch is not None:  # the caller's thread launches it all on the GPU
                 spans = self.placement.run_in_order(plan.launch, waits.__getitem__,
                                                     self._actor(run, step, recorder),
@@ -226,6 +218,32 @@ class Executor(Updates):
         if channels is not None:  # weights returned, values of data-dependent shape
             channels.share_outputs(run, names, self._result, self.weights)
         return self._outputs(run), run.stats
+
+    def _run_here(self, call: Call, run: Run) -> None:
+        """Run the plan's actions in order on the caller's thread ([Note: streams] in
+        ``placement``), inside the call's thread count and grad mode.
+
+        Raises:
+            ActionFailed: an action raised (KeyboardInterrupt and SystemExit go through,
+                with a note of the action).
+        """
+        a = where = None
+        step, recorder, handlers = call.step, call.recorder, self.handlers
+        try:
+            if recorder is None:
+                for a, where in call.plan.here:
+                    handlers[a.kind](a, run, step)
+            else:
+                clock, records, index = time.perf_counter, recorder.records, run.index
+                for a, where in call.plan.here:
+                    start = clock()
+                    handlers[a.kind](a, run, step)
+                    records.append((*where, start, clock(), index))
+        except BaseException as exc:
+            raised = on_caller(a, where[0] if where else None, exc)
+            if raised is exc:
+                raise
+            raise raised from None
 
     def _actor(self, run: Run, step: Optional[StepArithmetic],
                recorder: Optional[Recorder]) -> Callable:
@@ -299,62 +317,12 @@ class Executor(Updates):
                 f"{self.processes.rank} stopped with it: {text}. No process applied this run's "
                 f"step", location=f"process {rank}")
 
-    def _place_inputs(self, run: Run) -> None:
-        """Put each IPU's input leaves in its memory, on the caller's thread, before the run.
-
-        Each micro-batch gets its own copy in each memory that lacks its inputs, shared
-        by the IPUs there (under ``useIpuModel`` every IPU gets a copy of its own). On a
-        GPU the copy is asynchronous, on the caller's current stream, from pinned
-        memory: one transfer per input for all the run's micro-batches where they can
-        be joined (``gpu.joinable``), each micro-batch reading its own rows of it, and
-        one event per GPU after the copies that the readers wait on (``Run.ready``).
-        Inputs already where an IPU computes are used as they are.
-        """
-        separate = self.weights.separate_memories
-        if not separate and run.inputs:  # a call's micro-batches share their devices
-            first = run.inputs[0]
-            if (all(first[k].is_cpu for k, _ in self._input_devices) if self._inputs_on_cpu
-                    else all(first[k].device == dev for k, dev in self._input_devices)):
-                return
-        gpu, placed, inputs = self.gpu, run.placed, run.inputs
-        joined = {}  # (GPU, k) -> every micro-batch's input k there, made by one transfer
-        for ipu, keys in self.input_keys.items() if not separate else ():
-            device = self.placement.device(ipu)
-            for k in keys if ipu in self.gpu_ipus else ():
-                leaves = [mb[k] for mb in inputs] if (device, k) not in joined else ()
-                if joinable(leaves):
-                    joined[device, k] = gpu.copy_in_all(leaves, device)
-        copied = {}  # GPU -> the micro-batches copied there
-        for i, mb in enumerate(inputs):
-            copies = {}  # (device, k) -> micro-batch i's input k there: one per micro-batch
-            for ipu, keys in self.input_keys.items():
-                device = self.placement.device(ipu)
-                on_gpu = ipu in self.gpu_ipus
-                for k in keys:
-                    t = mb[k]
-                    if t.device == device and not separate:
-                        continue
-                    held = None if separate else copies.get((device, k))
-                    if held is None:
-                        together = joined.get((device, k))
-                        held = copies[device, k] = (
-                            together[i] if together is not None else
-                            gpu.copy_in(t, device) if on_gpu else t.to(device, copy=True))
-                        if on_gpu:
-                            copied.setdefault(device, set()).add(i)
-                    placed[ipu, i, k] = held
-        for device, microbatches in copied.items():  # after every copy to it was enqueued
-            event = gpu.Event()
-            event.record(gpu.current_stream(device))
-            for i in microbatches:
-                run.ready[device, i] = event
-
     def _plan(self, schedule: Schedule) -> Plan:
         """How this process runs ``schedule`` (``plan.make_plan``, cached per schedule)."""
         plan = self._plans.get(id(schedule))
         if plan is None or plan.schedule is not schedule:
             plan = self._plans[id(schedule)] = make_plan(
-                schedule, self.placement, self.handlers, self._ipu, self._here, self.channels)
+                schedule, self.placement, self._ipu, self._here, self.channels)
         return plan
 
     def _ipu(self, a: Action) -> int:

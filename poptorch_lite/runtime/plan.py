@@ -12,17 +12,19 @@ entered once and restored when the call ends, also when it fails). A run then on
 makes its state (``stage_work.Run``), seeds its micro-batches' random streams, clears
 the gradients and runs its actions; its commit point, undo and failure report are
 unchanged ([Note: commit point] in ``update``).
+
+A plan and a call are data: the executor runs them (``Executor.run_call``), and neither
+calls back into it.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Optional
 
 import torch
 
 from .schedule import Schedule
-from .streams import CudaStream, on_caller
+from .streams import CudaStream
 
 
 class Plan:
@@ -34,8 +36,8 @@ class Plan:
         in_order: ``(ipu, action)`` in row order when the schedule is a total order, else None.
         ahead: action -> the next action of its stream that receives messages (processes).
         here: when the caller's thread runs every action itself on CPU streams
-            (``Placement.here``), ``(action, handler, (ipu, stage, micro-batch, kind))`` in
-            order; else None.
+            (``Placement.here``), ``(action, (ipu, stage, micro-batch, kind))`` in order;
+            else None.
         launch: when the caller's thread runs every action itself and some are on CUDA
             streams, ``(ipu, action)`` in order (``Placement.run_in_order``); else None.
         threads: the intra-op threads for ``here`` (None: the caller's).
@@ -52,12 +54,12 @@ class Plan:
         self.launch = launch
 
 
-def make_plan(schedule: Schedule, placement, handlers: dict, ipu_of: Callable,
-              runs_here: Callable, channels=None) -> Plan:
+def make_plan(schedule: Schedule, placement, ipu_of: Callable, runs_here: Callable,
+              channels=None) -> Plan:
     """The plan of ``schedule`` for an executor.
 
     Args:
-        placement: the executor's ``Placement``; handlers: action kind -> its handler.
+        placement: the executor's ``Placement``.
         ipu_of: action -> the IPU (stream) that runs it; runs_here: action -> whether this
             process runs it ([Note: stages in other processes] in ``distributed``).
         channels: the messages to other processes' stages (None: every stage runs here).
@@ -88,8 +90,7 @@ def make_plan(schedule: Schedule, placement, handlers: dict, ipu_of: Callable,
                                 for ipu, _ in here):
         here, launch = None, here  # launched on their CUDA streams, with the GPU's waits
     return Plan(schedule, lists, waits, rows, in_order, ahead, threads,
-                None if here is None else [(a, handlers[a.kind], (ipu, a.stage, a.microbatch,
-                                                                   a.kind.value))
+                None if here is None else [(a, (ipu, a.stage, a.microbatch, a.kind.value))
                                            for ipu, a in here], launch)
 
 
@@ -97,14 +98,13 @@ class Call:
     """A call's runs of one plan ([Note: one setup per call]); a context manager.
 
     Args:
-        run: the executor's run of one set of micro-batches with this call
-            (``Executor._run``); plan: the schedule's plan; step: the optimizer step's
-            arithmetic (None: inference); recorder: the timeline's (None: not recorded);
-            watchdog: ``Options.watchdogTimeout``.
+        plan: the schedule's plan; step: the optimizer step's arithmetic (None:
+            inference); recorder: the timeline's (None: not recorded); watchdog:
+            ``Options.watchdogTimeout``.
     """
 
-    def __init__(self, run: Callable, plan: Plan, step, recorder, watchdog: Optional[float]):
-        self._run, self.plan, self.step, self.recorder = run, plan, step, recorder
+    def __init__(self, plan: Plan, step, recorder, watchdog: Optional[float]):
+        self.plan, self.step, self.recorder = plan, step, recorder
         self.watchdog = watchdog
         self._restore: Optional[tuple] = None
 
@@ -124,34 +124,3 @@ class Call:
                 torch.set_num_threads(ours)
             torch.set_grad_enabled(grad)
             self._restore = None
-
-    def run(self, microbatches, replica_of: Callable, index: int = 0, keep=None,
-            base: Optional[int] = None) -> tuple:
-        """One run of the schedule (``Executor.run``'s arguments and result)."""
-        return self._run(self, microbatches, replica_of, index, keep, base)
-
-    def run_here(self, run) -> None:
-        """Run the plan's actions in order on the caller's thread ([Note: streams] in
-        ``placement``), inside the call's thread count and grad mode.
-
-        Raises:
-            ActionFailed: an action raised (KeyboardInterrupt and SystemExit go through,
-                with a note of the action).
-        """
-        a = where = None
-        step, recorder = self.step, self.recorder
-        try:
-            if recorder is None:
-                for a, handler, where in self.plan.here:
-                    handler(a, run, step)
-            else:
-                clock, records, index = time.perf_counter, recorder.records, run.index
-                for a, handler, where in self.plan.here:
-                    start = clock()
-                    handler(a, run, step)
-                    records.append((*where, start, clock(), index))
-        except BaseException as exc:
-            raised = on_caller(a, where[0] if where else None, exc)
-            if raised is exc:
-                raise
-            raise raised from None

@@ -60,14 +60,13 @@ segment.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 from typing import Optional, Sequence
 
 import torch
 
 from ..compiler import rng
-from ..compiler.partition import Partition
+from ..compiler.lowered import Lowered
 from ..errors import Error
 from .placement import Placement
 from .run import Entry, Run
@@ -76,13 +75,6 @@ from .split_backward import backward_input, backward_weight, run_backward
 from .update import check_loss
 from .streams import arrive
 from .weights import Weights
-
-
-def _source(name: str, replica_values: dict) -> tuple:
-    kind, key = name.split(":", 1)
-    if kind == "param" and key in replica_values:
-        kind = "value"
-    return name, kind, int(key) if kind == "input" else key
 
 
 def _drop(t: torch.Tensor) -> None:
@@ -104,58 +96,25 @@ class StageWork:
         recompute: per stage, whether it is recomputed ([Note: recomputation]).
     """
 
-    def __init__(self, partition: Partition, placement: Placement, weights: Weights,
-                 recompute: Optional[Sequence[bool]] = None,
+    def __init__(self, lowered: Lowered, placement: Placement, weights: Weights,
                  remote_inputs: Optional[Sequence[frozenset]] = None):
-        self.partition = partition
+        # The compile step's tables and graphs ([Note: lowered stages] in compiler/lowered).
+        self.stages = lowered.stages
+        self.producer, self.wanted, self.loss = lowered.producer, lowered.wanted, lowered.loss
+        self.replica_values = lowered.replica_values
+        self.any_recompute = any(st.recompute for st in self.stages)
         self.placement = placement
         self.gpu = placement.gpu  # [Note: the GPU seam] in ``gpu``
         self.weights = weights
-        self.recompute = tuple(recompute or [False] * partition.num_stages)
         # Per stage, its inputs that another process computes: they arrive in the run's
         # inbox, and their gradients leave by its outbox ([Note: stages in other processes]).
-        self.remote = list(remote_inputs or [frozenset()] * partition.num_stages)
-        # Each stage's inputs as (name, kind, key), parsed once: [Note: partition] names them
-        # (an input's key is the index of its tensor leaf; a per-replica variable is a "value").
-        self.sources = [[_source(n, partition.replica_values) for n in st.inputs]
-                        for st in partition.stages]
-        # Per stage, its inputs other than parameters, with their positions and whether the
-        # stage writes them in place; the parameters' tensors, looked up on the first forward.
-        self.varying = [[(at, *source, source[0] in st.written_inputs)
-                         for at, source in enumerate(sources) if source[1] != "param"]
-                        for sources, st in zip(self.sources, partition.stages)]
-        self._params: list = [None] * partition.num_stages
-        # The parameters only this stage uses (their gradient may go to an accumulator).
-        users: dict = collections.Counter(n for st in partition.stages for n in st.param_names)
-        self.exclusive = [[n for n in st.param_names if users[n] == 1] for st in partition.stages]
-        written_buffers = [[n for n in st.inputs if n.startswith("buffer:")
-                            and n.split(":", 1)[1] in partition.mutated_buffers]
-                           for st in partition.stages]
-        self.written = [frozenset(names) for names in written_buffers]
-        # Per stage, what it writes in place that a recompute starts afresh from (buffers, args).
-        self.written_state = [names + [n for n in st.inputs if n.startswith("input:")
-                                       and n in st.written_inputs]
-                              for names, st in zip(written_buffers, partition.stages)]
-        self.wanted = {o for o in partition.outputs if isinstance(o, str)}
-        # The IPU that produces each stage output (values crossing IPUs are copied under
-        # useIpuModel, gradients too).
-        self.producer = {n: st.ipu for st in partition.stages for n in st.outputs}
+        self.remote = list(remote_inputs or [frozenset()] * len(self.stages))
+        # Per stage, the parameters' tensors, looked up on its first forward.
+        self._params: list = [None] * len(self.stages)
         # Per stage, its device when that is a GPU (None: not here, or not a GPU).
         self.gpu_device = [placement.devices[st.ipu] if st.ipu in placement.devices
                            and self.gpu.is_gpu(placement.devices[st.ipu]) else None
-                           for st in partition.stages]
-        self.crossing = [{n for n in st.outputs
-                          if any(n in t.inputs and t.ipu != st.ipu for t in partition.stages)}
-                         for st in partition.stages]
-        # Per stage, where the loss is among its outputs (None: elsewhere).
-        self.loss_at = [st.outputs.index(partition.loss) if partition.loss in st.outputs
-                        else None for st in partition.stages]
-        # Per stage, the values that cross a checkpoint cut inside it: what recompute starts from.
-        self.cuts = []
-        for st in partition.stages:
-            inside = {n for seg in st.segments for n in seg.outputs}
-            self.cuts.append(list(dict.fromkeys(n for seg in st.segments[1:] for n in seg.inputs
-                                                if n in inside)))
+                           for st in self.stages]
         # Per stage, the bytes one micro-batch's stash entry holds without recomputation,
         # measured with a saved-tensor hook on the first forward (a Python hook on every
         # saved tensor would otherwise take the GIL in every backward).
@@ -167,21 +126,21 @@ class StageWork:
 
     def args(self, s: int, run: Run, i: int, device: torch.device) -> tuple:
         """Stage s's arguments for micro-batch i, and its boundary leaves ([Note: autograd boundary])."""
-        st = self.partition.stages[s]
+        st = self.stages[s]
         ipu, weights, separate = st.ipu, self.weights, self.weights.separate_memories
         args = self._params[s]
         if args is None:  # a parameter's tensor on an IPU never changes once placed
             args = self._params[s] = [weights.param(key, ipu) if kind in ("param", "value")
-                                      else None for _, kind, key in self.sources[s]]
+                                      else None for _, kind, key in st.sources]
         args, boundary = list(args), {}
         received = run.inbox.pop((s, i), {}) if self.remote[s] else {}
-        for at, name, kind, key, edited in self.varying[s]:
+        for at, name, kind, key, edited in st.varying:
             if kind == "buffer":
                 v = weights.buffer(key, run.replica_of(i), ipu)
-                if name in self.written[s]:  # [Note: buffers written in forward]
+                if name in st.written:  # [Note: buffers written in forward]
                     v = v.detach()
             elif kind == "value":  # [Note: per-replica variables] in ``replica_groups``
-                v = args[at][self.partition.replica_values[key][run.replica_of(i)]]
+                v = args[at][self.replica_values[key][run.replica_of(i)]]
             elif kind == "input":  # placed in this IPU's memory when the run began
                 v = run.placed.get((ipu, i, key)) if run.placed else None
                 if v is None:
@@ -207,7 +166,7 @@ class StageWork:
     def forward(self, a: Action, run: Run, step) -> None:
         """``sFi``: run the stage, hand its outputs on, stash what its backward needs."""
         s, i = a.stage, a.microbatch
-        st = self.partition.stages[s]
+        st = self.stages[s]
         args, boundary = self.args(s, run, i, self.placement.device(st.ipu))
         stream = run.rng[i] if run.rng is not None and st.random else None
         if not torch.is_grad_enabled():  # inference
@@ -216,16 +175,16 @@ class StageWork:
             return
         entry = Entry(i, boundary)
         counted: dict = {}
-        if self.recompute[s]:  # [Note: recomputation]
+        if st.recompute:  # [Note: recomputation]
             entry.args = args
             entry.rng = stream.snapshot() if stream is not None else None
             entry.buffers = {n: args[st.inputs.index(n)].detach().clone()
-                             for n in self.written_state[s]}
+                             for n in st.written_state}
             env = dict(zip(st.inputs, args))
             with rng.use(stream), torch.autograd.graph.saved_tensors_hooks(_drop, _gone):
                 for seg in st.segments:
                     env.update(zip(seg.outputs, seg.module(*[env[n] for n in seg.inputs])))
-            entry.kept = {n: (env[n].detach(), env[n].requires_grad) for n in self.cuts[s]}
+            entry.kept = {n: (env[n].detach(), env[n].requires_grad) for n in st.cuts}
             outs = tuple(env[n] for n in st.outputs)
             for t in (*boundary.values(), *(v for v, _ in entry.kept.values()),
                       *entry.buffers.values()):
@@ -257,8 +216,8 @@ class StageWork:
                     self._count(t, counted, run.excluded)
                 self._entry_bytes[s] = sum(counted.values())
             entry.nbytes = self._entry_bytes[s]
-        if self.loss_at[s] is not None and step.check_loss:  # opt-in: a sync per micro-batch
-            check_loss(outs[self.loss_at[s]], i)
+        if st.loss_at is not None and step.check_loss:  # opt-in: a sync per micro-batch
+            check_loss(outs[st.loss_at], i)
         self._keep_outputs(st, run, i, outs)
         stash = run.stash[s]
         stash.append(entry)
@@ -272,7 +231,7 @@ class StageWork:
 
     def measures(self) -> bool:
         """Whether a forward will count stash bytes (then ``Run.excluded`` must be set)."""
-        return any(self.recompute) or len(self._entry_bytes) < self.partition.num_stages
+        return self.any_recompute or len(self._entry_bytes) < len(self.stages)
 
     @staticmethod
     def _count(t: torch.Tensor, counted: dict, excluded: set) -> None:
@@ -300,7 +259,7 @@ class StageWork:
     def recompute_action(self, a: Action, run: Run, step) -> None:
         """``sRi``: rebuild the stash head's graph from what it kept ([Note: recomputation])."""
         # [Note: recomputation] re-run each segment from the kept values, gradients on.
-        st = self.partition.stages[a.stage]
+        st = self.stages[a.stage]
         entry = self._head(a, run)
         env = {}
         for name, v in zip(st.inputs, entry.args):
@@ -367,7 +326,7 @@ class StageWork:
             self._accumulate(a.stage, run, step.accum_dtype)
 
     def _backward(self, a: Action, run: Run, step, split: bool) -> None:
-        st = self.partition.stages[a.stage]
+        st = self.stages[a.stage]
         entry = self._head(a, run)
         run.stash[a.stage].popleft()
         if split:  # still held: counted until its W
@@ -378,7 +337,7 @@ class StageWork:
             run.stash_bytes[a.stage] -= entry.nbytes
         i = entry.i
         grads_in, gpu = run.grads[i], self.gpu_device[a.stage]
-        crossing = self.crossing[a.stage] if self.weights.separate_memories else ()
+        crossing = st.crossing if self.weights.separate_memories else ()
         pending: dict = {}  # value name -> gradient from a later segment's leaf
         for outs, names, leaves in reversed(entry.segments):
             tensors, grads = [], []
@@ -388,7 +347,7 @@ class StageWork:
                     g = self.gpu.arrive(g, o.device if gpu is None else gpu)
                     if name in crossing:
                         g = g.clone()  # useIpuModel: it crosses back into this IPU's memory
-                if name == self.partition.loss:
+                if name == self.loss:
                     seed = torch.full_like(o, step.loss_scaling)  # loss scaling: the one place
                     g = seed if g is None else g + seed
                 later = pending.pop(name, None)
@@ -427,8 +386,8 @@ class StageWork:
 
     def _accumulate(self, s: int, run: Run, dtype: torch.dtype) -> None:
         """Move this backward's gradients into accumulators of ``dtype`` ([Note: gradient arithmetic])."""
-        ipu = self.partition.stages[s].ipu
-        for name in self.exclusive[s]:
+        ipu = self.stages[s].ipu
+        for name in self.stages[s].exclusive:
             p = self.weights.param(name, ipu)
             if p.grad is None or p.grad.dtype == dtype:
                 continue

@@ -24,8 +24,8 @@ from typing import Optional
 
 import torch
 
-from .enums import OutputMode
-from .errors import DeviceError, OptionsError
+from ..enums import OutputMode
+from ..errors import DeviceError, OptionsError
 
 GRADIENT, UPDATED = "Gradient___", "UpdatedVar___"
 _MODES = (None, OutputMode.Default, OutputMode.Final)

@@ -1,0 +1,224 @@
+"""A wrapped model's compiled state, and the one direction a call takes through it.
+
+[Note: a call's direction]
+``PoplarExecutor`` (``wrapper``) is PopTorch's face: argument checks, the pairing of a
+training and an inference wrapper, attach and detach, the loss scale. Everything that a
+call computes with and that lasts between calls belongs to its :class:`CompiledModel`:
+the programs per input signature, the weights, the placement, which outputs come back, the
+last run. A call goes through it once, downwards, each step in its own home:
+
+1. **split** the combined batch into micro-batches (``batch.MicroBatches``);
+2. **compile** on a new input signature (``compiling.compile_program``: trace, partition,
+   retarget the stages' graphs, place the weights), once per signature;
+3. **run** the program (``program.Program.run``: its schedule's plan, on the executor);
+4. **merge** the kept micro-batches' outputs into what the call returns (``merge``).
+
+Nothing here calls back into the wrapper, and no step hands its product back up for
+another step to take: each takes the one before it's.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Optional
+
+import torch
+
+from . import anchors
+from ..errors import UnrecoverableError, hide_when_refused as __tracebackhide__
+from ..options.options import Options, batch_arithmetic, batch_factor
+from ..profiling.run_statistics import RunStatistics, run_statistics
+from .batch import MicroBatches, recompile_note
+from .compiling import compile_program
+from .host_sync import watch
+from .merge import Outputs
+from .placement import Placement
+from .program import Program
+from .undo import capture, undo_note
+from .weights import Weights
+
+_LOG = logging.getLogger("poptorch_lite")
+
+
+class CompiledModel:
+    """What a wrapped model has compiled, and its calls ([Note: a call's direction]).
+
+    Args:
+        model: the user's model; options: the wrapper's frozen options; training: a
+            training wrapper; processes: the replicas and stages in other processes
+            (``distributed``), or None; generator: the model's own random state
+            (``Options.randomSeed``), or None.
+    """
+
+    def __init__(self, model: torch.nn.Module, options: Options, training: bool, processes,
+                 generator: Optional[torch.Generator]):
+        self.model, self.options, self.training = model, options, training
+        self.modes = {m: m.training for m in model.modules()}  # traced with wrap-time modes
+        self.processes = processes
+        self.generator = generator  # [Note: micro-batch RNG]
+        self.replica_values: dict = {}  # [Note: per-replica variables] in replica_groups
+        self.programs: dict = {}  # input signature -> Program
+        self.weights: Optional[Weights] = None
+        self.placement: Optional[Placement] = None
+        self.attached = False
+        self.compiled_args: Optional[tuple] = None  # (args, kwargs) of the last compile
+        self.last_run = None  # (schedule, the runs' RunStats, Recorder, devices)
+        self.last_call: Optional[tuple] = None  # (partition, tensor inputs), perf counters
+        self.statistics: Optional[RunStatistics] = None  # made from last_run when asked for
+        self.steps = 0  # optimizer steps taken (skipped ones included)
+        self._outputs: Optional[Outputs] = None
+        self._release = None  # host_sync.watch's finalizer while the model is watched
+
+    # -- a call ---------------------------------------------------------------------------
+
+    def call(self, args: tuple, kwargs: dict, optimizer, loss_scale):
+        """One call: split, compile (on a new signature), run, merge.
+
+        Raises:
+            As ``PoplarExecutor.__call__``: refusals before any state changes, then what a
+            run raises, with a note of what it undid.
+        """
+        mbs, program = self.prepare(args, kwargs, optimizer)
+        per_microbatch = self.run(program, mbs, optimizer, loss_scale)
+        return self.outputs().merge(program.partition, per_microbatch)
+
+    def prepare(self, args: tuple, kwargs: dict, optimizer) -> tuple:
+        """Split the call's inputs and compile them if their signature is new, attached:
+        ``(micro-batches, program)``; what ``compile()`` does."""
+        o = self.options  # the factor's arithmetic is spelled out only for a refusal
+        mbs = MicroBatches(args, kwargs, batch_factor(o), functools.partial(batch_arithmetic, o),
+                           o.synthetic_data_mode)
+        key = mbs.signature()
+        program = self.programs.get(key)
+        if program is None:
+            program = self.compile(key, mbs, optimizer)
+            self.compiled_args = (args, kwargs)
+        if not self.attached:
+            self.attach()
+        return mbs, program
+
+    def compile(self, key: tuple, mbs: MicroBatches, optimizer) -> Program:
+        """The program of ``mbs``'s signature ``key`` ([Note: the compile step] in
+        ``compiling``)."""
+        if self.programs:  # [Note: a new signature compiles] in batch
+            _LOG.warning("%s", recompile_note(self.training, next(reversed(self.programs)), key))
+        else:
+            if self.processes is not None:  # first compile: join the group, compare options
+                self.processes.join(self.model, optimizer)
+            anchors.check(self.options.anchored_tensors, self.model, self.training)
+            anchors.check_updatable_buffers(self.options.updatable_named_buffers, self.model)
+        if self.weights is not None:
+            self.weights.to_host()  # trace with the trained values, outside the trace
+        program = compile_program(self.model, self.modes, self.options, self.training, mbs,
+                                  self.replicas(), self.weights, self.placement, self.processes,
+                                  self.replica_values)
+        self.weights, self.placement = program.executor.weights, program.executor.placement
+        self.programs[key] = program
+        o = self.options
+        _LOG.info("%s", program.describe(
+            self.training, o.device_iterations, self.replicas(), o.Training.gradient_accumulation,
+            next((t.shape[0] for t in mbs.tensors(0) if t.dim() > 0), 1)))
+        return program
+
+    def run(self, program: Program, mbs: MicroBatches, optimizer, loss_scale) -> list:
+        """The call's runs (``Program.run``): the outputs per micro-batch.
+
+        [Note: commit point] in ``update``: a failure leaves the state of the last
+        completed step; ``allOrNothingCalls`` also undoes the steps of a failed call.
+        """
+        opts, weights, training = self.options, self.weights, self.training
+        if weights.edited():  # host edits reach the devices
+            weights.to_device(everything=False)
+        ex = program.executor
+        full = training and opts.all_or_nothing_calls
+        restore = capture(weights, optimizer, loss_scale, True,
+                          generator=self.generator) if full else None
+        ex.undoable = full
+        applied = ex.steps_applied
+        if training:
+            weights.optimizer_state_to_homes(optimizer)
+        try:
+            outputs, record = program.run(
+                mbs, opts, training, self.replicas(), optimizer, loss_scale, weights,
+                self.outputs().kept, not full, self.generator)
+        except BaseException as exc:
+            applied = ex.steps_applied - applied
+            if restore is not None:
+                restore()
+                applied = 0
+            self.steps += applied
+            exc.add_note(undo_note(applied, opts.device_iterations if training else 0,
+                                    isinstance(exc, UnrecoverableError)))
+            raise
+        if training:
+            self.steps += opts.device_iterations
+        # The statistics are built when asked for: per call only the records.
+        self.last_run, self.statistics = (*record, dict(self.placement.devices)), None
+        self.last_call = (program.partition, len(mbs.tensor_positions))
+        return outputs
+
+    # -- what lasts between calls ---------------------------------------------------------
+
+    def replicas(self) -> int:
+        """The replicas this process runs in turn: every replica with per-replica variables,
+        else one per input group."""
+        o = self.options
+        return o.replication_factor // (1 if self.replica_values else o.input_group_size)
+
+    def outputs(self) -> Outputs:
+        """Which micro-batches come back and how they merge (the options are frozen: made
+        once)."""
+        if self._outputs is None:
+            o = self.options
+            self._outputs = Outputs(o.output_mode, o.output_return_period or 1, self.training,
+                                    o.device_iterations, o.Training.gradient_accumulation,
+                                    self.replicas())
+        return self._outputs
+
+    def run_statistics(self) -> Optional[RunStatistics]:
+        """The last call's statistics (None before a call), made once per call."""
+        if self.last_run is not None and self.statistics is None:
+            self.statistics = run_statistics(
+                *self.last_run, self.processes.layout if self.processes is not None else None)
+        return self.statistics
+
+    def attach(self) -> None:
+        """Push the model's weights to the devices, and watch the model: reading it brings it
+        up to date ([Note: weight sync] in ``host_sync``), as does this state being collected
+        without ``detach``."""
+        if self.processes is not None and self.training:  # every replica starts the same
+            self.processes.broadcast_from_main(self.model, self.owner())
+        self.attached = True
+        self.weights.to_device()
+        if self._release is None:
+            self._release = watch(self.model, self.weights, self)
+
+    def detach(self) -> None:
+        """Copy the weights to the host, release the devices' workers, stop watching."""
+        self.weights.to_host()
+        self.placement.close()
+        self.attached = False
+        self.unwatch()
+
+    def unwatch(self) -> None:
+        if self._release is not None:
+            self._release()
+            self._release = None
+
+    def destroy(self) -> None:
+        """Copy the weights back and drop every program (a later call compiles again)."""
+        if self.weights is not None:
+            self.weights.to_host()
+        self.unwatch()
+        if self.placement is not None:
+            self.placement.close()
+        self.programs.clear()
+        self.placement = self.weights = self.last_call = None
+        self.attached = False
+
+    def owner(self):
+        """Parameter or buffer name -> the position in the pipeline of the process that runs
+        it (None: no stage does); None when every process runs every stage."""
+        channels = next(iter(self.programs.values())).executor.channels
+        return None if channels is None else channels.weight_owner.get

@@ -1,0 +1,87 @@
+"""Inputs: where each IPU reads a run's input leaves, and the copies that put them there.
+
+Before a run, on the caller's thread, each input leaf a stage reads is put in the memory of
+its IPU: as it is where it already lies, else copied (to a GPU asynchronously, from pinned
+memory; [Note: values crossing streams] in ``streams``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .gpu import joinable
+
+_HOST = torch.device("cpu")
+
+
+class InputPlacement:
+    """Where the IPUs of this process read the input leaves.
+
+    Args:
+        stages: the lowered stages ([Note: lowered stages] in ``compiler/lowered``); local:
+            per stage, whether this process runs it; placement: devices and streams;
+            separate: every IPU has a memory of its own (``useIpuModel``).
+    """
+
+    def __init__(self, stages, local: list, placement, separate: bool):
+        self.keys: dict = {}  # IPU -> the input leaves it reads
+        for st in stages:
+            keys = [key for _, kind, key in st.sources if kind == "input"]
+            if keys and local[st.index]:
+                self.keys.setdefault(st.ipu, set()).update(keys)
+        self.placement, self.separate = placement, separate
+        self.gpu = placement.gpu  # [Note: the GPU seam] in ``gpu``
+        self.gpu_ipus = {ipu for ipu, dev in placement.devices.items() if self.gpu.is_gpu(dev)}
+        self.devices = [(k, placement.device(ipu)) for ipu, keys in self.keys.items()
+                        for k in keys]
+        self.on_cpu = all(dev == _HOST for _, dev in self.devices)
+
+    def place(self, run) -> None:
+        """Put each IPU's input leaves in its memory, on the caller's thread, before the run.
+
+        Each micro-batch gets its own copy in each memory that lacks its inputs, shared
+        by the IPUs there (under ``useIpuModel`` every IPU gets a copy of its own). On a
+        GPU the copy is asynchronous, on the caller's current stream, from pinned
+        memory: one transfer per input for all the run's micro-batches where they can
+        be joined (``gpu.joinable``), each micro-batch reading its own rows of it, and
+        one event per GPU after the copies that the readers wait on (``Run.ready``).
+        Inputs already where an IPU computes are used as they are.
+        """
+        separate = self.separate
+        if not separate and run.inputs:  # a call's micro-batches share their devices
+            first = run.inputs[0]
+            if (all(first[k].is_cpu for k, _ in self.devices) if self.on_cpu
+                    else all(first[k].device == dev for k, dev in self.devices)):
+                return
+        gpu, placed, inputs = self.gpu, run.placed, run.inputs
+        joined = {}  # (GPU, k) -> every micro-batch's input k there, made by one transfer
+        for ipu, keys in self.keys.items() if not separate else ():
+            device = self.placement.device(ipu)
+            for k in keys if ipu in self.gpu_ipus else ():
+                leaves = [mb[k] for mb in inputs] if (device, k) not in joined else ()
+                if joinable(leaves):
+                    joined[device, k] = gpu.copy_in_all(leaves, device)
+        copied = {}  # GPU -> the micro-batches copied there
+        for i, mb in enumerate(inputs):
+            copies = {}  # (device, k) -> micro-batch i's input k there: one per micro-batch
+            for ipu, keys in self.keys.items():
+                device = self.placement.device(ipu)
+                on_gpu = ipu in self.gpu_ipus
+                for k in keys:
+                    t = mb[k]
+                    if t.device == device and not separate:
+                        continue
+                    held = None if separate else copies.get((device, k))
+                    if held is None:
+                        together = joined.get((device, k))
+                        held = copies[device, k] = (
+                            together[i] if together is not None else
+                            gpu.copy_in(t, device) if on_gpu else t.to(device, copy=True))
+                        if on_gpu:
+                            copied.setdefault(device, set()).add(i)
+                    placed[ipu, i, k] = held
+        for device, microbatches in copied.items():  # after every copy to it was enqueued
+            event = gpu.Event()
+            event.record(gpu.current_stream(device))
+            for i in microbatches:
+                run.ready[device, i] = event
