@@ -40,6 +40,19 @@ def test_tax_pairs_the_two_sides_block_by_block():
     assert spread == f"{float(ratio):.3f}-{float(ratio):.3f}"  # one pair: its own spread
 
 
+def test_tax_ab_pairs_two_checkouts_block_by_block():
+    """The same checkout on both sides: one pair of two blocks of one call each, whose line
+    names both sides' times and their ratio (figures are not checked)."""
+    root = str(BENCH.parent)
+    done = subprocess.run([sys.executable, str(BENCH / "tax_ab.py"), "--base", root, "--case",
+                           "tiny", "--pairs", "1", "--blocks", "2", "--calls", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    words = done.stdout.split()
+    assert words[:2] == ["tiny", "base"] and words[4:5] == ["head"] and words[7] == "head/base"
+    assert float(words[2]) > 0 and float(words[5]) > 0 and float(words[8]) > 0
+
+
 def test_machinery_compares_the_wrapped_model_with_a_bare_loop_of_its_stage_graph():
     """A smoke run of one round with the layer timers (figures are not checked)."""
     done = subprocess.run([sys.executable, str(BENCH / "machinery.py"), "--model", "tiny",
