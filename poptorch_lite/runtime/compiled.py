@@ -103,11 +103,10 @@ class CompiledModel:
         ``compiling``)."""
         if self.programs:  # [Note: a new signature compiles] in batch
             _LOG.warning("%s", recompile_note(self.training, next(reversed(self.programs)), key))
-        else:
-            if self.processes is not None:  # first compile: join the group, compare options
-                self.processes.join(self.model, optimizer)
-            anchors.check(self.options.anchored_tensors, self.model, self.training)
-            anchors.check_updatable_buffers(self.options.updatable_named_buffers, self.model)
+        if self.processes is not None:  # first compile: join the group, compare options
+            self.processes.join(self.model, optimizer)
+        anchors.check(self.options.anchored_tensors, self.model, self.training)
+        anchors.check_updatable_buffers(self.options.updatable_named_buffers, self.model)
         if self.weights is not None:
             self.weights.to_host()  # trace with the trained values, outside the trace
         program = compile_program(self.model, self.modes, self.options, self.training, mbs,
