@@ -201,35 +201,41 @@ def one_side(args):
         print(json.dumps(block()), flush=True)
 
 
-def run_pair(case, threads, calls, blocks, lite_first, twin=False):
-    """One plain and one poptorch_lite process, taking turns for ``blocks`` blocks each."""
-    sides = {}
-    for side in ("plain", "lite"):
-        cmd = [sys.executable, __file__, "--side", side, "--case", case, "--threads",
-               str(threads), "--calls", str(calls), "--serve"] + (["--twin"] if twin else [])
-        sides[side] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                       text=True)
-        json.loads(sides[side].stdout.readline())  # warmed up: one at a time
-
-    def ask(side):
-        proc = sides[side]
-        proc.stdin.write("block\n")
-        proc.stdin.flush()
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the {side} process of {case} exited: rc {proc.wait()}")
-        return json.loads(line)
-    got = {"plain": [], "lite": []}
+def take_turns(cmds: dict, blocks: int, first: str) -> dict:
+    """Start a ``--serve`` process per command (name -> argv), each warmed up before the
+    next starts, then ask them for ``blocks`` blocks in turn (``first`` goes first in even
+    blocks, the other in odd ones) while the other waits on its pipe. Returns name -> the
+    blocks' reports. ``tax_ab.py`` pairs two checkouts with it."""
+    procs = {}
+    got = {name: [] for name in cmds}
     try:
+        for name, cmd in cmds.items():
+            procs[name] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                           text=True)
+            json.loads(procs[name].stdout.readline())  # warmed up: one at a time
+        other = next(name for name in cmds if name != first)
         for k in range(blocks):
-            order = ("lite", "plain") if (k % 2 == 0) == lite_first else ("plain", "lite")
-            for side in order:
-                got[side].append(ask(side))
+            for name in (first, other) if k % 2 == 0 else (other, first):
+                proc = procs[name]
+                proc.stdin.write("block\n")
+                proc.stdin.flush()
+                line = proc.stdout.readline()
+                if not line:
+                    raise RuntimeError(f"the {name} process exited: rc {proc.wait()}")
+                got[name].append(json.loads(line))
     finally:
-        for proc in sides.values():
+        for proc in procs.values():
             proc.stdin.close()
             proc.wait()
     return got
+
+
+def run_pair(case, threads, calls, blocks, lite_first, twin=False):
+    """One plain and one poptorch_lite process, taking turns for ``blocks`` blocks each."""
+    cmds = {side: [sys.executable, __file__, "--side", side, "--case", case, "--threads",
+                   str(threads), "--calls", str(calls), "--serve"] + (["--twin"] if twin else [])
+            for side in ("plain", "lite")}
+    return take_turns(cmds, blocks, "lite" if lite_first else "plain")
 
 
 def main():

@@ -14,14 +14,15 @@ their spread, and each side's median time per optimizer step.
 """
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HEAD = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+from tax import take_turns  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--base", required=True, help="the other checkout (a git worktree)")
@@ -34,22 +35,10 @@ parser.add_argument("--calls", type=int, default=0,
                     help="calls per block (0: about a quarter second's worth)")
 
 
-def start(root: str, case: str, calls: int) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [sys.executable, os.path.join(root, "benchmarks", "tax.py"), "--side", "lite",
-         "--case", case, "--threads", "1", "--calls", str(calls), "--serve"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=root)
-    json.loads(proc.stdout.readline())  # warmed up
-    return proc
-
-
-def ask(proc: subprocess.Popen, side: str) -> float:
-    proc.stdin.write("block\n")
-    proc.stdin.flush()
-    line = proc.stdout.readline()
-    if not line:
-        raise RuntimeError(f"the {side} process exited: rc {proc.wait()}")
-    return json.loads(line)["step_ms"]
+def command(root: str, case: str, calls: int) -> list:
+    """tax.py's poptorch_lite side, served from the checkout at ``root``."""
+    return [sys.executable, os.path.join(root, "benchmarks", "tax.py"), "--side", "lite",
+            "--case", case, "--threads", "1", "--calls", str(calls), "--serve"]
 
 
 def main():
@@ -57,20 +46,13 @@ def main():
     for case in args.case.split(","):
         ratios, head_ms, base_ms = [], [], []
         for k in range(args.pairs):
-            procs = {"base": start(args.base, case, args.calls),
-                     "head": start(args.head, case, args.calls)}
-            got = {"base": [], "head": []}
-            try:
-                for b in range(args.blocks):
-                    for side in ("head", "base") if (b + k) % 2 else ("base", "head"):
-                        got[side].append(ask(procs[side], side))
-            finally:
-                for proc in procs.values():
-                    proc.stdin.close()
-                    proc.wait()
-            ratios.append(statistics.median(h / b for h, b in zip(got["head"], got["base"])))
-            head_ms.append(statistics.median(got["head"]))
-            base_ms.append(statistics.median(got["base"]))
+            got = take_turns({side: command(root, case, args.calls) for side, root in
+                              (("base", args.base), ("head", args.head))},
+                             args.blocks, "base" if k % 2 == 0 else "head")
+            head, base = ([b["step_ms"] for b in got[side]] for side in ("head", "base"))
+            ratios.append(statistics.median(h / b for h, b in zip(head, base)))
+            head_ms.append(statistics.median(head))
+            base_ms.append(statistics.median(base))
         print(f"{case:7} base {statistics.median(base_ms):9.3f} ms  head "
               f"{statistics.median(head_ms):9.3f} ms  head/base {statistics.median(ratios):.3f} "
               f"({min(ratios):.3f}-{max(ratios):.3f}), {args.pairs} pairs x {args.blocks} "

@@ -82,7 +82,7 @@ class Executor(Updates):
                     self.buffer_ipu.setdefault(name.split(":", 1)[1], st.ipu)
         self.gpu = placement.gpu  # [Note: the GPU seam] in ``gpu``
         # The IPUs whose actions are timed on the GPU, and where each IPU reads the inputs.
-        self.gpu_ipus = {ipu for ipu, dev in placement.devices.items() if self.gpu.is_gpu(dev)}
+        self.gpu_ipus = placement.gpu_ipus
         self.inputs = InputPlacement(lowered.stages, self.local, placement,
                                      weights.separate_memories)
         # The parameters this process steps (all of them unless stages run elsewhere).

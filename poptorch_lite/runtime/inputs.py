@@ -31,7 +31,7 @@ class InputPlacement:
                 self.keys.setdefault(st.ipu, set()).update(keys)
         self.placement, self.separate = placement, separate
         self.gpu = placement.gpu  # [Note: the GPU seam] in ``gpu``
-        self.gpu_ipus = {ipu for ipu, dev in placement.devices.items() if self.gpu.is_gpu(dev)}
+        self.gpu_ipus = placement.gpu_ipus
         self.devices = [(k, placement.device(ipu)) for ipu, keys in self.keys.items()
                         for k in keys]
         self.on_cpu = all(dev == _HOST for _, dev in self.devices)

@@ -113,6 +113,8 @@ class Placement:
             self.streams[ipu] = (CudaStream(name, dev, gpus, gpu) if gpu.is_gpu(dev) else
                                  CpuStream(name, threads))
         self.gpus = list(dict.fromkeys(gpus))
+        self.gpu_ipus = frozenset(ipu for ipu, dev in self.devices.items()  # on a GPU
+                                  if gpu.is_gpu(dev))
         # Garbage collection may run this on any thread, even one that is starting and holds
         # threading's internal locks: it must not join, so it only tells the workers to exit.
         self._finalizer = weakref.finalize(self, _close_all, list(self.streams.values()), False)
