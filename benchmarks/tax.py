@@ -4,6 +4,7 @@
     python benchmarks/tax.py --case conv8 --threads 1 --pairs 7
     python benchmarks/tax.py --side lite --case conv8 --threads 0   # one side (for py-spy)
     python benchmarks/tax.py --case tiny --threads 1 --twin          # the GPU path's host work
+    python benchmarks/tax.py --compiled --threads 1                  # the compiled column
 
 Cases (issue 11's table):
 - ``conv8``:  Graphcore's MNIST tutorial conv net, micro-batch 8, deviceIterations 50, SGD;
@@ -25,6 +26,12 @@ median over its blocks of (poptorch_lite block / the plain block beside it), so 
 shared machine's drift over seconds falls on both sides alike. The parent prints, per
 case and thread count, the median ratio over the pairs with its spread (min-max), the
 median step times, and the ratio of peak RSS.
+
+With ``--compiled`` each pair is four processes taking turns: plain eager, plain PyTorch
+with ``torch.compile(model)`` (forward and backward compiled, the optimizer eager),
+poptorch_lite eager, and poptorch_lite with ``Options().compileStages(True)``
+([Note: compiled stages]); it prints the compiled poptorch_lite step against each of the
+other three (the compiled processes warm up, and so compile, before the timed blocks).
 
 With ``--twin`` the poptorch_lite side puts every IPU on the GPU twin of the test suite
 (``tests/gpu_twin.py``: the GPU's branches, streams, events and input copies, with CPU
@@ -64,7 +71,10 @@ parser.add_argument("--pairs", type=int, default=5, help="plain/poptorch_lite pr
 parser.add_argument("--calls", type=int, default=0,
                     help="timed calls per block (0: about a quarter second's worth)")
 parser.add_argument("--blocks", type=int, default=15, help="blocks of calls per side and pair")
-parser.add_argument("--side", choices=["plain", "lite"], help="run one side here and print JSON")
+parser.add_argument("--side", choices=["plain", "lite", "plain-compiled", "lite-compiled"],
+                    help="run one side here and print JSON")
+parser.add_argument("--compiled", action="store_true",
+                    help="four sides: plain, plain torch.compile, lite, lite compileStages")
 parser.add_argument("--twin", action="store_true",
                     help="poptorch_lite's IPUs on the GPU twin (tests/gpu_twin.py)")
 parser.add_argument("--serve", action="store_true",
@@ -159,7 +169,9 @@ def one_side(args):
     if threads:
         torch.set_num_threads(threads)
     model, optimizer, x, y, B, D, G, R = build(args.case)
-    if args.side == "plain":
+    if args.side == "plain-compiled":
+        model = torch.compile(model)
+    if args.side.startswith("plain"):
         def call():
             plain_call(model, optimizer, x, y, B, D, G)
     else:
@@ -167,6 +179,8 @@ def one_side(args):
         import poptorch_lite as poptorch
         opts = poptorch.Options().deviceIterations(D).replicationFactor(R)
         opts.Training.gradientAccumulation(G // R)
+        if args.side == "lite-compiled":
+            opts.compileStages(True)
         if args.twin:  # in force for the whole process: placements are made on first call
             sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
             from gpu_twin import TWIN, TwinGpu
@@ -203,19 +217,20 @@ def one_side(args):
 
 def take_turns(cmds: dict, blocks: int, first: str) -> dict:
     """Start a ``--serve`` process per command (name -> argv), each warmed up before the
-    next starts, then ask them for ``blocks`` blocks in turn (``first`` goes first in even
-    blocks, the other in odd ones) while the other waits on its pipe. Returns name -> the
-    blocks' reports. ``tax_ab.py`` pairs two checkouts with it."""
+    next starts, then ask them for ``blocks`` blocks in turn (``first`` goes first in block
+    0, and the order rotates by one each block) while the others wait on their pipes.
+    Returns name -> the blocks' reports. ``tax_ab.py`` pairs two checkouts with it."""
     procs = {}
     got = {name: [] for name in cmds}
+    names = list(cmds)
+    names = names[names.index(first):] + names[:names.index(first)]
     try:
         for name, cmd in cmds.items():
             procs[name] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                            text=True)
             json.loads(procs[name].stdout.readline())  # warmed up: one at a time
-        other = next(name for name in cmds if name != first)
         for k in range(blocks):
-            for name in (first, other) if k % 2 == 0 else (other, first):
+            for name in names[k % len(names):] + names[:k % len(names)]:
                 proc = procs[name]
                 proc.stdin.write("block\n")
                 proc.stdin.flush()
@@ -230,12 +245,17 @@ def take_turns(cmds: dict, blocks: int, first: str) -> dict:
     return got
 
 
-def run_pair(case, threads, calls, blocks, lite_first, twin=False):
-    """One plain and one poptorch_lite process, taking turns for ``blocks`` blocks each."""
+def run_pair(case, threads, calls, blocks, lite_first, twin=False, sides=("plain", "lite")):
+    """A process per side (plain and poptorch_lite), taking turns for ``blocks`` blocks each."""
     cmds = {side: [sys.executable, __file__, "--side", side, "--case", case, "--threads",
                    str(threads), "--calls", str(calls), "--serve"] + (["--twin"] if twin else [])
-            for side in ("plain", "lite")}
-    return take_turns(cmds, blocks, "lite" if lite_first else "plain")
+            for side in sides}
+    return take_turns(cmds, blocks, sides[-1] if lite_first else sides[0])
+
+
+def _ratio(got: dict, top: str, bottom: str) -> float:
+    """The median over blocks of ``top``'s step over the ``bottom`` step beside it."""
+    return statistics.median(a["step_ms"] / b["step_ms"] for a, b in zip(got[top], got[bottom]))
 
 
 def main():
@@ -243,6 +263,8 @@ def main():
     if args.side:
         return one_side(args)
     cases = list(CASES) if args.case == "all" else [args.case]
+    if args.compiled:
+        return compiled_table(args, cases)
     print(f"{'case':8} {'threads':>7} {'plain ms':>9} {'lite ms':>9} {'ratio':>6} "
           f"{'spread':>13} {'RSS ratio':>9}")
     for case in cases:
@@ -251,9 +273,7 @@ def main():
             for k in range(args.pairs):
                 got = run_pair(case, threads, args.calls, args.blocks, lite_first=k % 2 == 1,
                                twin=args.twin)
-                ratios.append(statistics.median(
-                    lite["step_ms"] / plain["step_ms"] for plain, lite in zip(got["plain"],
-                                                                              got["lite"])))
+                ratios.append(_ratio(got, "lite", "plain"))
                 plain_ms.append(statistics.median(b["step_ms"] for b in got["plain"]))
                 lite_ms.append(statistics.median(b["step_ms"] for b in got["lite"]))
                 rss.append(got["lite"][-1]["rss_mib"] / got["plain"][-1]["rss_mib"])
@@ -261,6 +281,30 @@ def main():
                   f"{statistics.median(lite_ms):9.3f} {statistics.median(ratios):6.3f} "
                   f"{f'{min(ratios):.3f}-{max(ratios):.3f}':>13} {statistics.median(rss):9.3f}",
                   flush=True)
+
+
+def compiled_table(args, cases) -> None:
+    """``--compiled``: per case, the four sides' step times and compiled poptorch_lite's
+    ratio to each of the others (median over the pairs, and its spread)."""
+    sides = ("plain", "plain-compiled", "lite", "lite-compiled")
+    print(f"{'case':8} {'thr':>3} {'plain':>8} {'plain-c':>8} {'lite':>8} {'lite-c':>8}   "
+          f"{'lite-c/plain':>18} {'lite-c/plain-c':>18} {'lite-c/lite':>18}   (ms per step)")
+    for case in cases:
+        for threads in args.threads:
+            ms = {side: [] for side in sides}
+            ratios = {other: [] for other in sides[:3]}
+            for k in range(args.pairs):
+                got = run_pair(case, threads, args.calls, args.blocks, lite_first=k % 2 == 1,
+                               sides=sides)
+                for side in sides:
+                    ms[side].append(statistics.median(b["step_ms"] for b in got[side]))
+                for other in ratios:
+                    ratios[other].append(_ratio(got, "lite-compiled", other))
+            cells = [f"{statistics.median(r):.3f} ({min(r):.2f}-{max(r):.2f})"
+                     for r in ratios.values()]
+            print(f"{case:8} {got['plain'][0]['threads']:>3} "
+                  + " ".join(f"{statistics.median(ms[side]):8.3f}" for side in sides)
+                  + "   " + " ".join(f"{c:>18}" for c in cells), flush=True)
 
 
 if __name__ == "__main__":

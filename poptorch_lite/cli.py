@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import pkgutil
 import runpy
@@ -69,15 +70,38 @@ def _parser() -> argparse.ArgumentParser:
                         version=f"%(prog)s {_version()} (torch {_torch_version()})")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     run = commands.add_parser("run", help="run SCRIPT with `import poptorch` resolved to poptorch_lite",
-                              usage="%(prog)s [-h] SCRIPT [ARGS ...]",
+                              usage="%(prog)s [-h] [--compile] [--compile-backend NAME] "
+                                    "SCRIPT [ARGS ...]",
                               description="Run SCRIPT as __main__ with `import poptorch` resolved "
                                           "to poptorch_lite; ARGS (optional) are passed to it as "
                                           "sys.argv[1:].")
+    run.add_argument("--compile", action="store_true",
+                     help="compile the stages of every wrapped model: "
+                          "Options().compileStages(True) as every Options' default")
+    run.add_argument("--compile-backend", metavar="NAME", choices=_backends(),
+                     help=f"with --compile, the backend: one of {', '.join(_backends())} "
+                          f"(default: each device's, inductor)")
     run.add_argument("script", metavar="SCRIPT", nargs="?", help="path of the Python script")
     run.add_argument("args", metavar="ARGS", nargs=argparse.REMAINDER,
                      help="the script's arguments (optional)")
     run.set_defaults(usage_error=run.error)
     return parser
+
+
+def _backends() -> tuple:
+    return importlib.import_module("poptorch_lite.compiler.compiled_stages").BACKENDS
+
+
+def compile_by_default(backend: Optional[str]) -> None:
+    """Make ``compileStages(True, backend)`` the default of every ``Options`` made in this
+    process and its children, through ``POPTORCH_DEFAULT_OPTIONS`` (whatever it already
+    sets stays, but for these two)."""
+    current = os.environ.get("POPTORCH_DEFAULT_OPTIONS")
+    values = json.loads(current) if current else {}
+    if not isinstance(values, dict):
+        values = {}  # Options() refuses it with its own message; --compile replaces it
+    values.update(compile_stages=True, compile_backend=backend)
+    os.environ["POPTORCH_DEFAULT_OPTIONS"] = json.dumps(values)
 
 
 def _version() -> str:
@@ -114,6 +138,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "script's own arguments, are optional)")
     if not os.path.isfile(args.script):
         parser.error(f"run: no such script: {args.script!r} (give the path of a .py file)")
+    if args.compile_backend is not None and not args.compile:
+        args.usage_error("--compile-backend chooses the backend of --compile; give both, e.g. "
+                         "poptorch-lite run --compile --compile-backend aot_eager train.py")
+    if args.compile:
+        compile_by_default(args.compile_backend)
     alias_poptorch()
     sys.argv = [args.script, *args.args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))

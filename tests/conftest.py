@@ -1,9 +1,14 @@
 """Shared fixtures: the devices the transparency tests run on, warning and probe resets."""
 
 import gc
+import os
 
-import pytest
-import torch
+# Inductor compiles in the test's own thread: no pool of compile threads or processes, which
+# would outlive the test that compiled first (tests/hygiene.py) and crowd a 2-core machine.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from poptorch_lite import errors
 from poptorch_lite.runtime import gpu

@@ -35,6 +35,7 @@ LONG_LIVED_THREADS = (
 )
 SET_ONCE_ENV = (
     "TORCHINDUCTOR_CACHE_DIR",  # set by Inductor at its first compile
+    "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",  # set by Inductor when it loads its C++ helpers
 )
 SET_ONCE_HANDLERS = (
     "_set_SIGCHLD_handler.<locals>.handler",  # torch's DataLoader, at its first worker process

@@ -152,19 +152,43 @@ def _call_in_stream(op, args, kwargs):
     device = _device_of(args, kwargs)
     kind, gen = ("cpu", torch.default_generator) if device is None else (
         device.type, _generator(device))
+    return _swapped(stream, ((kind, gen),), op, args, kwargs)
+
+
+def _swapped(stream: Stream, kinds: tuple, op, args, kwargs):
+    """``op(*args, **kwargs)`` with each ``(kind, generator)`` of ``kinds`` holding
+    ``stream``'s state of that kind, under the lock; the stream keeps where they stopped."""
     states = stream.states  # one stream per kind: it moves between GPUs
     with _LOCK:
-        saved = gen.get_state()
-        state = states.get(kind)
-        if state is None:
-            gen.manual_seed(stream.seed)
-        else:
-            gen.set_state(state)
+        saved = []
+        for kind, gen in kinds:
+            saved.append(gen.get_state())
+            state = states.get(kind)
+            if state is None:
+                gen.manual_seed(stream.seed)
+            else:
+                gen.set_state(state)
         try:
-            return op(*args, **kwargs)
+            return op(*args, **(kwargs or {}))
         finally:
-            states[kind] = gen.get_state()
-            gen.set_state(saved)
+            for (kind, gen), before in zip(kinds, saved):
+                states[kind] = gen.get_state()
+                gen.set_state(before)
+
+
+def call_in_stream(fn, args: tuple, device: torch.device):
+    """``fn(*args)`` with all its random ops drawing from this thread's stream, the way
+    each op of an eager stage graph does ([Note: micro-batch RNG]): for a compiled graph,
+    whose random ops cannot each be wrapped. ``device``: the graph's device (its generator
+    and the CPU's are swapped in). Holds the lock for the whole call, so a random op of
+    another thread waits for it ([Note: compiled stages] in ``compiled_stages``)."""
+    stream: Optional[Stream] = getattr(_local, "stream", None)
+    if stream is None:
+        return fn(*args)
+    kinds = (("cpu", torch.default_generator),)
+    if device.type != "cpu":
+        kinds += ((device.type, _generator(device)),)
+    return _swapped(stream, kinds, fn, args, None)
 
 
 # [Note: stages in other processes] in ``distributed``: a micro-batch's stream travels

@@ -54,6 +54,8 @@ def _options_attributes() -> dict:
         "ipu_devices": via_setter("set_ipu_devices"),
         "watchdog_timeout": via_setter("watchdogTimeout"),
         "all_or_nothing_calls": via_setter("allOrNothingCalls"),
+        "compile_stages": via_setter("compileStages"),
+        "compile_backend": lambda g, v: g.compileStages(g.compile_stages, v),
     })
     return attributes
 
@@ -69,7 +71,8 @@ class Options(DeviceOptions, OptionGroup):
         device_iterations, replication_factor, input_group_size, output_mode,
         output_return_period, random_seed (None until ``randomSeed``),
         execution_strategy, broadcast_buffers, auto_recomputation, ipu_devices,
-        watchdog_timeout, all_or_nothing_calls, use_model: see their setters.
+        watchdog_timeout, all_or_nothing_calls, compile_stages, compile_backend,
+        use_model: see their setters.
 
     Example:
         >>> opts = Options().deviceIterations(20).replicationFactor(2).randomSeed(123)
@@ -88,6 +91,7 @@ class Options(DeviceOptions, OptionGroup):
             output_return_period=1, random_seed=None,
             execution_strategy=PipelinedExecution(), broadcast_buffers=True,
             ipu_devices=None, watchdog_timeout=600.0, all_or_nothing_calls=False,
+            compile_stages=False, compile_backend=None,
             **copy.deepcopy(DEVICE_DEFAULTS))
         self._popart = _PopartOptions()
         self._training = _TrainingOptions()
@@ -285,6 +289,41 @@ class Options(DeviceOptions, OptionGroup):
             True
         """
         self._store(all_or_nothing_calls=check_bool(enabled, "allOrNothingCalls"))
+
+    @setter
+    def compileStages(self, enabled: bool = True, backend: Optional[str] = None):
+        """Compile each stage's graphs once, as PopTorch compiles its program (poptorch_lite's
+        own; off by default).
+
+        Off, every op runs eagerly and a call is bit-exact to plain PyTorch. On, each
+        stage's forward (and with it its backward, and a recomputed stage's segments) is
+        compiled by ``torch.compile``'s ``backend`` on its first call: fused kernels, the
+        numbers within float reassociation of plain PyTorch (1e-4 relative over 20 steps),
+        dropout masks still plain PyTorch's. A stage too small for compiling to pay, or one
+        the backend cannot compile, runs eagerly, and the log says which and why
+        ([Note: compiled stages] in ``compiler/compiled_stages``).
+
+        Args:
+            enabled: compile the stages.
+            backend: ``"inductor"`` (fused kernels), ``"aot_eager"`` (the compiled forward
+                and backward graphs, run by eager kernels) or ``"eager"`` (only the
+                capture); None: the default of each stage's device, ``"inductor"`` on
+                CPUs and GPUs.
+
+        Raises:
+            OptionsError: a backend not among those.
+
+        Example:
+            >>> opts = Options().compileStages(True, backend="aot_eager")
+            >>> opts.compile_stages, opts.compile_backend
+            (True, 'aot_eager')
+        """
+        from ..compiler.compiled_stages import BACKENDS  # no torch._dynamo import here
+        if backend is not None and backend not in BACKENDS:
+            raise errors.OptionsError(
+                f"compileStages: backend {backend!r} is not one of {list(BACKENDS)}; pass one "
+                f"of those, or None for the default of each stage's device (inductor)")
+        self._store(compile_stages=check_bool(enabled, "compileStages"), compile_backend=backend)
 
     @setter
     def set_ipu_devices(self, mapping: Union[DeviceLike, Sequence[DeviceLike],

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from ..compiler import retarget, tracing
+from ..compiler import compiled_stages, retarget, tracing
 from ..compiler.lowered import lower
 from ..compiler.partition import Partition, check_pipeline_minimums, partition
 from ..errors import OptionsError, hide_when_refused as __tracebackhide__
@@ -112,8 +112,12 @@ def _compiled(model, modes, options, training, mbs, weights, placement, replicas
     recompute = tuple(recomputed(o, st) for st in part.stages) if training else ()
     channels = Channels(part, processes, {ipu: placement.device(ipu) for ipu in ipus}, training,
                         any(st.random for st in part.stages)) if spans else None
-    executor = Executor(part, lower(part, recompute), placement, weights, processes, channels)
-    return Program(part, executor, o.execution_strategy.schedule, recompute)
+    lowered, report = lower(part, recompute), None
+    if o.compile_stages:  # [Note: compiled stages] in compiler/compiled_stages
+        lowered, report = compiled_stages.compile_lowered(
+            lowered, {st.ipu: placement.device(st.ipu) for st in mine}, o.compile_backend)
+    executor = Executor(part, lowered, placement, weights, processes, channels)
+    return Program(part, executor, o.execution_strategy.schedule, recompute, report)
 
 
 def check_mapped(part: Partition, mapping) -> None:

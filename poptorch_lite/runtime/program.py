@@ -33,11 +33,14 @@ from .weights import Weights
 class Program:
     """What one input signature compiles to: the partition, its executor, its schedules."""
 
-    def __init__(self, partition: Partition, executor: Executor, kind, recompute: tuple):
+    def __init__(self, partition: Partition, executor: Executor, kind, recompute: tuple,
+                 compiled=None):
         self.partition = partition
         self.executor = executor
         self.kind = kind
         self.recompute = recompute
+        # What its stages' graphs became under compileStages (``compiled_stages``), or None.
+        self.compiled = compiled
         self._schedules: dict = {}
 
     def schedule(self, m: int, training: bool):

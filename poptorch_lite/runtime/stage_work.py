@@ -338,6 +338,9 @@ class StageWork:
         i = entry.i
         grads_in, gpu = run.grads[i], self.gpu_device[a.stage]
         crossing = st.crossing if self.weights.separate_memories else ()
+        # A compiled stage's backward is one node: its I runs it whole, its W has nothing
+        # left ([Note: split backward] in ``split_backward``).
+        joint = split and getattr(st.module, "joint_backward", False)
         pending: dict = {}  # value name -> gradient from a later segment's leaf
         for outs, names, leaves in reversed(entry.segments):
             tensors, grads = [], []
@@ -356,7 +359,7 @@ class StageWork:
                 if g is not None and o.requires_grad:
                     tensors.append(o)
                     grads.append(g)
-            if split and tensors:
+            if split and tensors and not joint:
                 entry.later.append(backward_input(
                     tensors, grads, [*leaves.values(), *entry.boundary.values()], params))
             elif tensors:
