@@ -305,10 +305,17 @@ def _strip(target):
 
 
 def _key(gm: fx.GraphModule, backend: str, device: torch.device, random: bool) -> tuple:
-    """What makes two graphs the same compiled graph: code, constants, backend, device."""
+    """What makes two graphs the same compiled graph: the code, what each name in it calls,
+    the constants, the backend and the device. Two graphs' code can read alike and call
+    different functions (two classes of one name, a closure per trace): a target that is not
+    one of torch's ops is known by its identity."""
     digest = hashlib.sha256(gm.code.encode())
     for node in gm.graph.nodes:
-        if node.op == "get_attr":
+        if node.op == "call_function":
+            digest.update(repr(_target_key(node.target)).encode())
+        elif node.op == "call_module":
+            digest.update(repr(("module", id(gm.get_submodule(node.target)))).encode())
+        elif node.op == "get_attr":
             value = getattr(gm, node.target)
             digest.update(node.target.encode())
             if isinstance(value, torch.Tensor):
@@ -316,8 +323,18 @@ def _key(gm: fx.GraphModule, backend: str, device: torch.device, random: bool) -
                 digest.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8)
                               .numpy().tobytes())
             else:
-                digest.update(repr(value).encode())
+                digest.update(repr(("object", id(value))).encode())
     return digest.hexdigest(), backend, str(device), random
+
+
+def _target_key(target):
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(target)
+    if hasattr(target, "wrapped_op"):  # a wrapper of ``subgraphs``: its kind, and its op
+        return getattr(target, "rewrap", None).__qualname__, _target_key(target.wrapped_op)
+    if getattr(target, "__module__", None) in ("_operator", "operator", "builtins", "math"):
+        return target.__module__, target.__qualname__
+    return "object", id(target)  # kept alive by the graph the cache holds
 
 
 def work(gm: fx.GraphModule, args: tuple) -> tuple:
