@@ -1,37 +1,44 @@
-"""Compiled stages: each stage's graphs compiled once by a ``torch.compile`` backend.
+"""Compiled stages: each stage's graphs compiled once, forward and backward.
 
 [Note: compiled stages]
 PopTorch compiles a model's program once; poptorch_lite's default path runs each traced
 op eagerly, bit-exact to plain PyTorch. With ``Options.compileStages(True)`` the lowered
 stages ([Note: lowered stages] in ``lowered``) keep their tables, and their graphs (the
 forward, and a recomputed stage's segments) become :class:`CompiledGraph`: on its first
-call each graph is compiled by ``torch.compile(fullgraph=True, dynamic=False)`` with the
-stage device's backend (Inductor by default), whose AOTAutograd also compiles the backward
-that the stage's ``autograd.backward`` then runs. The runtime (``stage_work``) calls a
-compiled graph exactly as it calls the eager one: the autograd boundary between stages,
-the stash, recomputation, split backwards and the schedules are unchanged.
+call each graph is compiled straight from the traced ATen graph, without TorchDynamo
+(there is no Python left to capture): AOTAutograd splits it into a forward and a backward
+graph and Inductor (``compile_fx``) compiles both, or, with ``aot_eager``, they run as
+they are. The compiled function is an autograd function, so the runtime (``stage_work``)
+calls it exactly as it calls the eager graph: the autograd boundary between stages, the
+stash, recomputation and the schedules are unchanged.
 
 - **Numbers.** Fused kernels reassociate float sums: within 1e-4 relative of plain
   PyTorch over 20 steps, not bit-exact. Random ops keep plain PyTorch's masks: the graph
   is compiled with Inductor's ``fallback_random`` (its random ops are eager ATen calls),
-  without the per-op stream wrappers of [Note: micro-batch RNG] (a graph break each);
-  instead the whole call draws from the micro-batch's stream (``rng.call_in_stream``,
-  which holds the stream lock for the call).
-- **When it pays.** A compiled call has a fixed cost (guards, the AOTAutograd function,
-  the wrapper code) that a stage of a few dozen FLOPs never earns back. Before compiling,
-  a stage's forward is run once on fake tensors to count its work: matmul/conv FLOPs plus
-  the elements its ops produce. Under :data:`PAYS_FROM` it stays eager, and the log says
-  so with its count.
-- **What cannot be compiled runs eagerly.** A stage the backend refuses (a construct
-  torch.compile does not capture, an in-place write to an input that needs a gradient)
-  is caught on its first call, before any of its ops ran (``fullgraph``: the whole graph
-  is captured and compiled before it runs), and runs eagerly from then on; the log says
-  which stage and why.
-- **Once.** Compiled graphs are kept per process, keyed by the graph's code and
-  constants, the backend and the device: a second wrapper of the same model structure
-  reuses them (torch.compile's guards still check every call's arguments). A compile
-  after a graph's first (new shapes, a new grad mode) is a recompile: counted, and logged
-  with what changed.
+  without the per-op stream wrappers of [Note: micro-batch RNG]; instead the whole call
+  draws from the micro-batch's stream (``rng.call_in_stream``, which holds the stream lock
+  for the call), and compiling draws from generators put back after (``fork_rng``).
+- **Guards.** A stage's arguments have one signature per program (``batch``'s signature
+  picks the program), so a graph is compiled once per grad mode (a function compiled
+  without grad would give outputs no gradient reaches), and Inductor's code checks each
+  input's size and stride itself. The compiled functions are kept per process, keyed by
+  the graph's code, the functions it calls, its constants, the arguments' signature, the
+  grad mode, the backend and the device: a second wrapper of the same model structure
+  reuses them. A graph compiled for its second grad mode is a recompile, counted and logged.
+- **When it pays.** A compiled call has a fixed cost (the AOTAutograd function, the
+  wrapper code) that a stage of a few dozen FLOPs never earns back. Before compiling, a
+  stage's forward runs once on fake tensors to count its work: matmul/conv FLOPs plus the
+  elements its ops produce. Under :data:`PAYS_FROM` it stays eager, and the log says so.
+- **What cannot be compiled runs eagerly.** Compiling runs nothing (AOTAutograd traces on
+  fake tensors), so a stage the backend refuses is caught before any of its ops ran, runs
+  eagerly from then on, and the log names it and the reason. The backward compiles on its
+  first call: a refusal there fails that call.
+- **Zero bubble.** Under a schedule that splits backwards, each graph's backward is split
+  once, when it compiles (:func:`split_backward`): an input half that I runs, and a weight
+  half for W that starts from the output gradients I computed on the way, not the
+  per-micro-batch walk over autograd's graph of [Note: split backward].
+- **Python inside an op** (a custom op's autograd formula) runs when the graph is traced
+  for compiling, not per call, as under ``torch.compile``.
 
 The first call of a wrapper logs what it compiled and how long it took
 (:meth:`CompileReport.flush`); ``benchmarks/tax.py --compiled`` measures the speed.
@@ -46,19 +53,19 @@ import logging
 import os
 import threading
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.fx as fx
 
-from . import rng
+from . import rng, tracing
 from .lowered import Lowered
 from .subgraphs import base_op
 
 _LOG = logging.getLogger("poptorch_lite")
 
 #: The backends ``Options.compileStages`` takes (``torch.compile``'s names).
-BACKENDS = ("inductor", "aot_eager", "eager")
+BACKENDS = ("inductor", "aot_eager")
 #: A stage whose forward does less work than this (matmul/conv FLOPs plus the elements its
 #: ops produce, per micro-batch) stays eager: a compiled call's fixed cost (some 30 µs on
 #: a CPU core) outweighs what fusing its ops saves ([Note: compiled stages]).
@@ -66,7 +73,7 @@ BACKENDS = ("inductor", "aot_eager", "eager")
 PAYS_FROM = int(os.environ.get("POPTORCH_LITE_PAYS_FROM", 50_000))
 _CACHE_SIZE = 64
 
-_compiles = threading.local()  # backend compiles made on this thread (dynamo compiles here)
+_compiles = threading.local()  # compiles made on this thread
 _cache: "collections.OrderedDict" = collections.OrderedDict()  # key -> compiled function
 _cache_lock = threading.Lock()
 
@@ -120,12 +127,15 @@ class CompileReport:
         return {s: c.state for s, c in sorted(self.stages.items())}
 
 
-def compile_lowered(lowered: Lowered, devices: dict, backend: Optional[str]) -> tuple:
+def compile_lowered(lowered: Lowered, devices: dict, backend: Optional[str],
+                    split: bool = False) -> tuple:
     """``lowered`` with every stage's graphs compiled on their first call, and its report.
 
     Args:
         devices: IPU -> torch device (the stages of other processes are left as they are).
         backend: one of :data:`BACKENDS`, or None for each device's default.
+        split: the schedule splits backwards (zero bubble): each graph's backward is compiled
+            as an input half and a weight half (:func:`split_backward`).
     """
     report = CompileReport()
     stages = []
@@ -137,9 +147,14 @@ def compile_lowered(lowered: Lowered, devices: dict, backend: Optional[str]) -> 
         chosen = backend or default_backend(device)
         info = report.stages[st.index] = Compiled(st.index, chosen)
         decision = _Decision(info, report)
-        module = CompiledGraph(st.module, device, chosen, st.random, decision, "forward")
+
+        def weights(names):  # the positions of the parameters, whose gradients W computes
+            return tuple(k for k, n in enumerate(names) if n.startswith("param:")
+                         and n.split(":", 1)[1] not in lowered.replica_values) if split else ()
+        module = CompiledGraph(st.module, device, chosen, st.random, decision, "forward",
+                               weights(st.inputs))
         segments = tuple(dataclasses.replace(seg, module=CompiledGraph(
-            seg.module, device, chosen, st.random, decision, f"segment {k}"))
+            seg.module, device, chosen, st.random, decision, f"segment {k}", weights(seg.inputs)))
             for k, seg in enumerate(st.segments))
         stages.append(dataclasses.replace(st, module=module, segments=segments))
     return dataclasses.replace(lowered, stages=tuple(stages)), report
@@ -155,76 +170,126 @@ class _Decision:
 
 class CompiledGraph:
     """A stage graph, compiled on its first call ([Note: compiled stages]); called as the
-    graph is, with the same arguments and results."""
+    graph is, with the same arguments and results.
+
+    Args:
+        weights: the positions of the parameters among its arguments, when its backward is
+            to be split (zero bubble); empty: not split.
+    """
 
     def __init__(self, gm: fx.GraphModule, device: torch.device, backend: str, random: bool,
-                 decision: _Decision, part: str):
+                 decision: _Decision, part: str, weights: tuple = ()):
         self.gm, self.device, self.backend, self.random = gm, device, backend, random
-        self.decision, self.part = decision, part
-        self.fn = None  # the compiled function, or ``gm`` once the stage runs eagerly
+        self.decision, self.part, self.weights = decision, part, weights
+        self.fns: dict = {}  # grad mode -> the compiled function
+        self.eager = False  # runs ``gm`` (too small to pay, or refused)
+        # The split backward's switch and what its I halves left for their W (shared by the
+        # wrappers that share the compiled function); None: the backward is not split.
+        self.split: Optional[SplitState] = None
         self._lock = threading.Lock()
 
     @property
     def joint_backward(self) -> bool:
-        """Whether the stage's backward is compiled: one autograd node, which a split
-        backward cannot split ([Note: split backward] in ``runtime/split_backward``)."""
-        return self.decision.info.state in ("compiled", "reused")
+        """Whether the graph's backward is compiled whole: one autograd node, which the
+        eager split cannot split ([Note: split backward] in ``runtime/split_backward``)."""
+        return bool(self.fns) and self.split is None
 
     def __call__(self, *args):
-        fn = self.fn
+        if self.eager:
+            return self.gm(*args)
+        fn = self.fns.get(torch.is_grad_enabled())
         if fn is None:
             return self._first(args)
-        if fn is self.gm:
-            return fn(*args)
-        before = getattr(_compiles, "n", 0)
-        try:
-            out = rng.call_in_stream(fn, args, self.device) if self.random else fn(*args)
-        except torch._dynamo.exc.TorchDynamoException as exc:  # a recompile refused
-            self._refused(exc)
-            return self.gm(*args)
-        if getattr(_compiles, "n", 0) != before:
-            self._recompiled(args)
-        return out
+        return rng.call_in_stream(fn, args, self.device) if self.random else fn(*args)
 
     def _first(self, args: tuple):
         info = self.decision.info
         with self._lock:
-            if self.fn is None:
+            grad = torch.is_grad_enabled()
+            if not self.eager and grad not in self.fns:
                 started = time.perf_counter()
-                plain = _without_seeding(self.gm)
-                d = self.decision
-                if d.compile is None:
-                    d.compile = self._pays(plain, args)
-                if not d.compile:
-                    self.fn = self.gm
+                keys: list = []  # the sources torch.fx keeps of the graphs made here
+                with tracing.generated_sources(keys):
+                    made = self._made(args, grad)
+                if made is None:
+                    tracing.forget_sources(keys)
                     return self.gm(*args)
-                key = _key(plain, self.backend, self.device, self.random)
-                with _cache_lock:
-                    fn = _cache.get(key)
-                if fn is not None and info.state in ("waiting", "reused"):
-                    info.state = "reused"
+                fn, split, reused, key = made
+                if reused:
+                    tracing.forget_sources(keys)
                 else:
-                    fn = torch.compile(plain.forward, backend=_backend(self.backend, self.random),
-                                       fullgraph=True, dynamic=False)
-                before = getattr(_compiles, "n", 0)
-                try:
-                    out = rng.call_in_stream(fn, args, self.device) if self.random else fn(*args)
-                except torch._dynamo.exc.TorchDynamoException as exc:  # before any op ran
-                    self._refused(exc)
-                    return self.gm(*args)
-                if info.state == "reused" and getattr(_compiles, "n", 0) != before:
-                    self._recompiled(args)  # another wrapper's graph, for other arguments
-                if info.state == "waiting":
-                    info.state = "compiled"
-                if info.state == "compiled":
                     with _cache_lock:
-                        _cache[key] = fn
+                        _cache[key] = (fn, split, keys)
                         while len(_cache) > _CACHE_SIZE:
-                            _cache.popitem(last=False)
+                            tracing.forget_sources(_cache.popitem(last=False)[1][2])
+                if self.fns:  # compiled before, for the other grad mode
+                    self._recompiled(reused)
+                elif info.state == "waiting":
+                    info.state = "reused" if reused else "compiled"
+                elif info.state == "reused" and not reused:
+                    info.state = "compiled"
+                self.fns[grad] = fn
+                if split is not None:
+                    self.split = split
                 info.seconds += time.perf_counter() - started
-                self.fn = fn
-                return out
         return self(*args)
+
+    def _made(self, args: tuple, grad: bool) -> Optional[tuple]:
+        """``(function, SplitState or None, reused, cache key)`` for ``args`` in grad mode
+        ``grad``: another wrapper's, or compiled now; None where the stage runs eagerly."""
+        plain = _without_seeding(self.gm)
+        d = self.decision
+        if d.compile is None:
+            d.compile = self._pays(plain, args)
+        if not d.compile:
+            self.eager = True
+            return None
+        key = (_key(plain, self.backend, self.device, self.random), _signature(args), grad,
+               self.weights)
+        with _cache_lock:
+            cached = _cache.get(key)
+        if cached is not None:
+            return cached[0], cached[1], True, key
+        try:
+            fn, split = self._compile(plain, args)
+        except Exception as exc:  # noqa: BLE001 - any refusal: run eagerly
+            self._refused(exc)
+            return None
+        return fn, split, False, key
+
+    def _compile(self, plain: fx.GraphModule, args: tuple) -> tuple:
+        """``(function, SplitState or None)``: ``plain`` compiled for ``args``, nothing run
+        (AOTAutograd traces it on fake tensors; the backward compiles on its first call)."""
+        _compiles.n = getattr(_compiles, "n", 0) + 1
+        split = SplitState() if self.weights and torch.is_grad_enabled() else None
+        positions = self.weights
+
+        # Compiling may draw random numbers (Inductor benchmarks its choices on random
+        # inputs): from generators that are put back after, not from the micro-batch's stream.
+        with torch.random.fork_rng(devices=_cuda_devices(args)):
+            if self.backend == "inductor":
+                from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+                def inner(gm, example_inputs, **kw):
+                    if kw.get("is_backward") and split is not None:
+                        def one(g, ex, first):
+                            more = dict(kw) if first else {**kw, "static_input_idxs": ()}
+                            return compile_fx_inner(g, ex, **more)
+                        return split_backward(gm, example_inputs, positions, one, split)
+                    return compile_fx_inner(gm, example_inputs, **kw)
+                fn = compile_fx(plain, list(args), inner_compile=inner,
+                                config_patches={"fallback_random": True} if self.random else None)
+            else:  # aot_eager: AOTAutograd's forward and backward graphs, run as they are
+                from torch._functorch.aot_autograd import aot_module_simplified
+
+                def backward(gm, example_inputs):
+                    if split is not None:
+                        return split_backward(gm, example_inputs, positions,
+                                              lambda g, ex, first: _boxed(g), split)
+                    return _boxed(gm)
+                fn = aot_module_simplified(plain, list(args), fw_compiler=lambda g, _: _boxed(g),
+                                           bw_compiler=backward)
+        return fn, split
 
     def _pays(self, plain: fx.GraphModule, args: tuple) -> bool:
         info = self.decision.info
@@ -244,7 +309,7 @@ class CompiledGraph:
 
     def _refused(self, exc: BaseException) -> None:
         info = self.decision.info
-        self.fn = self.gm
+        self.eager = True
         info.state = "failed"
         inner = getattr(exc, "inner_exception", None) or exc  # the backend's own error
         text = str(inner).strip()
@@ -252,33 +317,154 @@ class CompiledGraph:
         info.why = f"{info.why}; {reason}" if info.why else (
             f"{self.backend} could not compile its {reason}")
 
-    def _recompiled(self, args: tuple) -> None:
+    def _recompiled(self, reused: bool) -> None:
         info = self.decision.info
         info.recompiles += 1
         self.decision.report.recompiles += 1
         _LOG.warning(
-            "compileStages: stage %d's %s recompiled (%d recompiles so far): its arguments "
-            "changed since it was compiled (now %s, grad mode %s); a new input signature or "
-            "grad mode compiles once more", info.stage, self.part, info.recompiles,
-            [tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args],
-            torch.is_grad_enabled())
+            "compileStages: stage %d's %s %s for grad mode %s (%d recompiles so far): a graph "
+            "compiles once per grad mode (a training and an inference wrapper of one model)",
+            info.stage, self.part, "took another wrapper's graph" if reused else "recompiled",
+            torch.is_grad_enabled(), info.recompiles)
 
 
-def _backend(name: str, random: bool):
-    """``torch.compile``'s backend ``name``, counting its compiles on this thread; random
-    ops stay eager ATen calls (Inductor's ``fallback_random``)."""
-    def compile_graph(gm, example_inputs):
-        _compiles.n = getattr(_compiles, "n", 0) + 1
-        # Compiling may draw random numbers (Inductor benchmarks its choices on random
-        # inputs): from generators that are put back after, not from the micro-batch's stream.
-        with torch.random.fork_rng(devices=_cuda_devices(example_inputs)):
-            if name == "inductor":
-                from torch._inductor.compile_fx import compile_fx
-                return compile_fx(gm, example_inputs,
-                                  config_patches={"fallback_random": True} if random else {})
-            from torch._dynamo import lookup_backend
-            return lookup_backend(name)(gm, example_inputs)
-    return compile_graph
+class SplitState:
+    """A compiled graph's split backward (:func:`split_backward`): while ``splitting`` (an I
+    action of a zero-bubble schedule), each backward computes the input gradients and leaves
+    a :class:`WeightHalf` in ``deferred`` for the W action; otherwise it computes both halves
+    at once. ``lock``: held from setting ``splitting`` until the halves are taken (wrappers
+    that share the graph take turns)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.splitting = False
+        self.deferred: list = []
+
+
+class WeightHalf:
+    """The weight half of one backward: its graph and the values it reads, kept from I."""
+
+    __slots__ = ("graph", "inputs", "positions", "params")
+
+    def __init__(self, graph, inputs: list, positions: tuple):
+        self.graph, self.inputs, self.positions = graph, inputs, positions
+        self.params: Optional[Sequence] = None  # argument position -> tensor, given at I
+
+    def nbytes(self) -> int:
+        """The bytes of what it keeps (distinct storages), held until W."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in self.inputs if isinstance(t, torch.Tensor)}
+        return sum(storages.values())
+
+    def run(self) -> None:
+        """W: the parameters' gradients, added to their ``.grad`` by autograd (under its lock:
+        a parameter two stages share loses nothing)."""
+        with torch.no_grad():  # as inside autograd's backward, where I ran
+            grads = self.graph(list(self.inputs))
+        self.inputs = []
+        tensors, seeds = [], []
+        for at, g in zip(self.positions, grads):
+            p = self.params[at]
+            if g is not None and p is not None and p.requires_grad:
+                tensors.append(p)
+                seeds.append(g)
+        if tensors:
+            from ..runtime.split_backward import run_backward
+            run_backward(tensors, seeds)
+
+
+def split_backward(bw: fx.GraphModule, example_inputs, positions: tuple, compile_one,
+                   state: SplitState):
+    """AOTAutograd's backward graph ``bw`` (its outputs: one gradient per forward argument)
+    as two graphs: I, the gradients of the arguments but the parameters at ``positions``,
+    and W, the parameters' gradients from the saved values and what I computed on the way
+    (the gradient of each value a weight multiplies: ``dW = dy.T @ x`` reads I's ``dy``), so
+    W never runs the chain back to the inputs again. Each is compiled by
+    ``compile_one(graph, example inputs, is_i)``. Returns the backward AOTAutograd calls
+    (boxed: a list of the saved values and the output gradients)."""
+    outs = list(bw.graph.output_node().args[0])
+    w_at = tuple(k for k in positions if k < len(outs) and isinstance(outs[k], fx.Node))
+    i_at = tuple(k for k, o in enumerate(outs) if isinstance(o, fx.Node) and k not in w_at)
+    if not w_at:  # nothing to defer
+        return compile_one(bw, example_inputs, True)
+    for_i = _ancestors([outs[k] for k in i_at])
+    w_only = [n for n in bw.graph.nodes if n in _ancestors([outs[k] for k in w_at])
+              and n not in for_i and n.op != "placeholder"]
+    inside = set(w_only)
+    read = list(dict.fromkeys(
+        [a for n in w_only for a in n.all_input_nodes if a not in inside]
+        + [outs[k] for k in w_at if outs[k] not in inside]))
+    held = [n for n in read if n.op == "placeholder"]
+    boundary = [n for n in read if n.op != "placeholder"]
+    placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
+
+    g_i, env = fx.Graph(), {}
+    for n in bw.graph.nodes:
+        if n.op != "output":
+            env[n] = g_i.node_copy(n, env.__getitem__)
+    g_i.output(tuple(env[outs[k]] for k in i_at) + tuple(env[n] for n in boundary))
+    g_i.eliminate_dead_code()
+    g_w, env = fx.Graph(), {}
+    for n in held + boundary:
+        env[n] = g_w.placeholder(n.name)
+        env[n].meta = dict(n.meta)
+    for n in w_only:
+        env[n] = g_w.node_copy(n, env.__getitem__)
+    g_w.output(tuple(env[outs[k]] for k in w_at))
+    half_i = compile_one(fx.GraphModule(bw, g_i), example_inputs, True)
+    half_w = compile_one(fx.GraphModule(bw, g_w),
+                         [example_inputs[placeholders.index(n)] for n in held]
+                         + [n.meta["val"] for n in boundary], False)
+    take = tuple(placeholders.index(n) for n in held)
+    return _SplitBackward(half_i, half_w, len(outs), i_at, w_at, take, state)
+
+
+class _SplitBackward:
+    """The boxed backward of :func:`split_backward`."""
+
+    def __init__(self, half_i, half_w, n, i_at, w_at, take, state):
+        # On the instance: wrappers (functools.wraps) copy an instance's attributes only.
+        self._boxed_call = True
+        self.half_i, self.half_w, self.n, self.i_at, self.w_at = half_i, half_w, n, i_at, w_at
+        self.take, self.state = take, state
+
+    def __call__(self, args: list):
+        kept = [args[k] for k in self.take]
+        got = self.half_i(list(args))
+        args.clear()  # AOTAutograd's boxed convention: the saved values go when done
+        grads = [None] * self.n
+        for k, g in zip(self.i_at, got):
+            grads[k] = g
+        inputs = kept + list(got[len(self.i_at):])
+        if self.state.splitting:
+            self.state.deferred.append(WeightHalf(self.half_w, inputs, self.w_at))
+        else:
+            for k, g in zip(self.w_at, self.half_w(inputs)):
+                grads[k] = g
+        return tuple(grads)
+
+
+def _ancestors(roots) -> set:
+    seen, stack = set(), list(roots)
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _boxed(gm: fx.GraphModule):
+    """``gm`` called AOTAutograd's boxed way (a list of arguments)."""
+    def call(args):
+        return gm(*args)
+    call._boxed_call = True
+    return call
+
+
+def _signature(args: tuple) -> tuple:
+    return tuple((tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad)
+                 if isinstance(a, torch.Tensor) else repr(a) for a in args)
 
 
 def _cuda_devices(tensors) -> list:
@@ -378,4 +564,6 @@ def work(gm: fx.GraphModule, args: tuple) -> tuple:
 def clear_cache() -> None:
     """Forget every compiled graph of this process (the next compile starts afresh)."""
     with _cache_lock:
+        for _, _, keys in _cache.values():
+            tracing.forget_sources(keys)
         _cache.clear()

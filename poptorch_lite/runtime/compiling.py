@@ -21,6 +21,7 @@ import torch
 from ..compiler import compiled_stages, retarget, tracing
 from ..compiler.lowered import lower
 from ..compiler.partition import Partition, check_pipeline_minimums, partition
+from ..enums import PipelineSchedule
 from ..errors import OptionsError, hide_when_refused as __tracebackhide__
 from ..options.options import Options
 from .batch import MicroBatches
@@ -115,7 +116,8 @@ def _compiled(model, modes, options, training, mbs, weights, placement, replicas
     lowered, report = lower(part, recompute), None
     if o.compile_stages:  # [Note: compiled stages] in compiler/compiled_stages
         lowered, report = compiled_stages.compile_lowered(
-            lowered, {st.ipu: placement.device(st.ipu) for st in mine}, o.compile_backend)
+            lowered, {st.ipu: placement.device(st.ipu) for st in mine}, o.compile_backend,
+            split=training and o.execution_strategy.schedule is PipelineSchedule.ZeroBubble)
     executor = Executor(part, lowered, placement, weights, processes, channels)
     return Program(part, executor, o.execution_strategy.schedule, recompute, report)
 

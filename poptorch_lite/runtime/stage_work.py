@@ -71,7 +71,7 @@ from ..errors import Error
 from .placement import Placement
 from .run import Entry, Run
 from .schedule import Action
-from .split_backward import backward_input, backward_weight, run_backward
+from .split_backward import backward_input, run_backward
 from .update import check_loss
 from .streams import arrive
 from .weights import Weights
@@ -123,6 +123,9 @@ class StageWork:
         # (the activations of one micro-batch), measured on its first recompute the same way:
         # a split backward holds them from I until W.
         self._rebuilt_bytes: dict = {}
+        # Per (stage, segment) of a compiled split backward, its parameters by argument
+        # position (what its W halves add their gradients to).
+        self._graph_params: dict = {}
 
     def args(self, s: int, run: Run, i: int, device: torch.device) -> tuple:
         """Stage s's arguments for micro-batch i, and its boundary leaves ([Note: autograd boundary])."""
@@ -318,8 +321,8 @@ class StageWork:
             raise Error(f"{a} found no input-gradient half of micro-batch {a.microbatch} "
                         f"waiting: the schedule broke I-before-W order")
         entry = waiting.popleft()
-        for deferred in entry.later:
-            backward_weight(deferred)
+        for deferred in entry.later:  # split_backward's Deferred, or a compiled WeightHalf
+            deferred.run()
         entry.later = None
         run.stash_bytes[a.stage] -= entry.nbytes
         if step.accum_dtype is not None:
@@ -338,11 +341,9 @@ class StageWork:
         i = entry.i
         grads_in, gpu = run.grads[i], self.gpu_device[a.stage]
         crossing = st.crossing if self.weights.separate_memories else ()
-        # A compiled stage's backward is one node: its I runs it whole, its W has nothing
-        # left ([Note: split backward] in ``split_backward``).
-        joint = split and getattr(st.module, "joint_backward", False)
         pending: dict = {}  # value name -> gradient from a later segment's leaf
-        for outs, names, leaves in reversed(entry.segments):
+        for k in range(len(entry.segments) - 1, -1, -1):
+            outs, names, leaves = entry.segments[k]
             tensors, grads = [], []
             for name, o in zip(names, outs):
                 g = grads_in.pop(name, None)
@@ -359,10 +360,13 @@ class StageWork:
                 if g is not None and o.requires_grad:
                     tensors.append(o)
                     grads.append(g)
-            if split and tensors and not joint:
+            graph = st.segments[k].module if st.recompute else st.module
+            if split and tensors and getattr(graph, "split", None) is not None:
+                entry.later += self._split_compiled(graph, tensors, grads, a.stage, k)
+            elif split and tensors and not getattr(graph, "joint_backward", False):
                 entry.later.append(backward_input(
                     tensors, grads, [*leaves.values(), *entry.boundary.values()], params))
-            elif tensors:
+            elif tensors:  # a compiled graph not split: its I runs the whole backward
                 run_backward(tensors, grads)
             if leaves:
                 _collect_grads(leaves, pending)
@@ -386,6 +390,33 @@ class StageWork:
                 run.stats.peak_stash_bytes[a.stage] = held
         elif step.accum_dtype is not None:
             self._accumulate(a.stage, run, step.accum_dtype)
+
+    def _split_compiled(self, graph, tensors: list, grads: list, s: int, k: int) -> list:
+        """I of a compiled graph whose backward is split ([Note: compiled stages] in
+        ``compiled_stages``): the input half runs now, and what it leaves for W comes back,
+        told where its parameters are."""
+        state = graph.split
+        params = self._graph_params.get((s, k))
+        if params is None:
+            ipu = self.stages[s].ipu
+            names = self.stages[s].segments[k].inputs if self.stages[s].recompute else \
+                self.stages[s].inputs
+            params = self._graph_params[s, k] = [
+                self.weights.param(n.split(":", 1)[1], ipu) if at in graph.weights else None
+                for at, n in enumerate(names)]
+        if any(p._backward_hooks for p in params if p is not None):
+            run_backward(tensors, grads)  # a hook on a weight sees its gradient whole, in I
+            return []
+        with state.lock:
+            state.splitting = True
+            try:
+                run_backward(tensors, grads)
+            finally:
+                state.splitting = False
+                halves, state.deferred = state.deferred, []
+        for half in halves:
+            half.params = params
+        return halves
 
     def _accumulate(self, s: int, run: Run, dtype: torch.dtype) -> None:
         """Move this backward's gradients into accumulators of ``dtype`` ([Note: gradient arithmetic])."""
