@@ -21,7 +21,9 @@ Rows of the table:
                                  machine's 2-thread scaling c, and from it the
                                  attainable speed-up ideal*c/S
     poptorch_lite <schedule>     one call of the wrapped model (``--schedules``;
-                                 "+recompute" recomputes every forward stage)
+                                 "+recompute" recomputes every forward stage,
+                                 "+compiled" compiles the stages:
+                                 ``Options.compileStages``)
     poptorch_lite <schedule>     the same with a stage per process
       (2 processes)              (``Options.Distributed.set_ipu_processes``), gloo
                                  on loopback (``--process-schedules``)
@@ -55,6 +57,7 @@ from _pipeline_dist import (SCHEDULES as TORCH_SCHEDULES, Pipelined, Ranks, batc
                             loss_of, stages)
 
 S = 2  # pipeline stages: blocks "s0" and "s1"
+EXTRAS = ("recompute", "compiled")  # the suffixes of a --schedules variant
 CEILING = "plain PyTorch, both stages at once, 2 threads"
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -73,7 +76,7 @@ parser.add_argument("--warmup", type=int, default=3, help="untimed rounds of eve
 parser.add_argument("--schedules",
                     default="sequential,grouped,interleaved,interleaved+recompute,gpipe,zero_bubble",
                     help="poptorch_lite variants, comma-separated: a PipelineSchedule name, "
-                         "optionally with +recompute")
+                         "optionally with +recompute and/or +compiled")
 parser.add_argument("--process-schedules", default="grouped,interleaved",
                     help="poptorch_lite schedules run with a stage per process, comma-separated; "
                          "empty to skip")
@@ -87,32 +90,37 @@ parser.add_argument("--svg", default=None, metavar="DIR",
 
 
 def parse_variants(text):
-    """``"interleaved,gpipe+recompute"`` -> [(Interleaved, False), (GPipe, True)]."""
+    """``"interleaved,gpipe+recompute"`` -> [(Interleaved, ()), (GPipe, ("recompute",))]."""
     variants = []
     for token in filter(None, (t.strip() for t in text.split(","))):
-        name, plus, extra = token.partition("+")
-        if plus and extra != "recompute":
-            parser.error(f"--schedules: unknown suffix '+{extra}' in '{token}'; the only "
-                         f"suffix is '+recompute', e.g. 'interleaved+recompute'")
+        name, *extras = token.split("+")
+        unknown = [e for e in extras if e not in EXTRAS]
+        if unknown:
+            parser.error(f"--schedules: unknown suffix '+{unknown[0]}' in '{token}'; the "
+                         f"suffixes are {', '.join('+' + e for e in EXTRAS)}, e.g. "
+                         f"'interleaved+recompute+compiled'")
         try:
-            variants.append((poptorch.PipelineSchedule.parse(name), bool(plus)))
+            variants.append((poptorch.PipelineSchedule.parse(name),
+                             tuple(e for e in EXTRAS if e in extras)))
         except poptorch.Error as e:
             parser.error(f"--schedules: {e}")
     return variants
 
 
-def variant_name(schedule, recompute):
-    return schedule.value + (" + recompute" if recompute else "")
+def variant_name(schedule, extras):
+    return " + ".join((schedule.value, *extras))
 
 
-def wrap(base, m, schedule, recompute, lr):
+def wrap(base, m, schedule, extras, lr):
     """A copy of ``base`` wrapped by ``trainingModel``: m micro-batches and one SGD step a call."""
     net = copy.deepcopy(base)
     opts = poptorch.Options()
     opts.Training.gradientAccumulation(m)
     opts.setExecutionStrategy(poptorch.PipelinedExecution("s0", "s1", schedule=schedule))
-    if recompute:
+    if "recompute" in extras:
         opts._Popart.set("autoRecomputation", 3)  # recompute every forward stage
+    if "compiled" in extras:
+        opts.compileStages(True)
     return poptorch.trainingModel(net, opts, torch.optim.SGD(net.parameters(), lr=lr))
 
 
@@ -221,13 +229,13 @@ def stash_rows(base, wrapped, args):
     x, y = batch(args.model, args.microbatches * args.micro_batch, args.width)
     rows = []
     for schedule in dict.fromkeys(schedule for schedule, _ in wrapped):
-        for recompute in (False, True):
-            model = wrapped.get((schedule, recompute))
+        for extras in dict.fromkeys([(), ("recompute",)] + [e for s, e in wrapped if s == schedule]):
+            model = wrapped.get((schedule, extras))
             if has_stats and model is None:
-                model = wrap(base, args.microbatches, schedule, recompute, args.lr)
+                model = wrap(base, args.microbatches, schedule, extras, args.lr)
                 model(x, y)
                 model(x, y)
-            rows.append((variant_name(schedule, recompute),
+            rows.append((variant_name(schedule, extras),
                          model.runStatistics() if has_stats else None))
     return rows
 
@@ -285,9 +293,9 @@ def build_variants(args, schedules, process_names, torch_names):
                 baseline: timed(micro_step),
                 CEILING: timed(ceiling_step(base, x, y, m, args.lr))}
     wrapped = {}
-    for schedule, recompute in schedules:
-        model = wrapped[(schedule, recompute)] = wrap(base, m, schedule, recompute, args.lr)
-        variants[f"poptorch_lite {variant_name(schedule, recompute)}"] = timed(
+    for schedule, extras in schedules:
+        model = wrapped[(schedule, extras)] = wrap(base, m, schedule, extras, args.lr)
+        variants[f"poptorch_lite {variant_name(schedule, extras)}"] = timed(
             lambda model=model: model(x, y))
     setup = dict(model=args.model, width=args.width, layers=args.layers, micro_batch=B, m=m,
                  lr=args.lr)
@@ -318,7 +326,7 @@ def run(args):
     """The tables of one m (``args.microbatches``)."""
     m, B = args.microbatches, args.micro_batch
     schedules = parse_variants(args.schedules)
-    process_names = [s.value for s, recompute in parse_variants(args.process_schedules)]
+    process_names = [s.value for s, _ in parse_variants(args.process_schedules)]
     torch_names = [n.strip().lower() for n in args.torch_schedules.split(",") if n.strip()]
     unknown = [n for n in torch_names if n not in TORCH_SCHEDULES]
     if unknown:

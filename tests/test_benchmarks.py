@@ -24,6 +24,23 @@ def test_tax_runs_one_side_and_reports_its_step_time_and_memory(side):
     assert report["step_ms"] > 0 and report["rss_mib"] > 0
 
 
+def test_tax_compiled_takes_turns_between_four_sides():
+    """``--compiled``: plain, plain torch.compile, lite and lite compileStages take turns; the
+    row gives each side's step and compiled lite's ratio to the other three (one pair of two
+    blocks; the tiny case, whose stage stays eager, so only the plain side compiles)."""
+    done = subprocess.run([sys.executable, str(BENCH / "tax.py"), "--compiled", "--case", "tiny",
+                           "--threads", "1", "--pairs", "1", "--blocks", "2", "--calls", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    header, row = done.stdout.strip().splitlines()
+    assert header.split()[:10] == ["case", "thr", "plain", "plain-c", "lite", "lite-c",
+                                   "lite-c/plain", "lite-c/plain-c", "lite-c/lite", "(ms"]
+    cells = row.split()
+    assert cells[:2] == ["tiny", "1"] and all(float(c) > 0 for c in cells[2:6])
+    for ratio, spread in zip(cells[6::2], cells[7::2]):  # one pair: its own spread
+        assert spread == f"({float(ratio):.2f}-{float(ratio):.2f})"
+
+
 def test_tax_pairs_the_two_sides_block_by_block():
     """The parent keeps a plain and a poptorch_lite process side by side and asks each for
     blocks in turn; one pair of two blocks of one call each (figures are not checked)."""
@@ -100,13 +117,15 @@ def test_the_gpu_checks_mnist_match_agrees_with_plain_pytorch_on_the_cpu():
 def test_pipeline_benchmark_runs_the_conv_net_with_a_stage_per_process():
     """A smoke run: every kind of row, one timed step each (figures are not checked)."""
     done = subprocess.run([sys.executable, str(BENCH / "pipeline.py"), "--model", "conv",
-                           "--repeats", "1", "--warmup", "0", "--schedules", "grouped",
-                           "--process-schedules", "interleaved", "--torch-schedules", "1f1b",
+                           "--repeats", "1", "--warmup", "0", "--schedules",
+                           "grouped,zero_bubble+compiled", "--process-schedules", "interleaved",
+                           "--torch-schedules", "1f1b",
                            "--microbatches", "8"],
                           capture_output=True, text=True, timeout=300, cwd=BENCH.parent)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line.split("  ")[0] for line in done.stdout.splitlines()]
     for row in ("plain PyTorch, micro-batched (8 x 8 rows)", "poptorch_lite grouped",
+                "poptorch_lite zero_bubble + compiled",
                 "poptorch_lite interleaved (2 processes)", "torch Schedule1F1B (2 processes)"):
         assert row in rows, done.stdout
 

@@ -30,9 +30,9 @@ stash, recomputation and the schedules are unchanged.
   stage's forward runs once on fake tensors to count its work: matmul/conv FLOPs plus the
   elements its ops produce. Under :data:`PAYS_FROM` it stays eager, and the log says so.
 - **What cannot be compiled runs eagerly.** Compiling runs nothing (AOTAutograd traces on
-  fake tensors), so a stage the backend refuses is caught before any of its ops ran, runs
-  eagerly from then on, and the log names it and the reason. The backward compiles on its
-  first call: a refusal there fails that call.
+  fake tensors) and compiles the backward with the forward, so a stage the backend refuses
+  is caught before any of its ops ran, runs eagerly from then on, and the log names it and
+  the reason.
 - **Zero bubble.** Under a schedule that splits backwards, each graph's backward is split
   once, when it compiles (:func:`split_backward`): an input half that I runs, and a weight
   half for W that starts from the output gradients I computed on the way, not the
@@ -258,15 +258,21 @@ class CompiledGraph:
         return fn, split, False, key
 
     def _compile(self, plain: fx.GraphModule, args: tuple) -> tuple:
-        """``(function, SplitState or None)``: ``plain`` compiled for ``args``, nothing run
-        (AOTAutograd traces it on fake tensors; the backward compiles on its first call)."""
+        """``(function, SplitState or None)``: ``plain`` compiled for ``args``, forward and
+        backward, nothing run (AOTAutograd traces it on fake tensors)."""
         _compiles.n = getattr(_compiles, "n", 0) + 1
         split = SplitState() if self.weights and torch.is_grad_enabled() else None
         positions = self.weights
 
         # Compiling may draw random numbers (Inductor benchmarks its choices on random
         # inputs): from generators that are put back after, not from the micro-batch's stream.
-        with torch.random.fork_rng(devices=_cuda_devices(args)):
+        # The backward compiles now too, not at its first call: its time is counted, and a
+        # refusal comes before anything ran.
+        import torch._functorch.config as functorch_config
+        eager_backward = ({"force_non_lazy_backward_lowering": True} if hasattr(
+            functorch_config, "force_non_lazy_backward_lowering") else {})
+        with torch.random.fork_rng(devices=_cuda_devices(args)), \
+                functorch_config.patch(**eager_backward):
             if self.backend == "inductor":
                 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
