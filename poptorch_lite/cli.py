@@ -89,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _backends() -> tuple:
-    return importlib.import_module("poptorch_lite.compiler.compiled_stages").BACKENDS
+    return importlib.import_module("poptorch_lite.options.compile").BACKENDS
 
 
 def compile_by_default(backend: Optional[str]) -> None:

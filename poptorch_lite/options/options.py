@@ -29,6 +29,7 @@ from ..enums import CommGroupType, OutputMode
 from ..strategies import ExecutionStrategy, PipelinedExecution
 from . import config
 from .base import OptionGroup, check_bool, check_positive_int, coerce_enum, setter, via_setter
+from .compile import CompileOptions
 from .device import DEVICE_ATTRIBUTES, DEVICE_DEFAULTS, DeviceOptions, IpuDeviceMap, _device
 from .groups import _DistributedOptions, _TrainingOptions
 from .ipu import _JitOptions, _PopartOptions, _PrecisionOptions, _TensorLocationOptions
@@ -60,7 +61,7 @@ def _options_attributes() -> dict:
     return attributes
 
 
-class Options(DeviceOptions, OptionGroup):
+class Options(DeviceOptions, CompileOptions, OptionGroup):
     """Everything that controls how a wrapped model runs (PopTorch's ``poptorch.Options``).
 
     Every setter returns ``self``; values read back as snake_case attributes;
@@ -289,41 +290,6 @@ class Options(DeviceOptions, OptionGroup):
             True
         """
         self._store(all_or_nothing_calls=check_bool(enabled, "allOrNothingCalls"))
-
-    @setter
-    def compileStages(self, enabled: bool = True, backend: Optional[str] = None):
-        """Compile each stage's graphs once, as PopTorch compiles its program (poptorch_lite's
-        own; off by default).
-
-        Off, every op runs eagerly and a call is bit-exact to plain PyTorch. On, each
-        stage's forward (and with it its backward, and a recomputed stage's segments) is
-        compiled by ``torch.compile``'s ``backend`` on its first call: fused kernels, the
-        numbers within float reassociation of plain PyTorch (1e-4 relative over 20 steps),
-        dropout masks still plain PyTorch's. A stage too small for compiling to pay, or one
-        the backend cannot compile, runs eagerly, and the log says which and why
-        ([Note: compiled stages] in ``compiler/compiled_stages``).
-
-        Args:
-            enabled: compile the stages.
-            backend: ``"inductor"`` (fused kernels), ``"aot_eager"`` (the compiled forward
-                and backward graphs, run by eager kernels) or ``"eager"`` (only the
-                capture); None: the default of each stage's device, ``"inductor"`` on
-                CPUs and GPUs.
-
-        Raises:
-            OptionsError: a backend not among those.
-
-        Example:
-            >>> opts = Options().compileStages(True, backend="aot_eager")
-            >>> opts.compile_stages, opts.compile_backend
-            (True, 'aot_eager')
-        """
-        from ..compiler.compiled_stages import BACKENDS  # no torch._dynamo import here
-        if backend is not None and backend not in BACKENDS:
-            raise errors.OptionsError(
-                f"compileStages: backend {backend!r} is not one of {list(BACKENDS)}; pass one "
-                f"of those, or None for the default of each stage's device (inductor)")
-        self._store(compile_stages=check_bool(enabled, "compileStages"), compile_backend=backend)
 
     @setter
     def set_ipu_devices(self, mapping: Union[DeviceLike, Sequence[DeviceLike],

@@ -97,10 +97,6 @@ class Deferred:
         self.outputs = outputs  # output index -> (output, its gradient), those that seed W
         self.grads: dict = {}   # frontier node -> the gradient tuple that reached it in I
 
-    def run(self) -> None:
-        """W (:func:`backward_weight`)."""
-        backward_weight(self)
-
     def nbytes(self) -> int:
         """The bytes of the kept gradients (distinct storages), held until W."""
         held = [g for kept in self.grads.values() for g in kept if g is not None]

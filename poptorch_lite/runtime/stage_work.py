@@ -67,11 +67,12 @@ import torch
 
 from ..compiler import rng
 from ..compiler.lowered import Lowered
+from ..compiler.split_graphs import WeightHalf
 from ..errors import Error
 from .placement import Placement
 from .run import Entry, Run
 from .schedule import Action
-from .split_backward import backward_input, run_backward
+from .split_backward import backward_input, backward_weight, run_backward
 from .update import check_loss
 from .streams import arrive
 from .weights import Weights
@@ -321,8 +322,13 @@ class StageWork:
             raise Error(f"{a} found no input-gradient half of micro-batch {a.microbatch} "
                         f"waiting: the schedule broke I-before-W order")
         entry = waiting.popleft()
-        for deferred in entry.later:  # split_backward's Deferred, or a compiled WeightHalf
-            deferred.run()
+        for deferred in entry.later:
+            if isinstance(deferred, WeightHalf):  # a compiled graph's: [Note: compiled stages]
+                tensors, grads = deferred.gradients()
+                if tensors:
+                    run_backward(tensors, grads)
+            else:
+                backward_weight(deferred)
         entry.later = None
         run.stash_bytes[a.stage] -= entry.nbytes
         if step.accum_dtype is not None:
