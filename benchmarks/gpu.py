@@ -4,6 +4,7 @@
     python benchmarks/gpu.py --pairs 5 --calls 50
     python benchmarks/gpu.py --case mlp conv pipe1 --pairs 2   # what benchmarks/gpu_check.sh runs
     python benchmarks/gpu.py --side lite --case conv --profile  # one side, and where its time goes
+    python benchmarks/gpu.py --case mlp conv pipe1 --compiled  # and a row with compileStages
 
 Cases (each prints plain ms/step, poptorch_lite ms/step, their ratio, and peak device
 memory per device on both sides). The plain side's inputs wait on the GPU before it is
@@ -19,6 +20,10 @@ in first (``x.cuda()``), as a loop over a host DataLoader does:
 - ``offload``: ``mlp`` with the optimizer state offloaded to the host
   (``TensorLocations.setOptimizerLocation(useOnChipStorage(False))``): the peak device
   memory it saves against ``mlp``.
+
+With ``--compiled`` each pair runs a third process, poptorch_lite with
+``Options.compileStages(True)`` (Inductor's kernels; the stages compile in its warm-up), and
+each case gets a second row, ``<case>+c``, of its figures.
 
 The scripts never call ``.cuda()``: like a PopTorch script, the wrapped side leaves the model
 on the host and lets the default placement put the IPUs on the GPUs. The plain side moves the
@@ -43,7 +48,11 @@ parser.add_argument("--case", choices=["mlp", "conv", "pipe1", "pipeN", "offload
                     default=["all"], nargs="+", help="cases to run (all: every one)")
 parser.add_argument("--pairs", type=int, default=3, help="plain/poptorch_lite process pairs")
 parser.add_argument("--calls", type=int, default=30, help="timed calls per process")
-parser.add_argument("--side", choices=["plain", "lite"], help="run one side here, print JSON")
+parser.add_argument("--side", choices=["plain", "lite", "lite-compiled"],
+                    help="run one side here, print JSON")
+parser.add_argument("--compiled", action="store_true",
+                    help="also a poptorch_lite process with Options.compileStages(True) per "
+                         "pair: a second row per case")
 parser.add_argument("--profile", action="store_true",
                     help="with --side: then profile 5 calls (torch.profiler; table on stderr)")
 
@@ -80,6 +89,8 @@ def one_side(args):
         import poptorch_lite as poptorch
         opts = poptorch.Options().deviceIterations(D)
         opts.Training.gradientAccumulation(G)
+        if args.side == "lite-compiled":
+            opts.compileStages(True)
         if case in ("pipe1", "pipeN"):
             stages = 2 if case == "pipe1" else torch.cuda.device_count()
             staged(model, stages)
@@ -121,7 +132,7 @@ def one_side(args):
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30),
               file=sys.stderr)
     overlap = None
-    if args.side == "lite" and case in ("pipe1", "pipeN"):
+    if args.side != "plain" and case in ("pipe1", "pipeN"):
         overlap = both_busy(wrapped.runStatistics().timeline)
     print(json.dumps({"step_ms": 1e3 * statistics.median(times), "peak_mib": peaks,
                       "overlap": overlap,
@@ -174,22 +185,24 @@ def main():
         if case == "pipeN" and gpus < 2:
             print(f"{case:8} skipped: needs 2 or more GPUs")
             continue
+        sides = ("plain", "lite") + (("lite-compiled",) if args.compiled else ())
         pairs = []
         for k in range(args.pairs):
-            order = ("plain", "lite") if k % 2 == 0 else ("lite", "plain")
+            order = sides if k % 2 == 0 else sides[::-1]
             pairs.append({side: run_side(side, case, args.calls) for side in order})
-        ratios = [p["lite"]["step_ms"] / p["plain"]["step_ms"] for p in pairs]
-        plain_ms = statistics.median(p["plain"]["step_ms"] for p in pairs)
-        lite_ms = statistics.median(p["lite"]["step_ms"] for p in pairs)
-        peaks = (" ".join(f"{m:.0f}" for m in pairs[0]["plain"]["peak_mib"]) + " | "
-                 + " ".join(f"{m:.0f}" for m in pairs[0]["lite"]["peak_mib"]))
-        overlap = pairs[0]["lite"].get("overlap")
-        fed = statistics.median(p["lite"]["step_ms"] / p["plain"]["host_ms"] for p in pairs)
-        print(f"{case:8} {plain_ms:9.3f} {lite_ms:9.3f} {statistics.median(ratios):6.3f} "
-              f"{min(ratios):6.3f}-{max(ratios):6.3f}  {fed:11.3f}  {peaks}"
-              + (f"  {overlap:.0%} of the step on two streams at once" if overlap is not None
-                 else ""), flush=True)
-
+        for lite in sides[1:]:
+            ratios = [p[lite]["step_ms"] / p["plain"]["step_ms"] for p in pairs]
+            plain_ms = statistics.median(p["plain"]["step_ms"] for p in pairs)
+            lite_ms = statistics.median(p[lite]["step_ms"] for p in pairs)
+            peaks = (" ".join(f"{m:.0f}" for m in pairs[0]["plain"]["peak_mib"]) + " | "
+                     + " ".join(f"{m:.0f}" for m in pairs[0][lite]["peak_mib"]))
+            overlap = pairs[0][lite].get("overlap")
+            fed = statistics.median(p[lite]["step_ms"] / p["plain"]["host_ms"] for p in pairs)
+            name = case if lite == "lite" else f"{case}+c"
+            print(f"{name:8} {plain_ms:9.3f} {lite_ms:9.3f} {statistics.median(ratios):6.3f} "
+                  f"{min(ratios):6.3f}-{max(ratios):6.3f}  {fed:11.3f}  {peaks}"
+                  + (f"  {overlap:.0%} of the step on two streams at once"
+                     if overlap is not None else ""), flush=True)
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The whole GPU check in one run, under 8 minutes on one H100 (its steps' limits add up to
-# 480 s; it took 304 s on 2026-11-26; docs/PERFORMANCE.md (h), "The GPU check"): the CUDA tests, the MNIST examples on
+# The whole GPU check in one run, under 9 minutes on one H100 (its steps' limits add up to
+# 530 s; it took 304 s on 2026-11-26; docs/PERFORMANCE.md (h), "The GPU check"): the CUDA tests, the MNIST examples on
 # the GPU, benchmarks/gpu.py, and GPT-2 at GPT-2 small's shape against plain PyTorch on
 # the same GPU.
 #
@@ -65,9 +65,11 @@ step mnist_match 60 "same numbers|FAILED|Error|error" \
     $PY benchmarks/gpu_mnist_match.py --data-dir "$DATA" --steps 200
 
 # 2. Speed and memory, alone on the GPU: the step tax of one stage and of two streams on one
-#    GPU (with their timelines' overlap), then GPT-2 small's shape.
-step gpu_bench 150 "x |ratio|overlap|peak|mlp|conv|pipe|Error|error" \
-    $PY benchmarks/gpu.py --case mlp conv pipe1 --pairs 2 --calls 30
+#    GPU (with their timelines' overlap), eager and with compileStages (the "+c" rows), then
+#    GPT-2 small's shape. The CUDA tests of step 1 include the compiled column
+#    (tests/test_compiled_stages.py on cuda).
+step gpu_bench 200 "x |ratio|overlap|peak|mlp|conv|pipe|Error|error" \
+    $PY benchmarks/gpu.py --case mlp conv pipe1 --pairs 2 --calls 30 --compiled
 # Where a one-stage step's host time goes (torch.profiler: host ops, CUDA runtime calls).
 step profile 40 "Self CPU time total|cudaLaunchKernel |cudaEventRecord|pin_memory|Memcpy|Error" \
     $PY benchmarks/gpu.py --side lite --case conv --calls 30 --profile

@@ -20,7 +20,8 @@ import poptorch_lite as poptorch
 from poptorch_lite.compiler import compiled_stages, split_graphs
 from poptorch_lite.errors import OptionsError
 
-from models import BlockMLP, data, microbatch_seeds, reference_training, twin
+from conftest import DEVICE_MARKS
+from models import BlockMLP, data, microbatch_seeds, on_device, reference_training, twin
 
 STEPS = 20
 
@@ -38,11 +39,12 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).norm().item() / scale if scale else (a - b).norm().item()
 
 
-def compiled_opts(schedule, G, D, R=1, recompute=False, backend="inductor", sharded=False):
+def compiled_opts(schedule, G, D, R=1, recompute=False, backend="inductor", sharded=False,
+                  device="cpu"):
     strategy = poptorch.ShardedExecution() if sharded else poptorch.PipelinedExecution(
         schedule=schedule)
     opts = poptorch.Options().setExecutionStrategy(strategy).deviceIterations(D)
-    opts.replicationFactor(R).set_ipu_devices("cpu").compileStages(True, backend)
+    on_device(opts.replicationFactor(R).compileStages(True, backend), device)
     opts.Training.gradientAccumulation(G)
     if recompute:
         opts._Popart.set("autoRecomputation", 3)
@@ -94,21 +96,27 @@ COLUMN = [  # (schedule, recompute, replicas, sharded)
     ("zero_bubble", False, 1, False), ("zero_bubble", True, 1, False),
     ("gpipe", False, 2, False), ("sequential", False, 1, True),
 ]
+# The column on the CPU, twice on the GPU twin (its branches: streams, events, copies in), and
+# on CUDA where present (Inductor's GPU kernels; benchmarks/gpu_check.sh runs it).
+COLUMN_DEVICES = [("cpu", *row) for row in COLUMN] + [
+    ("gpu_twin", *row) for row in COLUMN if row[0] in ("interleaved", "zero_bubble")][:2] + [
+    pytest.param("cuda", *row, marks=DEVICE_MARKS["cuda"]) for row in COLUMN
+    if torch.cuda.is_available()]
 
 
-@pytest.mark.parametrize("schedule,recompute,R,sharded", COLUMN)
-def test_compiled_training_matches_plain_pytorch_within_1e_4(schedule, recompute, R, sharded,
-                                                            every_stage_compiles):
+@pytest.mark.parametrize("device,schedule,recompute,R,sharded", COLUMN_DEVICES)
+def test_compiled_training_matches_plain_pytorch_within_1e_4(device, schedule, recompute, R,
+                                                            sharded, every_stage_compiles):
     """20 steps (two calls of deviceIterations 10) with dropout and BatchNorm: losses, every
     parameter and buffer and the optimizer state within 1e-4 relative of plain eager
     PyTorch seeded per micro-batch, so the dropout masks are plain PyTorch's."""
     torch.manual_seed(0)  # BatchNorm's buffers differ between replicas: not replicated
     model, G, D = BlockMLP(2, dropout=0.3, batchnorm=R == 1), 4, STEPS // 2
-    ref = twin(model)
+    ref = twin(model, device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     opts = compiled_opts(schedule, G // R if not sharded else G, D, R, recompute,
-                         sharded=sharded).outputMode(poptorch.OutputMode.All)
+                         sharded=sharded, device=device).outputMode(poptorch.OutputMode.All)
     train = poptorch.trainingModel(model, opts, opt)
     for call in range(2):
         x, y = data(8 * G * D, seed=call)  # BatchNorm over 8 rows: over 2 it is ill-conditioned
