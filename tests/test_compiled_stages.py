@@ -278,7 +278,9 @@ def test_a_stage_the_backend_refuses_runs_eagerly_and_the_log_names_it(
     with caplog.at_level(logging.INFO, logger="poptorch_lite"):
         train_loss, plain_loss = train(x, y)[1], plain(x, y)[1]
     assert relative(train_loss, plain_loss) < 1e-6  # stage 0 is compiled (aot_eager)
-    assert program_of(train).compiled.summary() == {0: "compiled", 1: "failed"}
+    # stage 0 compiled here, or by an earlier test with the same stage graph
+    assert program_of(train).compiled.summary() in ({0: "compiled", 1: "failed"},
+                                                    {0: "reused", 1: "failed"})
     (line,) = [r for r in caplog.records if "runs eagerly" in r.getMessage()]
     assert line.levelno == logging.WARNING
     assert line.getMessage() == ("compileStages: stage 1 runs eagerly: aot_eager could not "

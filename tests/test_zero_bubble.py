@@ -62,6 +62,45 @@ def test_the_split_gives_the_joint_backwards_gradients_and_w_skips_the_chain(lea
         assert_close(t.grad, g, atol=1e-6, rtol=0)
 
 
+def test_the_split_is_walked_on_the_first_micro_batch_and_found_again_by_position(
+        monkeypatch):
+    """Later micro-batches find the first one's frontier nodes by their paths from the
+    outputs (SplitPlan): no walk, the same gradients; a weight frozen since is a graph of
+    another shape, walked again."""
+    from poptorch_lite.runtime import split_backward as sb
+    torch.manual_seed(0)
+    w1, w2, b = (torch.randn(4, 5, requires_grad=True), torch.randn(5, 2, requires_grad=True),
+                 torch.randn(2, requires_grad=True))
+    walks = []
+    real = sb._walk
+    monkeypatch.setattr(sb, "_walk", lambda *a: walks.append(1) or real(*a))
+    plans: list = []
+    for i in range(3):
+        x = torch.randn(3, 4, requires_grad=True)
+        grads = [torch.randn(3, 2), torch.randn(3, 2), torch.tensor(1.5)]
+        torch.autograd.backward(_graph(x, w1, w2, b), grads)
+        joint = [t.grad.clone() for t in (x, w1, w2, b)]
+        for t in (x, w1, w2, b):
+            t.grad = None
+        outs = _graph(x, w1, w2, b)
+        later = backward_input(outs, grads, [x], [w1, w2, b], plans)
+        assert len(walks) == 1  # the first micro-batch's only
+        located = plans[0].frontiers([sb._node(o) for o in outs], plans[0].shape)
+        frontier = {n for _, met, _ in later.groups for n in met}
+        assert frontier and frontier == {n for nodes in located for n in nodes}
+        backward_weight(later)
+        for t, g in zip((x, w1, w2, b), joint):
+            assert_close(t.grad, g, atol=1e-6, rtol=0)
+        for t in (w1, w2, b):
+            t.grad = None
+    w2.requires_grad_(False)
+    x = torch.randn(3, 4, requires_grad=True)
+    later = backward_input(_graph(x, w1, w2, b), grads, [x], [w1, w2, b], plans)
+    assert len(walks) == 2 and all(p is not w2 for ps, _, _ in later.groups for p in ps)
+    backward_weight(later)
+    assert w2.grad is None and w1.grad is not None
+
+
 def test_a_zero_bubble_run_splits_every_backward_and_keeps_1f1bs_stash():
     torch.manual_seed(0)
     opts = poptorch.Options().setExecutionStrategy(

@@ -25,7 +25,9 @@ the backward twice with ``retain_graph``:
   output itself, seeded with the output's gradient: then W is that part of
   the backward whole. A segment with no leaf that needs a gradient (stage 0)
   skips the walk over its graph: its W is one backward from the outputs to
-  the parameters.
+  the parameters. The walk is made once per stage segment, on its first
+  micro-batch: every micro-batch records the same graph, so later ones find
+  the frontier nodes by their paths from the outputs (:class:`SplitPlan`).
 
 Both halves are ``autograd.backward(..., inputs=...)`` (``run_backward``): autograd itself
 accumulates into ``.grad``, under its lock, so a weight that two stages
@@ -37,7 +39,7 @@ backward's up to float reassociation (within the contract's 1e-5).
 from __future__ import annotations
 
 import collections
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge
@@ -56,20 +58,81 @@ def _node(t: torch.Tensor):
     return t.view_as(t).grad_fn.next_functions[0][0]
 
 
-def _towards_outputs(roots: Sequence[torch.Tensor]) -> dict:
-    """node -> the nodes it feeds (forward direction), over the graph below ``roots``."""
+def _towards_outputs(roots: Sequence[torch.Tensor]) -> tuple:
+    """``(feeds, found)`` over the graph below the nodes ``roots``: node -> the nodes it feeds
+    (forward direction), and node -> ``(the node it was first reached from, or None for a
+    root, the edge's index there, or the root's)``, which makes its path from a root."""
     feeds: dict = collections.defaultdict(list)
-    queue = collections.deque(n for n in roots if n is not None)
-    seen = set(queue)
+    found: dict = {}
+    queue = collections.deque()
+    for j, n in enumerate(roots):
+        if n is not None and n not in found:
+            found[n] = (None, j)
+            queue.append(n)
     while queue:
         node = queue.popleft()
-        for nxt, _ in node.next_functions:
+        for k, (nxt, _) in enumerate(node.next_functions):
             if nxt is not None:
                 feeds[nxt].append(node)
-                if nxt not in seen:
-                    seen.add(nxt)
+                if nxt not in found:
+                    found[nxt] = (node, k)
                     queue.append(nxt)
-    return feeds
+    return feeds, found
+
+
+def _path(node, found: dict) -> tuple:
+    """``(root index, edge indices)`` that lead from a root to ``node`` (:func:`_towards_outputs`)."""
+    steps = []
+    while True:
+        parent, k = found[node]
+        if parent is None:
+            return k, tuple(reversed(steps))
+        steps.append(k)
+        node = parent
+
+
+def _follow(roots: list, path: tuple):
+    """The node at ``path`` below ``roots`` (None where the graph has no such edge)."""
+    root, steps = path
+    node = roots[root]
+    for k in steps:
+        edges = node.next_functions
+        if k >= len(edges) or edges[k][0] is None:
+            return None
+        node = edges[k][0]
+    return node
+
+
+class SplitPlan:
+    """Where one stage segment's split falls, found on its first micro-batch and kept: every
+    micro-batch records the same autograd graph (the same traced graph, the same arguments'
+    ``requires_grad``), so each group's frontier nodes are found again by their paths from
+    the outputs, without walking the graph ([Note: split backward]).
+
+    Attributes:
+        groups: ``(parameter positions, frontier paths, seeding outputs, node kinds)`` per group.
+        shape: which parameters needed a gradient, and how many outputs and leaves there
+            were: a graph of another shape (a weight frozen since) is walked again.
+    """
+
+    __slots__ = ("groups", "shape")
+
+    def __init__(self, groups: list, shape: tuple):
+        self.groups, self.shape = groups, shape
+
+    def frontiers(self, out_nodes: list, shape: tuple) -> Optional[list]:
+        """Each group's frontier nodes in this micro-batch's graph; None where the graph has
+        another shape or a path leads elsewhere than on the first micro-batch (then the graph
+        is walked again)."""
+        if shape != self.shape:
+            return None
+        located = []
+        for _, paths, _, kinds in self.groups:
+            nodes = [_follow(out_nodes, p) for p in paths]
+            if any(n is None or type(n).__name__ != kind for n, kind in zip(nodes, kinds)):
+                return None
+            located.append(nodes)
+        return located
 
 
 def _closure(starts, feeds: dict, stop: frozenset = frozenset()) -> tuple:
@@ -106,7 +169,7 @@ class Deferred:
 
 
 def backward_input(outputs: list, grads: list, leaves: Sequence[torch.Tensor],
-                   params: Sequence[torch.Tensor]) -> Deferred:
+                   params: Sequence[torch.Tensor], plans: Optional[list] = None) -> Deferred:
     """I: add the gradients of ``outputs`` (seeded with ``grads``) to each leaf's ``.grad``;
     return what :func:`backward_weight` needs for ``params``' gradients.
 
@@ -127,19 +190,16 @@ def backward_input(outputs: list, grads: list, leaves: Sequence[torch.Tensor],
         return Deferred([(ps, [], seeding)] if ps else [],
                         {j: (outputs[j], grads[j]) for j in seeding})
     out_nodes = [_node(o) for o in outputs]
-    feeds = _towards_outputs(out_nodes)
-    from_leaves, _ = _closure([_node(t) for t in leaves], feeds)
-    stop = frozenset(from_leaves)
-    groups: dict = {}  # (frontier, seeding outputs) -> the parameters that have them
-    for p in params:
-        node = _node(p) if p.requires_grad else None
-        if node not in feeds:
-            continue  # no output of this segment depends on it
-        reached, met = _closure([node], feeds, stop)
-        seeding = tuple(k for k, n in enumerate(out_nodes) if n in reached and n not in stop)
-        groups.setdefault((frozenset(met), seeding), []).append(p)
-    deferred = Deferred([(ps, list(met), seeding) for (met, seeding), ps in groups.items()],
-                        {j: (outputs[j], grads[j]) for _, seeding in groups for j in seeding})
+    plan = plans[0] if plans else None
+    shape = (tuple(p.requires_grad for p in params), len(outputs), len(leaves))
+    located = plan.frontiers(out_nodes, shape) if plan is not None else None
+    if located is not None:  # the first micro-batch's split, found again by position
+        groups = [([params[k] for k in at], nodes, seeding)
+                  for (at, _, seeding, _), nodes in zip(plan.groups, located)]
+    else:
+        groups = _walk(out_nodes, leaves, params, plans, shape)
+    deferred = Deferred(groups, {j: (outputs[j], grads[j]) for _, _, seeding in groups
+                                 for j in seeding})
     frontier = {n for _, met, _ in deferred.groups for n in met}
     handles = [n.register_prehook(_keep(deferred.grads, n)) for n in frontier]
     try:
@@ -149,6 +209,30 @@ def backward_input(outputs: list, grads: list, leaves: Sequence[torch.Tensor],
         for h in handles:
             h.remove()
     return deferred
+
+
+def _walk(out_nodes: list, leaves: list, params: Sequence[torch.Tensor],
+          plans: Optional[list], shape: tuple) -> list:
+    """The groups of ``params`` that share a frontier, found by walking the graph below
+    ``out_nodes``: ``(params, frontier nodes, seeding outputs)`` each. With ``plans`` (a
+    one-element list), the split is kept there as a :class:`SplitPlan` for the next
+    micro-batches."""
+    feeds, found = _towards_outputs(out_nodes)
+    from_leaves, _ = _closure([_node(t) for t in leaves], feeds)
+    stop = frozenset(from_leaves)
+    groups: dict = {}  # (frontier, seeding outputs) -> the positions of the parameters
+    for at, p in enumerate(params):
+        node = _node(p) if p.requires_grad else None
+        if node not in feeds:
+            continue  # no output of this segment depends on it
+        reached, met = _closure([node], feeds, stop)
+        seeding = tuple(k for k, n in enumerate(out_nodes) if n in reached and n not in stop)
+        groups.setdefault((tuple(sorted(met, key=id)), seeding), []).append(at)
+    if plans is not None:
+        plans[:] = [SplitPlan([(tuple(at), [_path(n, found) for n in met], seeding,
+                                [type(n).__name__ for n in met])
+                               for (met, seeding), at in groups.items()], shape)]
+    return [([params[k] for k in at], list(met), seeding) for (met, seeding), at in groups.items()]
 
 
 def run_backward(tensors: Sequence, grads: Sequence, retain_graph: bool = False,
@@ -183,10 +267,36 @@ def _keep(into: dict, node):
     return hook
 
 
-def backward_weight(deferred: Deferred) -> None:
-    """W: add the parameters' gradients to their ``.grad`` from what I kept, one group of
-    parameters at a time, so each call runs only the edges down to its own parameters;
-    frees the graph."""
+def compiled_input(state, tensors: list, grads: list, params: list) -> list:
+    """I of a compiled graph whose backward is split once, when it compiled ([Note: compiled
+    split backward] in ``compiler/split_graphs``): the backward of ``tensors`` runs the input
+    half, and the weight halves it leaves (``state``: the graph's ``SplitState``) come back
+    for W, told the parameters by argument position (``params``). A weight with a hook runs
+    its backward whole here: the hook sees its gradient whole, as in plain PyTorch."""
+    if any(p._backward_hooks for p in params if p is not None):
+        run_backward(tensors, grads)
+        return []
+    with state.lock:
+        state.splitting = True
+        try:
+            run_backward(tensors, grads)
+        finally:
+            state.splitting = False
+            halves, state.deferred = state.deferred, []
+    for half in halves:
+        half.params = params
+    return halves
+
+
+def backward_weight(deferred) -> None:
+    """W: add the parameters' gradients to their ``.grad`` from what I kept (a
+    :class:`Deferred`, or a compiled graph's ``WeightHalf``), one group of parameters at a
+    time, so each call runs only the edges down to its own parameters; frees the graph."""
+    if not isinstance(deferred, Deferred):  # a compiled graph's weight half
+        tensors, seeds = deferred.gradients()
+        if tensors:
+            run_backward(tensors, seeds)
+        return
     kept = deferred.grads
     for k, (params, frontier, seeding) in enumerate(deferred.groups):
         edges, seeds = [], []

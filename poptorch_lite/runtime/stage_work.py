@@ -67,12 +67,11 @@ import torch
 
 from ..compiler import rng
 from ..compiler.lowered import Lowered
-from ..compiler.split_graphs import WeightHalf
 from ..errors import Error
 from .placement import Placement
 from .run import Entry, Run
 from .schedule import Action
-from .split_backward import backward_input, backward_weight, run_backward
+from .split_backward import backward_input, backward_weight, compiled_input, run_backward
 from .update import check_loss
 from .streams import arrive
 from .weights import Weights
@@ -127,6 +126,9 @@ class StageWork:
         # Per (stage, segment) of a compiled split backward, its parameters by argument
         # position (what its W halves add their gradients to).
         self._graph_params: dict = {}
+        # Per (stage, segment) of an eager split backward, where its split falls, found on the
+        # first micro-batch (``split_backward.SplitPlan``).
+        self._split_plans: dict = {}
 
     def args(self, s: int, run: Run, i: int, device: torch.device) -> tuple:
         """Stage s's arguments for micro-batch i, and its boundary leaves ([Note: autograd boundary])."""
@@ -323,12 +325,7 @@ class StageWork:
                         f"waiting: the schedule broke I-before-W order")
         entry = waiting.popleft()
         for deferred in entry.later:
-            if isinstance(deferred, WeightHalf):  # a compiled graph's: [Note: compiled stages]
-                tensors, grads = deferred.gradients()
-                if tensors:
-                    run_backward(tensors, grads)
-            else:
-                backward_weight(deferred)
+            backward_weight(deferred)
         entry.later = None
         run.stash_bytes[a.stage] -= entry.nbytes
         if step.accum_dtype is not None:
@@ -371,7 +368,8 @@ class StageWork:
                 entry.later += self._split_compiled(graph, tensors, grads, a.stage, k)
             elif split and tensors and not getattr(graph, "joint_backward", False):
                 entry.later.append(backward_input(
-                    tensors, grads, [*leaves.values(), *entry.boundary.values()], params))
+                    tensors, grads, [*leaves.values(), *entry.boundary.values()], params,
+                    self._split_plans.setdefault((a.stage, k), [])))
             elif tensors:  # a compiled graph not split: its I runs the whole backward
                 run_backward(tensors, grads)
             if leaves:
@@ -398,31 +396,16 @@ class StageWork:
             self._accumulate(a.stage, run, step.accum_dtype)
 
     def _split_compiled(self, graph, tensors: list, grads: list, s: int, k: int) -> list:
-        """I of a compiled graph whose backward is split ([Note: compiled stages] in
-        ``compiled_stages``): the input half runs now, and what it leaves for W comes back,
-        told where its parameters are."""
-        state = graph.split
+        """I of a compiled graph whose backward is split (``split_backward.compiled_input``),
+        told where segment k's parameters are (by argument position)."""
         params = self._graph_params.get((s, k))
         if params is None:
-            ipu = self.stages[s].ipu
-            names = self.stages[s].segments[k].inputs if self.stages[s].recompute else \
-                self.stages[s].inputs
+            st = self.stages[s]
+            names = st.segments[k].inputs if st.recompute else st.inputs
             params = self._graph_params[s, k] = [
-                self.weights.param(n.split(":", 1)[1], ipu) if at in graph.weights else None
+                self.weights.param(n.split(":", 1)[1], st.ipu) if at in graph.weights else None
                 for at, n in enumerate(names)]
-        if any(p._backward_hooks for p in params if p is not None):
-            run_backward(tensors, grads)  # a hook on a weight sees its gradient whole, in I
-            return []
-        with state.lock:
-            state.splitting = True
-            try:
-                run_backward(tensors, grads)
-            finally:
-                state.splitting = False
-                halves, state.deferred = state.deferred, []
-        for half in halves:
-            half.params = params
-        return halves
+        return compiled_input(graph.split, tensors, grads, params)
 
     def _accumulate(self, s: int, run: Run, dtype: torch.dtype) -> None:
         """Move this backward's gradients into accumulators of ``dtype`` ([Note: gradient arithmetic])."""
