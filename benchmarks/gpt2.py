@@ -19,7 +19,8 @@ one SGD step. Rows:
     poptorch_lite <schedule>       one call of the wrapped model (stages on worker streams);
                                    "+recompute" recomputes every stage, "+loop" cuts the
                                    layers in 4 virtual stages on IPUs 0, 1, 0, 1, "+V" on
-                                   IPUs 0, 1, 1, 0 (as ZBV; zero_bubble only)
+                                   IPUs 0, 1, 1, 0 (as ZBV; zero_bubble only), "+compiled"
+                                   compiles the stages (Options.compileStages)
     torch <schedule>               torch.distributed.pipelining, a process per stage (gloo on
                                    loopback), the same layers cut the same way (the output
                                    head an untied copy of the embedding: stages cannot share it);
@@ -68,8 +69,8 @@ parser.add_argument("--warmup", type=int, default=3, help="untimed rounds of eve
 parser.add_argument("--schedules",
                     default="sequential,grouped,interleaved,gpipe,zero_bubble,zero_bubble+loop,"
                             "zero_bubble+V",
-                    help="poptorch_lite variants: a PipelineSchedule name, optionally +recompute "
-                         "and +loop or +V")
+                    help="poptorch_lite variants: a PipelineSchedule name, optionally +recompute, "
+                         "+compiled (compileStages) and +loop or +V")
 parser.add_argument("--torch-schedules", default=",".join(TORCH_SCHEDULES),
                     help="torch.distributed.pipelining schedules; empty to skip them")
 parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
@@ -143,6 +144,8 @@ def lite_step(base, ids, m, lr, variant):
         *auto, schedule=poptorch.PipelineSchedule.parse(name)))
     if "recompute" in extras:
         opts._Popart.set("autoRecomputation", 3)
+    if "compiled" in extras:  # Options.compileStages: the stages compile in the warm-up
+        opts.compileStages(True)
     wrapped = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=lr))
     return (lambda: wrapped(input_ids=ids, labels=ids)), wrapped
 
