@@ -73,9 +73,9 @@ _LOG = logging.getLogger("poptorch_lite")
 PAYS_FROM = int(os.environ.get("POPTORCH_LITE_PAYS_FROM", 50_000))
 _CACHE_SIZE = 64
 
-_compiles = threading.local()  # compiles made on this thread
 _cache: "collections.OrderedDict" = collections.OrderedDict()  # key -> compiled function
 _cache_lock = threading.Lock()
+_compile_lock = threading.Lock()
 
 
 def default_backend(device: torch.device) -> str:
@@ -209,7 +209,10 @@ class CompiledGraph:
             if not self.eager and grad not in self.fns:
                 started = time.perf_counter()
                 keys: list = []  # the sources torch.fx keeps of the graphs made here
-                with tracing.generated_sources(keys):
+                # One compile at a time in the process: Inductor's and AOTAutograd's settings
+                # for a compile (``fallback_random``) are process-wide, and two stages' first
+                # calls come on two streams at once.
+                with _compile_lock, tracing.generated_sources(keys):
                     made = self._made(args, grad)
                 if made is None:
                     tracing.forget_sources(keys)
@@ -260,7 +263,6 @@ class CompiledGraph:
     def _compile(self, plain: fx.GraphModule, args: tuple) -> tuple:
         """``(function, SplitState or None)``: ``plain`` compiled for ``args``, forward and
         backward, nothing run (AOTAutograd traces it on fake tensors)."""
-        _compiles.n = getattr(_compiles, "n", 0) + 1
         split = SplitState() if self.weights and torch.is_grad_enabled() else None
         positions = self.weights
 
