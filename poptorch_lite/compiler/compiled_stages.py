@@ -67,8 +67,9 @@ from .subgraphs import base_op
 _LOG = logging.getLogger("poptorch_lite")
 
 #: A stage whose forward does less work than this (matmul/conv FLOPs plus the elements its
-#: ops produce, per micro-batch) stays eager: a compiled call's fixed cost (some 30 µs on
-#: a CPU core) outweighs what fusing its ops saves ([Note: compiled stages]).
+#: ops produce, per micro-batch) stays eager: a compiled call's fixed cost outweighs what
+#: fusing its ops saves (the user guide's Linear(6, 2) stage, forward and backward on one
+#: CPU core: 62 µs compiled against 38 µs eager; [Note: compiled stages]).
 #: ``POPTORCH_LITE_PAYS_FROM`` sets it (0: compile every stage, as the test sweeps do).
 PAYS_FROM = int(os.environ.get("POPTORCH_LITE_PAYS_FROM", 50_000))
 _CACHE_SIZE = 64
