@@ -369,6 +369,35 @@ def test_the_first_call_logs_what_it_compiled_and_later_calls_nothing(caplog,
     assert "compileStages" not in caplog.text
 
 
+# -- the faces ------------------------------------------------------------------------------
+
+def test_the_keras_face_compiles_its_stages_from_the_default_options(monkeypatch,
+                                                                     every_stage_compiles):
+    """``poptorch-lite run --compile`` reaches a face that makes its own Options (through
+    POPTORCH_DEFAULT_OPTIONS): a pipelined Keras fit compiles both stages and gives the
+    eager fit's numbers (aot_eager: the same kernels)."""
+    from poptorch_lite import keras
+    from test_keras import build, sgd, wrapper
+    x, y = torch.randn(64, 6), torch.randint(0, 4, (64,))
+    losses, models = [], []
+    for compiled in (False, True):
+        if compiled:
+            monkeypatch.setenv("POPTORCH_DEFAULT_OPTIONS",
+                               '{"compile_stages": true, "compile_backend": "aot_eager"}')
+        model = build("sequential", 2)
+        model.set_pipelining_options(gradient_accumulation_steps_per_replica=4)
+        model.compile(sgd, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      steps_per_execution=4)
+        losses.append(model.fit(x, y, batch_size=4, epochs=1, verbose=0).history["loss"])
+        models.append(model)
+    program = next(iter(wrapper(models[1], "train")._state.programs.values()))
+    assert set(program.compiled.summary().values()) <= {"compiled", "reused"}
+    assert len(program.compiled.summary()) == 2
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+    for a, b in zip(models[0].module.parameters(), models[1].module.parameters()):
+        assert relative(b, a) < 1e-6
+
+
 # -- the command line -----------------------------------------------------------------------
 
 def test_the_command_line_compiles_an_unmodified_script(tmp_path):
