@@ -62,7 +62,7 @@ from ..options.compile import BACKENDS  # noqa: F401 - the backends, read here t
 from . import rng, tracing
 from .lowered import Lowered
 from .split_graphs import SplitState, split_backward
-from .subgraphs import base_op
+from .work import work
 
 _LOG = logging.getLogger("poptorch_lite")
 
@@ -374,10 +374,9 @@ def _strip(target):
 
 
 def _key(gm: fx.GraphModule, backend: str, device: torch.device, random: bool) -> tuple:
-    """What makes two graphs the same compiled graph: the code, what each name in it calls,
-    the constants, the backend and the device. Two graphs' code can read alike and call
-    different functions (two classes of one name, a closure per trace): a target that is not
-    one of torch's ops is known by its identity."""
+    """What makes two graphs one compiled graph: the code, what each name in it calls (a
+    target not one of torch's ops by its identity: two classes of one name read alike), the
+    constants, the backend and the device."""
     digest = hashlib.sha256(gm.code.encode())
     for node in gm.graph.nodes:
         if node.op == "call_function":
@@ -404,44 +403,6 @@ def _target_key(target):
     if getattr(target, "__module__", None) in ("_operator", "operator", "builtins", "math"):
         return target.__module__, target.__qualname__
     return "object", id(target)  # kept alive by the graph the cache holds
-
-
-def work(gm: fx.GraphModule, args: tuple) -> tuple:
-    """``(FLOPs, elements)`` of one forward of ``gm`` on ``args``' shapes: its matmul and
-    conv FLOPs, and the elements of every value its ops produce; run on fake tensors, so
-    nothing is computed and nothing changes.
-
-    Example:
-        >>> from torch.fx.experimental.proxy_tensor import make_fx
-        >>> gm = make_fx(lambda x, w: x @ w.t())(torch.ones(2, 4), torch.ones(3, 4))
-        >>> work(gm, (torch.ones(2, 4), torch.ones(3, 4)))  # 2*4*3 multiply-adds; w.t(), x @ w.t()
-        (48, 18)
-    """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils.flop_counter import flop_registry  # FlopCounterMode's own table
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-    counts = [0, 0]
-
-    # Not FlopCounterMode: its module hooks are global, and fire in the stages that other
-    # threads run meanwhile.
-    class _Count(fx.Interpreter):
-        def run_node(self, n):
-            out = super().run_node(n)
-            if n.op == "call_function":
-                op = base_op(n.target)
-                count = flop_registry.get(getattr(op, "overloadpacket", None))
-                if count is not None:
-                    a, kw = self.fetch_args_kwargs_from_env(n)
-                    counts[0] += int(count(*a, **kw, out_val=out))
-                counts[1] += sum(t.numel() for t in torch.utils._pytree.tree_leaves(out)
-                                 if isinstance(t, torch.Tensor))
-            return out
-
-    with rng.use(None), torch.no_grad(), mode:
-        _Count(gm).run(*fake)
-    return counts[0], counts[1]
 
 
 def clear_cache() -> None:
