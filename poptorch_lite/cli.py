@@ -92,16 +92,22 @@ def _backends() -> tuple:
     return importlib.import_module("poptorch_lite.options.compile").BACKENDS
 
 
-def compile_by_default(backend: Optional[str]) -> None:
+def compile_by_default(backend: Optional[str]) -> Optional[str]:
     """Make ``compileStages(True, backend)`` the default of every ``Options`` made in this
     process and its children, through ``POPTORCH_DEFAULT_OPTIONS`` (whatever it already
-    sets stays, but for these two)."""
+    sets stays, but for these two). Returns what is wrong with the variable, if it is not a
+    JSON object (then nothing is set)."""
     current = os.environ.get("POPTORCH_DEFAULT_OPTIONS")
-    values = json.loads(current) if current else {}
+    try:
+        values = json.loads(current) if current else {}
+    except json.JSONDecodeError as e:
+        values = e
     if not isinstance(values, dict):
-        values = {}  # Options() refuses it with its own message; --compile replaces it
+        return (f"--compile adds to POPTORCH_DEFAULT_OPTIONS, which is not a JSON object "
+                f"({current!r}); fix or unset it")
     values.update(compile_stages=True, compile_backend=backend)
     os.environ["POPTORCH_DEFAULT_OPTIONS"] = json.dumps(values)
+    return None
 
 
 def _version() -> str:
@@ -141,8 +147,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.compile_backend is not None and not args.compile:
         args.usage_error("--compile-backend chooses the backend of --compile; give both, e.g. "
                          "poptorch-lite run --compile --compile-backend aot_eager train.py")
-    if args.compile:
-        compile_by_default(args.compile_backend)
+    wrong = compile_by_default(args.compile_backend) if args.compile else None
+    if wrong:
+        args.usage_error(wrong)
     alias_poptorch()
     sys.argv = [args.script, *args.args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))

@@ -143,9 +143,11 @@ def test_compiled_inference_matches_plain_pytorch(every_stage_compiles):
     model = BlockMLP(2, batchnorm=True).eval()
     opts = poptorch.Options().deviceIterations(3).set_ipu_devices("cpu").compileStages(True)
     x, y = data(12)
-    out, loss = poptorch.inferenceModel(model, opts)(x, y)
+    infer = poptorch.inferenceModel(model, opts)
+    out, loss = infer(x, y)
     ref_out = torch.cat([model(x[k:k + 4], y[k:k + 4])[0] for k in range(0, 12, 4)])
     assert relative(out, ref_out) < 1e-5
+    assert set(program_of(infer).compiled.summary().values()) <= {"compiled", "reused"}
 
 
 # -- zero bubble: the backward split once, when it compiles --------------------------------
@@ -192,6 +194,29 @@ def test_a_compiled_backward_splits_into_an_input_half_and_a_weight_half(backend
     assert relative(w1.grad, want[1]) < 1e-6 and relative(x.grad, want[0]) < 1e-6
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_zero_bubbles_compiled_halves_give_the_eager_paths_weights(backend,
+                                                                   every_stage_compiles):
+    """The whole run: each stage's I on one stream while another's W waits, over steps. The
+    weight half reads saved values after the input half ran: Inductor must not reuse their
+    memory in the input half (AOTAutograd's donated buffers), which gave the head's weight
+    a gradient 0.2% off."""
+    weights = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = BlockMLP(2)
+        opts = compiled_opts("zero_bubble", 4, 2).compileStages(compiled, backend)
+        train = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+        train(*data(16))
+        train.copyWeightsToHost()
+        weights.append([p.detach().clone() for p in model.parameters()])
+        if compiled:
+            assert program_of(train).compiled.summary() in ({0: "compiled", 1: "compiled"},
+                                                            {0: "reused", 1: "reused"})
+    for a, b in zip(weights[1], weights[0]):
+        assert relative(a, b) < 1e-6
+
+
 def test_the_weight_half_reads_the_output_gradients_and_never_the_input_chain():
     """On the backward graph itself: W's ops are the two weight gradients' matmuls (and their
     layout ops), reading what I kept; I's are the chain back to the input."""
@@ -219,6 +244,52 @@ def test_the_weight_half_reads_the_output_gradients_and_never_the_input_chain():
     assert ops["I"].count(torch.ops.aten.mm.default) == 2
     assert torch.ops.aten.tanh_backward.default in ops["I"]
     assert ops["W"] == [torch.ops.aten.mm.default] * 2
+
+
+def test_a_compile_that_draws_random_numbers_leaves_the_random_state_alone(
+        monkeypatch, every_stage_compiles):
+    """A compile may draw random numbers (Inductor benchmarks its choices on random inputs)
+    on a stage's first call: from generators put back after, so the next call's bases, its
+    dropout masks and torch's generator are the eager path's."""
+    real = compiled_stages.CompiledGraph._compile
+
+    def drawing(self, plain, args):
+        torch.rand(1000)
+        return real(self, plain, args)
+    monkeypatch.setattr(compiled_stages.CompiledGraph, "_compile", drawing)
+    compiled_stages.clear_cache()
+    losses, states = [], []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = BlockMLP(2, dropout=0.5)
+        opts = compiled_opts("grouped", 4, 2).compileStages(compiled, "aot_eager")
+        train = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+        torch.manual_seed(5)
+        losses.append(torch.stack([train(*data(32, seed=k))[1] for k in range(2)]))
+        states.append(torch.get_rng_state())
+        if compiled:
+            assert program_of(train).compiled.summary() == {0: "compiled", 1: "compiled"}
+    assert relative(losses[1], losses[0]) < 1e-6
+    assert torch.equal(states[1], states[0])
+
+
+def test_a_weight_with_a_hook_runs_its_compiled_backward_whole_in_i(every_stage_compiles):
+    """Under zero bubble a compiled stage leaves its weights' gradients to W, except where a
+    weight has a hook: then its I runs the backward whole, and the hook sees the gradient
+    whole, as in plain PyTorch."""
+    from models import GradCodeMLP
+    losses, weights = [], []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = GradCodeMLP("parameter_hook").install_hooks()
+        opts = compiled_opts("zero_bubble", 4, 2).compileStages(compiled, "aot_eager")
+        train = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+        losses.append(train(*data(16))[1])
+        train.copyWeightsToHost()
+        weights.append([p.detach().clone() for p in model.parameters()])
+    assert relative(losses[1], losses[0]) < 1e-6
+    for a, b in zip(weights[1], weights[0]):
+        assert relative(a, b) < 1e-6
 
 
 # -- when a stage stays eager ---------------------------------------------------------------
@@ -400,16 +471,27 @@ def test_the_keras_face_compiles_its_stages_from_the_default_options(monkeypatch
 
 # -- the command line -----------------------------------------------------------------------
 
-def test_the_command_line_compiles_an_unmodified_script(tmp_path):
+def test_the_command_line_compiles_an_unmodified_script(tmp_path, monkeypatch):
+    """``--compile`` adds compileStages to POPTORCH_DEFAULT_OPTIONS, keeping what it sets;
+    a backend without ``--compile``, or a variable that is not a JSON object, is refused."""
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent("""
         import poptorch
-        print(poptorch.Options().compile_stages, poptorch.Options().compile_backend)
+        opts = poptorch.Options()
+        print(opts.compile_stages, opts.compile_backend, opts.device_iterations)
     """))
-    out = subprocess.run([sys.executable, "-m", "poptorch_lite", "run", "--compile",
-                          str(script)], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["True", "None"]
-    out = subprocess.run([sys.executable, "-m", "poptorch_lite", "run", "--compile",
-                          "--compile-backend", "aot_eager", str(script)],
-                         capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["True", "aot_eager"]
+
+    def run(*flags, env=None):
+        if env is not None:
+            monkeypatch.setenv("POPTORCH_DEFAULT_OPTIONS", env)
+        return subprocess.run([sys.executable, "-m", "poptorch_lite", "run", *flags,
+                               str(script)], capture_output=True, text=True)
+    assert run("--compile").stdout.split() == ["True", "None", "1"]
+    done = run("--compile", "--compile-backend", "aot_eager", env='{"deviceIterations": 3}')
+    assert done.stdout.split() == ["True", "aot_eager", "3"]
+    done = run("--compile-backend", "aot_eager")
+    assert done.returncode == 2 and "--compile-backend chooses the backend of --compile" in \
+        done.stderr
+    done = run("--compile", env="not json")
+    assert done.returncode == 2 and ("--compile adds to POPTORCH_DEFAULT_OPTIONS, which is not "
+                                     "a JSON object ('not json')") in done.stderr

@@ -189,12 +189,6 @@ class CompiledGraph:
         self.split: Optional[SplitState] = None
         self._lock = threading.Lock()
 
-    @property
-    def joint_backward(self) -> bool:
-        """Whether the graph's backward is compiled whole: one autograd node, which the
-        eager split cannot split ([Note: split backward] in ``runtime/split_backward``)."""
-        return bool(self.fns) and self.split is None
-
     def __call__(self, *args):
         if self.eager:
             return self.gm(*args)
@@ -218,12 +212,12 @@ class CompiledGraph:
                 if made is None:
                     tracing.forget_sources(keys)
                     return self.gm(*args)
-                fn, split, reused, key = made
+                fn, split, reused, key, plain = made
                 if reused:
                     tracing.forget_sources(keys)
-                else:
+                else:  # ``plain`` kept too: what its key names by identity stays alive
                     with _cache_lock:
-                        _cache[key] = (fn, split, keys)
+                        _cache[key] = (fn, split, keys, plain)
                         while len(_cache) > _CACHE_SIZE:
                             tracing.forget_sources(_cache.popitem(last=False)[1][2])
                 if self.fns:  # compiled before, for the other grad mode
@@ -239,7 +233,7 @@ class CompiledGraph:
         return self(*args)
 
     def _made(self, args: tuple, grad: bool) -> Optional[tuple]:
-        """``(function, SplitState or None, reused, cache key)`` for ``args`` in grad mode
+        """``(function, SplitState or None, reused, cache key, graph)`` for ``args`` in grad mode
         ``grad``: another wrapper's, or compiled now; None where the stage runs eagerly."""
         plain = _without_seeding(self.gm)
         d = self.decision
@@ -253,13 +247,15 @@ class CompiledGraph:
         with _cache_lock:
             cached = _cache.get(key)
         if cached is not None:
-            return cached[0], cached[1], True, key
-        try:
-            fn, split = self._compile(plain, args)
+            return cached[0], cached[1], True, key, cached[3]
+        try:  # Compiling may draw random numbers (Inductor benchmarks its choices on random
+            # inputs): from generators put back after, not from the run's (the next bases).
+            with torch.random.fork_rng(devices=_cuda_devices(args)):
+                fn, split = self._compile(plain, args)
         except Exception as exc:  # noqa: BLE001 - any refusal: run eagerly
             self._refused(exc)
             return None
-        return fn, split, False, key
+        return fn, split, False, key, plain
 
     def _compile(self, plain: fx.GraphModule, args: tuple) -> tuple:
         """``(function, SplitState or None)``: ``plain`` compiled for ``args``, forward and
@@ -267,15 +263,14 @@ class CompiledGraph:
         split = SplitState() if self.weights and torch.is_grad_enabled() else None
         positions = self.weights
 
-        # Compiling may draw random numbers (Inductor benchmarks its choices on random
-        # inputs): from generators that are put back after, not from the micro-batch's stream.
         # The backward compiles now too, not at its first call: its time is counted, and a
-        # refusal comes before anything ran.
+        # refusal comes before anything ran. A split backward's saved values are not the
+        # input half's to reuse ("donated buffers"): the weight half reads them later.
         import torch._functorch.config as functorch_config
-        eager_backward = ({"force_non_lazy_backward_lowering": True} if hasattr(
-            functorch_config, "force_non_lazy_backward_lowering") else {})
-        with torch.random.fork_rng(devices=_cuda_devices(args)), \
-                functorch_config.patch(**eager_backward):
+        patches = {"force_non_lazy_backward_lowering": True,
+                   **({"donated_buffer": False} if split is not None else {})}
+        with functorch_config.patch(
+                **{k: v for k, v in patches.items() if hasattr(functorch_config, k)}):
             if self.backend == "inductor":
                 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
@@ -402,12 +397,12 @@ def _target_key(target):
         return getattr(target, "rewrap", None).__qualname__, _target_key(target.wrapped_op)
     if getattr(target, "__module__", None) in ("_operator", "operator", "builtins", "math"):
         return target.__module__, target.__qualname__
-    return "object", id(target)  # kept alive by the graph the cache holds
+    return "object", id(target)  # alive while the cache holds the graph that calls it
 
 
 def clear_cache() -> None:
     """Forget every compiled graph of this process (the next compile starts afresh)."""
     with _cache_lock:
-        for _, _, keys in _cache.values():
+        for _, _, keys, _ in _cache.values():
             tracing.forget_sources(keys)
         _cache.clear()

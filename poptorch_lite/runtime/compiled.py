@@ -142,8 +142,6 @@ class CompiledModel:
                 mbs, opts, training, self.replicas(), optimizer, loss_scale, weights,
                 self.outputs().kept, not full, self.generator)
         except BaseException as exc:
-            if program.compiled is not None:
-                program.compiled.flush()
             applied = ex.steps_applied - applied
             if restore is not None:
                 restore()
@@ -152,10 +150,11 @@ class CompiledModel:
             exc.add_note(undo_note(applied, opts.device_iterations if training else 0,
                                     isinstance(exc, UnrecoverableError)))
             raise
+        finally:
+            if program.compiled is not None:  # what the first calls compiled, once
+                program.compiled.flush()
         if training:
             self.steps += opts.device_iterations
-        if program.compiled is not None:  # what the first calls compiled, once
-            program.compiled.flush()
         # The statistics are built when asked for: per call only the records.
         self.last_run, self.statistics = (*record, dict(self.placement.devices)), None
         self.last_call = (program.partition, len(mbs.tensor_positions))

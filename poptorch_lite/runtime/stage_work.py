@@ -66,6 +66,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..compiler import rng
+from ..compiler.compiled_stages import CompiledGraph
 from ..compiler.lowered import Lowered
 from ..errors import Error
 from .placement import Placement
@@ -363,14 +364,17 @@ class StageWork:
                 if g is not None and o.requires_grad:
                     tensors.append(o)
                     grads.append(g)
-            graph = st.segments[k].module if st.recompute else st.module
-            if split and tensors and getattr(graph, "split", None) is not None:
-                entry.later += self._split_compiled(graph, tensors, grads, a.stage, k)
-            elif split and tensors and not getattr(graph, "joint_backward", False):
+            compiled = None
+            if split and tensors:  # a compiled graph is split once, when it compiled
+                graph = st.segments[k].module if st.recompute else st.module
+                compiled = graph if isinstance(graph, CompiledGraph) and graph.fns else None
+            if compiled is not None and compiled.split is not None:
+                entry.later += self._split_compiled(compiled, tensors, grads, a.stage, k)
+            elif split and tensors and compiled is None:
                 entry.later.append(backward_input(
                     tensors, grads, [*leaves.values(), *entry.boundary.values()], params,
                     self._split_plans.setdefault((a.stage, k), [])))
-            elif tensors:  # a compiled graph not split: its I runs the whole backward
+            elif tensors:  # (a compiled graph with no weight half: its I runs it whole)
                 run_backward(tensors, grads)
             if leaves:
                 _collect_grads(leaves, pending)
