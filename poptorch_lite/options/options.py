@@ -56,7 +56,10 @@ def _options_attributes() -> dict:
         "watchdog_timeout": via_setter("watchdogTimeout"),
         "all_or_nothing_calls": via_setter("allOrNothingCalls"),
         "compile_stages": via_setter("compileStages"),
-        "compile_backend": lambda g, v: g.compileStages(g.compile_stages, v),
+        "compile_backend": lambda g, v: g.compileStages(g.compile_stages, v,
+                                                        g.compile_cuda_graph),
+        "compile_cuda_graph": lambda g, v: g.compileStages(g.compile_stages, g.compile_backend,
+                                                           v),
     })
     return attributes
 
@@ -73,7 +76,7 @@ class Options(DeviceOptions, CompileOptions, OptionGroup):
         output_return_period, random_seed (None until ``randomSeed``),
         execution_strategy, broadcast_buffers, auto_recomputation, ipu_devices,
         watchdog_timeout, all_or_nothing_calls, compile_stages, compile_backend,
-        use_model: see their setters.
+        compile_cuda_graph, use_model: see their setters.
 
     Example:
         >>> opts = Options().deviceIterations(20).replicationFactor(2).randomSeed(123)
@@ -92,7 +95,7 @@ class Options(DeviceOptions, CompileOptions, OptionGroup):
             output_return_period=1, random_seed=None,
             execution_strategy=PipelinedExecution(), broadcast_buffers=True,
             ipu_devices=None, watchdog_timeout=600.0, all_or_nothing_calls=False,
-            compile_stages=False, compile_backend=None,
+            compile_stages=False, compile_backend=None, compile_cuda_graph=True,
             **copy.deepcopy(DEVICE_DEFAULTS))
         self._popart = _PopartOptions()
         self._training = _TrainingOptions()

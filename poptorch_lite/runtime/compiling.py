@@ -114,7 +114,7 @@ def _compiled(model, modes, options, training, mbs, weights, placement, replicas
     channels = Channels(part, processes, {ipu: placement.device(ipu) for ipu in ipus}, training,
                         any(st.random for st in part.stages)) if spans else None
     lowered, report = lower(part, recompute), None
-    if o.compile_stages:  # [Note: compiled stages] in compiler/compiled_stages
+    if o.compile_stages and o.compile_backend != "eager":  # [Note: compiled stages]
         lowered, report = compiled_stages.compile_lowered(
             lowered, {st.ipu: placement.device(st.ipu) for st in mine}, o.compile_backend,
             split=training and o.execution_strategy.schedule is PipelineSchedule.ZeroBubble)
