@@ -245,7 +245,7 @@ def test_a_micro_batchs_random_stream_continues_from_one_gpu_to_the_next(monkeyp
     from the micro-batch's seed (which repeated stage 0's masks). Two CPU generators stand
     for the GPUs' default generators."""
     gens = {0: torch.Generator(), 1: torch.Generator()}
-    monkeypatch.setattr(rng, "_generator", lambda device: gens[device.index])
+    monkeypatch.setattr(rng, "device_generator", lambda device: gens[device.index])
 
     def draw(device):
         return torch.rand(4, generator=gens[device.index])

@@ -126,7 +126,8 @@ class Stream:
         return copy
 
 
-def _generator(device: torch.device) -> torch.Generator:
+def device_generator(device: torch.device) -> torch.Generator:
+    """The default generator of ``device`` (its random ops draw from it)."""
     if device.type == "cuda":
         return torch.cuda.default_generators[device.index if device.index is not None
                                              else torch.cuda.current_device()]
@@ -151,13 +152,16 @@ def _call_in_stream(op, args, kwargs):
         return op(*args, **kwargs)
     device = _device_of(args, kwargs)
     kind, gen = ("cpu", torch.default_generator) if device is None else (
-        device.type, _generator(device))
+        device.type, device_generator(device))
     return _swapped(stream, ((kind, gen),), op, args, kwargs)
 
 
 def _swapped(stream: Stream, kinds: tuple, op, args, kwargs):
     """``op(*args, **kwargs)`` with each ``(kind, generator)`` of ``kinds`` holding
     ``stream``'s state of that kind, under the lock; the stream keeps where they stopped."""
+    graph = getattr(_local, "graph", None)
+    if graph is not None:  # a step being captured ([Note: step graphs] in runtime/step_graph)
+        return graph.draw(stream, op, args, kwargs)
     states = stream.states  # one stream per kind: it moves between GPUs
     with _LOCK:
         saved = []
@@ -187,7 +191,7 @@ def call_in_stream(fn, args: tuple, device: torch.device):
         return fn(*args)
     kinds = (("cpu", torch.default_generator),)
     if device.type != "cpu":
-        kinds += ((device.type, _generator(device)),)
+        kinds += ((device.type, device_generator(device)),)
     return _swapped(stream, kinds, fn, args, None)
 
 
@@ -235,18 +239,34 @@ def unpack(packed: torch.Tensor) -> Stream:
     return stream
 
 
-class use:
-    """Context manager: random ops on this thread draw from ``stream`` (None: unchanged)."""
+class _ThreadSetting:
+    """Context manager: this thread's ``_local.<NAME>`` is ``value`` while inside."""
 
-    def __init__(self, stream: Optional[Stream]):
-        self.stream = stream
+    NAME = ""
+
+    def __init__(self, value):
+        self.value = value
 
     def __enter__(self):
-        self.previous = getattr(_local, "stream", None)
-        _local.stream = self.stream
+        self.previous = getattr(_local, self.NAME, None)
+        setattr(_local, self.NAME, self.value)
 
     def __exit__(self, *exc):
-        _local.stream = self.previous
+        setattr(_local, self.NAME, self.previous)
+
+
+class capturing(_ThreadSetting):
+    """Context manager: while a step graph captures on this thread, a random op draws
+    through ``graph.draw(stream, op, args, kwargs)`` (the graph's generator for that
+    micro-batch's stream), not by swapping generator states, which a capture forbids."""
+
+    NAME = "graph"
+
+
+class use(_ThreadSetting):
+    """Context manager: random ops on this thread draw from ``stream`` (None: unchanged)."""
+
+    NAME = "stream"
 
 
 def seeded(op):

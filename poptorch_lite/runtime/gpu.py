@@ -108,6 +108,61 @@ class Gpu:
         torch.cat(ts, out=joined)
         return list(joined.to(device, non_blocking=True).split([len(t) for t in ts]))
 
+    # -- one CUDA graph per step ([Note: step graphs] in ``step_graph``) -------------------
+
+    def records(self, backend: str) -> bool:
+        """Whether a captured step can hold stages compiled by ``backend`` (CUDA: every one)."""
+        return True
+
+    def graph(self):
+        """A new, empty CUDA graph."""
+        return torch.cuda.CUDAGraph()
+
+    def capture(self, graph, stream) -> contextlib.AbstractContextManager:
+        """While inside, what this thread launches on ``stream`` (and on the streams that
+        waited for it) is recorded into ``graph``, not run. Only this thread is held to the
+        capture's rules: a data loader's thread pinning memory meanwhile is not an error."""
+        return torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local")
+
+    def replay(self, graph, stream) -> None:
+        """Launch ``graph``'s work on ``stream``, after what ``stream`` has queued."""
+        with torch.cuda.stream(stream):
+            graph.replay()
+
+    def graph_generator(self, graph, device: torch.device) -> torch.Generator:
+        """A generator on ``device`` whose state ``graph`` reads at each replay: what it is
+        seeded with before a replay is what the replay's random ops draw from."""
+        gen = torch.Generator(device)
+        graph.register_generator_state(gen)
+        return gen
+
+    def draw_from(self, default: torch.Generator, gen: torch.Generator):
+        """Make ``default`` draw from ``gen``'s state while capturing (the random ops of a
+        graph take the device's default generator); returns what :meth:`drawn` takes to put
+        ``default`` back. ``gen``'s state advances with the draws."""
+        saved = default.graphsafe_get_state()
+        default.graphsafe_set_state(gen.graphsafe_get_state())
+        return saved
+
+    def drawn(self, default: torch.Generator, saved) -> None:
+        default.graphsafe_set_state(saved)
+
+    def copy_rows_into(self, target: torch.Tensor, sources: list, device: torch.device) -> None:
+        """``target`` (on ``device``) <- the concatenation of ``sources`` along rows, on this
+        thread's current stream there: host tensors joined in pinned memory and copied asynchronously, device
+        tensors copied on the device."""
+        if all(t.device.type == "cpu" for t in sources):
+            joined = torch.empty(target.shape, dtype=target.dtype, pin_memory=True)
+            if len(sources) > 1:
+                torch.cat(sources, out=joined)
+            else:
+                joined.copy_(sources[0])
+            target.copy_(joined, non_blocking=True)
+        elif len(sources) == 1:
+            target.copy_(sources[0], non_blocking=True)
+        else:
+            target.copy_(torch.cat([t.to(target.device, non_blocking=True) for t in sources]))
+
 
 def joinable(ts: list) -> bool:
     """Whether :meth:`Gpu.copy_in_all` can copy ``ts`` in one transfer: two or more host

@@ -17,10 +17,14 @@ from ..compiler.partition import Partition
 
 @dataclasses.dataclass
 class RunStats:
-    """What one run measured ([Note: activation stash]): per stage, peak stash depth and bytes."""
+    """What one run measured ([Note: activation stash]): per stage, peak stash depth and bytes;
+    how it ran."""
 
     peak_stash_depth: list
     peak_stash_bytes: list
+    # A run of a step graph ([Note: step graphs] in ``step_graph``): "captured" (its first
+    # replay) or "replayed"; None: run eagerly, action by action.
+    graph: Optional[str] = None
 
 
 class Entry:

@@ -182,6 +182,16 @@ class Weights:
         for c in self._copies.values():
             c.grad = None
 
+    def param_tensors(self) -> list:
+        """Every tensor a stage computes with for a parameter (homes, visitors' copies)."""
+        return list({id(t): t for t in self._use.values()}.values())
+
+    def stepped_on_device(self) -> None:
+        """An optimizer step ran on the homes outside :meth:`stepping` (a replayed CUDA
+        graph's): the host copy is stale where homes are separate."""
+        if self._separate_homes:
+            self.host_stale = True
+
     def share_hooks(self) -> None:
         """Give each copy of a parameter the host parameter's gradient hooks (its own
         ``register_hook``'s: one dict for both), as a shared home has them already."""

@@ -1,0 +1,449 @@
+"""One CUDA graph per step: a warm program's runs captured once, then replayed.
+
+[Note: step graphs]
+A small model's step on a GPU is bound by its launches: Python hands the GPU one kernel
+at a time. PopTorch compiles a step once and runs it without returning to Python; with
+``Options.compileStages`` on a GPU (``cuda_graph=True``, the default) a program does
+the same with a CUDA graph. Its first ``WARM_RUNS`` runs are eager (the stages compile,
+the optimizer makes its state, cuBLAS and the autograd engine start). The next run is
+captured: every action of the schedule, in the order of its rows, launched by the
+caller's thread on the stages' own streams (forked from a capture stream and joined
+back to it), into one graph; that run and every later one is then a replay:
+
+- **Inputs** are read from static slots in GPU memory made at the capture; before each
+  replay the run's micro-batches are copied into them on the capture stream (one
+  transfer per input for all micro-batches, from pinned memory).
+- **Random ops.** Micro-batch i draws from a generator of its own that the graph reads
+  at each replay, seeded before it with the run's ``microbatch_seed(base, i)``: the masks
+  are those of the eager path ([Note: micro-batch RNG] in ``compiler/rng``), replay
+  after replay. While capturing, a random op takes it through ``rng.capturing``.
+- **Values baked in.** A capture records Python numbers as constants: the learning rate
+  and the optimizer's other hyperparameters, the loss scale, the divisor. Before each
+  replay they (and which tensors hold the optimizer's state) are compared with the
+  capture's; a change captures again (counted, logged). An optimizer whose
+  hyperparameters changed twice (a learning-rate schedule) leaves the graph: its step
+  runs eagerly after each replay. Not device tensors: torch's SGD reads a tensor learning
+  rate with ``.item()`` (a host read, refused in a capture), and a device-tensor operand
+  changes the kernels (CUDA divides by a host scalar as a multiplication by its
+  reciprocal): the replay would no longer be the eager path's bits.
+- **The optimizer's step** is in the graph where it is graph-safe: SGD (its state is
+  device tensors only), or an optimizer built with ``capturable=True``. Otherwise the
+  graph ends with the reduction and the step runs eagerly after the replay: Adam with
+  ``capturable=False`` keeps its step count on the host, automatic loss scaling decides
+  on the host whether a step applies, step hooks and PopTorch's state dtypes run Python.
+- **Not captured** (the runs stay eager; the log says why, once): stages on more than
+  one device, or not on a GPU; stages or replicas in other processes; ``useIpuModel``;
+  offloaded optimizer state; ``stopOnNonFiniteLoss`` (a host read per micro-batch); a
+  recomputed stage with random ops (its recompute restarts a generator mid-stream);
+  gradient hooks on parameters (their Python would run at the capture only); inputs
+  that require grad. A capture that raises leaves the program eager.
+- **After a replay** the stream is synchronized, as an eager run's streams are; the
+  outputs, in the graph's memory, are copied to the host; the parameters' ``.grad``
+  are the capture's tensors again (a call hands the host's back to the user); the step
+  is counted.
+
+The GPU twin records a capture op by op and replays it on the same tensors, running
+nothing while capturing (``tests/gpu_twin.py``), so the CPU suite tests what is
+captured, the slots and the replays.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import torch
+import torch.optim.optimizer as _optimizer_module
+
+from ..compiler import rng
+from ..compiler.compiled_stages import CompiledGraph
+from ..errors import ExecutionError
+from ..optim import precision
+from ..optim.optimizers import Optimizer as PopTorchOptimizer
+from .gpu import joinable
+from .run import Run, RunStats
+from .schedule import Kind
+
+_LOG = logging.getLogger("poptorch_lite")
+
+WARM_RUNS = 2  # eager runs of a program before its step is captured
+_RESTLESS = 2  # captures for a changed optimizer before its step leaves the graph
+
+
+class GraphReport:
+    """What a program's step graph did.
+
+    Attributes:
+        refused: why its runs are not captured (None: they are, once warm).
+        parts: what the graph holds; eager: what runs eagerly after each replay, and why.
+        captures, recaptures, replays, eager_runs: counts over the program's runs.
+    """
+
+    def __init__(self, refused: Optional[str] = None):
+        self.refused = refused
+        self.parts: tuple = ()
+        self.eager: dict = {}
+        self.captures = self.recaptures = self.replays = self.eager_runs = 0
+
+
+class StepGraph:
+    """The captured step of one program on one GPU ([Note: step graphs]).
+
+    Args:
+        executor: the program's; device: the GPU of all its stages; refused: why its runs
+            cannot be captured (None: they can).
+    """
+
+    def __init__(self, executor, device: torch.device, refused: Optional[str]):
+        self.ex, self.device = executor, device
+        self.report = GraphReport(refused)
+        self.stream = executor.gpu.Stream(device) if refused is None else None
+        self.captured: Optional[_Captured] = None
+        self.warm = 0
+        self.step_out: Optional[str] = None  # why the optimizer's step left the graph
+        self.restless = 0
+        if refused is not None:
+            _LOG.info("compileStages: the steps on %s are not captured as a CUDA graph: %s",
+                      device, refused)
+
+    def run(self, call, microbatches: list, replica_of, keep, base: Optional[int], step):
+        """One run as a replay of the captured step (captured first if need be):
+        ``Executor.run_call``'s ``(outputs, stats)``; None where the run is eager (a warm-up
+        run, or a program that is not captured)."""
+        report = self.report
+        if report.refused is None:
+            why = self._refusal(step, microbatches)
+            if why is not None:
+                self._refuse(why)
+        if report.refused is not None or self.warm < WARM_RUNS:
+            self.warm += 1
+            report.eager_runs += 1
+            return None
+        in_graph = self._step_in_graph(step)
+        key = self._key(step, in_graph)
+        cap = self.captured
+        if cap is not None and (cap.key != key or cap.plan is not call.plan):
+            in_graph = self._changed(cap, key, step)
+            key = self._key(step, in_graph)
+            cap = self.captured = None
+        how = "replayed"
+        if cap is None:
+            try:
+                cap = self.captured = self._capture(call, microbatches, replica_of, step,
+                                                    in_graph, key)
+            except Exception as exc:  # nothing ran: the run goes eagerly, and the rest
+                self._refuse(f"its capture failed: {type(exc).__name__}: {exc}")
+                report.eager_runs += 1
+                return None
+            how = "captured"
+        return self._replay(cap, microbatches, keep, base, step, how)
+
+    # -- what may be captured -------------------------------------------------------------
+
+    def _refusal(self, step, microbatches: list) -> Optional[str]:
+        """Why this run cannot be captured, or None (what may change between calls)."""
+        if step is not None and step.check_loss:
+            return ("Training.stopOnNonFiniteLoss reads every micro-batch's loss on the host; "
+                    "turn it off to capture the steps")
+        if any(t.requires_grad for mb in microbatches for t in mb):
+            return "an input requires grad"
+        if any(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)
+               for p in self.ex.weights.params.values()):
+            return ("a parameter has gradient hooks, whose Python would run at the capture "
+                    "only")
+        return None
+
+    def _refuse(self, why: str) -> None:
+        self.report.refused = why
+        self.captured = None
+        _LOG.warning("compileStages: the steps on %s run eagerly from now on: %s", self.device,
+                     why)
+
+    def _step_in_graph(self, step) -> bool:
+        if step is None or self.step_out is not None:
+            return False
+        why = step_refusal(step)
+        if why is not None:
+            self._leave(why)
+            return False
+        return True
+
+    def _leave(self, why: str) -> None:
+        """The optimizer's step leaves the graph: it runs eagerly after each replay."""
+        self.step_out = why
+        self.report.eager["optimizer step"] = why
+        _LOG.info("compileStages: the optimizer's step runs eagerly after each replay of the "
+                  "CUDA graph: %s", why)
+
+    def _key(self, step, in_graph: bool) -> tuple:
+        """The values a capture bakes in, and the tensors it reads that may be replaced."""
+        if step is None:
+            return ()
+        key: tuple = (step.loss_scaling, step.divisor)
+        if in_graph:
+            opt = step.optimizer
+            key += (tuple(tuple(sorted((k, _frozen(v)) for k, v in g.items() if k != "params"))
+                          + (len(g["params"]),) for g in opt.param_groups),
+                    tuple(id(v) for state in opt.state.values() for v in state.values()
+                          if isinstance(v, torch.Tensor)))
+        return key
+
+    def _changed(self, cap, key: tuple, step) -> bool:
+        """The captured step no longer fits (``key`` differs, or a new schedule): log it, and
+        whether the optimizer's step stays in the next graph."""
+        self.report.recaptures += 1
+        what = "the schedule" if cap.key == key else "the loss scale or divisor" if (
+            cap.key[:2] != key[:2]) else "the optimizer's hyperparameters or state tensors"
+        if cap.step_in_graph and cap.key[2:3] != key[2:3]:
+            self.restless += 1
+            if self.restless >= _RESTLESS:
+                self._leave("its hyperparameters changed between runs (a learning-rate "
+                            "schedule?), and a capture bakes them in")
+        _LOG.info("compileStages: capturing the step on %s again: %s changed", self.device, what)
+        return self._step_in_graph(step)
+
+    # -- capture --------------------------------------------------------------------------
+
+    def _capture(self, call, microbatches: list, replica_of, step, in_graph: bool, key: tuple):
+        ex, gpu, device = self.ex, self.ex.gpu, self.device
+        unrecorded = [m.backend for st in ex.work.stages for m in (st.module, *(
+            seg.module for seg in st.segments)) if isinstance(m, CompiledGraph) and m.fns
+            and not gpu.records(m.backend)]
+        if unrecorded:
+            raise ExecutionError(f"this GPU cannot record stages compiled by {unrecorded[0]}")
+        plan = call.plan
+        training, M = plan.schedule.training, len(microbatches)
+        streams = [rng.Stream(i) for i in range(M)] if ex.random else None
+        run = Run(ex.partition, microbatches, replica_of, streams, 0, training, list(range(M)),
+                  plan.ahead)
+        slots = self._slots(run)
+        self._fill(slots, microbatches)  # what the capture computes on, where it computes
+        self.stream.synchronize()
+        graph = gpu.graph()
+        generators = [gpu.graph_generator(graph, device) for _ in range(M)] if ex.random else []
+        if ex.work.measures():
+            run.excluded = ex.weights.storages() | {
+                t.untyped_storage().data_ptr() for t in run.placed.values()}
+        if training:
+            ex.weights.zero_grads()
+        pairs = [(ex._ipu(a), a) for row in plan.schedule.rows for a in row
+                 if a is not None and ex._here(a) and (in_graph or a.kind is not Kind.STEP)]
+        handlers, applied, started = ex.handlers, ex.steps_applied, time.perf_counter()
+        self.stream.wait_stream(gpu.current_stream(device))  # the caller's work so far
+        try:
+            with torch.set_grad_enabled(training), rng.capturing(
+                    _Draws(gpu, device, streams, generators)), gpu.capture(graph, self.stream):
+                self._launch(pairs, plan.waits, lambda a: handlers[a.kind](a, run, step))
+        finally:
+            ex.steps_applied = applied  # nothing ran: the replay counts the step
+        stepped = next((a for row in plan.schedule.rows for a in row
+                        if a is not None and a.kind is Kind.STEP), None)
+        cap = _Captured(graph, run, slots, generators, key, in_graph, plan, stepped,
+                        [(t, t.grad) for t in ex.weights.param_tensors()])
+        parts = (f"{'every stage action' if training else 'the forwards'} of {M} micro-batch"
+                 f"{'es' if M > 1 else ''}",) + (("the reduction",) if training else ()) + (
+                     ("the optimizer's step",) if in_graph else ())
+        report = self.report
+        report.parts, report.captures = parts, report.captures + 1
+        if in_graph:
+            report.eager.pop("optimizer step", None)
+        _LOG.info("compileStages: captured the step on %s as one CUDA graph in %.2f s: %s%s",
+                  device, time.perf_counter() - started, ", ".join(parts), "".join(
+                      f"; eager after each replay: {part} ({why})"
+                      for part, why in report.eager.items()))
+        return cap
+
+    def _slots(self, run: Run) -> list:
+        """Static memory for the run's inputs on the device, which the stages read
+        (``run.placed``): ``(target, input, micro-batch or None for all)``, what
+        :meth:`_replay` copies each run's inputs into."""
+        ex, device = self.ex, self.device
+        slots = []
+        for k in sorted({k for keys in ex.inputs.keys.values() for k in keys}):
+            sources = [mb[k] for mb in run.inputs]
+            if joinable(sources):
+                joined = torch.empty((sum(len(t) for t in sources), *sources[0].shape[1:]),
+                                     dtype=sources[0].dtype, device=device)
+                views = list(joined.split([len(t) for t in sources]))
+                slots.append((joined, k, None))
+            else:
+                views = [torch.empty_like(t, device=device) for t in sources]
+                slots += [(v, k, i) for i, v in enumerate(views)]
+            for ipu, keys in ex.inputs.keys.items():
+                if k in keys:
+                    for i, v in enumerate(views):
+                        run.placed[ipu, i, k] = v
+        return slots
+
+    def _fill(self, slots: list, microbatches: list) -> None:  # on the capture stream
+        gpu = self.ex.gpu
+        with gpu.stream(self.stream):
+            for target, k, i in slots:
+                gpu.copy_rows_into(target, [mb[k] for mb in microbatches] if i is None
+                                   else [microbatches[i][k]], self.device)
+
+    def _launch(self, pairs: list, waits: dict, act) -> None:
+        """Launch ``(ipu, action)`` pairs in order on their streams, inside the capture: a
+        stream forks from the capture stream before its first action and joins it at the end;
+        an action waits for those it depends on ([Note: values crossing streams])."""
+        gpu, streams, capture = self.ex.gpu, self.ex.placement.streams, self.stream
+        events, forked = {}, []
+        current = context = None
+        try:
+            for ipu, a in pairs:
+                s = streams[ipu]
+                if ipu != current:
+                    if context is not None:
+                        context.close()
+                    context, current = s.context(), ipu
+                if s not in forked:
+                    forked.append(s)
+                    for st in (s.stream, *s.side):
+                        st.wait_stream(capture)
+                needs = waits[a]
+                if needs:
+                    s.wait([events[d] for d in needs if d in events])
+                act(a)
+                s.join()
+                events[a] = event = gpu.Event()
+                event.record(s.stream)
+        finally:
+            if context is not None:
+                context.close()
+        for s in forked:
+            capture.wait_stream(s.stream)
+
+    # -- replay ---------------------------------------------------------------------------
+
+    def _replay(self, cap, microbatches: list, keep, base: Optional[int], step, how: str):
+        ex, gpu, stream = self.ex, self.ex.gpu, self.stream
+        run = cap.run
+        run.inputs = microbatches
+        run.kept = [i for i in range(len(microbatches)) if keep is None or keep[i]]
+        run.keeps = frozenset(run.kept)
+        if cap.generators:
+            base = rng.draw_base() if base is None else base
+            for i, gen in enumerate(cap.generators):
+                gen.manual_seed(rng.microbatch_seed(base, i))
+        stream.wait_stream(gpu.current_stream(self.device))  # weights pushed, the last step
+        self._fill(cap.slots, microbatches)
+        gpu.replay(cap.graph, stream)
+        try:
+            stream.synchronize()
+        except RuntimeError as exc:  # an asynchronous CUDA error
+            raise ExecutionError(f"the replay of the step captured on {self.device} failed: "
+                                 f"{type(exc).__name__}: {exc}; run with compileStages("
+                                 f"cuda_graph=False) to find the action that fails",
+                                 location=str(self.device)) from exc
+        for t, grad in cap.grads:  # a call hands the host's gradients back to the user
+            t.grad = grad
+        if step is not None:
+            if cap.step_in_graph:
+                ex.steps_applied += 1
+                ex.weights.stepped_on_device()
+            else:
+                ex.handlers[Kind.STEP](cap.stepped, run, step)
+        self.report.replays += 1
+        stats = cap.run.stats
+        return ex._outputs(run), RunStats(list(stats.peak_stash_depth),
+                                          list(stats.peak_stash_bytes), how)
+
+
+class _Captured:
+    """A captured step: its graph, the run whose tensors it holds, its slots, generators and
+    key, the parameters' gradients it left."""
+
+    __slots__ = ("graph", "run", "slots", "generators", "key", "step_in_graph", "plan",
+                 "stepped", "grads")
+
+    def __init__(self, graph, run, slots, generators, key, step_in_graph, plan, stepped, grads):
+        self.graph, self.run, self.slots, self.generators = graph, run, slots, generators
+        self.key, self.step_in_graph, self.plan = key, step_in_graph, plan
+        self.stepped, self.grads = stepped, grads
+
+
+class _Draws:
+    """Random draws while capturing: micro-batch i's ops take its graph generator
+    (``rng.capturing``)."""
+
+    def __init__(self, gpu, device: torch.device, streams: Optional[list], generators: list):
+        self.gpu, self.default = gpu, rng.device_generator(device)
+        self.of = {id(s): g for s, g in zip(streams or (), generators)}
+
+    def draw(self, stream, op, args, kwargs):
+        gen = self.of.get(id(stream))
+        if gen is None:
+            raise ExecutionError("a random op drew from a stream that is not a micro-batch's "
+                                 "while the step was captured")
+        saved = self.gpu.draw_from(self.default, gen)
+        try:
+            return op(*args, **(kwargs or {}))
+        finally:
+            self.gpu.drawn(self.default, saved)
+
+
+def for_program(executor, options) -> Optional[StepGraph]:
+    """The step graph of a program whose stages are on a GPU, under ``compileStages``
+    (None: no stage is on a GPU, or the option is off); one that refuses to capture says
+    why ([Note: step graphs])."""
+    if not (options.compile_stages and options.compile_cuda_graph):
+        return None
+    ex = executor
+    devices = list(dict.fromkeys(ex.placement.device(st.ipu) for st in ex.partition.stages
+                                 if ex.local[st.index]))
+    on_gpu = [d for d in devices if ex.gpu.is_gpu(d)]
+    if not on_gpu:
+        return None
+    refused = (
+        "stages or replicas run in other processes" if ex.channels is not None
+        or ex.processes is not None else
+        f"the stages run on {len(devices)} devices ({', '.join(map(str, devices))}); one "
+        f"graph holds one GPU's work" if len(devices) > 1 else
+        "useIpuModel gives every IPU a memory of its own" if ex.weights.separate_memories else
+        "the optimizer's state is offloaded to host memory" if ex.weights.offload else
+        "a recomputed stage has random ops" if any(
+            st.recompute and st.random for st in ex.work.stages) else None)
+    return StepGraph(ex, on_gpu[0], refused)
+
+
+def step_refusal(step) -> Optional[str]:
+    """Why the optimizer's step of ``step`` (``update.StepArithmetic``) cannot be captured,
+    or None where it can ([Note: step graphs]).
+
+    Example:
+        >>> from poptorch_lite.runtime.update import StepArithmetic
+        >>> net = torch.nn.Linear(2, 1)
+        >>> step_refusal(StepArithmetic(torch.optim.SGD(net.parameters(), lr=0.1))) is None
+        True
+        >>> step_refusal(StepArithmetic(torch.optim.Adam(net.parameters())))[:39]
+        'Adam was built with capturable=False, w'
+    """
+    opt = step.optimizer
+    name = type(opt).__name__
+    if step.loss_scale.automatic:
+        return "automatic loss scaling decides on the host whether each step applies"
+    hooks = _optimizer_module
+    if (opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks
+            or hooks._global_optimizer_pre_hooks or hooks._global_optimizer_post_hooks):
+        return "the optimizer has step hooks, whose Python runs at every step"
+    if isinstance(opt, PopTorchOptimizer) and precision.differs(opt):
+        return (f"{name} keeps its state in dtypes of its own (PopTorch's accumulator types), "
+                f"stepped by poptorch_lite's Python")
+    if isinstance(opt, torch.optim.SGD) or (
+            opt.param_groups and all(g.get("capturable") for g in opt.param_groups)):
+        return None
+    if "capturable" in opt.defaults:
+        return (f"{name} was built with capturable=False, which keeps its step count on the "
+                f"host; build it with capturable=True to capture its step")
+    return (f"{name}'s step is not known to be graph-safe (SGD's is, and that of torch's "
+            f"optimizers built with capturable=True)")
+
+
+def _frozen(v):
+    """A hyperparameter as a key can hold it: a tensor by identity (a host read would sync)."""
+    if isinstance(v, torch.Tensor):
+        return ("tensor", id(v))
+    if isinstance(v, (list, tuple)):
+        return tuple(_frozen(x) for x in v)
+    return v if isinstance(v, (int, float, bool, str, type(None), torch.dtype)) else repr(v)
