@@ -77,6 +77,13 @@ def no_workers_left_over():
     yield
 
 
+@pytest.fixture
+def every_stage_compiles(monkeypatch):
+    """The test models are far below what pays for compiling: compile them anyway."""
+    from poptorch_lite.compiler import compiled_stages
+    monkeypatch.setattr(compiled_stages, "PAYS_FROM", 0)
+
+
 @pytest.fixture(autouse=True)
 def twin_gpu(request):
     """The GPU twin, in force for the placements of a test run on the ``gpu_twin`` device

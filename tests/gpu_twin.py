@@ -51,7 +51,11 @@ class TwinStream:
         with self.lock:
             while self.pending and self.pending[0][0] <= mark:
                 _, work = self.pending.pop(0)
-                work()
+                _paused.on = True  # queued before a capture: not part of it
+                try:
+                    work()
+                finally:
+                    _paused.on = False
 
     def wait_event(self, event) -> None:
         if event.stream is not None:  # the device waits: the host learns nothing
@@ -106,6 +110,8 @@ class TwinGpu:
         self._local = threading.local()  # this thread's current stream per device
         self._lock = threading.Lock()
         self._made = {}                  # data_ptr -> (the value, its stream, its work's mark)
+        self.captures = []               # the TwinGraphs captured, in order
+        self.drawing = []                # the graph generators random ops draw from now
 
     def is_gpu(self, device) -> bool:
         return device.type == "cpu" and device.index is not None
@@ -170,6 +176,54 @@ class TwinGpu:
         self.current_stream(device).launch(lambda: out.copy_(pinned))
         return out
 
+    # -- CUDA graphs ([Note: step graphs] in poptorch_lite/runtime/step_graph.py) ---------
+
+    def records(self, backend: str) -> bool:
+        """Inductor's CPU kernels run outside the dispatcher, where a capture records."""
+        return backend != "inductor"
+
+    def graph(self):
+        return TwinGraph()
+
+    @contextlib.contextmanager
+    def capture(self, graph, stream):
+        recording = _Recording(graph, self)
+        self.captures.append(graph)
+        try:
+            with self.stream(stream), recording:
+                yield
+        finally:
+            recording.finish()
+
+    def replay(self, graph, stream) -> None:
+        """Launched on ``stream``: it runs when something waits for the stream."""
+        stream.launch(graph.replay)
+
+    def graph_generator(self, graph, device):
+        gen = torch.Generator()
+        graph.generators.append(gen)
+        return gen
+
+    def draw_from(self, default, gen):
+        saved = default.get_state()
+        default.set_state(gen.get_state())
+        self.drawing.append(gen)
+        return saved
+
+    def drawn(self, default, saved) -> None:
+        gen = self.drawing.pop()
+        gen.set_state(default.get_state())
+        default.set_state(saved)
+
+    def copy_rows_into(self, target, sources, device) -> None:
+        """Launched on this thread's current stream; ``target`` holds NaN until it lands."""
+        joined = torch.cat([t.reshape(t.shape) for t in sources]) if len(sources) > 1 else (
+            sources[0].clone())
+        self.copies.append((joined, device))
+        with torch.no_grad():
+            target.copy_(_poisoned(target))
+        self.current_stream(device).launch(lambda: target.copy_(joined.view(target.shape)))
+
     def copy_in_all(self, ts, device):
         """One transfer of the joined tensors, landing when waited for; views of its rows."""
         return list(self.copy_in(torch.cat(ts), device).split([len(t) for t in ts]))
@@ -183,3 +237,112 @@ def _poisoned(t: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(t)
     return out.fill_(float("nan") if out.is_floating_point() or out.is_complex()
                      else torch.iinfo(out.dtype).max)
+
+
+# -- CUDA graphs: a capture records, a replay runs ([Note: step graphs] in step_graph) ------
+
+_paused = threading.local()  # this thread runs a stand-in stream's queued work: not recorded
+
+
+class TwinGraph:
+    """A stand-in CUDA graph. While capturing (``TwinGpu.capture``) it records every aten op
+    the capturing thread runs and, as far as anyone can tell, runs nothing: what the capture
+    wrote into tensors that existed before it is put back, and the tensors it made hold NaN
+    (integers: the largest value; booleans: negated) until a replay. A replay runs the
+    recorded ops again on the same tensors, with the Python numbers they were recorded with;
+    a random op draws from the graph generator it drew from at the capture (``draw_from``),
+    as a CUDA graph's registered generator states do. A host read of a tensor while
+    capturing (``.item()``, ``bool(t)``) raises, as CUDA refuses it."""
+
+    def __init__(self):
+        self.ops = []        # (kind, op, args, kwargs, outputs, generator)
+        self.replays = 0
+        self.generators = []
+
+    def replay(self) -> None:
+        with torch._C._AutoDispatchBelowADInplaceOrView(), torch.no_grad():
+            for kind, op, args, kwargs, outs, gen in self.ops:
+                if kind == "view":  # the output aliases an input: the data flows through it
+                    continue
+                if gen is not None:
+                    saved = torch.default_generator.get_state()
+                    torch.default_generator.set_state(gen.get_state())
+                made = op(*args, **kwargs)
+                if gen is not None:
+                    gen.set_state(torch.default_generator.get_state())
+                    torch.default_generator.set_state(saved)
+                if kind == "made":  # into the tensors the capture made, where readers look
+                    for old, new in zip(_leaves(outs), _leaves(made)):
+                        old.copy_(new)
+        self.replays += 1
+
+
+def _leaves(x) -> list:
+    return [t for t in torch.utils._pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
+
+
+# Ops that write arguments their schema does not mark as written: argument positions.
+_UNANNOTATED_WRITES = {torch.ops.aten.native_batch_norm.default: (3, 4)}
+
+
+class _Recording(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records a capture into a :class:`TwinGraph` (see there)."""
+
+    def __init__(self, graph: TwinGraph, twin):
+        super().__init__()
+        self.graph, self.twin = graph, twin
+        self.made = set()    # storages the capture made
+        self.before = {}     # storage -> (storage, a copy of it before the capture wrote it)
+
+    def __torch_dispatch__(self, op, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(_paused, "on", False):
+            return op(*args, **kwargs)
+        if op is torch.ops.aten._local_scalar_dense.default:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing "
+                               "(the twin: a host read of a tensor inside a capture)")
+        schema = op._schema
+        written = []
+        for at, arg in enumerate(schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                value = args[at] if at < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+                written += _leaves(value)
+        for at in _UNANNOTATED_WRITES.get(op, ()):
+            if args[5]:  # training: the running statistics move
+                written += _leaves(args[at])
+        for t in written:  # a tensor from before the capture: keep its value to put back
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in self.made and ptr not in self.before:
+                self.before[ptr] = (storage, storage.clone())
+        out = op(*args, **kwargs)
+        inputs = {t.untyped_storage().data_ptr() for t in _leaves((args, kwargs))}
+        aliased = [t.untyped_storage().data_ptr() in inputs for t in _leaves(out) if t.numel()]
+        views = any(r.alias_info is not None and not r.alias_info.is_write
+                    for r in schema.returns) or not written and any(aliased)  # _unsafe_view
+        kind = "view" if views else "write" if written and all(aliased) else "made"
+        if kind == "made":
+            for t in _leaves(out):
+                self.made.add(t.untyped_storage().data_ptr())
+        gen = self.twin.drawing[-1] if (
+            self.twin.drawing and torch.Tag.nondeterministic_seeded in op.tags) else None
+        # A CUDA graph holds memory, not Python objects: aliases of the tensors' storages, so
+        # that a later ``p.data = ...`` (the update's binding of a host parameter to its
+        # home) does not move what the replay reads and writes.
+        memory = torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.detach,
+                                                   (args, kwargs, out))
+        self.graph.ops.append((kind, op, *memory, gen))
+        return out
+
+    def finish(self) -> None:
+        """The capture ran nothing: put back what it wrote, poison what it made."""
+        with torch._C._AutoDispatchBelowADInplaceOrView(), torch.no_grad():
+            for storage, saved in self.before.values():
+                storage.copy_(saved)
+            for kind, _, _, _, outs, _ in self.graph.ops:
+                for t in _leaves(outs) if kind == "made" else ():
+                    if t.dtype == torch.bool:
+                        t.logical_not_()
+                    else:
+                        t.fill_(float("nan") if t.is_floating_point() or t.is_complex()
+                                else torch.iinfo(t.dtype).max)

@@ -1,0 +1,315 @@
+"""One CUDA graph per step ([Note: step graphs] in poptorch_lite/runtime/step_graph.py).
+
+On the GPU twin (tests/gpu_twin.py) a capture records every aten op and runs nothing; a
+replay runs the record again on the same memory, with the numbers it was recorded with. So
+a replay that reads last run's inputs, a learning rate baked in and not captured again, a
+dropout mask from the wrong generator, or outputs read before the replay landed all give
+other numbers than the eager path here, as on a GPU. The stages run their own kernels
+(``backend="eager"``, or AOTAutograd's), so the replay must equal the eager path bit for
+bit; on CUDA (``benchmarks/gpu_check.sh``) the same tests run on the GPU.
+"""
+
+import copy
+import logging
+
+import pytest
+import torch
+
+import poptorch_lite as poptorch
+from poptorch_lite.errors import OptionsError
+from poptorch_lite.optim.loss_scale import LossScale
+from poptorch_lite.runtime import step_graph
+from poptorch_lite.runtime.update import StepArithmetic
+
+from conftest import DEVICE_MARKS
+from gpu_twin import TWIN, TwinGpu, TwinGraph
+from models import GRAD_CODE, BlockMLP, GradCodeMLP, data, on_device
+
+GPUS = ["gpu_twin"] + ([pytest.param("cuda", marks=DEVICE_MARKS["cuda"])]
+                       if torch.cuda.is_available() else [])
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3)
+
+
+def train(model, device, graph, *, D=4, G=4, calls=2, schedule="grouped", optimizer=sgd,
+          backend="eager", recompute=False, between=None, batch=2, options=None):
+    """``calls`` training calls of ``model`` (a fresh copy); with ``graph``, steps captured
+    as a CUDA graph, else run eagerly. Returns (losses, state_dict, optimizer state, program)."""
+    torch.manual_seed(0)
+    model = copy.deepcopy(model)
+    if hasattr(model, "install_hooks"):
+        model.install_hooks()
+    opt = optimizer(model.parameters())
+    opts = poptorch.Options().deviceIterations(D).setExecutionStrategy(
+        poptorch.PipelinedExecution(schedule=schedule)).outputMode(poptorch.OutputMode.All)
+    opts.Training.gradientAccumulation(G)
+    if recompute:
+        opts._Popart.set("autoRecomputation", 3)
+    opts.compileStages(True, backend=backend, cuda_graph=graph)
+    on_device(opts, device)
+    if options is not None:
+        options(opts)
+    wrapper = poptorch.trainingModel(model, opts, opt)
+    losses = []
+    for call in range(calls):
+        x, y = data(batch * G * D, seed=call)
+        torch.manual_seed(10 + call)
+        losses.append(wrapper(x, y)[1].flatten())
+        if between is not None:
+            between(call, wrapper, model, opt)
+    program = next(iter(wrapper._state.programs.values()))
+    wrapper.copyWeightsToHost()
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    moments = [{k: v.detach().cpu().clone() for k, v in s.items() if isinstance(v, torch.Tensor)}
+               for s in opt.state.values()]
+    wrapper.destroy()
+    return torch.cat(losses).cpu(), state, moments, program
+
+
+def assert_same(a, b):
+    """Losses, every parameter and buffer, and the optimizer state, bit for bit."""
+    assert torch.equal(a[0], b[0]), (a[0], b[0])
+    assert a[1].keys() == b[1].keys()
+    for name in a[1]:
+        assert torch.equal(a[1][name], b[1][name]), name
+    assert len(a[2]) == len(b[2])
+    for sa, sb in zip(a[2], b[2]):
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def counts(program) -> tuple:
+    r = program.graph.report
+    return r.captures, r.recaptures, r.replays, r.eager_runs
+
+
+# -- the replay is the eager path -----------------------------------------------------------
+
+@pytest.mark.parametrize("device", GPUS)
+@pytest.mark.parametrize("schedule,dropout,recompute", [
+    ("grouped", 0.3, False), ("interleaved", 0.0, True), ("zero_bubble", 0.3, False),
+    ("gpipe", 0.0, False)])
+def test_replayed_steps_equal_the_eager_path_bit_for_bit(device, schedule, dropout, recompute):
+    """Two calls of 4 device iterations: 2 warm-up runs, a capture, and 6 replays whose
+    inputs, dropout masks, losses, weights, BatchNorm statistics and momenta are the eager
+    path's; each run says how it ran."""
+    model = BlockMLP(2, dropout=dropout, batchnorm=True)
+    eager = train(model, device, graph=False, schedule=schedule, recompute=recompute)
+    graphed = train(model, device, graph=True, schedule=schedule, recompute=recompute)
+    assert_same(eager, graphed)
+    program = graphed[3]
+    assert counts(program) == (1, 0, 6, 2)
+    assert program.executor.steps_applied == 8  # replays count their steps
+    assert program.graph.report.parts == (
+        "every stage action of 4 micro-batches", "the reduction", "the optimizer's step")
+    assert eager[3].graph is None  # cuda_graph=False: nothing captured
+
+
+@pytest.mark.parametrize("kind", sorted(GRAD_CODE))
+def test_models_that_stop_gradients_or_edit_their_input_replay_as_they_run(kind):
+    """PopTorch's suite found the contract broken where a model stops a gradient or edits
+    its input in place: every such kind, its input halved in place, replays as it runs
+    eagerly (or stays eager, where its hooks would run only at the capture)."""
+    with poptorch_twin():
+        model = GradCodeMLP(kind, edit_input=True)
+        eager = train(model, "gpu_twin", graph=False, calls=1)
+        graphed = train(model, "gpu_twin", graph=True, calls=1)
+    assert_same(eager, graphed)
+    report = graphed[3].graph.report
+    if kind == "parameter_hook":
+        assert report.refused.startswith("a parameter has gradient hooks")
+        assert counts(graphed[3]) == (0, 0, 0, 4)
+    else:
+        assert report.refused is None and counts(graphed[3]) == (1, 0, 2, 2)
+
+
+def poptorch_twin():
+    from poptorch_lite.runtime import gpu
+    return gpu.installed(TwinGpu())
+
+
+@pytest.mark.parametrize("device", GPUS)
+def test_an_aot_compiled_step_replays_what_its_compiled_stages_run(device,
+                                                                   every_stage_compiles):
+    """AOTAutograd's graphs inside the CUDA graph: the replay equals the compiled stages
+    launched op by op."""
+    model = BlockMLP(2, dropout=0.3)
+    launched = train(model, device, graph=False, backend="aot_eager", schedule="zero_bubble")
+    graphed = train(model, device, graph=True, backend="aot_eager", schedule="zero_bubble")
+    assert_same(launched, graphed)
+    assert counts(graphed[3]) == (1, 0, 6, 2)
+    assert set(graphed[3].compiled.summary().values()) <= {"compiled", "reused"}
+
+
+def test_inference_replays_equal_the_eager_outputs(twin_gpu_installed):
+    """An inference model is captured on its third call (one run per call) and its outputs
+    come back from the graph's memory, copied after each replay."""
+    model = BlockMLP(2).eval()
+    outs = {}
+    for graph in (False, True):
+        opts = on_device(poptorch.Options().deviceIterations(3).compileStages(
+            True, backend="eager", cuda_graph=graph), "gpu_twin")
+        infer = poptorch.inferenceModel(copy.deepcopy(model), opts)
+        outs[graph] = [infer(*data(6, seed=k))[0] for k in range(5)]
+        program = next(iter(infer._state.programs.values()))
+        infer.destroy()
+    for a, b in zip(outs[False], outs[True]):
+        assert torch.equal(a, b)
+    assert counts(program) == (1, 0, 3, 2)
+    assert program.graph.report.parts == ("the forwards of 3 micro-batches",)
+
+
+@pytest.fixture
+def twin_gpu_installed():
+    with poptorch_twin() as twin:
+        yield twin
+
+
+# -- what a capture bakes in ----------------------------------------------------------------
+
+def test_a_changed_learning_rate_is_captured_again_then_leaves_the_graph(twin_gpu_installed,
+                                                                           caplog):
+    """A capture bakes the learning rate in: a new one captures the step again; a second
+    change (a schedule) leaves the optimizer's step out of the graph, run eagerly after each
+    replay; the numbers are the eager path's throughout."""
+    def new_lr(call, wrapper, model, opt):
+        opt.param_groups[0]["lr"] *= 0.5
+        wrapper.setOptimizer(opt)
+
+    model = BlockMLP(2)
+    eager = train(model, "gpu_twin", graph=False, calls=4, between=new_lr)
+    with caplog.at_level(logging.INFO, logger="poptorch_lite"):
+        graphed = train(model, "gpu_twin", graph=True, calls=4, between=new_lr)
+    assert_same(eager, graphed)
+    report = graphed[3].graph.report
+    assert counts(graphed[3]) == (3, 2, 14, 2)
+    assert "hyperparameters changed between runs" in report.eager["optimizer step"]
+    assert report.parts == ("every stage action of 4 micro-batches", "the reduction")
+    assert "capturing the step on cpu:0 again: the optimizer's hyperparameters" in caplog.text
+
+
+def test_the_host_reads_what_replays_trained_and_its_edits_reach_them(twin_gpu_installed):
+    """After a call of replays only, the model read on the host has the steps' weights; a
+    weight edited on the host is pushed into the memory the graph reads."""
+    def read_and_edit(seen):
+        def between(call, wrapper, model, opt):
+            seen.append(model.head.weight.detach().clone())
+            with torch.no_grad():
+                model.layers[0].weight.mul_(0.5)
+        return between
+
+    model, seen_eager, seen_graphed = BlockMLP(2), [], []
+    assert_same(train(model, "gpu_twin", graph=False, calls=3, between=read_and_edit(seen_eager)),
+                train(model, "gpu_twin", graph=True, calls=3,
+                      between=read_and_edit(seen_graphed)))
+    for a, b in zip(seen_eager, seen_graphed, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_an_optimizer_that_is_not_graph_safe_steps_after_the_replay(twin_gpu_installed):
+    """Adam with capturable=False: the graph ends with the reduction, the step runs eagerly."""
+    def adam(params):
+        return torch.optim.Adam(params, lr=0.01)
+
+    model = BlockMLP(2, dropout=0.3)
+    eager = train(model, "gpu_twin", graph=False, optimizer=adam)
+    graphed = train(model, "gpu_twin", graph=True, optimizer=adam)
+    assert_same(eager, graphed)
+    report = graphed[3].graph.report
+    assert report.parts == ("every stage action of 4 micro-batches", "the reduction")
+    assert report.eager["optimizer step"].startswith("Adam was built with capturable=False")
+
+
+def test_which_steps_are_graph_safe():
+    params = list(torch.nn.Linear(2, 1).parameters())
+
+    def why(opt, **step):
+        return step_graph.step_refusal(StepArithmetic(opt, **step))
+
+    assert why(torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True)) is None
+    assert why(poptorch.optim.SGD(params, lr=0.1)) is None
+    assert why(torch.optim.AdamW(params, capturable=True)) is None
+    assert why(torch.optim.AdamW(params)).startswith("AdamW was built with capturable=False")
+    assert why(poptorch.optim.LAMB(params)).startswith("LAMB's step is not known to be graph")
+    assert why(poptorch.optim.SGD(params, lr=0.1, momentum=0.9,
+                                  velocity_accum_type=torch.float16)).startswith(
+        "SGD keeps its state in dtypes of its own")
+    scale = LossScale(automatic=True)
+    assert why(torch.optim.SGD(params, lr=0.1), loss_scale=scale).startswith(
+        "automatic loss scaling")
+    hooked = torch.optim.SGD(params, lr=0.1)
+    hooked.register_step_post_hook(lambda *a: None)
+    assert why(hooked) == "the optimizer has step hooks, whose Python runs at every step"
+
+
+# -- what is not captured ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("case,why", [
+    ("recomputed_dropout", "a recomputed stage has random ops"),
+    ("stop_on_non_finite", "Training.stopOnNonFiniteLoss reads every micro-batch's loss on"),
+    ("two_devices", "the stages run on 2 devices (cpu:0, cpu); one graph holds one GPU's"),
+])
+def test_what_cannot_be_captured_runs_eagerly_and_says_why(twin_gpu_installed, case, why,
+                                                          caplog):
+    model = BlockMLP(2, dropout=0.3 if case == "recomputed_dropout" else 0.0)
+    kw = dict(recompute=case == "recomputed_dropout", options={
+        "stop_on_non_finite": lambda o: o.Training.stopOnNonFiniteLoss(True),
+        "two_devices": lambda o: o.set_ipu_devices({0: "cpu:0", 1: "cpu"}),
+    }.get(case))
+    eager = train(model, "gpu_twin", graph=False, **kw)
+    with caplog.at_level(logging.INFO, logger="poptorch_lite"):
+        graphed = train(model, "gpu_twin", graph=True, **kw)
+    assert_same(eager, graphed)
+    assert graphed[3].graph.report.refused.startswith(why)
+    assert why in caplog.text
+    assert counts(graphed[3]) == (0, 0, 0, 8)
+
+
+def test_a_capture_that_fails_leaves_the_program_eager(twin_gpu_installed, monkeypatch, caplog,
+                                                     every_stage_compiles):
+    """A backend the GPU cannot record (the twin: Inductor's CPU kernels; here AOTAutograd's,
+    refused for the test) fails the capture: nothing ran, the run goes eagerly, and so do
+    the rest, with the reason logged once."""
+    monkeypatch.setattr(TwinGpu, "records", lambda self, backend: False)
+    model = BlockMLP(2)
+    launched = train(model, "gpu_twin", graph=False, backend="aot_eager")
+    with caplog.at_level(logging.WARNING, logger="poptorch_lite"):
+        graphed = train(model, "gpu_twin", graph=True, backend="aot_eager")
+    assert_same(launched, graphed)
+    assert graphed[3].graph.report.refused == (
+        "its capture failed: ExecutionError: this GPU cannot record stages compiled by "
+        "aot_eager")
+    assert counts(graphed[3]) == (0, 0, 0, 8)
+    assert caplog.text.count("run eagerly from now on") == 1
+
+
+def test_graphs_are_for_gpus_and_the_option_turns_them_off():
+    opts = poptorch.Options()
+    assert opts.compile_cuda_graph is True
+    assert opts.compileStages(True, cuda_graph=False).compile_cuda_graph is False
+    with pytest.raises(OptionsError, match=r"cuda_graph needs a bool, got 'yes' \(str\)"):
+        opts.compileStages(True, cuda_graph="yes")
+    assert opts.compile_cuda_graph is False  # refused before anything changed
+    cpu = train(BlockMLP(2), "cpu", graph=True, calls=1)
+    assert cpu[3].graph is None  # no stage on a GPU: nothing to capture
+
+
+# -- the twin itself --------------------------------------------------------------------------
+
+def test_the_twin_captures_without_running_and_replays_on_the_same_memory():
+    twin = TwinGpu()
+    x, w = torch.arange(3.0), torch.zeros(3)
+    graph, stream = twin.graph(), twin.Stream(TWIN)
+    with twin.capture(graph, stream):
+        y = x * 2
+        w.add_(y)
+    assert torch.equal(w, torch.zeros(3)) and bool(y.isnan().all())  # nothing ran
+    x.copy_(torch.ones(3))  # the next run's input, in the captured memory
+    twin.replay(graph, stream)
+    assert torch.equal(w, torch.zeros(3))  # launched: it runs when the stream is waited for
+    stream.synchronize()
+    assert torch.equal(y, torch.full((3,), 2.0)) and torch.equal(w, torch.full((3,), 2.0))
+    with pytest.raises(RuntimeError, match="not permitted when stream is capturing"):
+        with twin.capture(TwinGraph(), stream):
+            float(x.sum())
