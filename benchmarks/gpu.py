@@ -21,9 +21,11 @@ in first (``x.cuda()``), as a loop over a host DataLoader does:
   (``TensorLocations.setOptimizerLocation(useOnChipStorage(False))``): the peak device
   memory it saves against ``mlp``.
 
-With ``--compiled`` each pair runs a third process, poptorch_lite with
-``Options.compileStages(True)`` (Inductor's kernels; the stages compile in its warm-up), and
-each case gets a second row, ``<case>+c``, of its figures.
+With ``--compiled`` each pair runs two more processes: poptorch_lite with
+``Options.compileStages(True)`` (Inductor's kernels, and from the third call on each step
+replayed as one CUDA graph; the stages compile and the step is captured in its warm-up),
+and with ``compileStages(True, backend="eager")`` (the eager path's own kernels in one CUDA
+graph per step); each case gets a row of each, ``<case>+c`` and ``<case>+g``.
 
 The scripts never call ``.cuda()``: like a PopTorch script, the wrapped side leaves the model
 on the host and lets the default placement put the IPUs on the GPUs. The plain side moves the
@@ -48,11 +50,13 @@ parser.add_argument("--case", choices=["mlp", "conv", "pipe1", "pipeN", "offload
                     default=["all"], nargs="+", help="cases to run (all: every one)")
 parser.add_argument("--pairs", type=int, default=3, help="plain/poptorch_lite process pairs")
 parser.add_argument("--calls", type=int, default=30, help="timed calls per process")
-parser.add_argument("--side", choices=["plain", "lite", "lite-compiled"],
+parser.add_argument("--side", choices=["plain", "lite", "lite-compiled", "lite-graph"],
                     help="run one side here, print JSON")
 parser.add_argument("--compiled", action="store_true",
-                    help="also a poptorch_lite process with Options.compileStages(True) per "
-                         "pair: a second row per case")
+                    help="also poptorch_lite processes with Options.compileStages(True) per "
+                         "pair: Inductor's stages in one CUDA graph per step (+c rows), and the "
+                         "stages' own kernels in one (compileStages(True, backend='eager'): "
+                         "+g rows)")
 parser.add_argument("--profile", action="store_true",
                     help="with --side: then profile 5 calls (torch.profiler; table on stderr)")
 
@@ -91,6 +95,8 @@ def one_side(args):
         opts.Training.gradientAccumulation(G)
         if args.side == "lite-compiled":
             opts.compileStages(True)
+        elif args.side == "lite-graph":
+            opts.compileStages(True, backend="eager")
         if case in ("pipe1", "pipeN"):
             stages = 2 if case == "pipe1" else torch.cuda.device_count()
             staged(model, stages)
@@ -185,7 +191,7 @@ def main():
         if case == "pipeN" and gpus < 2:
             print(f"{case:8} skipped: needs 2 or more GPUs")
             continue
-        sides = ("plain", "lite") + (("lite-compiled",) if args.compiled else ())
+        sides = ("plain", "lite") + (("lite-compiled", "lite-graph") if args.compiled else ())
         pairs = []
         for k in range(args.pairs):
             order = sides if k % 2 == 0 else sides[::-1]
@@ -198,7 +204,7 @@ def main():
                      + " ".join(f"{m:.0f}" for m in pairs[0][lite]["peak_mib"]))
             overlap = pairs[0][lite].get("overlap")
             fed = statistics.median(p[lite]["step_ms"] / p["plain"]["host_ms"] for p in pairs)
-            name = case if lite == "lite" else f"{case}+c"
+            name = case if lite == "lite" else f"{case}+{lite[5]}"
             print(f"{name:8} {plain_ms:9.3f} {lite_ms:9.3f} {statistics.median(ratios):6.3f} "
                   f"{min(ratios):6.3f}-{max(ratios):6.3f}  {fed:11.3f}  {peaks}"
                   + (f"  {overlap:.0%} of the step on two streams at once"

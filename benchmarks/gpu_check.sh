@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The whole GPU check in one run, under 9 minutes on one H100 (its steps' limits add up to
-# 530 s; it took 304 s on 2026-11-26; docs/PERFORMANCE.md (h), "The GPU check"): the CUDA tests, the MNIST examples on
+# The whole GPU check in one run, under 10 minutes on one H100 (its steps' limits add up to
+# 585 s; it took 304 s on 2026-11-26, before the compiled rows; docs/PERFORMANCE.md (h), "The GPU check"): the CUDA tests, the MNIST examples on
 # the GPU, benchmarks/gpu.py, and GPT-2 at GPT-2 small's shape against plain PyTorch on
 # the same GPU.
 #
@@ -61,20 +61,22 @@ step mnist_pipelined 150 "Accuracy|effective|Error|error" \
 wait
 # The same pipeline trained by plain PyTorch on the GPU, step for step (its numbers against
 # poptorch_lite's, within float tolerance), over the first 200 steps.
-step mnist_match 60 "same numbers|FAILED|Error|error" \
+step mnist_match 45 "same numbers|FAILED|Error|error" \
     $PY benchmarks/gpu_mnist_match.py --data-dir "$DATA" --steps 200
 
 # 2. Speed and memory, alone on the GPU: the step tax of one stage and of two streams on one
-#    GPU (with their timelines' overlap), eager and with compileStages (the "+c" rows), then
-#    GPT-2 small's shape. The CUDA tests of step 1 include the compiled column
-#    (tests/test_compiled_stages.py on cuda).
-step gpu_bench 200 "x |ratio|overlap|peak|mlp|conv|pipe|Error|error" \
+#    GPU (with their timelines' overlap), eager and with compileStages (the "+c" rows:
+#    Inductor's stages, each step one CUDA graph; "+g": the eager kernels in one CUDA graph),
+#    then GPT-2 small's shape, eager and compiled. The CUDA tests of step 1 include the
+#    compiled column (tests/test_compiled_stages.py) and the step graphs
+#    (tests/test_step_graph.py) on cuda.
+step gpu_bench 240 "x |ratio|overlap|peak|mlp|conv|pipe|Error|error" \
     $PY benchmarks/gpu.py --case mlp conv pipe1 --pairs 2 --calls 30 --compiled
 # Where a one-stage step's host time goes (torch.profiler: host ops, CUDA runtime calls).
-step profile 40 "Self CPU time total|cudaLaunchKernel |cudaEventRecord|pin_memory|Memcpy|Error" \
+step profile 30 "Self CPU time total|cudaLaunchKernel |cudaEventRecord|pin_memory|Memcpy|Error" \
     $PY benchmarks/gpu.py --side lite --case conv --calls 30 --profile
-step gpt2 80 "poptorch_lite|plain|model|Error|error" \
+step gpt2 120 "poptorch_lite|plain|model|Error|error" \
     $PY benchmarks/gpt2.py --device cuda --width 768 --layers 12 --seq 512 --micro-batch 4 \
-        --microbatches 8 --torch-schedules "" --repeats 5 --warmup 2 \
-        --schedules "grouped,interleaved,interleaved+recompute"
+        --microbatches 8 --torch-schedules "" --repeats 5 --warmup 3 \
+        --schedules "grouped,interleaved,interleaved+recompute,grouped+compiled"
 note "gpu_check done in $SECONDS s"
