@@ -221,6 +221,24 @@ def test_an_optimizer_that_is_not_graph_safe_steps_after_the_replay(twin_gpu_ins
     assert report.eager["optimizer step"].startswith("Adam was built with capturable=False")
 
 
+@pytest.mark.parametrize("device", GPUS[1:])
+def test_a_tensor_learning_rate_changes_without_a_new_capture(device):
+    """Adam built with capturable=True and a learning rate in device memory: the graph reads
+    it there, so a schedule that changes it in place needs no new capture."""
+    def adam(params):
+        return torch.optim.Adam(params, lr=torch.tensor(0.01, device=device), capturable=True)
+
+    def decay(call, wrapper, model, opt):
+        opt.param_groups[0]["lr"].mul_(0.5)
+
+    model = BlockMLP(2, dropout=0.3)
+    eager = train(model, device, graph=False, calls=3, optimizer=adam, between=decay)
+    graphed = train(model, device, graph=True, calls=3, optimizer=adam, between=decay)
+    assert_same(eager, graphed)
+    assert counts(graphed[3]) == (1, 0, 10, 2)
+    assert graphed[3].graph.report.parts[-1] == "the optimizer's step"
+
+
 def test_which_steps_are_graph_safe():
     params = list(torch.nn.Linear(2, 1).parameters())
 

@@ -22,10 +22,11 @@ back to it), into one graph; that run and every later one is then a replay:
   replay they (and which tensors hold the optimizer's state) are compared with the
   capture's; a change captures again (counted, logged). An optimizer whose
   hyperparameters changed twice (a learning-rate schedule) leaves the graph: its step
-  runs eagerly after each replay. Not device tensors: torch's SGD reads a tensor learning
-  rate with ``.item()`` (a host read, refused in a capture), and a device-tensor operand
-  changes the kernels (CUDA divides by a host scalar as a multiplication by its
-  reciprocal): the replay would no longer be the eager path's bits.
+  runs eagerly after each replay. A tensor learning rate (``capturable=True``) is read
+  from device memory: changed in place, it needs no new capture. Floats are not moved
+  to device tensors: torch's SGD reads a tensor learning rate with ``.item()`` (refused
+  in a capture), and a device-tensor operand changes the kernels (CUDA divides by a host
+  scalar as a multiplication by its reciprocal), so replays would leave the eager bits.
 - **The optimizer's step** is in the graph where it is graph-safe: SGD (its state is
   device tensors only), or an optimizer built with ``capturable=True``. Otherwise the
   graph ends with the reduction and the step runs eagerly after the replay: Adam with
