@@ -19,7 +19,7 @@ import poptorch_lite as poptorch
 from poptorch_lite.errors import OptionsError
 from poptorch_lite.optim.loss_scale import LossScale
 from poptorch_lite.runtime import step_graph
-from poptorch_lite.runtime.update import StepArithmetic
+from poptorch_lite.runtime.update import StepArithmetic, graph_refusal
 
 from conftest import DEVICE_MARKS
 from gpu_twin import TWIN, TwinGpu, TwinGraph
@@ -104,6 +104,34 @@ def test_replayed_steps_equal_the_eager_path_bit_for_bit(device, schedule, dropo
     assert program.graph.report.parts == (
         "every stage action of 4 micro-batches", "the reduction", "the optimizer's step")
     assert eager[3].graph is None  # cuda_graph=False: nothing captured
+
+
+@pytest.mark.parametrize("case", ["replicas", "sum", "sharded", "accumulator", "clipped",
+                                  "per_replica_buffers", "final_output"])
+def test_every_configuration_replays_as_it_runs(twin_gpu_installed, case):
+    """Replicas run in turn, the Sum reduction, a sharded model, an accumulator dtype,
+    gradient clipping, replicas with buffers of their own, and the final micro-batch's
+    outputs only: captured, replayed, the eager path's numbers."""
+    def popsgd(params):  # float16 accumulators: float32 gradients are moved into them
+        return poptorch.optim.SGD(params, lr=0.05, momentum=0.9, max_grad_norm=0.5) if (
+            case == "clipped") else poptorch.optim.SGD(params, lr=0.05, momentum=0.9,
+                                                       accum_type=torch.float16)
+
+    options = {
+        "replicas": lambda o: o.replicationFactor(2),
+        "per_replica_buffers": lambda o: o.replicationFactor(2).broadcastBuffers(False),
+        "sum": lambda o: o.Training.accumulationAndReplicationReductionType(
+            poptorch.ReductionType.Sum),
+        "sharded": lambda o: o.setExecutionStrategy(poptorch.ShardedExecution()),
+        "final_output": lambda o: o.outputMode(poptorch.OutputMode.Final),
+    }.get(case)
+    optimizer = popsgd if case in ("accumulator", "clipped") else sgd
+    model = BlockMLP(2, batchnorm=case == "per_replica_buffers")
+    kw = dict(options=options, optimizer=optimizer, batch=4)  # BatchNorm: 2 rows a replica
+    eager = train(model, "gpu_twin", graph=False, **kw)
+    graphed = train(model, "gpu_twin", graph=True, **kw)
+    assert_same(eager, graphed)
+    assert counts(graphed[3]) == (1, 0, 6, 2)
 
 
 @pytest.mark.parametrize("kind", sorted(GRAD_CODE))
@@ -243,7 +271,7 @@ def test_which_steps_are_graph_safe():
     params = list(torch.nn.Linear(2, 1).parameters())
 
     def why(opt, **step):
-        return step_graph.step_refusal(StepArithmetic(opt, **step))
+        return graph_refusal(StepArithmetic(opt, **step))
 
     assert why(torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True)) is None
     assert why(poptorch.optim.SGD(params, lr=0.1)) is None

@@ -55,16 +55,14 @@ import time
 from typing import Optional
 
 import torch
-import torch.optim.optimizer as _optimizer_module
 
 from ..compiler import rng
 from ..compiler.compiled_stages import CompiledGraph
 from ..errors import ExecutionError
-from ..optim import precision
-from ..optim.optimizers import Optimizer as PopTorchOptimizer
 from .gpu import joinable
 from .run import Run, RunStats
 from .schedule import Kind
+from .update import graph_refusal
 
 _LOG = logging.getLogger("poptorch_lite")
 
@@ -164,7 +162,7 @@ class StepGraph:
     def _step_in_graph(self, step) -> bool:
         if step is None or self.step_out is not None:
             return False
-        why = step_refusal(step)
+        why = graph_refusal(step)
         if why is not None:
             self._leave(why)
             return False
@@ -346,9 +344,12 @@ class StepGraph:
             else:
                 ex.handlers[Kind.STEP](cap.stepped, run, step)
         self.report.replays += 1
+        held = {r.untyped_storage().data_ptr() for rs in run.results for r in rs.values()}
+        outputs = [None if out is None else [  # none may be the graph's memory: copies
+            o.clone() if o.untyped_storage().data_ptr() in held else o for o in out]
+            for out in ex._outputs(run)]
         stats = cap.run.stats
-        return ex._outputs(run), RunStats(list(stats.peak_stash_depth),
-                                          list(stats.peak_stash_bytes), how)
+        return outputs, RunStats(list(stats.peak_stash_depth), list(stats.peak_stash_bytes), how)
 
 
 class _Captured:
@@ -406,39 +407,6 @@ def for_program(executor, options) -> Optional[StepGraph]:
         "a recomputed stage has random ops" if any(
             st.recompute and st.random for st in ex.work.stages) else None)
     return StepGraph(ex, on_gpu[0], refused)
-
-
-def step_refusal(step) -> Optional[str]:
-    """Why the optimizer's step of ``step`` (``update.StepArithmetic``) cannot be captured,
-    or None where it can ([Note: step graphs]).
-
-    Example:
-        >>> from poptorch_lite.runtime.update import StepArithmetic
-        >>> net = torch.nn.Linear(2, 1)
-        >>> step_refusal(StepArithmetic(torch.optim.SGD(net.parameters(), lr=0.1))) is None
-        True
-        >>> step_refusal(StepArithmetic(torch.optim.Adam(net.parameters())))[:39]
-        'Adam was built with capturable=False, w'
-    """
-    opt = step.optimizer
-    name = type(opt).__name__
-    if step.loss_scale.automatic:
-        return "automatic loss scaling decides on the host whether each step applies"
-    hooks = _optimizer_module
-    if (opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks
-            or hooks._global_optimizer_pre_hooks or hooks._global_optimizer_post_hooks):
-        return "the optimizer has step hooks, whose Python runs at every step"
-    if isinstance(opt, PopTorchOptimizer) and precision.differs(opt):
-        return (f"{name} keeps its state in dtypes of its own (PopTorch's accumulator types), "
-                f"stepped by poptorch_lite's Python")
-    if isinstance(opt, torch.optim.SGD) or (
-            opt.param_groups and all(g.get("capturable") for g in opt.param_groups)):
-        return None
-    if "capturable" in opt.defaults:
-        return (f"{name} was built with capturable=False, which keeps its step count on the "
-                f"host; build it with capturable=True to capture its step")
-    return (f"{name}'s step is not known to be graph-safe (SGD's is, and that of torch's "
-            f"optimizers built with capturable=True)")
 
 
 def _frozen(v):

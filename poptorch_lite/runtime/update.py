@@ -40,8 +40,11 @@ from typing import Optional
 import _signal  # signal's C half: the same handlers, without signal's enum conversions
 
 import torch
+import torch.optim.optimizer as torch_optimizer  # its global step hooks
 
+from ..optim import precision
 from ..optim.loss_scale import LossScale
+from ..optim.optimizers import Optimizer as PopTorchOptimizer
 from .schedule import Action
 from .run import Run
 
@@ -202,6 +205,38 @@ class CtrlC:
             yield guard
         finally:
             _signal.signal(_SIGINT, signal.default_int_handler)
+
+
+def graph_refusal(step: StepArithmetic) -> Optional[str]:
+    """Why the optimizer's step of ``step`` cannot be captured in a CUDA graph, or None where
+    it can ([Note: step graphs] in ``step_graph``).
+
+    Example:
+        >>> net = torch.nn.Linear(2, 1)
+        >>> graph_refusal(StepArithmetic(torch.optim.SGD(net.parameters(), lr=0.1))) is None
+        True
+        >>> graph_refusal(StepArithmetic(torch.optim.Adam(net.parameters())))[:39]
+        'Adam was built with capturable=False, w'
+    """
+    opt = step.optimizer
+    name = type(opt).__name__
+    if step.loss_scale.automatic:
+        return "automatic loss scaling decides on the host whether each step applies"
+    if (opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks
+            or torch_optimizer._global_optimizer_pre_hooks
+            or torch_optimizer._global_optimizer_post_hooks):
+        return "the optimizer has step hooks, whose Python runs at every step"
+    if isinstance(opt, PopTorchOptimizer) and precision.differs(opt):
+        return (f"{name} keeps its state in dtypes of its own (PopTorch's accumulator types), "
+                f"stepped by poptorch_lite's Python")
+    if isinstance(opt, torch.optim.SGD) or (
+            opt.param_groups and all(g.get("capturable") for g in opt.param_groups)):
+        return None
+    if "capturable" in opt.defaults:
+        return (f"{name} was built with capturable=False, which keeps its step count on the "
+                f"host; build it with capturable=True to capture its step")
+    return (f"{name}'s step is not known to be graph-safe (SGD's is, and that of torch's "
+            f"optimizers built with capturable=True)")
 
 
 def check_loss(loss: torch.Tensor, i: int) -> None:
