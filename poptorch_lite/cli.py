@@ -76,8 +76,9 @@ def _parser() -> argparse.ArgumentParser:
                                           "to poptorch_lite; ARGS (optional) are passed to it as "
                                           "sys.argv[1:].")
     run.add_argument("--compile", action="store_true",
-                     help="compile the stages of every wrapped model: "
-                          "Options().compileStages(True) as every Options' default")
+                     help="compile the stages of every wrapped model (on a GPU, each step "
+                          "then replays as one CUDA graph): Options().compileStages(True) as "
+                          "every Options' default")
     run.add_argument("--compile-backend", metavar="NAME", choices=_backends(),
                      help=f"with --compile, the backend: one of {', '.join(_backends())} "
                           f"(default: each device's, inductor)")

@@ -27,6 +27,8 @@ import weakref
 
 import torch
 
+from poptorch_lite.runtime.gpu import CaptureFailed
+
 TWIN = torch.device("cpu", 0)
 
 
@@ -61,13 +63,17 @@ class TwinStream:
         if event.stream is not None:  # the device waits: the host learns nothing
             event.stream.run_until(event.mark)
             self.waited[event.stream] = max(self.waited.get(event.stream, 0), event.mark)
+            _joins(self, event.stream)
 
     def wait_stream(self, other) -> None:
         mark = other.launched
-        other.synchronize()
+        other.synchronize(host=False)
         self.waited[other] = max(self.waited.get(other, 0), mark)
+        _joins(self, other)
 
-    def synchronize(self) -> None:
+    def synchronize(self, host: bool = True) -> None:
+        if host:
+            _no_host_wait()
         mark = self.launched
         self.run_until(mark)
         self.synced = max(self.synced, mark)
@@ -91,6 +97,7 @@ class TwinEvent:
     def synchronize(self) -> None:
         """The host waits for the event: the work before it is visible to all that follows
         (a host stage reads a GPU stage's values after this)."""
+        _no_host_wait()
         if self.stream is not None:
             self.stream.run_until(self.mark)
             self.stream.synced = max(self.stream.synced, self.mark)
@@ -187,13 +194,24 @@ class TwinGpu:
 
     @contextlib.contextmanager
     def capture(self, graph, stream):
+        """As CUDA's: a stream that joined the capture (it waited for the capture stream, or
+        for one that joined) must be joined back before it ends, or ending it fails; the host
+        waiting for a stream or an event meanwhile is refused."""
         recording = _Recording(graph, self)
         self.captures.append(graph)
+        _CAPTURE["streams"] = {stream}
         try:
             with self.stream(stream), recording:
                 yield
-        finally:
+        finally:  # ending the capture, also after the body raised
+            joined = _CAPTURE.pop("streams")
             recording.finish()
+            unjoined = [s for s in joined
+                        if s is not stream and stream.waited.get(s, 0) < s.launched]
+            if unjoined:
+                raise CaptureFailed(f"RuntimeError: CUDA error: operation not permitted when "
+                                    f"stream is capturing ({len(unjoined)} stream(s) forked "
+                                    f"into the capture were not joined back)")
 
     def replay(self, graph, stream) -> None:
         """Launched on ``stream``: it runs when something waits for the stream."""
@@ -240,6 +258,21 @@ def _poisoned(t: torch.Tensor) -> torch.Tensor:
 
 
 # -- CUDA graphs: a capture records, a replay runs ([Note: step graphs] in step_graph) ------
+
+_CAPTURE: dict = {}  # "streams": the streams in the capture under way
+
+
+def _joins(stream, other) -> None:
+    """``stream`` waited for ``other``: it is in the capture if ``other`` is."""
+    streams = _CAPTURE.get("streams")
+    if streams is not None and other in streams:
+        streams.add(stream)
+
+
+def _no_host_wait() -> None:
+    if "streams" in _CAPTURE and not getattr(_paused, "on", False):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing (the "
+                           "twin: the host waited for a stream or an event inside a capture)")
 
 _paused = threading.local()  # this thread runs a stand-in stream's queued work: not recorded
 

@@ -19,9 +19,11 @@ import poptorch_lite as poptorch
 from poptorch_lite.errors import OptionsError
 from poptorch_lite.optim.loss_scale import LossScale
 from poptorch_lite.runtime import step_graph
-from poptorch_lite.runtime.update import StepArithmetic, graph_refusal
+from poptorch_lite.runtime.gpu import CaptureFailed
+from poptorch_lite.runtime.update import StepArithmetic, Updates, graph_refusal
 
 from conftest import DEVICE_MARKS
+import gpu_twin
 from gpu_twin import TWIN, TwinGpu, TwinGraph
 from models import GRAD_CODE, BlockMLP, GradCodeMLP, data, on_device
 
@@ -330,6 +332,44 @@ def test_a_capture_that_fails_leaves_the_program_eager(twin_gpu_installed, monke
     assert caplog.text.count("run eagerly from now on") == 1
 
 
+def test_an_action_that_raises_while_capturing_leaves_the_program_eager(twin_gpu_installed,
+                                                                       monkeypatch):
+    """The optimizer's step raises inside the capture: the streams forked into it are joined
+    back, the capture ends, nothing of it ran, and the run and the rest go eagerly."""
+    commit = Updates._commit
+
+    def refusing(self, step):
+        if "streams" in gpu_twin._CAPTURE:
+            raise RuntimeError("not while capturing")
+        return commit(self, step)
+
+    monkeypatch.setattr(Updates, "_commit", refusing)
+    model = BlockMLP(2)
+    eager = train(model, "gpu_twin", graph=False)
+    graphed = train(model, "gpu_twin", graph=True)
+    assert_same(eager, graphed)
+    assert graphed[3].graph.report.refused == (
+        "its capture failed: RuntimeError: not while capturing")
+    assert counts(graphed[3]) == (0, 0, 0, 8)
+
+
+def test_a_new_signature_places_weights_and_the_step_is_captured_again(twin_gpu_installed,
+                                                                      caplog):
+    """A call of another batch size compiles a second program, which may give the weights
+    new users: the first program's graph is captured again before it replays."""
+    def other_size(call, wrapper, model, opt):
+        if call == 0:
+            wrapper(*data(4 * 4 * 4, seed=7))  # micro-batch 4: a program of its own
+
+    model = BlockMLP(2)
+    eager = train(model, "gpu_twin", graph=False, between=other_size)
+    with caplog.at_level(logging.INFO, logger="poptorch_lite"):
+        graphed = train(model, "gpu_twin", graph=True, between=other_size)
+    assert_same(eager, graphed)
+    assert counts(graphed[3]) == (2, 1, 6, 2)
+    assert "again: the weights' memory changed" in caplog.text
+
+
 def test_graphs_are_for_gpus_and_the_option_turns_them_off():
     opts = poptorch.Options()
     assert opts.compile_cuda_graph is True
@@ -359,3 +399,12 @@ def test_the_twin_captures_without_running_and_replays_on_the_same_memory():
     with pytest.raises(RuntimeError, match="not permitted when stream is capturing"):
         with twin.capture(TwinGraph(), stream):
             float(x.sum())
+    with pytest.raises(RuntimeError, match="the host waited for a stream or an event"):
+        with twin.capture(TwinGraph(), stream):
+            stream.synchronize()
+    side = twin.Stream(TWIN)
+    with pytest.raises(CaptureFailed, match="1 stream.s. forked into the capture were not "):
+        with twin.capture(TwinGraph(), stream):
+            side.wait_stream(stream)  # forked, and never joined back
+            with twin.stream(side):
+                twin.made([x * 3], TWIN)

@@ -258,9 +258,19 @@ class _ThreadSetting:
 class capturing(_ThreadSetting):
     """Context manager: while a step graph captures on this thread, a random op draws
     through ``graph.draw(stream, op, args, kwargs)`` (the graph's generator for that
-    micro-batch's stream), not by swapping generator states, which a capture forbids."""
+    micro-batch's stream), not by swapping generator states, which a capture forbids. It
+    holds the lock of the swaps meanwhile: no other thread's op finds the device's default
+    generator holding a micro-batch's state."""
 
     NAME = "graph"
+
+    def __enter__(self):
+        _LOCK.acquire()
+        super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        _LOCK.release()
 
 
 class use(_ThreadSetting):

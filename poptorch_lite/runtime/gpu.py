@@ -18,11 +18,12 @@ another stream (:meth:`Gpu.made`, :meth:`Gpu.arrive`), read as NaN there unless
 that stream waited for an event recorded after the action that made them. So a
 bug of the GPU path that has a shape on the CPU (a copy read by the wrong
 micro-batch, a read that does not wait for its copy, a stage that does not wait
-for the stage before it) fails the CPU suite, which CI runs without a GPU. Not
-twinned: ``record_stream``, the optimizer step's reads of parameter gradients
-made on other streams (a tied weight's included), copies between two GPUs, and
-GPU arithmetic itself (the CUDA tests and ``benchmarks/gpu_check.sh`` run those
-on a real GPU).
+for the stage before it) fails the CPU suite, which CI runs without a GPU. A
+CUDA graph's twin records a capture op by op and replays it on the same memory
+([Note: step graphs] in ``step_graph``). Not twinned: ``record_stream``, the
+optimizer step's reads of parameter gradients made on other streams (a tied
+weight's included), copies between two GPUs, and GPU arithmetic itself (the CUDA
+tests and ``benchmarks/gpu_check.sh`` run those on a real GPU).
 """
 
 from __future__ import annotations
@@ -118,11 +119,23 @@ class Gpu:
         """A new, empty CUDA graph."""
         return torch.cuda.CUDAGraph()
 
-    def capture(self, graph, stream) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def capture(self, graph, stream) -> Iterator[None]:
         """While inside, what this thread launches on ``stream`` (and on the streams that
         waited for it) is recorded into ``graph``, not run. Only this thread is held to the
-        capture's rules: a data loader's thread pinning memory meanwhile is not an error."""
-        return torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local")
+        capture's rules (a data loader's thread pinning memory meanwhile is not an error).
+
+        Raises:
+            CaptureFailed: the capture could not be ended (a stream not joined back, a call a
+                capture forbids): torch's CUDA state may be left inconsistent."""
+        capturing = torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local")
+        capturing.__enter__()
+        try:
+            yield
+        except BaseException as exc:
+            _end(capturing, exc)
+            raise
+        _end(capturing, None)
 
     def replay(self, graph, stream) -> None:
         """Launch ``graph``'s work on ``stream``, after what ``stream`` has queued."""
@@ -162,6 +175,20 @@ class Gpu:
             target.copy_(sources[0], non_blocking=True)
         else:
             target.copy_(torch.cat([t.to(target.device, non_blocking=True) for t in sources]))
+
+
+class CaptureFailed(Exception):
+    """Ending a CUDA graph's capture failed ([Note: step graphs] in ``step_graph``)."""
+
+
+def _end(capturing, exc: Optional[BaseException]) -> None:
+    """End ``capturing`` (a ``torch.cuda.graph``) after its body raised ``exc`` (or None);
+    an error of the end itself is :class:`CaptureFailed`."""
+    try:
+        capturing.__exit__(type(exc) if exc is not None else None, exc,
+                           exc.__traceback__ if exc is not None else None)
+    except Exception as failed:
+        raise CaptureFailed(f"{type(failed).__name__}: {failed}") from failed
 
 
 def joinable(ts: list) -> bool:

@@ -37,11 +37,14 @@ back to it), into one graph; that run and every later one is then a replay:
   offloaded optimizer state; ``stopOnNonFiniteLoss`` (a host read per micro-batch); a
   recomputed stage with random ops (its recompute restarts a generator mid-stream);
   gradient hooks on parameters (their Python would run at the capture only); inputs
-  that require grad. A capture that raises leaves the program eager.
+  that require grad. A capture that raises leaves the program eager (its streams are
+  joined back, so the capture ends); one that cannot be ended stops the call
+  (``ExecutionError``): torch's CUDA state is then unknown.
 - **After a replay** the stream is synchronized, as an eager run's streams are; the
   outputs, in the graph's memory, are copied to the host; the parameters' ``.grad``
   are the capture's tensors again (a call hands the host's back to the user); the step
-  is counted.
+  is counted. A replay is one launch: the timeline has no spans of its actions, and the
+  watchdog does not watch it.
 
 The GPU twin records a capture op by op and replays it on the same tensors, running
 nothing while capturing (``tests/gpu_twin.py``), so the CPU suite tests what is
@@ -50,6 +53,7 @@ captured, the slots and the replays.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Optional
@@ -59,7 +63,7 @@ import torch
 from ..compiler import rng
 from ..compiler.compiled_stages import CompiledGraph
 from ..errors import ExecutionError
-from .gpu import joinable
+from .gpu import CaptureFailed, joinable
 from .run import Run, RunStats
 from .schedule import Kind
 from .update import graph_refusal
@@ -131,6 +135,13 @@ class StepGraph:
             try:
                 cap = self.captured = self._capture(call, microbatches, replica_of, step,
                                                     in_graph, key)
+            except CaptureFailed as exc:  # the GPU's state is unknown: nothing more runs
+                self._refuse(f"its capture could not be ended: {exc}")
+                raise ExecutionError(
+                    f"the CUDA graph capture of the step on {self.device} could not be ended "
+                    f"({exc}), which may leave torch's CUDA state inconsistent; nothing of "
+                    f"this run was applied. Restart the process with Options().compileStages("
+                    f"True, cuda_graph=False)", location=str(self.device)) from exc
             except Exception as exc:  # nothing ran: the run goes eagerly, and the rest
                 self._refuse(f"its capture failed: {type(exc).__name__}: {exc}")
                 report.eager_runs += 1
@@ -176,25 +187,28 @@ class StepGraph:
                   "CUDA graph: %s", why)
 
     def _key(self, step, in_graph: bool) -> tuple:
-        """The values a capture bakes in, and the tensors it reads that may be replaced."""
+        """What a capture bakes in: where the weights are (their memory), the step's numbers,
+        and with the optimizer's step its hyperparameters and the tensors of its state."""
+        weights = self.ex.weights
+        key: tuple = ((weights.placements, tuple(t.data_ptr() for t in weights.param_tensors())),)
         if step is None:
-            return ()
-        key: tuple = (step.loss_scaling, step.divisor)
+            return key
+        key += ((step.loss_scaling, step.divisor, step.accum_dtype, step.max_grad_norm),)
         if in_graph:
             opt = step.optimizer
-            key += (tuple(tuple(sorted((k, _frozen(v)) for k, v in g.items() if k != "params"))
-                          + (len(g["params"]),) for g in opt.param_groups),
-                    tuple(id(v) for state in opt.state.values() for v in state.values()
-                          if isinstance(v, torch.Tensor)))
+            key += ((tuple(tuple(sorted((k, _frozen(v)) for k, v in g.items() if k != "params"))
+                           + (len(g["params"]),) for g in opt.param_groups),
+                     tuple(id(v) for v in _state_tensors(opt))),)
         return key
 
     def _changed(self, cap, key: tuple, step) -> bool:
         """The captured step no longer fits (``key`` differs, or a new schedule): log it, and
         whether the optimizer's step stays in the next graph."""
         self.report.recaptures += 1
-        what = "the schedule" if cap.key == key else "the loss scale or divisor" if (
-            cap.key[:2] != key[:2]) else "the optimizer's hyperparameters or state tensors"
-        if cap.step_in_graph and cap.key[2:3] != key[2:3]:
+        what = ("the schedule" if cap.key == key else "the weights' memory" if
+                cap.key[0] != key[0] else "the loss scale, divisor, accumulator or clipping"
+                if cap.key[1] != key[1] else "the optimizer's hyperparameters or state tensors")
+        if cap.step_in_graph and cap.key[2:] != key[2:]:
             self.restless += 1
             if self.restless >= _RESTLESS:
                 self._leave("its hyperparameters changed between runs (a learning-rate "
@@ -220,7 +234,9 @@ class StepGraph:
         self._fill(slots, microbatches)  # what the capture computes on, where it computes
         self.stream.synchronize()
         graph = gpu.graph()
-        generators = [gpu.graph_generator(graph, device) for _ in range(M)] if ex.random else []
+        with gpu.device(device):  # the generators' state on their GPU
+            generators = [gpu.graph_generator(graph, device) for _ in range(M)] if (
+                ex.random) else []
         if ex.work.measures():
             run.excluded = ex.weights.storages() | {
                 t.untyped_storage().data_ptr() for t in run.placed.values()}
@@ -230,9 +246,11 @@ class StepGraph:
                  if a is not None and ex._here(a) and (in_graph or a.kind is not Kind.STEP)]
         handlers, applied, started = ex.handlers, ex.steps_applied, time.perf_counter()
         self.stream.wait_stream(gpu.current_stream(device))  # the caller's work so far
+        draws = rng.capturing(_Draws(gpu, device, streams, generators)) if ex.random else (
+            contextlib.nullcontext())
         try:
-            with torch.set_grad_enabled(training), rng.capturing(
-                    _Draws(gpu, device, streams, generators)), gpu.capture(graph, self.stream):
+            with torch.set_grad_enabled(training), draws, gpu.device(device), gpu.capture(
+                    graph, self.stream):
                 self._launch(pairs, plan.waits, lambda a: handlers[a.kind](a, run, step))
         finally:
             ex.steps_applied = applied  # nothing ran: the replay counts the step
@@ -240,6 +258,8 @@ class StepGraph:
                         if a is not None and a.kind is Kind.STEP), None)
         cap = _Captured(graph, run, slots, generators, key, in_graph, plan, stepped,
                         [(t, t.grad) for t in ex.weights.param_tensors()])
+        if in_graph:  # what the key names by identity stays alive while the graph does
+            cap.held = list(_state_tensors(step.optimizer))
         parts = (f"{'every stage action' if training else 'the forwards'} of {M} micro-batch"
                  f"{'es' if M > 1 else ''}",) + (("the reduction",) if training else ()) + (
                      ("the optimizer's step",) if in_graph else ())
@@ -289,7 +309,8 @@ class StepGraph:
         gpu, streams, capture = self.ex.gpu, self.ex.placement.streams, self.stream
         events, forked = {}, []
         current = context = None
-        try:
+        try:  # every stream forked is joined back, also when an action raises: the capture
+            # can then end, and nothing of it is left half-begun
             for ipu, a in pairs:
                 s = streams[ipu]
                 if ipu != current:
@@ -310,8 +331,8 @@ class StepGraph:
         finally:
             if context is not None:
                 context.close()
-        for s in forked:
-            capture.wait_stream(s.stream)
+            for s in forked:
+                capture.wait_stream(s.stream)
 
     # -- replay ---------------------------------------------------------------------------
 
@@ -323,8 +344,9 @@ class StepGraph:
         run.keeps = frozenset(run.kept)
         if cap.generators:
             base = rng.draw_base() if base is None else base
-            for i, gen in enumerate(cap.generators):
-                gen.manual_seed(rng.microbatch_seed(base, i))
+            with gpu.device(self.device):
+                for i, gen in enumerate(cap.generators):
+                    gen.manual_seed(rng.microbatch_seed(base, i))
         stream.wait_stream(gpu.current_stream(self.device))  # weights pushed, the last step
         self._fill(cap.slots, microbatches)
         gpu.replay(cap.graph, stream)
@@ -357,12 +379,12 @@ class _Captured:
     key, the parameters' gradients it left."""
 
     __slots__ = ("graph", "run", "slots", "generators", "key", "step_in_graph", "plan",
-                 "stepped", "grads")
+                 "stepped", "grads", "held")
 
     def __init__(self, graph, run, slots, generators, key, step_in_graph, plan, stepped, grads):
         self.graph, self.run, self.slots, self.generators = graph, run, slots, generators
         self.key, self.step_in_graph, self.plan = key, step_in_graph, plan
-        self.stepped, self.grads = stepped, grads
+        self.stepped, self.grads, self.held = stepped, grads, ()
 
 
 class _Draws:
@@ -407,6 +429,14 @@ def for_program(executor, options) -> Optional[StepGraph]:
         "a recomputed stage has random ops" if any(
             st.recompute and st.random for st in ex.work.stages) else None)
     return StepGraph(ex, on_gpu[0], refused)
+
+
+def _state_tensors(opt):
+    """The tensors of ``opt``'s state and hyperparameters (a tensor learning rate)."""
+    for state in opt.state.values():
+        yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+    for group in opt.param_groups:
+        yield from (v for k, v in group.items() if k != "params" and isinstance(v, torch.Tensor))
 
 
 def _frozen(v):

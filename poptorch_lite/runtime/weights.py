@@ -104,6 +104,7 @@ class Weights:
         self._versions: dict = {}
         self.host_stale = False       # the devices hold values the host copy lacks
         self.last_grads: dict = {}    # name -> the gradient the last step used, on its home
+        self.placements = 0           # calls of place(): which tensors the stages use may change
         self._new_replica_buffers()
         self.remember_versions()
 
@@ -118,6 +119,7 @@ class Weights:
                 user is the home; later programs keep homes already given).
         """
         self.devices.update(devices)
+        self.placements += 1
         with torch.no_grad():
             for ipu, names in users:
                 for name in names:
