@@ -172,6 +172,47 @@ def test_an_aot_compiled_step_replays_what_its_compiled_stages_run(device,
     assert set(graphed[3].compiled.summary().values()) <= {"compiled", "reused"}
 
 
+@pytest.mark.parametrize("device", GPUS)
+def test_the_tutorials_mnist_pipeline_replays_as_it_runs(device):
+    """examples/mnist_pipelined.py's network, options and optimizer (PopTorch's SGD with
+    momentum, an exponential learning-rate schedule stepped after each call): three calls of
+    three steps, captured, captured again for the new learning rate, then with the optimizer's
+    step out of the graph; the eager path's numbers throughout."""
+    import pathlib
+    import sys
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+    from mnist_pipelined import Network, parser, strategy
+
+    args = parser.parse_args(["--gradient-accumulation", "4", "--batch-size", "4"])
+    torch.manual_seed(0)
+    net, results = Network(), {}
+    for graph in (False, True):
+        model = copy.deepcopy(net)
+        opts = on_device(poptorch.Options().deviceIterations(3).randomSeed(1), device)
+        opts.Training.gradientAccumulation(4)
+        opts.setExecutionStrategy(strategy(args)).compileStages(True, "eager", graph)
+        opt = poptorch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.3)
+        wrapper = poptorch.trainingModel(model, opts, opt)
+        losses = []
+        for call in range(3):
+            g = torch.Generator().manual_seed(call)
+            x, y = torch.randn(48, 1, 28, 28, generator=g), torch.randint(0, 10, (48,), generator=g)
+            losses.append(wrapper(x, y)[1].flatten())
+            scheduler.step()
+            wrapper.setOptimizer(opt)
+        program = next(iter(wrapper._state.programs.values()))
+        wrapper.copyWeightsToHost()
+        results[graph] = (torch.cat(losses).cpu(),
+                          {k: v.clone() for k, v in model.state_dict().items()},
+                          [{k: v.clone() for k, v in st.items()} for st in opt.state.values()],
+                          program)
+        wrapper.destroy()
+    assert_same(results[False], results[True])
+    assert counts(results[True][3]) == (3, 2, 7, 2)
+    assert results[True][3].graph.report.parts[-1] == "the reduction"
+
+
 def test_inference_replays_equal_the_eager_outputs(twin_gpu_installed):
     """An inference model is captured on its third call (one run per call) and its outputs
     come back from the graph's memory, copied after each replay."""

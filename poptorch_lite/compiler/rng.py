@@ -161,7 +161,7 @@ def _swapped(stream: Stream, kinds: tuple, op, args, kwargs):
     ``stream``'s state of that kind, under the lock; the stream keeps where they stopped."""
     graph = getattr(_local, "graph", None)
     if graph is not None:  # a step being captured ([Note: step graphs] in runtime/step_graph)
-        return graph.draw(stream, op, args, kwargs)
+        return graph.draw(stream, kinds, op, args, kwargs)
     states = stream.states  # one stream per kind: it moves between GPUs
     with _LOCK:
         saved = []
@@ -257,7 +257,7 @@ class _ThreadSetting:
 
 class capturing(_ThreadSetting):
     """Context manager: while a step graph captures on this thread, a random op draws
-    through ``graph.draw(stream, op, args, kwargs)`` (the graph's generator for that
+    through ``graph.draw(stream, kinds, op, args, kwargs)`` (the graph's generator for that
     micro-batch's stream), not by swapping generator states, which a capture forbids. It
     holds the lock of the swaps meanwhile: no other thread's op finds the device's default
     generator holding a micro-batch's state."""

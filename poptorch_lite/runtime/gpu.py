@@ -162,8 +162,8 @@ class Gpu:
 
     def copy_rows_into(self, target: torch.Tensor, sources: list, device: torch.device) -> None:
         """``target`` (on ``device``) <- the concatenation of ``sources`` along rows, on this
-        thread's current stream there: host tensors joined in pinned memory and copied asynchronously, device
-        tensors copied on the device."""
+        thread's current stream there: host tensors joined in pinned memory and copied
+        asynchronously, device tensors copied on the device."""
         if all(t.device.type == "cpu" for t in sources):
             joined = torch.empty(target.shape, dtype=target.dtype, pin_memory=True)
             if len(sources) > 1:

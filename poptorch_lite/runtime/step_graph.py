@@ -395,11 +395,11 @@ class _Draws:
         self.gpu, self.default = gpu, rng.device_generator(device)
         self.of = {id(s): g for s, g in zip(streams or (), generators)}
 
-    def draw(self, stream, op, args, kwargs):
+    def draw(self, stream, kinds: tuple, op, args, kwargs):
         gen = self.of.get(id(stream))
-        if gen is None:
-            raise ExecutionError("a random op drew from a stream that is not a micro-batch's "
-                                 "while the step was captured")
+        if gen is None or not any(g is self.default for _, g in kinds):
+            raise ExecutionError("a random op drew from a stream that is not a micro-batch's, "
+                                 "or on another device than the step's, while it was captured")
         saved = self.gpu.draw_from(self.default, gen)
         try:
             return op(*args, **(kwargs or {}))
