@@ -213,6 +213,26 @@ def test_the_tutorials_mnist_pipeline_replays_as_it_runs(device):
     assert results[True][3].graph.report.parts[-1] == "the reduction"
 
 
+def test_a_replay_is_one_span_of_the_timeline(twin_gpu_installed):
+    """runStatistics after a call: the eager runs' actions, then one "C" span per replayed run
+    on the update's stream; each run says how it ran."""
+    model = BlockMLP(2)
+    opts = on_device(poptorch.Options().deviceIterations(4).compileStages(True, "eager"),
+                     "gpu_twin")
+    opts.Training.gradientAccumulation(4)
+    wrapper = poptorch.trainingModel(model, opts, sgd(model.parameters()))
+    wrapper(*data(32, seed=0))
+    first = wrapper.runStatistics().timeline
+    assert [(p.run, p.stream) for p in first.spans if p.kind == "C"] == [(2, 0), (3, 0)]
+    assert {p.run for p in first.spans if p.kind != "C"} == {0, 1}
+    assert [r.graph for r in wrapper._state.last_run[1]] == [None, None, "captured", "replayed"]
+    wrapper(*data(32, seed=1))
+    second = wrapper.runStatistics().timeline
+    assert [(p.label, p.run) for p in second.spans] == [("C", k) for k in range(4)]
+    assert "C step graph" in second.render()
+    wrapper.destroy()
+
+
 def test_inference_replays_equal_the_eager_outputs(twin_gpu_installed):
     """An inference model is captured on its third call (one run per call) and its outputs
     come back from the graph's memory, copied after each replay."""

@@ -41,6 +41,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+from ..errors import ExecutionError
 from .subgraphs import wrap_target
 
 _LOCK = threading.Lock()
@@ -255,10 +256,31 @@ class _ThreadSetting:
         setattr(_local, self.NAME, self.previous)
 
 
+class GraphDraws:
+    """Random draws while a step graph is captured ([Note: step graphs] in
+    ``runtime/step_graph``): micro-batch i's ops draw from ``generators[i]``, registered with
+    the graph, in place of ``device``'s default generator (``gpu``: the GPU seam)."""
+
+    def __init__(self, gpu, device: torch.device, streams: list, generators: list):
+        self.gpu, self.default = gpu, device_generator(device)
+        self.of = {id(s): g for s, g in zip(streams, generators)}
+
+    def draw(self, stream: Stream, kinds: tuple, op, args, kwargs):
+        gen = self.of.get(id(stream))
+        if gen is None or not any(g is self.default for _, g in kinds):
+            raise ExecutionError("a random op drew from a stream that is not a micro-batch's, "
+                                 "or on another device than the step's, while it was captured")
+        saved = self.gpu.draw_from(self.default, gen)
+        try:
+            return op(*args, **(kwargs or {}))
+        finally:
+            self.gpu.drawn(self.default, saved)
+
+
 class capturing(_ThreadSetting):
     """Context manager: while a step graph captures on this thread, a random op draws
-    through ``graph.draw(stream, kinds, op, args, kwargs)`` (the graph's generator for that
-    micro-batch's stream), not by swapping generator states, which a capture forbids. It
+    through a :class:`GraphDraws` (the graph's generator for that micro-batch's stream),
+    not by swapping generator states, which a capture forbids. It
     holds the lock of the swaps meanwhile: no other thread's op finds the device's default
     generator holding a micro-batch's state."""
 

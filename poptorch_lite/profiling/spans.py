@@ -9,11 +9,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-# The kind letters of schedule.Kind and their names in traces and legends.
+# The kind letters of schedule.Kind and their names in traces and legends; "C" is a replay of
+# a captured step, every action of a run in one CUDA graph ([Note: step graphs] in step_graph).
 KIND_NAMES = {"F": "forward", "B": "backward", "I": "input gradients", "W": "weight gradients",
-              "R": "recompute", "G": "reduce", "U": "update"}
+              "R": "recompute", "G": "reduce", "U": "update", "C": "step graph"}
 _KIND_OF_NAME = {name: letter for letter, name in KIND_NAMES.items()}
-_WORK = frozenset("FBIWR")  # the kinds that define ramp-down ([Note: timeline phases])
+_WORK = frozenset("FBIWRC")  # the kinds that define ramp-down ([Note: timeline phases])
 
 
 @dataclasses.dataclass(frozen=True)

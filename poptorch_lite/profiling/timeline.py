@@ -259,7 +259,7 @@ class Timeline:
         step_unit, step_factor = _unit(makespan / width)
         w = max([len("phases")] + [len(n) for n in self.stream_names])
         legend = ", ".join(f"{k} {name}" for k, name in KIND_NAMES.items()
-                           if k not in "IW" or any(p.kind == k for p in self.spans))
+                           if k not in "IWC" or any(p.kind == k for p in self.spans))
         return "\n".join(
             [f"schedule {self.schedule_name}: makespan {makespan * factor:.3f} {unit}, "
              f"1 column = {makespan / width * step_factor:.3f} {step_unit}"]

@@ -28,7 +28,7 @@ from .spans import KIND_NAMES, _unit
 
 # One colour per action kind (Tableau 10), and the phases' band colours.
 COLOURS = {"F": "#4c78a8", "B": "#f58518", "I": "#f58518", "W": "#eeca3b", "R": "#54a24b",
-           "G": "#b279a2", "U": "#e45756"}
+           "G": "#b279a2", "U": "#e45756", "C": "#9d755d"}
 PHASE_COLOURS = {"ramp_up": "#fdf1cf", "main": "#dcefd6", "ramp_down": "#f7dada"}
 ROW, GAP, TITLE, BAND, AXIS, LEGEND, PAD = 28, 6, 28, 20, 40, 28, 10
 RIGHT = 3 * PAD  # room for the last tick's label

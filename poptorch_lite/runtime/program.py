@@ -122,7 +122,7 @@ class Program:
                 weights.buffers_move()
                 try:
                     done = None if graph is None else graph.run(
-                        call, tensors[ks.start:ks.stop], replica_of, keep[ks.start:ks.stop],
+                        call, tensors[ks.start:ks.stop], replica_of, d, keep[ks.start:ks.stop],
                         bases[d], step)
                     out, run_stats = done if done is not None else ex.run_call(
                         call, tensors[ks.start:ks.stop], replica_of, d, keep[ks.start:ks.stop],

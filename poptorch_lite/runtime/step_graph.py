@@ -43,8 +43,8 @@ back to it), into one graph; that run and every later one is then a replay:
 - **After a replay** the stream is synchronized, as an eager run's streams are; the
   outputs, in the graph's memory, are copied to the host; the parameters' ``.grad``
   are the capture's tensors again (a call hands the host's back to the user); the step
-  is counted. A replay is one launch: the timeline has no spans of its actions, and the
-  watchdog does not watch it.
+  is counted. A replay is one launch: the timeline has one span of it ("C", timed on the
+  GPU) in place of its actions', and the watchdog does not watch it.
 
 The GPU twin records a capture op by op and replays it on the same tensors, running
 nothing while capturing (``tests/gpu_twin.py``), so the CPU suite tests what is
@@ -110,7 +110,8 @@ class StepGraph:
             _LOG.info("compileStages: the steps on %s are not captured as a CUDA graph: %s",
                       device, refused)
 
-    def run(self, call, microbatches: list, replica_of, keep, base: Optional[int], step):
+    def run(self, call, microbatches: list, replica_of, index: int, keep, base: Optional[int],
+            step):
         """One run as a replay of the captured step (captured first if need be):
         ``Executor.run_call``'s ``(outputs, stats)``; None where the run is eager (a warm-up
         run, or a program that is not captured)."""
@@ -147,7 +148,7 @@ class StepGraph:
                 report.eager_runs += 1
                 return None
             how = "captured"
-        return self._replay(cap, microbatches, keep, base, step, how)
+        return self._replay(cap, call, microbatches, index, keep, base, step, how)
 
     # -- what may be captured -------------------------------------------------------------
 
@@ -246,7 +247,7 @@ class StepGraph:
                  if a is not None and ex._here(a) and (in_graph or a.kind is not Kind.STEP)]
         handlers, applied, started = ex.handlers, ex.steps_applied, time.perf_counter()
         self.stream.wait_stream(gpu.current_stream(device))  # the caller's work so far
-        draws = rng.capturing(_Draws(gpu, device, streams, generators)) if ex.random else (
+        draws = rng.capturing(rng.GraphDraws(gpu, device, streams, generators)) if ex.random else (
             contextlib.nullcontext())
         try:
             with torch.set_grad_enabled(training), draws, gpu.device(device), gpu.capture(
@@ -336,7 +337,8 @@ class StepGraph:
 
     # -- replay ---------------------------------------------------------------------------
 
-    def _replay(self, cap, microbatches: list, keep, base: Optional[int], step, how: str):
+    def _replay(self, cap, call, microbatches: list, index: int, keep, base: Optional[int], step,
+                how: str):
         ex, gpu, stream = self.ex, self.ex.gpu, self.stream
         run = cap.run
         run.inputs = microbatches
@@ -349,7 +351,11 @@ class StepGraph:
                     gen.manual_seed(rng.microbatch_seed(base, i))
         stream.wait_stream(gpu.current_stream(self.device))  # weights pushed, the last step
         self._fill(cap.slots, microbatches)
+        begun, ended = gpu.Event(enable_timing=True), gpu.Event(enable_timing=True)
+        begun.record(stream)
+        launched = time.perf_counter()
         gpu.replay(cap.graph, stream)
+        ended.record(stream)
         try:
             stream.synchronize()
         except RuntimeError as exc:  # an asynchronous CUDA error
@@ -366,6 +372,9 @@ class StepGraph:
             else:
                 ex.handlers[Kind.STEP](cap.stepped, run, step)
         self.report.replays += 1
+        if call.recorder is not None:  # one span: the whole run, measured on the GPU
+            call.recorder.add_gpu(ex.step_ipu, None, None, "C", begun, launched, begun, ended,
+                                  index)
         held = {r.untyped_storage().data_ptr() for rs in run.results for r in rs.values()}
         outputs = [None if out is None else [  # none may be the graph's memory: copies
             o.clone() if o.untyped_storage().data_ptr() in held else o for o in out]
@@ -385,26 +394,6 @@ class _Captured:
         self.graph, self.run, self.slots, self.generators = graph, run, slots, generators
         self.key, self.step_in_graph, self.plan = key, step_in_graph, plan
         self.stepped, self.grads, self.held = stepped, grads, ()
-
-
-class _Draws:
-    """Random draws while capturing: micro-batch i's ops take its graph generator
-    (``rng.capturing``)."""
-
-    def __init__(self, gpu, device: torch.device, streams: Optional[list], generators: list):
-        self.gpu, self.default = gpu, rng.device_generator(device)
-        self.of = {id(s): g for s, g in zip(streams or (), generators)}
-
-    def draw(self, stream, kinds: tuple, op, args, kwargs):
-        gen = self.of.get(id(stream))
-        if gen is None or not any(g is self.default for _, g in kinds):
-            raise ExecutionError("a random op drew from a stream that is not a micro-batch's, "
-                                 "or on another device than the step's, while it was captured")
-        saved = self.gpu.draw_from(self.default, gen)
-        try:
-            return op(*args, **(kwargs or {}))
-        finally:
-            self.gpu.drawn(self.default, saved)
 
 
 def for_program(executor, options) -> Optional[StepGraph]:
