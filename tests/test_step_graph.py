@@ -9,6 +9,7 @@ other numbers than the eager path here, as on a GPU. The stages run their own ke
 bit; on CUDA (``benchmarks/gpu_check.sh``) the same tests run on the GPU.
 """
 
+import contextlib
 import copy
 import logging
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 import poptorch_lite as poptorch
-from poptorch_lite.errors import OptionsError
+from poptorch_lite.errors import ExecutionError, OptionsError
 from poptorch_lite.optim.loss_scale import LossScale
 from poptorch_lite.runtime import step_graph
 from poptorch_lite.runtime.gpu import CaptureFailed
@@ -358,6 +359,8 @@ def test_which_steps_are_graph_safe():
     ("recomputed_dropout", "a recomputed stage has random ops"),
     ("stop_on_non_finite", "Training.stopOnNonFiniteLoss reads every micro-batch's loss on"),
     ("two_devices", "the stages run on 2 devices (cpu:0, cpu); one graph holds one GPU's"),
+    ("ipu_model", "useIpuModel gives every IPU a memory of its own"),
+    ("offloaded", "the optimizer's state is offloaded to host memory"),
 ])
 def test_what_cannot_be_captured_runs_eagerly_and_says_why(twin_gpu_installed, case, why,
                                                           caplog):
@@ -365,6 +368,9 @@ def test_what_cannot_be_captured_runs_eagerly_and_says_why(twin_gpu_installed, c
     kw = dict(recompute=case == "recomputed_dropout", options={
         "stop_on_non_finite": lambda o: o.Training.stopOnNonFiniteLoss(True),
         "two_devices": lambda o: o.set_ipu_devices({0: "cpu:0", 1: "cpu"}),
+        "ipu_model": lambda o: o.useIpuModel(True),
+        "offloaded": lambda o: o.TensorLocations.setOptimizerLocation(
+            poptorch.TensorLocationSettings().useOnChipStorage(False)),
     }.get(case))
     eager = train(model, "gpu_twin", graph=False, **kw)
     with caplog.at_level(logging.INFO, logger="poptorch_lite"):
@@ -431,13 +437,43 @@ def test_a_new_signature_places_weights_and_the_step_is_captured_again(twin_gpu_
     assert "again: the weights' memory changed" in caplog.text
 
 
-def test_graphs_are_for_gpus_and_the_option_turns_them_off():
+def test_a_capture_that_cannot_be_ended_stops_the_call(twin_gpu_installed, monkeypatch):
+    """Ending the capture fails (on a GPU: a stream not joined back, a call a capture
+    forbids): torch's CUDA state is unknown, so the call stops with an ExecutionError, after
+    the runs before it, and the steps are never captured again."""
+    capture = TwinGpu.capture
+
+    @contextlib.contextmanager
+    def unending(self, graph, stream):
+        with capture(self, graph, stream):
+            yield
+        raise CaptureFailed("RuntimeError: the capture was invalidated")
+
+    monkeypatch.setattr(TwinGpu, "capture", unending)
+    opts = on_device(poptorch.Options().deviceIterations(4).compileStages(True, "eager"),
+                     "gpu_twin")
+    opts.Training.gradientAccumulation(4)
+    model = BlockMLP(2)
+    wrapper = poptorch.trainingModel(model, opts, sgd(model.parameters()))
+    with pytest.raises(ExecutionError, match=r"the CUDA graph capture of the step on cpu:0 "
+                       r"could not be ended \(RuntimeError: the capture was invalidated\)"):
+        wrapper(*data(32))
+    program = next(iter(wrapper._state.programs.values()))
+    assert program.graph.report.refused == (
+        "its capture could not be ended: RuntimeError: the capture was invalidated")
+    assert program.executor.steps_applied == 2  # the two eager runs before it
+    wrapper.destroy()
+
+
+def test_graphs_are_for_gpus_and_the_option_turns_them_off(monkeypatch):
     opts = poptorch.Options()
     assert opts.compile_cuda_graph is True
     assert opts.compileStages(True, cuda_graph=False).compile_cuda_graph is False
     with pytest.raises(OptionsError, match=r"cuda_graph needs a bool, got 'yes' \(str\)"):
         opts.compileStages(True, cuda_graph="yes")
     assert opts.compile_cuda_graph is False  # refused before anything changed
+    monkeypatch.setenv("POPTORCH_DEFAULT_OPTIONS", '{"compile_cuda_graph": false}')
+    assert poptorch.Options().compile_cuda_graph is False
     cpu = train(BlockMLP(2), "cpu", graph=True, calls=1)
     assert cpu[3].graph is None  # no stage on a GPU: nothing to capture
 

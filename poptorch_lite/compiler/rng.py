@@ -280,9 +280,9 @@ class GraphDraws:
 class capturing(_ThreadSetting):
     """Context manager: while a step graph captures on this thread, a random op draws
     through a :class:`GraphDraws` (the graph's generator for that micro-batch's stream),
-    not by swapping generator states, which a capture forbids. It
-    holds the lock of the swaps meanwhile: no other thread's op finds the device's default
-    generator holding a micro-batch's state."""
+    not by swapping generator states, which a capture forbids. It holds the lock of the
+    swaps meanwhile: no other thread's op finds the device's default generator holding a
+    micro-batch's state."""
 
     NAME = "graph"
 

@@ -29,6 +29,7 @@ from .channels import Channels
 from .executor import Executor
 from .placement import Placement
 from .program import Program
+from .step_graph import for_program
 from .weights import Weights
 
 
@@ -119,7 +120,8 @@ def _compiled(model, modes, options, training, mbs, weights, placement, replicas
             lowered, {st.ipu: placement.device(st.ipu) for st in mine}, o.compile_backend,
             split=training and o.execution_strategy.schedule is PipelineSchedule.ZeroBubble)
     executor = Executor(part, lowered, placement, weights, processes, channels)
-    return Program(part, executor, o.execution_strategy.schedule, recompute, report)
+    return Program(part, executor, o.execution_strategy.schedule, recompute, report,
+                   for_program(executor, o))
 
 
 def check_mapped(part: Partition, mapping) -> None:

@@ -24,30 +24,25 @@ from ..profiling.timeline import Recorder
 from .batch import MicroBatches
 from .executor import Executor
 from .replica_groups import every_replica
-from . import step_graph
 from .schedule_kinds import build
 from .undo import capture
 from .update import CtrlC, StepArithmetic
 from .weights import Weights
 
 
-_UNSET = object()
-
-
 class Program:
     """What one input signature compiles to: the partition, its executor, its schedules."""
 
     def __init__(self, partition: Partition, executor: Executor, kind, recompute: tuple,
-                 compiled=None):
+                 compiled=None, graph=None):
         self.partition = partition
         self.executor = executor
         self.kind = kind
         self.recompute = recompute
         # What its stages' graphs became under compileStages (``compiled_stages``), or None.
         self.compiled = compiled
-        # Its captured step on a GPU under compileStages ([Note: step graphs] in
-        # ``step_graph``): None where no stage is on a GPU; made on the first run.
-        self.graph = _UNSET
+        # Its captured step on a GPU under compileStages (``step_graph.StepGraph``), or None.
+        self.graph = graph
         self._schedules: dict = {}
 
     def schedule(self, m: int, training: bool):
@@ -108,8 +103,6 @@ class Program:
             return j % R
 
         keep = [k in kept for k in range(len(tensors))]
-        if self.graph is _UNSET:
-            self.graph = step_graph.for_program(ex, options)
         graph = self.graph
         grads = weights.host_grads_kept() if training else contextlib.nullcontext()
         if training:  # a hook registered on a parameter since the last call reaches its copies
@@ -121,12 +114,11 @@ class Program:
                 before = ex.steps_applied
                 weights.buffers_move()
                 try:
+                    inputs, kept_here = tensors[ks.start:ks.stop], keep[ks.start:ks.stop]
                     done = None if graph is None else graph.run(
-                        call, tensors[ks.start:ks.stop], replica_of, d, keep[ks.start:ks.stop],
-                        bases[d], step)
+                        call, inputs, replica_of, d, kept_here, bases[d], step)
                     out, run_stats = done if done is not None else ex.run_call(
-                        call, tensors[ks.start:ks.stop], replica_of, d, keep[ks.start:ks.stop],
-                        bases[d])
+                        call, inputs, replica_of, d, kept_here, bases[d])
                 except BaseException:
                     committed = ex.steps_applied != before
                     if undo is not None and not committed:

@@ -36,8 +36,8 @@ back to it), into one graph; that run and every later one is then a replay:
   one device, or not on a GPU; stages or replicas in other processes; ``useIpuModel``;
   offloaded optimizer state; ``stopOnNonFiniteLoss`` (a host read per micro-batch); a
   recomputed stage with random ops (its recompute restarts a generator mid-stream);
-  gradient hooks on parameters (their Python would run at the capture only); inputs
-  that require grad. A capture that raises leaves the program eager (its streams are
+  gradient hooks on parameters (their Python would run at the capture only). A capture
+  that raises leaves the program eager (its streams are
   joined back, so the capture ends); one that cannot be ended stops the call
   (``ExecutionError``): torch's CUDA state is then unknown.
 - **After a replay** the stream is synchronized, as an eager run's streams are; the
@@ -117,7 +117,7 @@ class StepGraph:
         run, or a program that is not captured)."""
         report = self.report
         if report.refused is None:
-            why = self._refusal(step, microbatches)
+            why = self._refusal(step)
             if why is not None:
                 self._refuse(why)
         if report.refused is not None or self.warm < WARM_RUNS:
@@ -152,13 +152,11 @@ class StepGraph:
 
     # -- what may be captured -------------------------------------------------------------
 
-    def _refusal(self, step, microbatches: list) -> Optional[str]:
+    def _refusal(self, step) -> Optional[str]:
         """Why this run cannot be captured, or None (what may change between calls)."""
         if step is not None and step.check_loss:
             return ("Training.stopOnNonFiniteLoss reads every micro-batch's loss on the host; "
                     "turn it off to capture the steps")
-        if any(t.requires_grad for mb in microbatches for t in mb):
-            return "an input requires grad"
         if any(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)
                for p in self.ex.weights.params.values()):
             return ("a parameter has gradient hooks, whose Python would run at the capture "
