@@ -146,6 +146,15 @@ class IpuOnlyWarning(PoptorchLiteWarning):
 _warned: set[str] = set()
 
 
+def first_time(key: str) -> bool:
+    """Whether ``key`` is seen for the first time in this process (then it is remembered):
+    what :func:`warn_once` and the log's one-time notes ask."""
+    if key in _warned:
+        return False
+    _warned.add(key)
+    return True
+
+
 def warn_once(key: str, message: str, category: type[Warning] = IpuOnlyWarning,
               stacklevel: int = 3, at: tuple[str, int] | None = None) -> bool:
     """Issue ``message`` as a warning the first time ``key`` is seen in this process.
@@ -168,9 +177,8 @@ def warn_once(key: str, message: str, category: type[Warning] = IpuOnlyWarning,
     """
     import warnings
 
-    if key in _warned:
+    if not first_time(key):
         return False
-    _warned.add(key)
     if at is None:
         warnings.warn(message, category, stacklevel=stacklevel)
     else:

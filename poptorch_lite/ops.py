@@ -44,7 +44,7 @@ def identity_loss(x: torch.Tensor, reduction: str) -> torch.Tensor:
     reduce = _REDUCTIONS[reduction]
     out = x if reduce is None else reduce(x)
     if is_tracing():
-        markers.MARK_LOSS(out)
+        markers.mark_loss(out)
     return out
 
 

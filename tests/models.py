@@ -288,8 +288,17 @@ def _hooked(x):
     return x
 
 
+def _gradient_penalty(m, x):
+    """WGAN-GP's penalty: a gradient taken in the forward (``create_graph=True``) and
+    trained through, its inner backward's saved activations included."""
+    y = torch.tanh(x @ m.layers[2].weight.t())
+    g, = torch.autograd.grad(y.sum(), x, create_graph=True)
+    return x + (g.norm(dim=1, keepdim=True) - 1) ** 2
+
+
 # What the third layer's input goes through, per kind: stops, own gradient code, hooks.
 GRAD_CODE = {
+    "gradient_penalty": _gradient_penalty,
     "detach": lambda m, x: x.detach(),
     "data": lambda m, x: x.data * 2,
     "no_grad": lambda m, x: _no_grad_tanh(x),

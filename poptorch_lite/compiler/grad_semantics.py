@@ -18,7 +18,14 @@ training trace keeps them, and the stages replay them as plain PyTorch ran them:
   gradient; elsewhere it costs nothing.
 - **Detach.** ``t.detach()``, in the model's code or a library's (``F.gumbel_softmax``'s
   hard sample), is kept as ``aten.detach`` (``make_fx``'s default would record an alias),
-  and so is ``t.data``.
+  and so is ``t.data``. Autograd's own detaches are not stops: when it saves an op's
+  output for the backward, and when a backward the forward runs itself unpacks it, it
+  records ``aten.detach`` too, but the value it unpacks is the op's output again, with its
+  history. So a detach that only detaches read (an output autograd saved) and the
+  detaches of it (its unpackings) replay as aliases (:func:`autograd_detaches_pass`; the
+  model's own, :func:`traced_detach` and ``.data``, never count): a gradient penalty
+  (``torch.autograd.grad(..., create_graph=True)`` in the forward, as in WGAN-GP) is then
+  differentiated through the activations its inner backward read, as plain PyTorch does.
 - **Custom Functions.** ``Function.apply`` is one node of the graph that calls the
   Function at run time (:func:`traced_apply`), so its own forward and backward run, and
   ``ctx`` is its own. Its arguments are tensors of the trace and constants; a module or
@@ -48,21 +55,18 @@ value info] in ``value_info``).
 from __future__ import annotations
 
 import contextlib
-import itertools
-import operator
 import threading
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.proxy_tensor import (disable_proxy_modes_tracing, get_proxy_mode,
-                                                get_proxy_slot, track_tensor_tree)
+from torch.fx.experimental.proxy_tensor import (disable_proxy_modes_tracing, get_proxy_slot,
+                                                track_tensor_tree)
 from torch.utils import _pytree as pytree
 
 from ..errors import TraceError
-from . import structures
+from . import backward_hooks, markers, structures
 from .subgraphs import base_op, wrap_target
 
-_local = threading.local()
 _APPLY = torch.autograd.Function.__dict__["apply"]  # a classmethod (C++'s in newer torch)
 DATA_GET = torch.Tensor.data.__get__
 
@@ -157,39 +161,7 @@ def _function_node(call: _FunctionCall, random: bool):
     return apply
 
 
-def _hook_node(fn):
-    def register_hook(t):
-        # Once per value: a recomputed stage runs this node again on its boundary leaves.
-        done = t.__dict__.setdefault("_poptorch_lite_hooks", set())
-        if t.requires_grad and register_hook not in done:
-            done.add(register_hook)
-            t.register_hook(fn)
-    register_hook.__name__ = register_hook.__qualname__ = (
-        f"register_hook_{getattr(fn, '__name__', 'fn').replace('<', '').replace('>', '')}")
-    return register_hook
-
-
 # -- trace time ----------------------------------------------------------------------------
-
-def _tracer():
-    """The tracer recording this thread's training trace, or None."""
-    if not getattr(_local, "active", False):
-        return None
-    mode = get_proxy_mode()
-    return mode.tracer if mode is not None else None
-
-
-def record_requires_grad(out) -> None:
-    """Note on the nodes of ``out``'s traced tensors whether they required grad."""
-    tracer = _tracer()
-    if tracer is None:
-        return
-    for t in pytree.tree_leaves(out):
-        if isinstance(t, torch.Tensor):
-            proxy = get_proxy_slot(t, tracer, None)
-            if proxy is not None:
-                proxy.proxy.node.meta["requires_grad"] = t.requires_grad
-
 
 def _random_state():
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
@@ -199,7 +171,7 @@ def _random_state():
 def traced_apply(cls, *args, **kwargs):
     """``Function.apply`` while a training trace records: one node that calls it at run time
     ([Note: gradients the forward shapes])."""
-    tracer = _tracer()
+    tracer = markers.training_tracer()
     if tracer is None:
         return _original_apply(cls, *args, **kwargs)
     if cls is torch.utils.checkpoint.CheckpointFunction:  # the forward it checkpoints
@@ -208,12 +180,8 @@ def traced_apply(cls, *args, **kwargs):
     if cls.__module__.startswith("torch._library."):  # a custom op's own autograd: the op
         # lands in the graph and replays with it, in the caller's grad mode (autograd runs
         # a Function's forward without grad)
-        outer = getattr(_local, "grad_mode", None)
-        _local.grad_mode = torch.is_grad_enabled()
-        try:
+        with markers.grad_mode_recorded(torch.is_grad_enabled()):
             return _original_apply(cls, *args, **kwargs)
-        finally:
-            _local.grad_mode = outer
     leaves, spec = pytree.tree_flatten((args, kwargs))
     tensor_at = [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
     for v in leaves:
@@ -236,145 +204,48 @@ def traced_apply(cls, *args, **kwargs):
     proxy = tracer.create_proxy("call_function", _function_node(call, random), tuple(proxies), {})
     with disable_proxy_modes_tracing():  # its meta would record the copies it makes
         track_tensor_tree(out, proxy, constant=None, tracer=tracer)
-    record_requires_grad(out)
+    markers.record_requires_grad(out)
     return out
 
 
-def refuse_legacy_backward_hooks(model: torch.nn.Module) -> None:
-    """Refuse a module hook registered with the deprecated ``register_backward_hook``: it sees
-    the gradients of whichever op made the module's output, which a traced graph does not
-    keep (``register_full_backward_hook`` is kept: [Note: gradients the forward shapes]).
-
-    Raises:
-        TraceError: naming the module and the fix.
-    """
-    for name, m in model.named_modules():
-        if m._backward_hooks and m._is_full_backward_hook is False:
-            raise TraceError(
-                f"module {name or type(m).__name__} has a hook registered with "
-                f"register_backward_hook, which PyTorch deprecates: it sees the gradients of "
-                f"the last op of the module's forward, not the module's, and a traced graph "
-                f"keeps no such op boundary. Use register_full_backward_hook (or "
-                f"register_full_backward_pre_hook), which poptorch_lite keeps")
-
-
-_module_calls = itertools.count()  # tells a module call's input hook from another's
-_setups = threading.local()          # call key -> the BackwardHook of the call running here
-
-
-def _traced_input_hook(original):
-    """``BackwardHook.setup_input_hook`` while a training trace records: also a node that sets
-    up, in every micro-batch, a fresh BackwardHook of the module on the stage's values."""
-    def setup_input_hook(self, args):
-        tracer = _tracer()
-        if tracer is None:
-            return original(self, args)
-        key = next(_module_calls)
-        self._poptorch_lite_key = key
-        return _hook_setup(tracer, args, lambda *a: original(self, a),
-                           _module_input_node(self.module, key))
-    return setup_input_hook
-
-
-def _traced_output_hook(original):
-    """``BackwardHook.setup_output_hook`` while a training trace records: also a node that
-    finishes the micro-batch's BackwardHook that the call's input node made."""
-    def setup_output_hook(self, args):
-        tracer = _tracer()
-        key = getattr(self, "_poptorch_lite_key", None)
-        if tracer is None or key is None:
-            return original(self, args)
-        single = not isinstance(args, tuple)
-        values = (args,) if single else args
-        out = _hook_setup(tracer, values, lambda *a: original(self, a),
-                          _module_output_node(self.module, key))
-        return out[0] if single else out
-    return setup_output_hook
-
-
-def _hook_setup(tracer, args: tuple, real, node_fn) -> tuple:
-    """Run ``real`` (torch's own setup) on the trace's tensors with the proxy off, and record
-    ``node_fn`` over the tensors of ``args`` as the node that makes the results."""
-    at = [k for k, v in enumerate(args) if isinstance(v, torch.Tensor)]
-    with disable_proxy_modes_tracing():
-        out = real(*args)
-    proxy = tracer.create_proxy("call_function", node_fn,
-                                tuple(tracer.unwrap_proxy(args[k]) for k in at), {})
-    tensors = tuple(out[k] for k in at)
-    with disable_proxy_modes_tracing():  # its meta would record the copies it makes
-        track_tensor_tree(tensors, proxy, constant=None, tracer=tracer)
-    record_requires_grad(tensors)
+def traced_detach(func, args: tuple, kwargs: dict):
+    """``t.detach()`` while a training trace records: noted as the model's own stop
+    ([Note: gradients the forward shapes])."""
+    out = func(*args, **kwargs)
+    tracer = markers.training_tracer()
+    proxy = get_proxy_slot(out, tracer, None) if tracer is not None else None
+    if proxy is not None:
+        proxy.proxy.node.meta["stops"] = True
     return out
 
 
-def _module_input_node(module, key: int):
-    def module_backward_hook_inputs(*tensors):
-        hooks, _ = module._get_backward_hooks()
-        bw = torch.utils.hooks.BackwardHook(module, hooks, module._get_backward_pre_hooks())
-        _setups.__dict__[key] = bw
-        return tuple(bw.setup_input_hook(tensors))
-    module_backward_hook_inputs.module_hook = (module, key)
-    return module_backward_hook_inputs
+def autograd_detaches_pass(gm: fx.GraphModule) -> None:
+    """Replay as aliases the detaches that autograd recorded, not the model's code
+    ([Note: gradients the forward shapes]): an output it saved for a backward (a detach
+    that only detaches feed on) and each unpacking of it (a detach of that detach)."""
+    detach = torch.ops.aten.detach.default
 
-
-def _module_output_node(module, key: int):
-    def module_backward_hook_outputs(*tensors):
-        return tuple(_setups.__dict__.pop(key).setup_output_hook(tensors))
-    module_backward_hook_outputs.module_hook = (module, key)
-    return module_backward_hook_outputs
-
-
-def passes_on(node: fx.Node):
-    """The node whose values ``node`` passes on when it is a module backward hook's setup or
-    a pick of its results, else None: such a node belongs to its input's block (the setup of
-    a module's output runs after the module returned, past the end of a ``with Block``)."""
-    target = node.target
-    if target is operator.getitem and node.args and isinstance(node.args[0], fx.Node):
-        return node.args[0] if hasattr(node.args[0].target, "module_hook") else None
-    if hasattr(target, "module_hook") and node.all_input_nodes:
-        return node.all_input_nodes[0]
-    return None
-
-
-def check_module_hooks(groups: list) -> None:
-    """Refuse a module with backward hooks whose input and output land in different stages
-    (``groups``: each stage's nodes): one BackwardHook ties them within a micro-batch.
-
-    Raises:
-        TraceError: naming the module and the fix.
-    """
-    stage_of: dict = {}
-    for s, nodes in enumerate(groups):
-        for n in nodes:
-            module, key = getattr(n.target, "module_hook", (None, None))
-            if module is not None and stage_of.setdefault(key, s) != s:
-                raise TraceError(
-                    f"{type(module).__name__} has backward hooks (register_full_backward_hook) "
-                    f"and its forward spans stages {stage_of[key]} and {s}: a module's hooks "
-                    f"need its input and its output in one stage; move the BeginBlock that "
-                    f"splits it to the module itself, or out of it")
-
-
-def traced_register_hook(func, t, hook):
-    """``t.register_hook(hook)`` while a training trace records: also a node that registers
-    it on the stage's value at run time."""
-    tracer = _tracer()
-    if tracer is None and not t.requires_grad:  # an inference trace: no gradient comes
-        return torch.utils.hooks.RemovableHandle({})
-    handle = func(t, hook)
-    if tracer is not None:
-        tracer.create_proxy("call_function", _hook_node(hook), (tracer.unwrap_proxy(t),), {})
-    return handle
+    def autograd_s(n) -> bool:
+        return isinstance(n, fx.Node) and n.target is detach and not n.meta.get("stops")
+    saved = {n for n in gm.graph.nodes if autograd_s(n) and n.users
+             and all(autograd_s(u) for u in n.users)}
+    for n in saved:
+        for unpacked in (n, *n.users):
+            unpacked.target = torch.ops.aten.alias.default
+    if saved:
+        gm.recompile()
 
 
 def traced_data(func, args):
     """``t.data`` while a training trace records: an alias that stops gradients, as
     ``t.detach()`` (make_fx records ``.data`` as a plain alias)."""
     out = func(*args)
-    tracer = _tracer()
+    tracer = markers.training_tracer()
     proxy = get_proxy_slot(out, tracer, None) if tracer is not None else None
-    if proxy is not None and proxy.proxy.node.target is torch.ops.aten.alias.default:
+    if proxy is not None and proxy.proxy.node.target in (torch.ops.aten.alias.default,
+                                                         torch.ops.aten.detach.default):
         proxy.proxy.node.target = torch.ops.aten.detach.default
+        proxy.proxy.node.meta["stops"] = True
     return out
 
 
@@ -384,10 +255,8 @@ _patched = {"traces": 0, "saved": {}}
 
 def _patches() -> dict:
     """(owner, name) -> what replaces it while a training trace records."""
-    hook = torch.utils.hooks.BackwardHook
     return {(torch.autograd.Function, "apply"): classmethod(traced_apply),
-            (hook, "setup_input_hook"): _traced_input_hook(hook.__dict__["setup_input_hook"]),
-            (hook, "setup_output_hook"): _traced_output_hook(hook.__dict__["setup_output_hook"])}
+            **backward_hooks.patches()}
 
 
 @contextlib.contextmanager
@@ -401,33 +270,18 @@ def recording(training: bool):
     if not training:
         yield
         return
-    previous = getattr(_local, "active", False)
     with _PATCH_LOCK:
         if _patched["traces"] == 0:
             for (owner, name), replacement in _patches().items():
                 _patched["saved"][owner, name] = owner.__dict__[name]
                 setattr(owner, name, replacement)
         _patched["traces"] += 1
-    _local.active = True
     try:
-        yield
+        with markers.training_records():
+            yield
     finally:
-        _local.active = previous
         with _PATCH_LOCK:
             _patched["traces"] -= 1
             if _patched["traces"] == 0:
                 for (owner, name), original in _patched["saved"].items():
                     setattr(owner, name, original)
-
-
-def record_grad_mode(tracer) -> None:
-    """Make ``tracer`` note on each op node whether grad mode was on when it ran."""
-    create_node = tracer.create_node
-
-    def create(kind, target, *args, **kwargs):
-        node = create_node(kind, target, *args, **kwargs)
-        if kind == "call_function":
-            mode = getattr(_local, "grad_mode", None)
-            node.meta["grad_enabled"] = torch.is_grad_enabled() if mode is None else mode
-        return node
-    tracer.create_node = create

@@ -22,29 +22,24 @@ A value is named by where it comes from: ``param:<name>``, ``buffer:<name>``,
 needs them; a computed value travels from its stage to every later stage
 that uses it (skip connections, labels, the loss inputs).
 
-[Note: loss provenance]
-The loss is the value marked by a torch loss function or ``identity_loss``
-(``mark_loss`` nodes), never a position in the return value. Marked values
-that feed another marked value are not final; exactly one must remain.
+The loss, and the returned value that trains, are ``losses``' ([Note: loss provenance],
+[Note: the trained loss]).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
-import traceback
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
 
 from ..enums import AutoStage, PipelineSchedule
-from ..errors import (BlockError, LossError, PipelineError, PoptorchLiteWarning,
-                      hide_when_refused as __tracebackhide__, warn_once)
+from ..errors import BlockError, PipelineError, hide_when_refused as __tracebackhide__
 from ..strategies import ExecutionStrategy
-from . import grad_semantics, markers, rng
-from .subgraphs import aliases, segment_groups, subgraphs
-from .trace_modes import user_file_test
+from . import backward_hooks, grad_semantics, losses as losses_, markers, rng
+from .subgraphs import segment_groups, subgraphs
+from .trace_modes import node_line
 from .tracing import trace
 from .value_info import value_infos
 
@@ -132,28 +127,6 @@ class Partition:
 
     def stage_ipus(self) -> list:
         return [st.ipu for st in self.stages]
-
-
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in [^\n]*\n(?P<code>[^\n]*)')
-
-
-def _node_source(node: fx.Node) -> Optional[tuple]:
-    """``(file, line, code)`` of the line of the model's forward that made ``node`` (the
-    outermost frame of the trace's stack, which starts in the forward), or None."""
-    frame = _FRAME.search(node.meta.get("stack_trace") or "")
-    return (frame["file"], int(frame["line"]), frame["code"].strip()) if frame else None
-
-
-def _caller() -> tuple:
-    """``(file, line)`` of the innermost line of user code on the stack (the model's call)."""
-    is_user = user_file_test()
-    frames = [f for f in traceback.extract_stack() if is_user(f.filename)]
-    return (frames[-1].filename, frames[-1].lineno) if frames else ("<unknown>", 0)
-
-
-def _node_line(node: fx.Node) -> str:
-    source = _node_source(node)
-    return f"{source[0]}:{source[1]}: {source[2]}" if source else f"op {node.target}"
 
 
 def _block_stage_ids(blocks: list, strategy: ExecutionStrategy) -> dict:
@@ -245,14 +218,14 @@ def split(gm: fx.GraphModule, param_names: Sequence[str], buffer_names: Sequence
         elif n.target is markers.MARK_CHECKPOINT:
             checkpoints.append(n.args[0])
         else:
-            passed = grad_semantics.passes_on(n)  # a module hook's output after its Block closed
+            passed = backward_hooks.passes_on(n)  # a module hook's output after its Block closed
             if current is None and passed in owner:
                 owner[n] = owner[passed]
                 continue
             if current is None:
                 raise BlockError(
                     f"No active Block, all the ops must belong to a Block: {n.target} at "
-                    f"{_node_line(n)} runs after a Block scope closed. You must declare all the "
+                    f"{node_line(n)} runs after a Block scope closed. You must declare all the "
                     f"layers inside a Block scope, using either the context manager or BlockFunction")
             owner[n] = current
 
@@ -293,24 +266,20 @@ def split(gm: fx.GraphModule, param_names: Sequence[str], buffer_names: Sequence
                 runs[-1][2].append(owner[n])
     if not runs:
         runs = [(0, [], [])]
-    grad_semantics.check_module_hooks([run[1] for run in runs])
+    backward_hooks.check_module_hooks([run[1] for run in runs])
 
-    # 4. The loss, by provenance ([Note: loss provenance]).
+    # 4. The loss, by provenance ([Note: loss provenance]), and the returned value that
+    # trains ([Note: the trained loss]).
     loss_node = None
-    if training:
-        loss_node = _final_loss(losses)
-
-    # 5. One graph per stage; values computed in a stage and needed later become outputs.
     out_node = next(n for n in nodes if n.op == "output")
     model_outputs = list(out_node.args[0])
+    if training:
+        loss_node = losses_.trained_loss(losses_.final_loss(losses), model_outputs)
+
+    # 5. One graph per stage; values computed in a stage and needed later become outputs.
     needed_later = {n for n in model_outputs if isinstance(n, fx.Node)}
-    if loss_node is not None and not any(aliases(n, loss_node) for n in needed_later):
-        source = _node_source(loss_node)  # the warning points at the line of the loss
-        warn_once("loss.not_returned",
-                  f"the training model computes its loss"
-                  f"{f' ({source[2]})' if source else ''} but does not return it: it trains on "
-                  f"it, but you cannot watch it; return it from forward (e.g. return output, "
-                  f"loss)", PoptorchLiteWarning, at=source[:2] if source else _caller())
+    if loss_node is not None:
+        losses_.warn_if_not_returned(loss_node, needed_later)
     if loss_node is not None:
         needed_later.add(loss_node)
     checkpoint_nodes = {c for c in checkpoints if isinstance(c, fx.Node)}
@@ -341,36 +310,6 @@ def split(gm: fx.GraphModule, param_names: Sequence[str], buffer_names: Sequence
     values = value_infos(gm, source_name, trainable, value_name, computed)
     return (stages, loss, output_values,
             frozenset(value_name(c) for c in checkpoint_nodes), block_stage, values)
-
-
-def _final_loss(losses: list) -> fx.Node:
-    """The one loss that feeds no other loss ([Note: loss provenance])."""
-    candidates = list(dict.fromkeys(n for n in losses if isinstance(n, fx.Node)))
-    ancestors: dict = {}
-
-    def upstream(n: fx.Node) -> set:
-        if n not in ancestors:
-            seen, stack = set(), list(n.all_input_nodes)
-            while stack:
-                m = stack.pop()
-                if m not in seen:
-                    seen.add(m)
-                    stack.extend(m.all_input_nodes)
-            ancestors[n] = seen
-        return ancestors[n]
-
-    final = [c for c in candidates if not any(c in upstream(d) for d in candidates if d is not c)]
-    if not final:
-        raise LossError("Couldn't find a loss in graph! A training model must compute its loss "
-                        "with a torch loss function (F.cross_entropy, nn.MSELoss, ...) or mark "
-                        "it with poptorch_lite.identity_loss(x, reduction)")
-    if len(final) > 1:
-        lines = "; ".join(_node_line(c) for c in final)
-        raise LossError(f"Multiple independent losses found in graph. Graph must have one final "
-                        f"loss. Wrap final graph loss in poptorch.identity_loss, e.g. "
-                        f"identity_loss(l1 + l2, reduction='none'). The {len(final)} losses: "
-                        f"{lines}")
-    return final[0]
 
 
 def partition(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict,

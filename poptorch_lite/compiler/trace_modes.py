@@ -1,7 +1,7 @@
 """What the trace watches: the TorchFunctionModes around a traced forward.
 
 ``_TraceMode`` marks the result of every torch loss function ([Note: loss provenance] in
-``partition``) and refuses values read into Python; ``_InferenceSession`` runs every
+``losses``) and refuses values read into Python; ``_InferenceSession`` runs every
 dropout of an inference trace as the identity. ``tracing.trace`` enters both.
 
 [Note: inference session]
@@ -46,9 +46,11 @@ C++ and cannot be told apart from an op's own read; it is fixed at trace time.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import sysconfig
 import traceback
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -57,7 +59,7 @@ from torch.fx.experimental.proxy_tensor import (disable_proxy_modes_tracing, get
 from torch.overrides import TorchFunctionMode
 
 from ..errors import TraceError, hide_when_refused as __tracebackhide__
-from . import grad_semantics, markers
+from . import backward_hooks, grad_semantics, markers
 from .markers import LOSS_FUNCTIONS
 
 
@@ -101,6 +103,34 @@ def _library_folders() -> tuple:
         if module is not None and getattr(module, "__file__", None):
             folders.append(os.path.dirname(module.__file__))
     return tuple(os.path.join(os.path.realpath(f), "") for f in folders)
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in [^\n]*\n(?P<code>[^\n]*)')
+
+
+def node_source(node: torch.fx.Node) -> Optional[tuple]:
+    """``(file, line, code)`` of the line of the model's code that made ``node`` (the
+    innermost frame of user code in the trace's stack, which starts in the forward), or
+    None."""
+    is_user = user_file_test()
+    frames = [f for f in _FRAME.finditer(node.meta.get("stack_trace") or "")
+              if is_user(f["file"])]
+    frame = frames[-1] if frames else None
+    return (frame["file"], int(frame["line"]), frame["code"].strip()) if frame else None
+
+
+def user_caller() -> tuple:
+    """``(file, line)`` of the innermost line of user code on the stack (the model's call)."""
+    is_user = user_file_test()
+    frames = [f for f in traceback.extract_stack() if is_user(f.filename)]
+    return (frames[-1].filename, frames[-1].lineno) if frames else ("<unknown>", 0)
+
+
+def node_line(node: torch.fx.Node) -> str:
+    """``file:line: code`` of the user's line that made ``node``, for messages."""
+    source = node_source(node)
+    return f"{source[0]}:{source[1]}: {source[2]}" if source else f"op {node.target}"
+
 
 
 def _from_constants(t: torch.Tensor, mode) -> bool:
@@ -165,12 +195,14 @@ class _TraceMode(TorchFunctionMode):
         # [Note: gradients the forward shapes] in ``grad_semantics``
         if func == grad_semantics.DATA_GET:
             return grad_semantics.traced_data(func, args)
+        if func is torch.Tensor.detach or func is torch.detach:
+            return grad_semantics.traced_detach(func, args, kwargs)
         if func is torch.Tensor.register_hook:
-            return grad_semantics.traced_register_hook(func, *args, **kwargs)
+            return backward_hooks.traced_register_hook(func, *args, **kwargs)
         out = func(*args, **kwargs)
         if func in LOSS_FUNCTIONS and isinstance(out, torch.Tensor):
-            markers.MARK_LOSS(out)
-        grad_semantics.record_requires_grad(out)
+            markers.mark_loss(out)
+        markers.record_requires_grad(out)
         return out
 
 

@@ -41,12 +41,12 @@ import os
 import types
 
 import torch
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
 from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
 from ..errors import RAISED_IN_TRACE, Error, TraceError, hide_when_refused as __tracebackhide__
-from . import grad_semantics, structures
+from . import backward_hooks, grad_semantics, losses, markers, structures
 from .casting import _ImplicitCasting
 from .markers import _current, trace_context
 from .subgraphs import wrap_target
@@ -297,7 +297,7 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
             traceback the user's frames (the model is left as it was).
     """
     if training:
-        grad_semantics.refuse_legacy_backward_hooks(model)
+        backward_hooks.refuse_legacy_backward_hooks(model)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     names = list(params) + list(buffers)
@@ -309,7 +309,7 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
     def run(*flat):
         _keyword_safe(get_proxy_mode().tracer)
         if training:  # [Note: gradients the forward shapes] in ``grad_semantics``
-            grad_semantics.record_grad_mode(get_proxy_mode().tracer)
+            markers.record_grad_mode(get_proxy_mode().tracer)
         values = dict(zip(names, flat[:len(names)]))
         call_leaves = list(leaves)
         for k, t in zip(tensor_pos, flat[len(names):]):
@@ -325,7 +325,17 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
         out_leaves, result["spec"] = pytree.tree_flatten(lifted)
         _check_output(lifted, out_leaves)
         result["leaves"] = out_leaves
-        return [v for v in out_leaves if isinstance(v, torch.Tensor)]
+        tensors = [v for v in out_leaves if isinstance(v, torch.Tensor)]
+        if training:
+            losses.note_trained(tensors, marked, get_proxy_mode().tracer)
+        return tensors
+
+    marked: list = []  # (node, grad_fn) of each loss marked ([Note: the trained loss])
+
+    def on_loss(t: torch.Tensor) -> None:
+        proxy = get_proxy_slot(t, get_proxy_mode().tracer, None)
+        if proxy is not None:
+            marked.append((proxy.proxy.node, t.grad_fn))
 
     def record_block(module, inputs, output):
         state = _current()
@@ -344,9 +354,10 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
         # _TraceMode would otherwise turn F.dropout into native_dropout before it could.
         # Mixed float16/float32 ops are resolved as PopTorch does ([Note: implicit casting]).
         given = [leaves[k] for k in tensor_pos]
-        with _preserved_state(model, modes, given) as before, trace_context(), _export_style(), \
-                grad, _quiet_torch_trace_log(), grad_semantics.recording(training), \
-                _TraceMode(), _ImplicitCasting(), session:
+        with _preserved_state(model, modes, given) as before, trace_context() as state, \
+                _export_style(), grad, _quiet_torch_trace_log(), \
+                grad_semantics.recording(training), _TraceMode(), _ImplicitCasting(), session:
+            state.on_loss = on_loss
             versions = {n: b._version for n, b in buffers.items()}
             # A table of its own (empty) keeps detach an op: make_fx's default turns it
             # into an alias, which gradients pass ([Note: gradients the forward shapes]).
@@ -366,7 +377,10 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
     finally:
         hook.remove()
         torch._C._set_mkldnn_enabled(onednn)
+        marked.clear()  # autograd's nodes of the traced micro-batch: its activations
     _drop_unused_getitems(gm)
+    if training:  # [Note: gradients the forward shapes] in ``grad_semantics``
+        grad_semantics.autograd_detaches_pass(gm)
     consts = _constant_outputs(gm, [None if isinstance(v, torch.Tensor) else ("const", v)
                                     for v in result["leaves"]])
     layer_blocks = {name: module_blocks[m] for name, m in model.named_modules()
