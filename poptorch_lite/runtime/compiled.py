@@ -127,7 +127,7 @@ class CompiledModel:
         completed step; ``allOrNothingCalls`` also undoes the steps of a failed call.
         """
         opts, weights, training = self.options, self.weights, self.training
-        if weights.edited():  # host edits reach the devices
+        if weights.edits():  # host edits reach the devices ([Note: weight sync] in host_sync)
             weights.to_device(everything=False)
         ex = program.executor
         full = training and opts.all_or_nothing_calls
