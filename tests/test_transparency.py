@@ -490,3 +490,27 @@ def test_edits_through_data_between_calls_reach_the_next_call(device, blocks, G,
     the model, they are pushed to the stages' copies before the next call, and no sync
     writes the old values back over them ([Note: weight sync] in runtime/host_sync.py)."""
     trains_with_edits_like_plain_pytorch(device, blocks, G, schedule, edit, "sgd")
+
+
+def _freeze_then_unfreeze(model, call):
+    model.a.requires_grad_(call != 0)
+
+
+def _unfreeze_then_freeze(model, call):
+    model.a.requires_grad_(call == 0)
+
+
+@pytest.mark.parametrize("blocks,G,schedule", EDIT_ROWS)
+@pytest.mark.parametrize("order", ["freeze_after_call_1", "frozen_when_wrapped"])
+def test_freezing_and_unfreezing_between_calls_match_plain_pytorch(device, blocks, G, schedule,
+                                                                   order):
+    """A layer frozen after the first call gets no gradient and no step (Adam's state stays
+    as it was), and trains again once unfrozen after the second; one frozen when wrapped
+    trains once unfrozen, through the stop its trace dropped while it was frozen, and not
+    once frozen again ([Note: trainable parameters] in runtime/compiled.py)."""
+    if order == "freeze_after_call_1":
+        trains_with_edits_like_plain_pytorch(device, blocks, G, schedule,
+                                             _freeze_then_unfreeze, "adam")
+    else:
+        trains_with_edits_like_plain_pytorch(device, blocks, G, schedule, _unfreeze_then_freeze,
+                                             "adam", before=lambda m: m.a.requires_grad_(False))

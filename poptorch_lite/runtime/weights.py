@@ -152,6 +152,11 @@ class Weights:
         self._copies[name, ipu] = c
         return c
 
+    def follow_requires_grad(self) -> None:
+        """Copies take their parameter's new flag ([Note: trainable parameters] in ``compiled``)."""
+        for (name, _), c in self._copies.items():
+            c.requires_grad_(self.params[name].requires_grad)
+
     def param(self, name: str, ipu: int) -> torch.Tensor:
         """The tensor that the stage on ``ipu`` computes with for parameter ``name``."""
         return self._use[name, ipu]
