@@ -87,7 +87,7 @@ def test_a_read_exposes_the_host_copy_and_the_next_push_carries_its_data_edits()
     model = torch.nn.Linear(2, 2)
     w = placed(model, separate=True)
     home = w.param("weight", 0)
-    model.weight.data.mul_(2)  # before any read: unseen, as before
+    model.weight.data.mul_(2)  # no version moves, and the model is not watched: unseen
     assert not w.exposed and not w.edits()
     w.to_host()  # copyWeightsToHost: the host copy is in the user's hands
     assert w.exposed and w.edits() and w.edited() == []
