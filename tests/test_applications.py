@@ -73,6 +73,31 @@ def test_anchored_gradients_and_weights_are_plain_pytorchs_after_each_call(devic
         train.getAnchoredTensor("nope")
 
 
+def test_an_anchored_gradient_of_a_layer_frozen_between_calls_is_none_while_frozen(device):
+    """Freezing compiles again ([Note: trainable parameters] in runtime/compiled.py) with the
+    anchors checked when the model first compiled: the frozen weight's gradient reads None,
+    as its ``.grad`` in plain PyTorch, and again the step's once unfrozen."""
+    torch.manual_seed(0)
+    model = TwoLayers()
+    ref = twin(model)
+    opts = on_device(poptorch.Options(), device).anchorTensor("grad_w", "Gradient___fc1.weight")
+    train = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for call, trainable in enumerate([True, False, True]):
+        model.fc1.requires_grad_(trainable)
+        ref.fc1.requires_grad_(trainable)
+        x, y = data(2, width=4, classes=2, seed=call)
+        train(x, y)
+        _, _, grads = reference_training(ref, ref_opt, x, y, 1, 1, 1)
+        if trainable:
+            assert_close(train.getAnchoredTensor("grad_w"), grads["fc1.weight"], atol=1e-5,
+                         rtol=0)
+        else:
+            assert train.getAnchoredTensor("grad_w") is None and grads["fc1.weight"] is None
+    assert len(train._programs) == 2
+    train.destroy()
+
+
 @pytest.mark.parametrize("name, mode, match", [
     ("MatMul:0", None, "no tensor named 'MatMul:0'"),
     ("Gradient___fc9.bias", None, "no tensor named"),

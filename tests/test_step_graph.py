@@ -299,6 +299,29 @@ def test_the_host_reads_what_replays_trained_and_its_edits_reach_them(twin_gpu_i
         assert torch.equal(a, b)
 
 
+def test_data_edits_and_freezing_between_calls_reach_the_replays(twin_gpu_installed):
+    """WGAN's clipping through ``.data`` (no version moves), and the first layer frozen after
+    the first call, unfrozen after the second, frozen again after the third: the replays give
+    the numbers of the CPU's shared homes, which compute with the user's own parameters. Each
+    set of trainable parameters has a program of its own, so no capture outlives a freeze:
+    the first program captures again when it comes back (the other program's placement moved
+    the weights' tables), the frozen one replays its own capture ([Note: trainable
+    parameters] in runtime/compiled.py)."""
+    programs = []
+
+    def clip_and_freeze(call, wrapper, model, opt):
+        for p in model.parameters():
+            p.data.clamp_(-0.2, 0.2)
+        model.layers[0].requires_grad_(call % 2 == 1)
+        programs[:] = wrapper._state.programs.values()
+
+    model = BlockMLP(2)
+    shared = train(model, "cpu", graph=False, calls=4, between=clip_and_freeze)
+    graphed = train(model, "gpu_twin", graph=True, calls=4, between=clip_and_freeze)
+    assert_same(shared, graphed)
+    assert [counts(p) for p in programs] == [(2, 1, 6, 2), (1, 0, 6, 2)]
+
+
 def test_an_optimizer_that_is_not_graph_safe_steps_after_the_replay(twin_gpu_installed):
     """Adam with capturable=False: the graph ends with the reduction, the step runs eagerly."""
     def adam(params):

@@ -402,3 +402,115 @@ def test_models_that_shape_their_own_gradients_match_plain_pytorch(
     assert_same_state(opt, ref_opt)
     assert_close(x, ref_x.cpu(), atol=0, rtol=0, msg=f"the input after the call, {where}")
     train.destroy()
+
+
+# -- edits between calls ([Note: weight sync] in host_sync, [Note: trainable parameters] in
+# compiled): what a training loop does to the model between two calls, done to the plain
+# PyTorch twin too. Where stages hold their own copies of the weights (the IPU Model, a GPU)
+# an edit that moves no version, or a flag the copies were made with, went unseen.
+
+class Edited(torch.nn.Module):
+    """Two Linear layers in 1 or 2 blocks; the input scaled by a buffer; the first layer's
+    output divided by a norm taken without grad: a stop the trace keeps only where the layer
+    requires grad when it is traced ([Note: trainable parameters] in runtime/compiled.py)."""
+
+    def __init__(self, blocks: int):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+        self.register_buffer("scale", torch.ones(8))
+        self.blocks = blocks
+
+    def forward(self, x, y):
+        poptorch.Block.start("b0", ipu_id=0)
+        h = torch.relu(self.a(x * self.scale))
+        with torch.no_grad():
+            norm = h.norm(dim=1, keepdim=True)
+        h = h / (1 + norm)
+        if self.blocks == 2:
+            poptorch.Block.start("b1", ipu_id=1)
+        out = self.b(h)
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+EDIT_ROWS = [(1, 2, "grouped"), (2, 3, "grouped"), (2, 3, "interleaved")]  # blocks, G, schedule
+
+
+def trains_with_edits_like_plain_pytorch(device, blocks, G, schedule, edit, opt_kind,
+                                         before=None):
+    """Three calls of :class:`Edited` beside plain PyTorch's loop, ``edit(model, call)``
+    applied to both after each call (``before(model)``: before wrapping): outputs, losses,
+    gradients (None where plain PyTorch has none), weights, buffers and optimizer state
+    compared after every call; the host's ``.grad`` stays the user's (None)."""
+    torch.manual_seed(0)
+    model = Edited(blocks)
+    if before is not None:
+        before(model)
+    ref = twin(model, device)
+    opts = pipelined(schedule, False, G, device).outputMode(poptorch.OutputMode.All)
+    opt = make_optimizer(opt_kind, model.parameters())
+    ref_opt = make_optimizer(opt_kind, ref.parameters())
+    train = poptorch.trainingModel(model, opts, opt)
+    for call in range(3):
+        x, y = data(2 * G, seed=call)
+        out, loss = train(x, y)
+        ref_outs, ref_losses, ref_grads = reference_training(ref, ref_opt, x, y, 1, G, 1)
+        where = f"call {call}, {schedule}"
+        assert_close(out, torch.cat(ref_outs), atol=ATOL, rtol=0, msg=where)
+        assert_close(loss, torch.stack(ref_losses), atol=ATOL, rtol=0, msg=where)
+        grads = trained_grads(train)
+        for name, p in model.named_parameters():
+            if ref_grads[name] is None:  # frozen: plain PyTorch computed none
+                assert grads.get(name) is None, f"{name} got a gradient, {where}"
+            else:
+                assert_close(grads[name], ref_grads[name], atol=ATOL, rtol=0,
+                             msg=f"{name}, {where}")
+            assert p.grad is None, f"{name}: the call left a gradient on the host model"
+        for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+            assert_close(a, b.detach().cpu(), atol=ATOL, rtol=0, msg=f"{name}, {where}")
+        assert_same_state(opt, ref_opt)
+        edit(model, call)
+        edit(ref, call)
+    train.destroy()
+
+
+def _clip(model, call):  # WGAN's weight clipping
+    for p in model.parameters():
+        p.data.clamp_(-0.1, 0.1)
+
+
+def _scale_buffer(model, call):
+    model.scale.data.mul_(1.5)
+
+
+@pytest.mark.parametrize("blocks,G,schedule", EDIT_ROWS)
+@pytest.mark.parametrize("edit", [_clip, _scale_buffer], ids=["clip_weights", "scale_buffer"])
+def test_edits_through_data_between_calls_reach_the_next_call(device, blocks, G, schedule,
+                                                               edit):
+    """``p.data.clamp_(-c, c)`` and a buffer's ``.data.mul_`` move no version: read through
+    the model, they are pushed to the stages' copies before the next call, and no sync
+    writes the old values back over them ([Note: weight sync] in runtime/host_sync.py)."""
+    trains_with_edits_like_plain_pytorch(device, blocks, G, schedule, edit, "sgd")
+
+
+def _freeze_then_unfreeze(model, call):
+    model.a.requires_grad_(call != 0)
+
+
+def _unfreeze_then_freeze(model, call):
+    model.a.requires_grad_(call == 0)
+
+
+@pytest.mark.parametrize("blocks,G,schedule", EDIT_ROWS)
+@pytest.mark.parametrize("order", ["freeze_after_call_1", "frozen_when_wrapped"])
+def test_freezing_and_unfreezing_between_calls_match_plain_pytorch(device, blocks, G, schedule,
+                                                                   order):
+    """A layer frozen after the first call gets no gradient and no step (Adam's state stays
+    as it was), and trains again once unfrozen after the second; one frozen when wrapped
+    trains once unfrozen, through the stop its trace dropped while it was frozen, and not
+    once frozen again ([Note: trainable parameters] in runtime/compiled.py)."""
+    if order == "freeze_after_call_1":
+        trains_with_edits_like_plain_pytorch(device, blocks, G, schedule,
+                                             _freeze_then_unfreeze, "adam")
+    else:
+        trains_with_edits_like_plain_pytorch(device, blocks, G, schedule, _unfreeze_then_freeze,
+                                             "adam", before=lambda m: m.a.requires_grad_(False))

@@ -10,10 +10,10 @@ from torch.testing import assert_close
 import poptorch_lite as poptorch
 from poptorch_lite.runtime import stage_work
 from poptorch_lite.runtime.schedule import Action, Kind
-from poptorch_lite.runtime.host_sync import HostView
+from poptorch_lite.runtime.host_sync import HostView, watch
 from poptorch_lite.runtime.weights import Weights
 
-from models import BlockMLP, data, reference_training, twin
+from models import BlockMLP, data, on_device, reference_training, twin
 
 CPU = torch.device("cpu")
 
@@ -78,6 +78,31 @@ def test_host_edits_are_pushed_and_never_overwritten_by_a_sync():
     assert torch.equal(model.weight, home_w) and torch.equal(model.bias, torch.full((2,), 7.0))
     w.to_device(everything=False)
     assert torch.equal(home_b, torch.full((2,), 7.0))
+
+
+def test_a_read_exposes_the_host_copy_and_the_next_push_carries_its_data_edits():
+    """An edit through ``.data`` moves no version; a read of the model (or a sync) marks the
+    host copy exposed, and the next push writes all of it to the copies ([Note: weight sync]
+    in host_sync). Where homes are shared there is nothing to push."""
+    model = torch.nn.Linear(2, 2)
+    w = placed(model, separate=True)
+    home = w.param("weight", 0)
+    model.weight.data.mul_(2)  # no version moves, and the model is not watched: unseen
+    assert not w.exposed and not w.edits()
+    w.to_host()  # copyWeightsToHost: the host copy is in the user's hands
+    assert w.exposed and w.edits() and w.edited() == []
+    w.to_device(everything=False)
+    assert torch.equal(home, model.weight) and not w.exposed and not w.edits()
+    release = watch(model, w, owner=w)
+    model.bias.data.clamp_(0.0, 0.0)  # the read of model.bias exposes the host copy
+    assert w.exposed and w.edits()
+    w.to_device(everything=False)
+    assert torch.equal(w.param("bias", 0), torch.zeros(2))
+    release()
+    assert type(model._parameters) is dict
+    shared = placed(torch.nn.Linear(2, 2), separate=False)
+    shared.to_host()
+    assert shared.exposed and not shared.edits()  # the stages compute with the host's own
 
 
 def test_offloaded_weights_step_on_the_host_and_refresh_the_stage_copies():
@@ -285,3 +310,36 @@ def test_a_tied_weight_homed_on_a_gpu_and_used_on_the_host_matches_plain_pytorch
     for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
         assert_close(a, b, atol=1e-5, rtol=0, msg=name)
     train.destroy()
+
+
+def test_host_edits_reach_replica_0s_buffers_and_the_other_replicas_keep_theirs(device):
+    """With ``broadcastBuffers(False)`` the host copy is replica 0's: a host edit of a buffer
+    (in place, its version moves) and a read that exposes the host copy ([Note: weight sync]
+    in host_sync: every tensor is pushed) reach replica 0's copies, and replica 1 keeps the
+    statistics its own runs left, as where the memory is shared (the CPU)."""
+    def trained(dev):
+        torch.manual_seed(0)
+        model = BlockMLP(2, batchnorm=True)
+        opts = poptorch.Options().replicationFactor(2).broadcastBuffers(False)
+        opts.Training.gradientAccumulation(3)
+        train = poptorch.trainingModel(model, on_device(opts, dev),
+                                       torch.optim.SGD(model.parameters(), lr=0.1))
+        losses = []
+        for call in range(3):
+            losses.append(train(*data(2 * 3 * 2, seed=call))[1])
+            with torch.no_grad():
+                model.bn.running_mean.mul_(0.5)
+            model.layers[0].weight.data.clamp_(-0.1, 0.1)
+        replica1 = {n: train._weights.buffer(n, 1, 1).detach().cpu().clone()
+                    for n in ("bn.running_mean", "bn.running_var")}
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        train.destroy()
+        return losses, replica1, state
+
+    expected, got = trained("cpu"), trained(device)
+    for a, b in zip(got[0], expected[0]):
+        assert_close(a, b, atol=1e-6, rtol=0)
+    for part in (1, 2):
+        for name in expected[part]:
+            assert_close(got[part][name], expected[part][name], atol=1e-6, rtol=0, msg=name)
+    assert not torch.equal(expected[1]["bn.running_mean"], expected[2]["bn.running_mean"])

@@ -15,12 +15,29 @@ last run. A call goes through it once, downwards, each step in its own home:
 
 Nothing here calls back into the wrapper, and no step hands its product back up for
 another step to take: each takes the one before it's.
+
+[Note: trainable parameters]
+Which parameters require grad shapes a training program: its trace (what runs without
+grad: ``grad_semantics.mark_stops``; which values carry a gradient to other processes:
+``value_info``; the model's own Python may read ``requires_grad``), the stages' copies of
+the weights (made with the host parameter's flag) and its captured step graph. Plain
+PyTorch reads the flags at every forward: a layer frozen between calls
+(``model.a.requires_grad_(False)``) gets no gradient from the next call on, and the
+optimizer skips it; one unfrozen trains from then on. So a training program is keyed by
+the input signature *and* the tuple of the parameters' flags, compared at every call
+(one attribute read per parameter): a new set traces and compiles again (logged once, at
+INFO) and keeps the other program for a return to the old set; the copies follow the
+flags whenever the program changes (``Weights.follow_requires_grad``). Where homes are
+shared, the stages compute with the user's parameters, whose flags autograd reads
+itself; the program's trace still changes. A step graph belongs to its program, so a
+freeze never replays a capture made before it ([Note: step graphs] in ``step_graph``).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import operator
 from typing import Optional
 
 import torch
@@ -39,6 +56,7 @@ from .undo import capture, undo_note
 from .weights import Weights
 
 _LOG = logging.getLogger("poptorch_lite")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 class CompiledModel:
@@ -58,7 +76,11 @@ class CompiledModel:
         self.processes = processes
         self.generator = generator  # [Note: micro-batch RNG]
         self.replica_values: dict = {}  # [Note: per-replica variables] in replica_groups
-        self.programs: dict = {}  # input signature -> Program
+        self.programs: dict = {}  # (input signature, trainable flags) -> Program
+        # The parameters whose flags key a training program, and the flags the weights'
+        # copies follow now ([Note: trainable parameters]).
+        self.params = tuple(dict(model.named_parameters()).values()) if training else ()
+        self.trainable: Optional[tuple] = None
         self.weights: Optional[Weights] = None
         self.placement: Optional[Placement] = None
         self.attached = False
@@ -84,16 +106,20 @@ class CompiledModel:
         return self.outputs().merge(program.partition, per_microbatch)
 
     def prepare(self, args: tuple, kwargs: dict, optimizer) -> tuple:
-        """Split the call's inputs and compile them if their signature is new, attached:
-        ``(micro-batches, program)``; what ``compile()`` does."""
+        """Split the call's inputs and compile them if their signature (or the set of
+        trainable parameters) is new, attached: ``(micro-batches, program)``; what
+        ``compile()`` does."""
         o = self.options  # the factor's arithmetic is spelled out only for a refusal
         mbs = MicroBatches(args, kwargs, batch_factor(o), functools.partial(batch_arithmetic, o),
                            o.synthetic_data_mode)
-        key = mbs.signature()
+        key = (mbs.signature(), tuple(map(_REQUIRES_GRAD, self.params)))
         program = self.programs.get(key)
         if program is None:
             program = self.compile(key, mbs, optimizer)
             self.compiled_args = (args, kwargs)
+        if key[1] != self.trainable:  # [Note: trainable parameters]
+            self.weights.follow_requires_grad()
+            self.trainable = key[1]
         if not self.attached:
             self.attach()
         return mbs, program
@@ -101,12 +127,16 @@ class CompiledModel:
     def compile(self, key: tuple, mbs: MicroBatches, optimizer) -> Program:
         """The program of ``mbs``'s signature ``key`` ([Note: the compile step] in
         ``compiling``)."""
-        if self.programs:  # [Note: a new signature compiles] in batch
-            _LOG.warning("%s", recompile_note(self.training, next(reversed(self.programs)), key))
+        if any(k[0] == key[0] for k in self.programs):  # [Note: trainable parameters]
+            _LOG.info("%s", _trainable_note(self.programs, key, self.weights.params))
+        elif self.programs:  # [Note: a new signature compiles] in batch
+            _LOG.warning("%s", recompile_note(self.training, next(reversed(self.programs))[0],
+                                              key[0]))
         if self.processes is not None:  # first compile: join the group, compare options
             self.processes.join(self.model, optimizer)
-        anchors.check(self.options.anchored_tensors, self.model, self.training)
-        anchors.check_updatable_buffers(self.options.updatable_named_buffers, self.model)
+        if not self.programs:  # the names, as first compiled (a gradient frozen since: None)
+            anchors.check(self.options.anchored_tensors, self.model, self.training)
+            anchors.check_updatable_buffers(self.options.updatable_named_buffers, self.model)
         if self.weights is not None:
             self.weights.to_host()  # trace with the trained values, outside the trace
         program = compile_program(self.model, self.modes, self.options, self.training, mbs,
@@ -127,7 +157,7 @@ class CompiledModel:
         completed step; ``allOrNothingCalls`` also undoes the steps of a failed call.
         """
         opts, weights, training = self.options, self.weights, self.training
-        if weights.edited():  # host edits reach the devices
+        if weights.edits():  # host edits reach the devices ([Note: weight sync] in host_sync)
             weights.to_device(everything=False)
         ex = program.executor
         full = training and opts.all_or_nothing_calls
@@ -216,7 +246,7 @@ class CompiledModel:
         if self.placement is not None:
             self.placement.close()
         self.programs.clear()
-        self.placement = self.weights = self.last_call = None
+        self.placement = self.weights = self.last_call = self.trainable = None
         self.attached = False
 
     def owner(self):
@@ -224,3 +254,15 @@ class CompiledModel:
         it (None: no stage does); None when every process runs every stage."""
         channels = next(iter(self.programs.values())).executor.channels
         return None if channels is None else channels.weight_owner.get
+
+
+def _trainable_note(programs: dict, key: tuple, params: dict) -> str:
+    """The log line of a training program compiled again because the parameters that
+    require grad changed since the last one of its signature ([Note: trainable parameters])."""
+    old = next(k for k in reversed(programs) if k[0] == key[0])[1]
+    names = list(params)
+    frozen = [n for n, a, b in zip(names, old, key[1]) if a and not b]
+    unfrozen = [n for n, a, b in zip(names, old, key[1]) if b and not a]
+    return (f"trainingModel: the parameters that require grad changed (frozen: "
+            f"{frozen or 'none'}; unfrozen: {unfrozen or 'none'}): compiles again for them "
+            f"and keeps the other program")

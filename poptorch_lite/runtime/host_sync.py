@@ -14,6 +14,29 @@ it) syncs first; so do attribute access through the wrapper, a call of another
 wrapper of the same model, ``copyWeightsToHost``, ``detachFromDevice`` and
 ``destroy``. Host edits (tensors whose version moved) reach the devices before
 the next call; ``copyWeightsToHost``/``copyWeightsToDevice`` force the copies.
+
+Edits through ``.data`` (``p.data.clamp_(-c, c)``, WGAN's weight clipping; a buffer's
+``b.data.mul_(2)``) write the host memory but move no version (``.data`` is a tensor with
+a version counter of its own). Such an edit needs a host tensor in hand, and a read
+hands one out: so every read, and every ``to_host``, marks the host copy *exposed*
+(``Weights.exposed``), and the next call pushes every host tensor to its copies, edited
+or not. The read synced the host copy first, so an unedited tensor is pushed as the bits
+its copies already hold. That costs the read's sync over again (the same bytes, the
+other way), only after a read: a call the model was not read before pays nothing.
+Comparing the host copy with the devices' would cost as much (the values must cross to
+one side to be compared; on a GPU with a synchronization per tensor) and would miss
+``0.0`` edited to ``-0.0``. Where homes are shared (the CPU without ``useIpuModel``) the
+stages compute with the edited memory itself, and nothing is pushed.
+
+What no call can see: an edit through ``.data`` of a reference held since before the
+last call (a list of ``model.parameters()`` made before the loop, the optimizer's
+``param_groups``), the model unread in between. Where homes are separate that reference
+is the *stale* host copy, so the edit applies to values older than the devices', and it
+is lost: the next read brings the devices' values back over it. So it is in PopTorch,
+whose host copy reaches the devices only through ``copyWeightsToDevice()`` after such an
+edit (which would push the stale values over the training since). Edit through the
+model (``for p in model.parameters(): p.data.clamp_(-c, c)``), or after
+``copyWeightsToHost()``, and the edit reaches the devices at the next call.
 """
 
 from __future__ import annotations
@@ -45,8 +68,10 @@ class HostView(dict):
     def _sync(self) -> None:
         for ref in self.watchers:
             weights = ref()
-            if weights is not None and weights.host_stale and not is_tracing():
-                weights.to_host()
+            if weights is not None:
+                if weights.host_stale and not is_tracing():
+                    weights.to_host()
+                weights.exposed = True  # edits through .data may follow: pushed at the call
 
     def __getitem__(self, key):
         self._sync()

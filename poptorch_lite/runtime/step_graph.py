@@ -27,6 +27,9 @@ back to it), into one graph; that run and every later one is then a replay:
   to device tensors: torch's SGD reads a tensor learning rate with ``.item()`` (refused
   in a capture), and a device-tensor operand changes the kernels (CUDA divides by a host
   scalar as a multiplication by its reciprocal), so replays would leave the eager bits.
+- **Trainable parameters.** A capture bakes in which parameters get a gradient; a
+  training program is compiled per set of them ([Note: trainable parameters] in
+  ``compiled``), so a layer frozen between calls runs another program and its capture.
 - **The optimizer's step** is in the graph where it is graph-safe: SGD (its state is
   device tensors only), or an optimizer built with ``capturable=True``. Otherwise the
   graph ends with the reduction and the step runs eagerly after the replay: Adam with

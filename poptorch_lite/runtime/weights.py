@@ -51,7 +51,13 @@ Host edits. Each host tensor's version is remembered at every sync. A host
 tensor whose version moved was edited (an ``optimizer.step()`` on the host, a
 ``load_state_dict``, an in-place write): :meth:`to_device` pushes it, and
 :meth:`to_host` never overwrites it. So training is never clobbered by a stale
-host value and an edit always reaches the devices.
+host value and a visible edit always reaches the devices.
+
+An edit through ``.data`` moves no version: once the host copy was *exposed* (read
+or synced since the last push), the next call pushes all of it ([Note: weight sync]
+in ``host_sync``, with what no call can see). Edits reach replica 0's buffer copies
+only: the host copy is replica 0's, and replicas with buffers of their own keep theirs
+(as where memories are shared); ``copyWeightsToDevice()`` gives every replica the host's.
 """
 
 from __future__ import annotations
@@ -103,6 +109,7 @@ class Weights:
         self._others: dict = {}       # name -> its users' tensors besides the stepped one
         self._versions: dict = {}
         self.host_stale = False       # the devices hold values the host copy lacks
+        self.exposed = False          # the host copy was read or synced since the last push
         self.last_grads: dict = {}    # name -> the gradient the last step used, on its home
         self.placements = 0           # calls of place(): which tensors the stages use may change
         self._new_replica_buffers()
@@ -144,6 +151,11 @@ class Weights:
         c = p.detach().to(self.devices[ipu], copy=True).requires_grad_(p.requires_grad)
         self._copies[name, ipu] = c
         return c
+
+    def follow_requires_grad(self) -> None:
+        """Copies take their parameter's new flag ([Note: trainable parameters] in ``compiled``)."""
+        for (name, _), c in self._copies.items():
+            c.requires_grad_(self.params[name].requires_grad)
 
     def param(self, name: str, ipu: int) -> torch.Tensor:
         """The tensor that the stage on ``ipu`` computes with for parameter ``name``."""
@@ -318,8 +330,10 @@ class Weights:
         """Bring trained values back to the user's model (``copyWeightsToHost``).
 
         Parameters from separate homes and replica 0's buffer copies; a host tensor
-        edited since the last sync keeps its edit.
+        edited since the last sync keeps its edit. The host copy is then exposed
+        ([Note: weight sync] in ``host_sync``).
         """
+        self.exposed = True
         if not self.host_stale:
             return
         edited = {id(t) for t in self.edited()}
@@ -336,13 +350,23 @@ class Weights:
         self._versions.update({id(t): t._version for t in self._host_tensors()
                                if id(t) not in edited})
 
+    def edits(self) -> bool:
+        """Whether the host copy may hold edits the devices lack: a version moved, or it
+        was exposed where copies exist ([Note: weight sync] in ``host_sync``)."""
+        if self.exposed and (self._copies or self._buffer_copies):
+            return True
+        versions = self._versions
+        return any(versions.get(id(t)) != t._version for t in self._host_tensors())
+
     def to_device(self, everything: bool = True) -> None:
-        """Push host values to the devices (``copyWeightsToDevice``).
+        """Push host values to the devices (``copyWeightsToDevice``; host edits).
 
         Args:
-            everything: push every tensor; False pushes only those edited on the host.
+            everything: push every tensor, and give every replica the host's buffers;
+                False pushes the host's edits: every tensor where the host copy was
+                exposed, else those whose version moved; buffers to replica 0's copies.
         """
-        pushed = None if everything else {id(t) for t in self.edited()}
+        pushed = None if everything or self.exposed else {id(t) for t in self.edited()}
         if everything:
             self._new_replica_buffers()
         with torch.no_grad():
@@ -351,10 +375,13 @@ class Weights:
                 if pushed is None or id(p) in pushed:
                     c.copy_(p)
             for (name, replica, ipu), c in self._buffer_copies.items():
-                b = self._replica_buffers[replica - 1][name] if replica else self.buffers[name]
-                if pushed is None or id(self.buffers[name]) in pushed:
-                    c.copy_(b)
+                if everything:
+                    c.copy_(self._replica_buffers[replica - 1][name] if replica
+                            else self.buffers[name])
+                elif replica == 0 and (pushed is None or id(self.buffers[name]) in pushed):
+                    c.copy_(self.buffers[name])
         self.host_stale = False if everything else self.host_stale
+        self.exposed = False
         self.remember_versions()
 
     def _new_replica_buffers(self) -> None:
