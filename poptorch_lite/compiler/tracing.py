@@ -65,7 +65,7 @@ def _preserved_state(model: torch.nn.Module, modes: dict, inputs: list):
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    given = [(t, t._version, t.detach().clone()) for t in inputs]
+    given = [(t, _version(t), t.detach().clone()) for t in inputs]
     # Which tensors each module registers: a refused forward may delete or reassign one.
     tables = {m: (list(m._buffers.items()), set(m._non_persistent_buffers_set))
               for m in model.modules()}
@@ -87,15 +87,31 @@ def _preserved_state(model: torch.nn.Module, modes: dict, inputs: list):
                 m._non_persistent_buffers_set.update(non_persistent)
         with torch.no_grad():
             for t, version, saved in given:
-                if t._version != version:
-                    t.copy_(saved)
+                changed = not torch.equal(t, saved) if version is None else t._version != version
+                if changed:
+                    _put_back(t, saved)
             for b, saved in buffers:
-                b.copy_(saved)
+                _put_back(b, saved)
                 if b.grad_fn is not None and not b._is_view():
                     b.detach_()  # a write with gradients left the trace's history on it
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def _version(t: torch.Tensor):
+    """``t``'s version counter; None for an inference tensor, which keeps none (one made under
+    ``torch.inference_mode()``, as Lightning makes its validation and test batches)."""
+    return None if t.is_inference() else t._version
+
+
+def _put_back(t: torch.Tensor, saved: torch.Tensor) -> None:
+    """``t.copy_(saved)``; in inference mode for an inference tensor, which is written only there."""
+    if t.is_inference():
+        with torch.inference_mode():
+            t.copy_(saved)
+    else:
+        t.copy_(saved)
 
 
 @contextlib.contextmanager
@@ -358,12 +374,12 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
                 _export_style(), grad, _quiet_torch_trace_log(), \
                 grad_semantics.recording(training), _TraceMode(), _ImplicitCasting(), session:
             state.on_loss = on_loss
-            versions = {n: b._version for n, b in buffers.items()}
+            versions = {n: _version(b) for n, b in buffers.items()}
             # A table of its own (empty) keeps detach an op: make_fx's default turns it
             # into an alias, which gradients pass ([Note: gradients the forward shapes]).
             gm = make_fx(run, decomposition_table={}, tracing_mode="real",
                          record_stack_traces=True, _error_on_data_dependent_ops=False)(*flat)
-            mutated = frozenset(n for n, b in buffers.items() if b._version != versions[n]
+            mutated = frozenset(n for n, b in buffers.items() if _version(b) != versions[n]
                                 or not torch.equal(b, before[id(b)]))
     except Error as exc:
         raise exc.with_traceback(_user_traceback(exc.__traceback__))

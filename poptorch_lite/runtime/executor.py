@@ -251,10 +251,17 @@ class Executor(Updates):
         grad mode (exchanging messages across processes), its span recorded."""
         training, handlers, channels = run.training, self.handlers, self.channels
         timed = () if recorder is None else self.gpu_ipus  # [Note: GPU timeline]
+        # Inference mode is per thread too: an inference call made in it (Lightning validates
+        # so) runs its stages in it, as plain PyTorch's forward runs there.
+        inference = torch.inference_mode if (
+            not training and channels is None and torch.is_inference_mode_enabled()) else None
 
         def act(a: Action) -> None:
             start = time.perf_counter()
-            if torch.is_grad_enabled() == training and channels is None:
+            if inference is not None:
+                with inference():
+                    handlers[a.kind](a, run, step)
+            elif torch.is_grad_enabled() == training and channels is None:
                 handlers[a.kind](a, run, step)  # already in the run's grad mode: no context
             else:
                 with torch.set_grad_enabled(training):  # grad mode is per thread
