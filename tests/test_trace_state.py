@@ -5,13 +5,17 @@ compiler/trace_modes.py)."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import pytest
 import torch
 from torch.testing import assert_close
 
 import poptorch_lite as poptorch
-from models import GradCodeMLP, data, on_device, twin
+import torch.nn.functional as F
+
+from models import (GradCodeMLP, data, microbatch_seeds, on_device, reference_training,
+                    trained_grads, twin)
 
 ATOL = 1e-5
 
@@ -46,4 +50,112 @@ def test_inference_mode_and_its_tensors_infer_as_plain_pytorch(where, blocks, de
     assert_close(loss, torch.stack([l for _, l in refs]).cpu(), atol=ATOL, rtol=0)
     assert_close(x, ref_x.cpu(), atol=0, rtol=0)  # halved once, by the run, if at all
     assert_close(model.ema, ref.ema.cpu(), atol=ATOL, rtol=0)
+    infer.destroy()
+
+
+# -- a scripted submodule ([Note: an export-style trace]) --------------------------------------
+
+def _twice(x):
+    return x * 2
+
+
+def _script(code):
+    """``torch.jit.script(code)``, without the deprecation warning torch gives since 2.10."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return torch.jit.script(code)
+
+
+_twice = _script(_twice)
+
+
+class Scripted(torch.nn.Module):
+    """Code for torch.jit.script: a helper method, a scripted function, a dropout, a scripted
+    Sequential inside, and a buffer counted in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.seq = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+        self.drop = torch.nn.Dropout(0.3)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        return self.drop(self.halved(self.seq(_twice(self.fc(x)))))
+
+    def halved(self, x):
+        return x * 0.5
+
+
+class WithScripted(torch.nn.Module):
+    def __init__(self, blocks: int):
+        super().__init__()
+        self.inner = _script(Scripted())
+        self.head = torch.nn.Linear(8, 4)
+        self.blocks = blocks
+
+    def forward(self, x, y):
+        poptorch.Block.start("b0", ipu_id=0)
+        h = self.inner(x)
+        if self.blocks == 2:
+            poptorch.Block.start("b1", ipu_id=1)
+        out = self.head(h)
+        return out, F.cross_entropy(out, y)
+
+
+def train_against_plain_pytorch(make, blocks: int, G: int, device: str, steps: int = 2,
+                                lr: float = 0.05, before_reference=None):
+    """Train ``make()`` wrapped (2 stages: pipelined) and another ``make()`` in plain PyTorch
+    (a deep copy of a scripted module's parameters are not leaves), each micro-batch seeded as
+    [Note: micro-batch RNG] seeds it, for ``steps`` calls; assert outputs, losses, the
+    gradients, weights and buffers equal. ``before_reference(ref)`` runs before each reference
+    step. Returns the two models."""
+    torch.manual_seed(0)
+    model = make()
+    torch.manual_seed(0)
+    ref = make().to("cuda" if device == "cuda" else "cpu")
+    opts = on_device(poptorch.Options(), device)
+    if blocks == 2:
+        opts.setExecutionStrategy(poptorch.PipelinedExecution())
+    opts.Training.gradientAccumulation(G)
+    opts.outputMode(poptorch.OutputMode.All)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    train = poptorch.trainingModel(model, opts, opt)
+    for step in range(steps):
+        x, y = data(2 * G, seed=step)
+        torch.manual_seed(100 + step)
+        out, loss = train(x, y)
+        grads = trained_grads(train)
+        torch.manual_seed(100 + step)
+        seeds = microbatch_seeds(1, G)
+        if before_reference is not None:
+            before_reference(ref)
+        outs, losses, ref_grads = reference_training(ref, ref_opt, x, y, 1, G, 1, seeds=seeds)
+        assert_close(out, torch.cat(outs), atol=ATOL, rtol=0, msg=f"step {step}")
+        assert_close(loss, torch.stack(losses), atol=ATOL, rtol=0, msg=f"step {step}")
+        for name, g in ref_grads.items():
+            assert_close(grads[name], g, atol=ATOL, rtol=0, msg=f"grad of {name}, step {step}")
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert_close(a, b.cpu(), atol=ATOL, rtol=0, msg=name)
+    train.destroy()
+    return model, ref
+
+
+@pytest.mark.parametrize("blocks, G", [(1, 2), (2, 3)])
+def test_a_scripted_submodule_trains_and_infers_as_plain_pytorch(blocks, G, device):
+    model, _ = train_against_plain_pytorch(lambda: WithScripted(blocks), blocks, G, device)
+    assert int(model.inner.calls) == 2 * G
+    model.eval()
+    x, y = data(6, seed=9)
+    opts = on_device(poptorch.Options().deviceIterations(3), device)
+    if blocks == 2:
+        opts.setExecutionStrategy(poptorch.PipelinedExecution())
+    infer = poptorch.inferenceModel(model, opts)
+    out, _ = infer(x, y)
+    with torch.no_grad():
+        assert_close(out, torch.cat([model(x[k:k + 2], y[k:k + 2])[0] for k in (0, 2, 4)]),
+                     atol=ATOL, rtol=0)
+    assert isinstance(model.inner.forward, torch._C.ScriptMethod)  # the model as it was
     infer.destroy()

@@ -27,12 +27,22 @@ a micro-batch with padding gets its own mask, as in plain PyTorch. A model that
 still reads a traced value into Python is refused as before. The flags are
 torch's module globals (as export's are), set only for the trace; the stages run
 recorded graphs, never the module's Python, so nothing else reads them.
+
+An export runs the Python of TorchScript code (a ``torch.jit.script`` function runs
+its original function while ``is_exporting()``), so the trace runs a scripted
+submodule's (``torch.jit.script(module)``) own Python methods too, and the trace's
+watches see into it as into any module. torch's own switch fails for a scripted
+module's ``forward`` (it hands the method to the Python function as an argument:
+"forward() takes 2 positional arguments but 3 were given"), so the trace binds the
+module's Python methods on it for the trace's length. The scripted code computes what
+its Python does; ``torch.jit.is_scripting()`` is False there, as in an export.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import keyword
 import linecache
 import logging
@@ -115,8 +125,9 @@ def _put_back(t: torch.Tensor, saved: torch.Tensor) -> None:
 
 
 @contextlib.contextmanager
-def _export_style():
-    """Say to the model's code that it is being exported ([Note: an export-style trace]).
+def _export_style(model: torch.nn.Module):
+    """Say to the model's code that it is being exported, and run its scripted submodules'
+    Python ([Note: an export-style trace]).
 
     The flags are the ones ``torch.compiler.is_compiling``/``is_exporting`` return (and
     non-strict ``torch.export`` sets); a torch without them traces as before.
@@ -124,13 +135,38 @@ def _export_style():
     compiler = torch.compiler
     flags = [f for f in ("_is_compiling_flag", "_is_exporting_flag") if hasattr(compiler, f)]
     saved = {f: getattr(compiler, f) for f in flags}
-    for f in flags:
-        setattr(compiler, f, True)
+    bound: list = []
     try:
+        _bind_scripted_python(model, bound)
+        for f in flags:
+            setattr(compiler, f, True)
         yield
     finally:
         for f, value in saved.items():
             setattr(compiler, f, value)
+        for m, name, before in bound:
+            if before is None:
+                del m.__dict__[name]
+            else:
+                m.__dict__[name] = before
+
+
+def _bind_scripted_python(model: torch.nn.Module, bound: list) -> None:
+    """Bind each scripted submodule's compiled methods to its Python class's functions, in the
+    instance (a scripted module keeps its ``ScriptMethod``s there, so a bound function found
+    there first is what calling it runs); each goes in ``bound`` as ``(module, name, what was
+    there or None)``."""
+    for m in model.modules():
+        kind = getattr(m, "_concrete_type", None) if isinstance(
+            m, torch.jit.RecursiveScriptModule) else None
+        source = getattr(kind, "py_class", None)
+        if source is None:  # a traced module: its graph runs, as in plain PyTorch
+            continue
+        for name in m._c._method_names():
+            function = inspect.getattr_static(source, name, None)
+            if isinstance(function, types.FunctionType) and not name.startswith("__"):
+                bound.append((m, name, m.__dict__.get(name)))
+                m.__dict__[name] = types.MethodType(function, m)
 
 
 @functools.lru_cache(maxsize=None)
@@ -371,7 +407,7 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
         # Mixed float16/float32 ops are resolved as PopTorch does ([Note: implicit casting]).
         given = [leaves[k] for k in tensor_pos]
         with _preserved_state(model, modes, given) as before, trace_context() as state, \
-                _export_style(), grad, _quiet_torch_trace_log(), \
+                _export_style(model), grad, _quiet_torch_trace_log(), \
                 grad_semantics.recording(training), _TraceMode(), _ImplicitCasting(), session:
             state.on_loss = on_loss
             versions = {n: _version(b) for n, b in buffers.items()}
