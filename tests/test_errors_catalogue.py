@@ -14,6 +14,7 @@ import copy
 import gc
 import os
 import pathlib
+import random
 import re
 import signal
 import tempfile
@@ -124,6 +125,8 @@ class Two(torch.nn.Module):
                 h = h @ torch.ones(3, 3)
             if self.tail == "item":
                 h = h * h.sum().item()
+            if self.tail == "python_random":
+                h = h * random.random()
             if self.tail == "function_given_module":
                 h = CallsAModule.apply(h, self.l1)
             if self.tail == "one_hot":
@@ -1111,6 +1114,8 @@ T = {
                                      w(torch.randn(2, 4), torch.randn(2, 4))))(
         poptorch.trainingModel(Two(), opts())),
     "W-LITE-12": lambda: poptorch.trainingModel(Two(tail="none_mse"), opts())(
+        torch.randn(2, 4), torch.randn(2, 4)),
+    "W-LITE-13": lambda: poptorch.trainingModel(Two(tail="python_random"), opts())(
         torch.randn(2, 4), torch.randn(2, 4)),
     "W-LITE-08": lambda: keras_model(spe=1).fit(torch.randn(10, 4), torch.randn(10, 2),
                                                batch_size=4, verbose=0, drop_remainder=True),

@@ -5,8 +5,13 @@ compiler/trace_modes.py)."""
 from __future__ import annotations
 
 import contextlib
+import pathlib
+import random
+import re
 import warnings
+from random import uniform as _uniform
 
+import numpy as np
 import pytest
 import torch
 from torch.testing import assert_close
@@ -159,3 +164,76 @@ def test_a_scripted_submodule_trains_and_infers_as_plain_pytorch(blocks, G, devi
                      atol=ATOL, rtol=0)
     assert isinstance(model.inner.forward, torch._C.ScriptMethod)  # the model as it was
     infer.destroy()
+
+
+# -- Python's and numpy's random ([Note: Python's random while tracing]) -----------------------
+
+class DrawsInPython(torch.nn.Module):
+    """Scales its input by a number drawn in Python: by ``random.uniform``, numpy's global
+    state, a from-imported ``uniform`` (not watched: the forward is named), or ``fixed``."""
+
+    def __init__(self, blocks: int, how: str):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+        self.blocks, self.how, self.fixed = blocks, how, None
+
+    def forward(self, x, y):
+        poptorch.Block.start("b0", ipu_id=0)
+        if self.fixed is not None:
+            scale = self.fixed
+        elif self.how == "random":
+            scale = random.uniform(0.5, 1.5)
+        elif self.how == "numpy":
+            scale = float(np.random.rand()) + 0.5
+        else:
+            scale = _uniform(0.5, 1.5)
+        h = torch.relu(self.a(x * scale))
+        if self.blocks == 2:
+            poptorch.Block.start("b1", ipu_id=1)
+        out = self.b(h)
+        if self.how == "refused":
+            out = out * out.sum().item()
+        return out, F.cross_entropy(out, y)
+
+
+def _line(code: str) -> str:
+    lines = pathlib.Path(__file__).read_text().splitlines()
+    return f"{__file__}:{lines.index(code) + 1}: {code.strip()}"
+
+
+@pytest.mark.parametrize("how", ["random", "numpy", "imported"])
+@pytest.mark.parametrize("blocks, G", [(1, 2), (2, 3)])
+def test_a_number_drawn_in_python_is_drawn_once_and_warned_of_at_its_line(how, blocks, G,
+                                                                           device):
+    """PopTorch's semantics: the trace draws once, every micro-batch and call uses that
+    number, and the state is left advanced by that one draw; the warning names the line."""
+    random.seed(0)
+    np.random.seed(0)
+    drawn = {"random": lambda: random.uniform(0.5, 1.5), "imported": lambda: _uniform(0.5, 1.5),
+             "numpy": lambda: float(np.random.rand()) + 0.5}[how]()
+    after = random.getstate(), np.random.get_state()
+    random.seed(0)
+    np.random.seed(0)
+    where = {"random": "random.uniform at " + _line("            scale = random.uniform(0.5, 1.5)"),
+             "numpy": "numpy.random.rand at " + _line(
+                 "            scale = float(np.random.rand()) + 0.5"),
+             "imported": f"DrawsInPython.forward ({__file__}:"}[how]
+    with pytest.warns(poptorch.PoptorchLiteWarning, match=re.escape(where)) as warned:
+        model, ref = train_against_plain_pytorch(
+            lambda: DrawsInPython(blocks, how), blocks, G, device,
+            before_reference=lambda ref: setattr(ref, "fixed", drawn))
+    assert "is drawn once and used for every micro-batch and every call" in str(
+        warned[0].message)
+    assert random.getstate() == after[0]
+    assert np.array_equal(np.random.get_state()[1], after[1][1])
+
+
+def test_a_refused_trace_puts_pythons_and_numpys_random_back():
+    random.seed(0)
+    np.random.seed(0)
+    before = random.getstate(), np.random.get_state()
+    model = DrawsInPython(1, "refused")
+    with pytest.raises(poptorch.TraceError, match="reads a tensor's value into Python"):
+        poptorch.trainingModel(model)(*data(2))
+    assert random.getstate() == before[0]
+    assert np.array_equal(np.random.get_state()[1], before[1][1])

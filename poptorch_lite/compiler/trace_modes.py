@@ -2,7 +2,8 @@
 
 ``_TraceMode`` marks the result of every torch loss function ([Note: loss provenance] in
 ``losses``) and refuses values read into Python; ``_InferenceSession`` runs every
-dropout of an inference trace as the identity. ``tracing.trace`` enters both.
+dropout of an inference trace as the identity; ``PythonDraws`` watches Python's and numpy's
+random. ``tracing.trace`` enters them.
 
 [Note: inference session]
 PopTorch compiles an ``inferenceModel`` as a PopART *inference session*, in
@@ -41,24 +42,45 @@ parameters) is the same in every micro-batch, so it is read.
 width would be the first micro-batch's largest class. A tensor passed where
 torch wants a Python number (``torch.arange(t)``) is converted inside torch's
 C++ and cannot be told apart from an op's own read; it is fixed at trace time.
+
+[Note: Python's random while tracing]
+Python runs only while the model is traced, so a number the forward draws from Python's
+``random`` or numpy's global random state (``random.random()``, ``np.random.rand()``) is
+drawn once, and that value is part of the graph for every micro-batch and every call.
+PopTorch does the same (its trace runs the Python once), where a plain PyTorch loop
+draws anew in every forward. Neither can be made exact without running Python per
+micro-batch, so the trace says so: a warning (once per line) naming the line of the
+draw. A draw is seen as a change of the two global states across the trace (the states
+are read twice per trace, nothing per call); the line is that of the first call of a
+module-level function of ``random`` or ``numpy.random`` on the tracing thread (wrapped
+while it traces), or the forward's own where the draw went another way (``from random
+import random``, a ``random.Random`` of the model's own is not watched). A successful
+trace leaves the states advanced by its draws, as PopTorch's does; one that fails puts
+them back, as it puts back everything else. torch's random ops are not of this kind:
+they are ops of the graph and draw per micro-batch ([Note: micro-batch RNG] in ``rng``).
 """
 
 from __future__ import annotations
 
 import os
+import random
 import re
 import sys
 import sysconfig
+import threading
 import traceback
+import types
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import (disable_proxy_modes_tracing, get_proxy_mode,
                                                 get_proxy_slot)
 from torch.overrides import TorchFunctionMode
 
-from ..errors import TraceError, hide_when_refused as __tracebackhide__
+from ..errors import (PoptorchLiteWarning, TraceError, hide_when_refused as __tracebackhide__,
+                      warn_once)
 from . import backward_hooks, grad_semantics, markers
 from .markers import LOSS_FUNCTIONS
 
@@ -71,6 +93,13 @@ _PYTHON_READS = {torch.Tensor.item: "t.item()", torch.Tensor.tolist: "t.tolist()
                  torch.Tensor.__complex__: "complex(t)"}
 
 
+def _user_frame(frames):
+    """The innermost frame of user code among ``frames`` (see :func:`_user_line`), or None."""
+    is_user = user_file_test()
+    users = [fr for fr in frames if is_user(fr.filename)]
+    return users[-1] if users else None
+
+
 def _user_line(frames) -> str:
     """The innermost frame of user code, for messages.
 
@@ -81,11 +110,10 @@ def _user_line(frames) -> str:
     ``__init__``, code that ``exec`` made; ``<eval_with_key>``: an fx graph) name no
     file a user can open, so they are skipped as well.
     """
-    is_user = user_file_test()
-    users = [fr for fr in frames if is_user(fr.filename)]
-    if not users:
+    frame = _user_frame(frames)
+    if frame is None:
         return "(no line of user code in the traceback)"
-    return f'{users[-1].filename}:{users[-1].lineno}: {users[-1].line}'
+    return f'{frame.filename}:{frame.lineno}: {frame.line}'
 
 
 def user_file_test():
@@ -250,3 +278,78 @@ class _InferenceSession(TorchFunctionMode):
         kwargs = kwargs or {}
         session = _INFERENCE_DROPOUT.get(func)
         return func(*args, **kwargs) if session is None else session(func, args, kwargs)
+
+
+# The module-level draws of Python's random and numpy's global state: the functions bound to
+# their hidden global generator ([Note: Python's random while tracing]).
+_NOT_DRAWS = {"seed", "getstate", "setstate", "get_state", "set_state"}
+
+
+def _draws(module, generator) -> list:
+    return [n for n in dir(module) if n not in _NOT_DRAWS and not n.startswith("_")
+            and getattr(getattr(module, n), "__self__", None) is generator]
+
+
+class PythonDraws:
+    """Context manager around a trace: warns of a draw from Python's ``random`` or numpy's
+    global random state, naming its line; puts the states back if the trace fails ([Note:
+    Python's random while tracing]). ``forward``: the traced model's forward, named when the
+    line of a draw is unknown."""
+
+    def __init__(self, forward):
+        self.forward = forward
+        self.first = None  # (module name, function name, user frame) of the first draw seen
+
+    def __enter__(self):
+        self.states = random.getstate(), np.random.get_state()
+        self.thread = threading.get_ident()
+        self.saved = [(m, n, getattr(m, n)) for m, g in ((random, random._inst),
+                                                         (np.random, np.random.mtrand._rand))
+                      for n in _draws(m, g)]
+        for module, name, draw in self.saved:
+            setattr(module, name, self._watched(module, name, draw))
+        return self
+
+    def _watched(self, module, name, draw):
+        def watched(*args, **kwargs):
+            if self.first is None and threading.get_ident() == self.thread:
+                self.first = (module.__name__, name,
+                              _user_frame(traceback.extract_stack()[:-1]))
+            return draw(*args, **kwargs)
+        return watched
+
+    def __exit__(self, kind, exc, tb):
+        for module, name, draw in self.saved:
+            setattr(module, name, draw)
+        python, numpy = self.states
+        if kind is not None:
+            random.setstate(python)
+            np.random.set_state(numpy)
+            return
+        now = np.random.get_state()
+        moved = [what for what, changed in (
+            ("Python's random", random.getstate() != python),
+            ("numpy's global random state", now[2] != numpy[2] or now[3] != numpy[3]
+             or not np.array_equal(now[1], numpy[1]))) if changed]
+        if moved:
+            self._warn(moved)
+
+    def _warn(self, moved: list) -> None:
+        module, name, frame = self.first or (None, None, None)
+        if frame is not None:
+            where, at = f"{module}.{name} at {frame.filename}:{frame.lineno}: {frame.line}", (
+                frame.filename, frame.lineno)
+        else:
+            code = getattr(self.forward, "__code__", None) or types.SimpleNamespace(
+                co_filename="<unknown>", co_firstlineno=0)
+            where = f"{getattr(self.forward, '__qualname__', 'forward')} ({code.co_filename}:" \
+                    f"{code.co_firstlineno})"
+            at = (code.co_filename, code.co_firstlineno)
+        warn_once(
+            f"trace.python_random:{at[0]}:{at[1]}",
+            f"the forward draws from {' and '.join(moved)} ({where}) while it is traced: the "
+            f"model is traced once, so that number is drawn once and used for every "
+            f"micro-batch and every call, where plain PyTorch would draw anew in each forward "
+            f"(PopTorch does the same: Python runs only while it traces). Draw it with torch "
+            f"(torch.rand, torch.randint, ...: drawn per micro-batch), or pass it in as an "
+            f"input", PoptorchLiteWarning, at=at)

@@ -60,7 +60,7 @@ from . import backward_hooks, grad_semantics, losses, markers, structures
 from .casting import _ImplicitCasting
 from .markers import _current, trace_context
 from .subgraphs import wrap_target
-from .trace_modes import _InferenceSession, _TraceMode, user_file_test
+from .trace_modes import PythonDraws, _InferenceSession, _TraceMode, user_file_test
 
 
 @contextlib.contextmanager
@@ -406,7 +406,8 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
         # _TraceMode would otherwise turn F.dropout into native_dropout before it could.
         # Mixed float16/float32 ops are resolved as PopTorch does ([Note: implicit casting]).
         given = [leaves[k] for k in tensor_pos]
-        with _preserved_state(model, modes, given) as before, trace_context() as state, \
+        with _preserved_state(model, modes, given) as before, PythonDraws(model.forward), \
+                trace_context() as state, \
                 _export_style(model), grad, _quiet_torch_trace_log(), \
                 grad_semantics.recording(training), _TraceMode(), _ImplicitCasting(), session:
             state.on_loss = on_loss
