@@ -117,6 +117,7 @@ class Two(torch.nn.Module):
         self.l1, self.l2 = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
         self.bn = torch.nn.BatchNorm1d(4) if bn else None
         self.ids, self.ipus, self.tail = ids, ipus, tail
+        self.g = torch.Generator().manual_seed(0)
 
     def forward(self, x, y):
         with poptorch.Block(self.ids[0], ipu_id=self.ipus[0]):
@@ -127,6 +128,11 @@ class Two(torch.nn.Module):
                 h = h * h.sum().item()
             if self.tail == "python_random":
                 h = h * random.random()
+            if self.tail.startswith("generator"):  # a generator of the model's own
+                g = self.g if self.tail != "generator_made" else torch.Generator()
+                if self.tail == "generator_seeded":
+                    g.manual_seed(1)
+                h = h + torch.randn(h.shape, generator=g)
             if self.tail == "function_given_module":
                 h = CallsAModule.apply(h, self.l1)
             if self.tail == "one_hot":
@@ -836,6 +842,9 @@ T = {
     "E-PART-18": lambda: first_call(Two(tail="function_given_module"), opts()),
     "E-PART-19": lambda: first_call(hooked(Two(), full=False), opts()),
     "E-PART-20": lambda: first_call(hooked(Two()), opts(G=3)),  # its blocks are two stages
+    "E-PART-22": lambda: first_call(Two(tail="generator_seeded"), opts()),
+    "E-PART-23": lambda: first_call(Two(tail="generator_made"), opts()),
+    "E-OPT-41": lambda: first_call(Two(tail="generator"), opts(R=2)),
     "E-PART-15": lambda: without_kernel("aten::addmm", lambda: first_call(
         Two(), opts(strategy=poptorch.PipelinedExecution("a", "b"), G=4))),
     # pipelining

@@ -110,7 +110,7 @@ class WithScripted(torch.nn.Module):
 
 
 def train_against_plain_pytorch(make, blocks: int, G: int, device: str, steps: int = 2,
-                                lr: float = 0.05, before_reference=None):
+                                lr: float = 0.05, before_reference=None, schedule="grouped"):
     """Train ``make()`` wrapped (2 stages: pipelined) and another ``make()`` in plain PyTorch
     (a deep copy of a scripted module's parameters are not leaves), each micro-batch seeded as
     [Note: micro-batch RNG] seeds it, for ``steps`` calls; assert outputs, losses, the
@@ -122,7 +122,7 @@ def train_against_plain_pytorch(make, blocks: int, G: int, device: str, steps: i
     ref = make().to("cuda" if device == "cuda" else "cpu")
     opts = on_device(poptorch.Options(), device)
     if blocks == 2:
-        opts.setExecutionStrategy(poptorch.PipelinedExecution())
+        opts.setExecutionStrategy(poptorch.PipelinedExecution(schedule=schedule))
     opts.Training.gradientAccumulation(G)
     opts.outputMode(poptorch.OutputMode.All)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -237,3 +237,149 @@ def test_a_refused_trace_puts_pythons_and_numpys_random_back():
         poptorch.trainingModel(model)(*data(2))
     assert random.getstate() == before[0]
     assert np.array_equal(np.random.get_state()[1], before[1][1])
+
+
+# -- a generator of the model's own ([Note: a user's generator] in compiler/rng.py) -------------
+
+class OwnGenerator(torch.nn.Module):
+    """Draws from a generator of its own in block 0 (randn, rand_like, randperm, multinomial,
+    normal_, bernoulli) and, with ``both``, in block 1 too; ``how`` makes it misbehave:
+    "seeds" seeds it in forward, "makes" draws from one made in forward."""
+
+    def __init__(self, blocks: int, both: bool = False, how: str = ""):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+        self.g = torch.Generator().manual_seed(5)
+        self.blocks, self.both, self.how = blocks, both, how
+
+    def forward(self, x, y):
+        g = self.g
+        if self.how == "seeds":
+            g.manual_seed(11)
+        if self.how == "makes":
+            g = torch.Generator().manual_seed(11)
+        poptorch.Block.start("b0", ipu_id=0)
+        x = x + 0.1 * torch.randn(x.shape, generator=g).to(x.device)
+        x = x * torch.rand_like(x.cpu(), generator=g).to(x.device)
+        x = x[torch.randperm(x.shape[0], generator=g).to(x.device)]
+        h = torch.relu(self.a(x))
+        pick = torch.multinomial(h.detach().abs().cpu() + 0.1, 2, generator=g).to(x.device)
+        noise = torch.empty(h.shape).normal_(generator=g).to(x.device)
+        keep = torch.bernoulli(torch.full(h.shape, 0.8), generator=g).to(x.device)
+        h = (h + 0.01 * noise + 0.1 * h.gather(1, pick).sum(1, keepdim=True)) * keep
+        if self.blocks == 2:
+            poptorch.Block.start("b1", ipu_id=1)
+        if self.both:
+            h = h + 0.1 * torch.randn(h.shape, generator=g).to(x.device)
+        out = self.b(h)
+        return out, F.cross_entropy(out, y)
+
+
+@pytest.mark.parametrize("blocks, G, both, schedule", [
+    (1, 2, False, "grouped"), (2, 3, False, "grouped"), (2, 3, False, "interleaved"),
+    (2, 3, True, "sequential")])
+def test_a_generator_of_the_models_own_draws_as_in_plain_pytorch(blocks, G, both, schedule,
+                                                                  device):
+    """One stage draws from it (its forwards run in micro-batch order), or the stages run one
+    at a time: every draw is the one plain PyTorch's forwards make, in three calls, and the
+    generator ends where plain PyTorch's does."""
+    model, ref = train_against_plain_pytorch(
+        lambda: OwnGenerator(blocks, both), blocks, G, device, steps=3, schedule=schedule)
+    assert torch.equal(model.g.get_state(), ref.g.get_state())
+    drawn = model.g.get_state()
+    x, y = data(2 * 3)  # inference: micro-batch after micro-batch, as plain PyTorch
+    opts = on_device(poptorch.Options().deviceIterations(3), device)
+    if blocks == 2:
+        opts.setExecutionStrategy(poptorch.PipelinedExecution(schedule=schedule))
+    infer = poptorch.inferenceModel(model, opts)
+    out, _ = infer(x, y)
+    with torch.no_grad():
+        expected = [ref(x[k:k + 2].to(ref.a.weight.device), y[k:k + 2].to(ref.a.weight.device))[0]
+                    for k in (0, 2, 4)]
+    assert_close(out, torch.cat(expected).cpu(), atol=ATOL, rtol=0)
+    assert not torch.equal(model.g.get_state(), drawn)
+    assert torch.equal(model.g.get_state(), ref.g.get_state())
+    infer.destroy()
+
+
+@pytest.mark.parametrize("case, error, message", [
+    ("two_stages", poptorch.OptionsError,
+     r"\(.*test_trace_state.py.*torch.randn\(x.shape, generator=g\).* in stages 0, 1 of a "
+     r"pipelined schedule: plain PyTorch draws from it micro-batch after micro-batch.*"
+     r"Draw from it in one stage, run the stages one at a time"),
+    ("recomputed", poptorch.OptionsError,
+     r"in stage 0, which is recomputed: .*a recomputed stage runs its forward again"),
+    ("replicas", poptorch.OptionsError, r"with 2 replicas: .*Use replicationFactor\(1\)"),
+    ("seeds", poptorch.TraceError,
+     r"sets the state of a torch.Generator \(manual_seed, seed or set_state\) and then draws "
+     r"from it at .*test_trace_state.py:\d+: x = x \+ 0.1 \* torch.randn"),
+    ("makes", poptorch.TraceError,
+     r"draws from a torch.Generator it makes itself, at .*test_trace_state.py:\d+: x = x \+ "
+     r"0.1 \* torch.randn.*Make it once outside forward")])
+def test_a_generator_that_cannot_draw_as_in_plain_pytorch_is_refused_before_anything_changes(
+        case, error, message):
+    torch.manual_seed(0)
+    model = OwnGenerator(2 if case in ("two_stages", "recomputed") else 1,
+                         both=case == "two_stages", how=case if case in ("seeds", "makes") else "")
+    opts = poptorch.Options()
+    if model.blocks == 2:
+        opts.setExecutionStrategy(poptorch.PipelinedExecution())
+    opts.Training.gradientAccumulation(3)
+    if case == "recomputed":
+        opts._Popart.set("autoRecomputation", 3)
+    if case == "replicas":
+        opts.replicationFactor(2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state, own = torch.get_rng_state(), model.g.get_state()
+    train = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(error, match=message):
+        train(*data(2 * 3 * (2 if case == "replicas" else 1)))
+    assert torch.equal(model.g.get_state(), own) and torch.equal(torch.get_rng_state(), state)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    train.destroy()
+
+
+class FailsOnHuge(torch.autograd.Function):
+    """The identity, which fails at run time on a micro-batch holding a huge value."""
+
+    @staticmethod
+    def forward(ctx, x):
+        if x.abs().max() > 1e3:
+            raise RuntimeError("a huge value")
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class OwnGeneratorThenFails(OwnGenerator):
+    def forward(self, x, y):
+        return super().forward(FailsOnHuge.apply(x), y)
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_a_failed_run_puts_the_models_generator_back_as_after_the_last_step(whole, device):
+    """[Note: commit point]: the second run of a call fails; the generator is left as after
+    the first, as a call of that run alone leaves it, or as before the call with
+    allOrNothingCalls."""
+    x, y = data(8)
+    x[6] = 1e4  # the second run's second micro-batch
+    torch.manual_seed(0)
+    model, alone = OwnGeneratorThenFails(1), OwnGeneratorThenFails(1)
+    alone.load_state_dict(model.state_dict())
+    for m, D in ((model, 2), (alone, 1)):
+        opts = on_device(poptorch.Options().deviceIterations(D), device)
+        opts.Training.gradientAccumulation(2)
+        opts.allOrNothingCalls(whole)
+        train = poptorch.trainingModel(m, opts, torch.optim.SGD(m.parameters(), lr=0.1))
+        if D == 2:
+            with pytest.raises(poptorch.ExecutionError, match="a huge value"):
+                train(x, y)
+        elif not whole:
+            train(x[:4], y[:4])
+        train.destroy()
+    assert torch.equal(model.g.get_state(), alone.g.get_state())
+    for (name, p), q in zip(model.named_parameters(), alone.parameters()):
+        assert torch.equal(p, q), name

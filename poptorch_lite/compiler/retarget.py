@@ -32,7 +32,9 @@ for the stage's device:
   the placement naming the op, its line and the stage.
 
 Random ops keep drawing from the micro-batch's stream ([Note: micro-batch RNG]
-in ``rng``): a rewritten random op is routed through it again.
+in ``rng``): a rewritten random op is routed through it again. One that draws from a
+generator of the model's own on another kind of device stays there, and its value is
+copied to the stage's device ([Note: a user's generator] in ``rng``).
 """
 
 from __future__ import annotations
@@ -178,6 +180,9 @@ def to_device(gm: fx.GraphModule, device: torch.device) -> None:
             continue
         if _rewritten(node, _op(node), device):
             changed = True
+        if _drawn_elsewhere(gm, node, device):
+            changed = True
+            continue
         moved = []
 
         def on(value):
@@ -191,6 +196,23 @@ def to_device(gm: fx.GraphModule, device: torch.device) -> None:
             changed = True
     if changed:
         gm.recompile()
+
+
+def _drawn_elsewhere(gm: fx.GraphModule, node: fx.Node, device: torch.device) -> bool:
+    """A random op that makes its value from a generator of the model's own on another kind of
+    device ([Note: a user's generator] in ``rng``) keeps drawing there, and its value is
+    copied to ``device``: what plain PyTorch's ``torch.randn(..., generator=g).to(x.device)``
+    does (traced on the host model's device, the copy was no op). Whether it is one."""
+    given = node.kwargs.get("generator")
+    generator = getattr(gm, given.target, None) if isinstance(given, fx.Node) and \
+        given.op == "get_attr" else None
+    if not isinstance(generator, torch.Generator) or generator.device.type == device.type \
+            or not isinstance(node.kwargs.get("device"), torch.device):
+        return False
+    with gm.graph.inserting_after(node):
+        copy = gm.graph.call_function(aten._to_copy.default, (node,), {"device": device})
+    node.replace_all_uses_with(copy, delete_user_cb=lambda user: user is not copy)
+    return True
 
 
 def _graphs(stage) -> list:

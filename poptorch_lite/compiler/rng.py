@@ -31,6 +31,24 @@ exactly that. Random ops in stage graphs are found by the
 ``nondeterministic_seeded`` tag and wrapped by :func:`seed_random_ops`; each
 call briefly swaps the device's default generator state under one lock, so
 stages running on several threads never share a stream.
+
+[Note: a user's generator]
+A random op given a generator of the model's own (``torch.randn(..., generator=self.g)``,
+``randperm``, ``multinomial``, ``t.normal_(generator=g)``) draws from that generator, not
+from a micro-batch's stream: the trace keeps the generator in the graph (an attribute of
+the stage's graph that shares its state), and plain PyTorch's loop draws from it micro-batch
+after micro-batch, each forward once through the whole model. The trace puts it back as it
+was before its first draw (``trace_state``), so the run's draws are the ones plain PyTorch's
+forwards make. That order holds where every draw from it is in one stage, whose forwards run
+in micro-batch order on its stream, or where the stages run one at a time in that order
+(the ``sequential`` schedule: ShardedExecution). :func:`check_user_generators` refuses what
+would draw in another order, at compile time, before any state changes: draws in several
+stages of a pipelined schedule, in a recomputed stage (its forward runs again), with
+replicas (each draws from it) or with stages or replicas in other processes (each has a copy
+of it). A failed run puts the generators back as they were before it (``program``), as it
+puts back torch's. The trace also refuses a forward that seeds such a generator or makes one
+(plain PyTorch would do that anew in every forward), and a step graph does not capture a
+stage that draws from one (a CPU generator's draws would not replay).
 """
 
 from __future__ import annotations
@@ -41,7 +59,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ..errors import ExecutionError
+from ..errors import ExecutionError, OptionsError
 from .subgraphs import wrap_target
 
 _LOCK = threading.Lock()
@@ -311,13 +329,84 @@ def seeded(op):
 
 
 def seed_random_ops(gm: fx.GraphModule) -> bool:
-    """Route ``gm``'s random ops through the micro-batch streams; True if it has any."""
+    """Route ``gm``'s random ops through the micro-batch streams; True if it has any. An op
+    given a generator of the model's own draws from it ([Note: a user's generator])."""
     found = False
     for node in gm.graph.nodes:
         tags = getattr(node.target, "tags", ()) if node.op == "call_function" else ()
-        if torch.Tag.nondeterministic_seeded in tags:
+        if torch.Tag.nondeterministic_seeded in tags and node.kwargs.get("generator") is None:
             node.target = seeded(node.target)
             found = True
     if found:
         gm.recompile()
     return found
+
+
+# -- a user's generator ([Note: a user's generator]) -------------------------------------------
+
+def user_generators(stages) -> dict:
+    """The model's own generators that ``stages``' graphs draw from: ``{id: (the generator
+    in the graph, the indices of the stages that draw from it, a node that draws)}``."""
+    found: dict = {}
+    for st in stages:
+        for gm in (st.module, *(seg.module for seg in st.segments)):
+            for node in gm.graph.nodes:
+                value = _attribute(gm, node.target) if node.op == "get_attr" else None
+                if isinstance(value, torch.Generator) and node.users:
+                    _, indices, _ = found.setdefault(id(value), (value, [], next(iter(node.users))))
+                    if st.index not in indices:
+                        indices.append(st.index)
+    return found
+
+
+def _attribute(gm, target: str):
+    for name in target.split("."):
+        gm = getattr(gm, name, None)
+    return gm
+
+
+def _line(node: fx.Node) -> str:
+    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    return " / ".join(ln.strip() for ln in trace[-2:]) if trace else f"op {node.target}"
+
+
+def check_user_generators(stages, recompute: tuple, sequential: bool, replicas: int,
+                          other_processes: bool) -> None:
+    """Refuse a configuration in which a generator of the model's own would not be drawn
+    from in plain PyTorch's order ([Note: a user's generator]).
+
+    Args:
+        stages: the partition's stages; recompute: whether each is recomputed (empty:
+            inference); sequential: the stages run one at a time, micro-batch by
+            micro-batch; replicas: the replicas in this process; other_processes: stages
+            or replicas run in other processes.
+
+    Raises:
+        OptionsError: naming the draw's line, what is in the way and the fixes.
+    """
+    default = "or draw with torch's default generator, which gives every micro-batch a stream " \
+              "of its own"
+    for _, indices, node in user_generators(stages).values():
+        recomputed = [s for s in indices if recompute and recompute[s]]
+        if len(indices) > 1 and not sequential:
+            why = (f"in stages {', '.join(map(str, indices))} of a pipelined schedule",
+                   "and a pipeline runs one stage's forward of a micro-batch beside another "
+                   "stage's of another micro-batch, so their draws would come in another order",
+                   "Draw from it in one stage, run the stages one at a time (ShardedExecution, "
+                   "or PipelinedExecution(schedule=\"sequential\")), " + default)
+        elif recomputed:
+            why = (f"in stage {recomputed[0]}, which is recomputed",
+                   "and a recomputed stage runs its forward again, drawing again",
+                   "Turn recomputation off for that stage (autoRecomputation, Stage.recompute"
+                   "(False)), " + default + " (a recomputation replays its draws)")
+        elif replicas > 1 or other_processes:
+            why = ("with replicas or stages in other processes" if other_processes else
+                   f"with {replicas} replicas", "and every replica (every process) would draw "
+                   "from it, or from a copy of its own", "Use replicationFactor(1) in one "
+                   "process, " + default)
+        else:
+            continue
+        raise OptionsError(
+            f"the forward draws from a torch.Generator of its own ({_line(node)}) {why[0]}: "
+            f"plain PyTorch draws from it micro-batch after micro-batch, each forward once "
+            f"through the whole model, {why[1]}. {why[2]}")

@@ -207,10 +207,17 @@ def _read_into_python(func, args: tuple, kwargs: dict):
 
 
 class _TraceMode(TorchFunctionMode):
-    """Marks torch losses' results; refuses values read into Python and ``one_hot`` without a width."""
+    """Marks torch losses' results; refuses values read into Python and ``one_hot`` without a
+    width; tells ``saw`` of each user's generator a random op draws from."""
+
+    def __init__(self, saw=lambda generator: None):
+        super().__init__()
+        self.saw = saw
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if kwargs.get("generator") is not None:  # [Note: a user's generator] in ``rng``
+            self.saw(kwargs["generator"])
         if func in _PYTHON_READS:
             return _read_into_python(func, args, kwargs)
         if func is F.one_hot and (args[1] if len(args) > 1 else kwargs.get("num_classes", -1)) == -1:

@@ -60,68 +60,8 @@ from . import backward_hooks, grad_semantics, losses, markers, structures
 from .casting import _ImplicitCasting
 from .markers import _current, trace_context
 from .subgraphs import wrap_target
+from .trace_state import UserGenerators, _version, preserved_state
 from .trace_modes import PythonDraws, _InferenceSession, _TraceMode, user_file_test
-
-
-@contextlib.contextmanager
-def _preserved_state(model: torch.nn.Module, modes: dict, inputs: list):
-    """Run the trace with the wrap-time train/eval modes; undo every change it makes.
-
-    The trace really runs the forward once, so RNG draws, buffer updates
-    (BatchNorm statistics, counters) and in-place writes to the inputs (``x += 1``)
-    are rolled back afterwards: tracing must change no state ([Note: partition]); the
-    call's own run then writes them once, as plain PyTorch's forward does.
-    """
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    given = [(t, _version(t), t.detach().clone()) for t in inputs]
-    # Which tensors each module registers: a refused forward may delete or reassign one.
-    tables = {m: (list(m._buffers.items()), set(m._non_persistent_buffers_set))
-              for m in model.modules()}
-    current = {m: m.training for m in model.modules()}
-    for m in model.modules():
-        m.training = modes.get(m, m.training)
-    try:
-        yield {id(b): saved for b, saved in buffers}
-    finally:
-        for m, flag in current.items():
-            m.training = flag
-        for m, (table, non_persistent) in tables.items():
-            if [(k, id(v)) for k, v in m._buffers.items()] != [(k, id(v)) for k, v in table]:
-                for name, _ in table:
-                    m.__dict__.pop(name, None)  # functional_call's restore of a deleted buffer
-                m._buffers.clear()
-                m._buffers.update(table)
-                m._non_persistent_buffers_set.clear()
-                m._non_persistent_buffers_set.update(non_persistent)
-        with torch.no_grad():
-            for t, version, saved in given:
-                changed = not torch.equal(t, saved) if version is None else t._version != version
-                if changed:
-                    _put_back(t, saved)
-            for b, saved in buffers:
-                _put_back(b, saved)
-                if b.grad_fn is not None and not b._is_view():
-                    b.detach_()  # a write with gradients left the trace's history on it
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-
-
-def _version(t: torch.Tensor):
-    """``t``'s version counter; None for an inference tensor, which keeps none (one made under
-    ``torch.inference_mode()``, as Lightning makes its validation and test batches)."""
-    return None if t.is_inference() else t._version
-
-
-def _put_back(t: torch.Tensor, saved: torch.Tensor) -> None:
-    """``t.copy_(saved)``; in inference mode for an inference tensor, which is written only there."""
-    if t.is_inference():
-        with torch.inference_mode():
-            t.copy_(saved)
-    else:
-        t.copy_(saved)
 
 
 @contextlib.contextmanager
@@ -405,11 +345,11 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
         # The session is entered last, so it sees a dropout first ([Note: inference session]):
         # _TraceMode would otherwise turn F.dropout into native_dropout before it could.
         # Mixed float16/float32 ops are resolved as PopTorch does ([Note: implicit casting]).
-        given = [leaves[k] for k in tensor_pos]
-        with _preserved_state(model, modes, given) as before, PythonDraws(model.forward), \
-                trace_context() as state, \
-                _export_style(model), grad, _quiet_torch_trace_log(), \
-                grad_semantics.recording(training), _TraceMode(), _ImplicitCasting(), session:
+        given, generators = [leaves[k] for k in tensor_pos], UserGenerators()
+        with preserved_state(model, modes, given, generators) as before, \
+                PythonDraws(model.forward), trace_context() as state, _export_style(model), \
+                grad, _quiet_torch_trace_log(), grad_semantics.recording(training), \
+                _TraceMode(generators.saw), _ImplicitCasting(), session:
             state.on_loss = on_loss
             versions = {n: _version(b) for n, b in buffers.items()}
             # A table of its own (empty) keeps detach an op: make_fx's default turns it
@@ -431,6 +371,7 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
         hook.remove()
         torch._C._set_mkldnn_enabled(onednn)
         marked.clear()  # autograd's nodes of the traced micro-batch: its activations
+    generators.check()
     _drop_unused_getitems(gm)
     if training:  # [Note: gradients the forward shapes] in ``grad_semantics``
         grad_semantics.autograd_detaches_pass(gm)

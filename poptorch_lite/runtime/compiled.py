@@ -161,8 +161,8 @@ class CompiledModel:
             weights.to_device(everything=False)
         ex = program.executor
         full = training and opts.all_or_nothing_calls
-        restore = capture(weights, optimizer, loss_scale, True,
-                          generator=self.generator) if full else None
+        restore = capture(weights, optimizer, loss_scale, True, generator=self.generator,
+                          generators=program.generators) if full else None
         ex.undoable = full
         applied = ex.steps_applied
         if training:

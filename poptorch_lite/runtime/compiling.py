@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from ..compiler import compiled_stages, retarget, tracing
+from ..compiler import compiled_stages, retarget, rng, tracing
 from ..compiler.lowered import lower
 from ..compiler.partition import Partition, check_pipeline_minimums, partition
 from ..enums import PipelineSchedule
@@ -81,6 +81,10 @@ def _compiled(model, modes, options, training, mbs, weights, placement, replicas
                             o.Training.gradient_accumulation, o.device_iterations)
     check_mapped(part, o.ipu_devices)
     P = processes.layout.pipelines if processes is not None else 1  # data-parallel processes
+    recompute = tuple(recomputed(o, st) for st in part.stages) if training else ()
+    rng.check_user_generators(part.stages, recompute,
+                              o.execution_strategy.schedule is PipelineSchedule.Sequential,
+                              o.replication_factor, processes is not None)
     if replicas * P > 1 and part.mutated_buffers and o.broadcast_buffers:
         raise OptionsError(
             f"PopTorch does not support broadcasting buffers. If your model is able to "
@@ -111,7 +115,6 @@ def _compiled(model, modes, options, training, mbs, weights, placement, replicas
     weights.place(placement.devices, [(st.ipu, st.param_names) for st in mine])
     weights.place_buffers([(st.ipu, [n.split(":", 1)[1] for n in st.inputs
                                      if n.startswith("buffer:")]) for st in mine])
-    recompute = tuple(recomputed(o, st) for st in part.stages) if training else ()
     channels = Channels(part, processes, {ipu: placement.device(ipu) for ipu in ipus}, training,
                         any(st.random for st in part.stages)) if spans else None
     lowered, report = lower(part, recompute), None

@@ -43,6 +43,8 @@ class Program:
         self.compiled = compiled
         # Its captured step on a GPU under compileStages (``step_graph.StepGraph``), or None.
         self.graph = graph
+        # The model's own generators its stages draw from ([Note: a user's generator]).
+        self.generators = tuple(g for g, _, _ in rng.user_generators(partition.stages).values())
         self._schedules: dict = {}
 
     def schedule(self, m: int, training: bool):
@@ -60,7 +62,7 @@ class Program:
         training; one run of every micro-batch otherwise.
 
         With ``per_run``, each run first captures what its step does not commit
-        (buffers, the loss scale) and puts it back if the run fails before its
+        (buffers, the loss scale, the model's own generators) and puts it back if the run fails before its
         update ([Note: commit point]); the random state is put back as after the
         runs that committed.
 
@@ -110,7 +112,8 @@ class Program:
         with grads, ex.open_call(schedule, step, recorder, options.watchdog_timeout) as call, \
                 collection_paused(), CtrlC.installed() as ex.ctrl_c:
             for d, ks in enumerate(runs):
-                undo = capture(weights, None, loss_scale, False, rng=False) if per_run else None
+                undo = capture(weights, None, loss_scale, False, rng=False,
+                               generators=self.generators) if per_run else None
                 before = ex.steps_applied
                 weights.buffers_move()
                 try:

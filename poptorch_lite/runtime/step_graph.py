@@ -417,7 +417,9 @@ def for_program(executor, options) -> Optional[StepGraph]:
         "useIpuModel gives every IPU a memory of its own" if ex.weights.separate_memories else
         "the optimizer's state is offloaded to host memory" if ex.weights.offload else
         "a recomputed stage has random ops" if any(
-            st.recompute and st.random for st in ex.work.stages) else None)
+            st.recompute and st.random for st in ex.work.stages) else
+        "a stage draws from a torch.Generator of the model's own, whose draws on the host a "
+        "graph would not replay" if rng.user_generators(ex.partition.stages) else None)
     return StepGraph(ex, on_gpu[0], refused)
 
 

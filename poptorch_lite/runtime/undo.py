@@ -47,7 +47,8 @@ from .weights import Weights
 
 def capture(weights: Weights, optimizer: Optional[torch.optim.Optimizer],
             loss_scale: Optional[LossScale], params: bool = False,
-            rng: bool = True, generator: Optional[torch.Generator] = None) -> Callable[[], None]:
+            rng: bool = True, generator: Optional[torch.Generator] = None,
+            generators: tuple = ()) -> Callable[[], None]:
     """Capture the state a call may change; return the function that puts it back.
 
     Args:
@@ -59,13 +60,16 @@ def capture(weights: Weights, optimizer: Optional[torch.optim.Optimizer],
         rng: capture torch's random number generators, and ``generator`` (the model's
             own, ``Options.randomSeed``), if any (a run's capture leaves them to
             ``rng.rewinder``, once per call).
+        generators: the generators of the model's own that its stages draw from ([Note: a
+            user's generator] in ``rng``), captured whatever ``rng`` says.
     """
     restore_weights = weights.snapshot(params=params)
     restore_optimizer = _optimizer_snapshot(optimizer) if optimizer is not None else None
     # Only automatic loss scaling changes the scale (once per step: a copy, no __init__).
     scale = copy.copy(loss_scale) if loss_scale is not None and loss_scale.automatic else None
-    if restore_optimizer is None and scale is None and not rng:
+    if restore_optimizer is None and scale is None and not rng and not generators:
         return restore_weights  # a run's capture, most often: only the weights' own
+    users = [(g, g.get_state()) for g in generators]
     cpu_rng = torch.get_rng_state() if rng else None
     cuda_rng = torch.cuda.get_rng_state_all() if rng and torch.cuda.is_initialized() else None
     own_rng = generator.get_state() if rng and generator is not None else None
@@ -83,6 +87,8 @@ def capture(weights: Weights, optimizer: Optional[torch.optim.Optimizer],
             torch.cuda.set_rng_state_all(cuda_rng)
         if own_rng is not None:
             generator.set_state(own_rng)
+        for g, state in users:
+            g.set_state(state)
     return restore
 
 
