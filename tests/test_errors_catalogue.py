@@ -128,6 +128,10 @@ class Two(torch.nn.Module):
                 h = h * h.sum().item()
             if self.tail == "python_random":
                 h = h * random.random()
+            if self.tail == "packed":  # by lengths from the data
+                torch.nn.utils.rnn.pack_padded_sequence(
+                    h.unsqueeze(1).repeat(1, 2, 1), (y[:, 0] > 0).long().cpu() + 1,
+                    batch_first=True, enforce_sorted=False)
             if self.tail.startswith("generator"):  # a generator of the model's own
                 g = self.g if self.tail != "generator_made" else torch.Generator()
                 if self.tail == "generator_seeded":
@@ -845,6 +849,7 @@ T = {
     "E-PART-22": lambda: first_call(Two(tail="generator_seeded"), opts()),
     "E-PART-23": lambda: first_call(Two(tail="generator_made"), opts()),
     "E-OPT-41": lambda: first_call(Two(tail="generator"), opts(R=2)),
+    "E-PART-24": lambda: first_call(Two(tail="packed"), opts()),
     "E-PART-15": lambda: without_kernel("aten::addmm", lambda: first_call(
         Two(), opts(strategy=poptorch.PipelinedExecution("a", "b"), G=4))),
     # pipelining

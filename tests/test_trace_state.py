@@ -18,6 +18,7 @@ from torch.testing import assert_close
 
 import poptorch_lite as poptorch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from models import (GradCodeMLP, data, microbatch_seeds, on_device, reference_training,
                     trained_grads, twin)
@@ -383,3 +384,80 @@ def test_a_failed_run_puts_the_models_generator_back_as_after_the_last_step(whol
     assert torch.equal(model.g.get_state(), alone.g.get_state())
     for (name, p), q in zip(model.named_parameters(), alone.parameters()):
         assert torch.equal(p, q), name
+
+
+# -- packed sequences ([Note: values read while tracing] in compiler/trace_modes.py) ------------
+
+class Packs(torch.nn.Module):
+    """An RNN over sequences packed by ``lengths``: "data" (from the labels), "constant", or
+    "handmade" (a PackedSequence whose batch_sizes come from the data)."""
+
+    def __init__(self, blocks: int, rnn: str = "lstm", lengths: str = "data",
+                 total_length=None, enforce_sorted: bool = False):
+        super().__init__()
+        self.rnn = (torch.nn.LSTM if rnn == "lstm" else torch.nn.GRU)(8, 8, batch_first=True)
+        self.head = torch.nn.Linear(8, 4)
+        self.blocks, self.lengths, self.total_length = blocks, lengths, total_length
+        self.enforce_sorted = enforce_sorted
+
+    def forward(self, x, y):
+        poptorch.Block.start("b0", ipu_id=0)
+        seq = x.unsqueeze(1) * torch.arange(1.0, 4.0, device=x.device)[None, :, None]
+        if self.lengths == "handmade":
+            sizes = (y * 0 + 2)[:3].cpu()
+            packed = PackedSequence(seq.transpose(0, 1).reshape(-1, 8), sizes)
+        else:
+            lengths = (y % 3) + 1 if self.lengths == "data" else torch.tensor([3, 1])
+            packed = pack_padded_sequence(seq, lengths.cpu(), batch_first=True,
+                                          enforce_sorted=self.enforce_sorted)
+        out, _ = self.rnn(packed)
+        padded, _ = pad_packed_sequence(out, batch_first=True, total_length=self.total_length)
+        if self.blocks == 2:
+            poptorch.Block.start("b1", ipu_id=1)
+        out = self.head(padded.sum(1))
+        return out, F.cross_entropy(out, y)
+
+
+@pytest.mark.parametrize("rnn, lengths, total_length, enforce_sorted, where", [
+    ("lstm", "data", None, False, "pack_padded_sequence at "),
+    ("lstm", "data", 3, False, "pack_padded_sequence at "),
+    ("gru", "data", None, True, "pack_padded_sequence at "),
+    ("lstm", "handmade", 3, False, "a packed lstm at ")])
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_a_sequence_packed_by_lengths_from_the_data_is_refused_at_its_line(
+        rnn, lengths, total_length, enforce_sorted, where, blocks):
+    """Its batch_sizes would be baked into the trace: micro-batch 0's for every micro-batch."""
+    torch.manual_seed(0)
+    model = Packs(blocks, rnn, lengths, total_length, enforce_sorted)
+    opts = poptorch.Options()
+    if blocks == 2:
+        opts.setExecutionStrategy(poptorch.PipelinedExecution())
+    opts.Training.gradientAccumulation(3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = torch.get_rng_state()
+    train = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+    code = ("        out, _ = self.rnn(packed)" if lengths == "handmade" else
+            "            packed = pack_padded_sequence(seq, lengths.cpu(), batch_first=True,")
+    with pytest.raises(poptorch.TraceError) as info:
+        train(*data(2 * 3))
+    text = str(info.value)
+    assert text.startswith("the forward packs sequences by lengths that come from the data (")
+    assert f"{where}{_line(code)}" in text
+    assert "would be the first micro-batch's for every micro-batch" in text
+    assert "Run the RNN over the padded batch instead and use the lengths as a mask" in text
+    assert torch.equal(torch.get_rng_state(), state)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    train.destroy()
+
+
+@pytest.mark.parametrize("total_length", [None, 3])
+@pytest.mark.parametrize("blocks, G", [(1, 2), (2, 3)])
+def test_a_sequence_packed_by_constant_lengths_trains_as_plain_pytorch(total_length, blocks, G,
+                                                                       device):
+    """The same layout in every micro-batch: nothing to refuse."""
+    if device == "cuda":
+        pytest.skip("a packed sequence's lengths must stay on the CPU; a stage on a GPU "
+                    "moves the constant there (see the report of issue 45)")
+    train_against_plain_pytorch(lambda: Packs(blocks, lengths="constant",
+                                              total_length=total_length), blocks, G, device)

@@ -42,6 +42,13 @@ parameters) is the same in every micro-batch, so it is read.
 width would be the first micro-batch's largest class. A tensor passed where
 torch wants a Python number (``torch.arange(t)``) is converted inside torch's
 C++ and cannot be told apart from an op's own read; it is fixed at trace time.
+A sequence packed by lengths that come from the data (``pack_padded_sequence``) is
+refused where it is packed: its layout, ``batch_sizes``, is read inside torch's C++
+where no check can see it (the RNNs' packed kernels read it through a pointer and record
+their steps with its sizes; ``nn.LSTM`` sizes its initial state by ``batch_sizes[0]``;
+``pad_packed_sequence`` pads to ``batch_sizes.size(0)``), so every micro-batch would be
+cut as the first one is (wrong numbers where the total length matches, a failed run
+where it does not). Lengths computed from constants alone are fine, as above.
 
 [Note: Python's random while tracing]
 Python runs only while the model is traced, so a number the forward draws from Python's
@@ -62,6 +69,7 @@ they are ops of the graph and draw per micro-batch ([Note: micro-batch RNG] in `
 
 from __future__ import annotations
 
+import operator
 import os
 import random
 import re
@@ -206,6 +214,35 @@ def _read_into_python(func, args: tuple, kwargs: dict):
         tracer._error_on_data_dependent_ops = allowed
 
 
+# Ops that cut a batch by a packed sequence's lengths: their argument 1 is the lengths
+# (``_pack_padded_sequence``) or the layout they make (the RNNs' packed overloads).
+_VF = torch._C._VariableFunctions
+_PACKING = {_VF._pack_padded_sequence: "pack_padded_sequence",
+            **{getattr(_VF, n): f"a packed {n}" for n in ("lstm", "gru", "rnn_tanh", "rnn_relu")}}
+
+
+def _refuse_packing(func, args: tuple) -> None:
+    """Refuse a sequence packed by lengths that come from the data ([Note: values read while
+    tracing])."""
+    sizes, mode = (args[1] if len(args) > 1 else None), get_proxy_mode()
+    if not isinstance(sizes, torch.Tensor) or mode is None or _from_constants(sizes, mode):
+        return  # not a packed overload, or the same layout in every micro-batch
+    proxy = get_proxy_slot(sizes, mode.tracer, None)
+    made = proxy.proxy.node if proxy is not None else None
+    if made is not None and made.target is operator.getitem and made.args[1] == 1 and \
+            getattr(made.args[0], "target", None) is torch.ops.aten._pack_padded_sequence.default:
+        return  # the layout of a pack whose lengths were let through (constants)
+    raise TraceError(
+        f"the forward packs sequences by lengths that come from the data ({_PACKING[func]} at "
+        f"{_user_line(traceback.extract_stack()[:-2])}): the model is traced once, and a "
+        f"packed sequence's layout (its batch_sizes, which torch's RNNs and "
+        f"pad_packed_sequence read inside C++) would be the first micro-batch's for every "
+        f"micro-batch. Run the RNN over the padded batch instead and use the lengths as a "
+        f"mask: for a one-directional RNN, out, _ = rnn(padded) gives the packed outputs at "
+        f"the valid steps, out[torch.arange(len(lengths)), lengths - 1] the last ones, and "
+        f"out * (torch.arange(out.shape[1]) < lengths[:, None])[..., None] zeros the padding")
+
+
 class _TraceMode(TorchFunctionMode):
     """Marks torch losses' results; refuses values read into Python and ``one_hot`` without a
     width; tells ``saw`` of each user's generator a random op draws from."""
@@ -220,6 +257,8 @@ class _TraceMode(TorchFunctionMode):
             self.saw(kwargs["generator"])
         if func in _PYTHON_READS:
             return _read_into_python(func, args, kwargs)
+        if func in _PACKING:
+            _refuse_packing(func, args)
         if func is F.one_hot and (args[1] if len(args) > 1 else kwargs.get("num_classes", -1)) == -1:
             raise TraceError(
                 f"OneHot num classes must be specified and must be constant: F.one_hot at "
