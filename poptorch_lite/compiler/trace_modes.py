@@ -253,8 +253,8 @@ class _TraceMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if kwargs.get("generator") is not None:  # [Note: a user's generator] in ``rng``
-            self.saw(kwargs["generator"])
+        if isinstance(kwargs.get("generator"), torch.Generator):  # [Note: a user's generator]
+            self.saw(kwargs["generator"])  # in ``rng``
         if func in _PYTHON_READS:
             return _read_into_python(func, args, kwargs)
         if func in _PACKING:
@@ -336,11 +336,26 @@ def _draws(module, generator) -> list:
             and getattr(getattr(module, n), "__self__", None) is generator]
 
 
+_local = threading.local()  # the PythonDraws of the trace running on this thread
+_watching = {"lock": threading.Lock(), "traces": 0, "saved": []}
+
+
+def _watched(module, name: str, draw):
+    """``draw``, noting its first call on a tracing thread in that trace's PythonDraws."""
+    def watched(*args, **kwargs):
+        draws = getattr(_local, "draws", None)
+        if draws is not None and draws.first is None:
+            draws.first = (module.__name__, name, _user_frame(traceback.extract_stack()[:-1]))
+        return draw(*args, **kwargs)
+    return watched
+
+
 class PythonDraws:
     """Context manager around a trace: warns of a draw from Python's ``random`` or numpy's
     global random state, naming its line; puts the states back if the trace fails ([Note:
     Python's random while tracing]). ``forward``: the traced model's forward, named when the
-    line of a draw is unknown."""
+    line of a draw is unknown. The module-level functions are wrapped while any thread
+    traces; each wrapper does the function's own on every thread."""
 
     def __init__(self, forward):
         self.forward = forward
@@ -348,25 +363,24 @@ class PythonDraws:
 
     def __enter__(self):
         self.states = random.getstate(), np.random.get_state()
-        self.thread = threading.get_ident()
-        self.saved = [(m, n, getattr(m, n)) for m, g in ((random, random._inst),
-                                                         (np.random, np.random.mtrand._rand))
-                      for n in _draws(m, g)]
-        for module, name, draw in self.saved:
-            setattr(module, name, self._watched(module, name, draw))
+        with _watching["lock"]:
+            if _watching["traces"] == 0:
+                _watching["saved"] = [(m, n, getattr(m, n)) for m, g in (
+                    (random, random._inst), (np.random, np.random.mtrand._rand))
+                    for n in _draws(m, g)]
+                for module, name, draw in _watching["saved"]:
+                    setattr(module, name, _watched(module, name, draw))
+            _watching["traces"] += 1
+        self.outer, _local.draws = getattr(_local, "draws", None), self
         return self
 
-    def _watched(self, module, name, draw):
-        def watched(*args, **kwargs):
-            if self.first is None and threading.get_ident() == self.thread:
-                self.first = (module.__name__, name,
-                              _user_frame(traceback.extract_stack()[:-1]))
-            return draw(*args, **kwargs)
-        return watched
-
     def __exit__(self, kind, exc, tb):
-        for module, name, draw in self.saved:
-            setattr(module, name, draw)
+        _local.draws = self.outer
+        with _watching["lock"]:
+            _watching["traces"] -= 1
+            if _watching["traces"] == 0:
+                for module, name, draw in _watching["saved"]:
+                    setattr(module, name, draw)
         python, numpy = self.states
         if kind is not None:
             random.setstate(python)
