@@ -1,6 +1,6 @@
 """What the trace reads and leaves behind: inference tensors, scripted submodules, a user's
 random generators, Python's and numpy's random, packed sequences (compiler/tracing.py,
-compiler/trace_modes.py)."""
+compiler/trace_modes.py, compiler/trace_state.py)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ from random import uniform as _uniform
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 from torch.testing import assert_close
 
 import poptorch_lite as poptorch
-import torch.nn.functional as F
-from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
-
+from poptorch_lite.compiler import retarget, rng
 from models import (GradCodeMLP, data, microbatch_seeds, on_device, reference_training,
                     trained_grads, twin)
 
@@ -339,6 +340,37 @@ def test_a_generator_that_cannot_draw_as_in_plain_pytorch_is_refused_before_anyt
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
     train.destroy()
+
+
+def test_a_draw_from_a_generator_on_another_kind_of_device_runs_there():
+    """[Note: graphs on their devices]: a stage on a GPU gets a graph traced on the host, where
+    plain PyTorch's copies to and from a CPU generator's device were no ops. The rewritten
+    graph draws on the generator's device (here: a stage on "meta" keeps every draw on the
+    CPU and copies in between); moved back to the CPU, it draws exactly what it drew."""
+    g = torch.Generator().manual_seed(3)
+
+    def f(x):
+        return (x + torch.randn(x.shape, generator=g) + torch.rand_like(x, generator=g)
+                + torch.empty(x.shape).normal_(generator=g)
+                + torch.multinomial(x.abs() + 0.1, 1, generator=g)
+                + torch.bernoulli(torch.full(x.shape, 0.5), generator=g))
+    x = torch.rand(2, 3)
+    gm = make_fx(f)(x)
+    rng.seed_random_ops(gm)
+    g.manual_seed(3)
+    want = gm(x)
+    retarget.to_device(gm, torch.device("meta"))
+    draws = [n for n in gm.graph.nodes if "generator" in n.kwargs]
+    assert len(draws) == 5
+    for n in draws:
+        assert all(a.target is torch.ops.aten._to_copy.default and a.kwargs["device"].type ==
+                   "cpu" for a in n.all_input_nodes if a.op != "get_attr")
+        assert n.kwargs.get("device", torch.device("cpu")).type == "cpu"
+        (user,) = n.users
+        assert user.target in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default)
+    retarget.to_device(gm, torch.device("cpu"))
+    g.manual_seed(3)
+    assert torch.equal(gm(x), want)
 
 
 class FailsOnHuge(torch.autograd.Function):

@@ -33,8 +33,8 @@ for the stage's device:
 
 Random ops keep drawing from the micro-batch's stream ([Note: micro-batch RNG]
 in ``rng``): a rewritten random op is routed through it again. One that draws from a
-generator of the model's own on another kind of device stays there, and its value is
-copied to the stage's device ([Note: a user's generator] in ``rng``).
+generator of the model's own on another kind of device runs there, its tensors copied
+there and back ([Note: a user's generator] in ``rng``).
 """
 
 from __future__ import annotations
@@ -199,19 +199,37 @@ def to_device(gm: fx.GraphModule, device: torch.device) -> None:
 
 
 def _drawn_elsewhere(gm: fx.GraphModule, node: fx.Node, device: torch.device) -> bool:
-    """A random op that makes its value from a generator of the model's own on another kind of
-    device ([Note: a user's generator] in ``rng``) keeps drawing there, and its value is
-    copied to ``device``: what plain PyTorch's ``torch.randn(..., generator=g).to(x.device)``
-    does (traced on the host model's device, the copy was no op). Whether it is one."""
+    """A random op that draws from a generator of the model's own on another kind of device
+    than ``device`` ([Note: a user's generator] in ``rng``) runs where the generator is: its
+    tensor arguments are copied there and its value copied back (into its first argument for
+    an in-place op). That is what plain PyTorch's code does to draw from a CPU generator for
+    a GPU (``torch.randn(s, generator=g).to(x.device)``, ``h.cpu()``), whose copies the trace
+    on the host model's device did not record. Whether it is one (rewritten in place)."""
     given = node.kwargs.get("generator")
     generator = getattr(gm, given.target, None) if isinstance(given, fx.Node) and \
         given.op == "get_attr" else None
+    schema = getattr(_op(node), "_schema", None)
     if not isinstance(generator, torch.Generator) or generator.device.type == device.type \
-            or not isinstance(node.kwargs.get("device"), torch.device):
+            or schema is None or len(schema.returns) != 1:
         return False
-    with gm.graph.inserting_after(node):
-        copy = gm.graph.call_function(aten._to_copy.default, (node,), {"device": device})
-    node.replace_all_uses_with(copy, delete_user_cb=lambda user: user is not copy)
+    there, graph = generator.device, gm.graph
+    kinds = {a.name: a.type for a in schema.arguments}
+
+    def moved(value, kind):
+        if isinstance(value, torch.device):
+            return there
+        if isinstance(value, fx.Node) and isinstance(kind, torch.TensorType):
+            with graph.inserting_before(node):
+                return graph.call_function(aten._to_copy.default, (value,), {"device": there})
+        return value
+    first = node.args[0] if node.args else None
+    node.args = tuple(moved(v, a.type) for v, a in zip(node.args, schema.arguments))
+    node.kwargs = {k: moved(v, kinds.get(k)) for k, v in node.kwargs.items()}
+    written = schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write
+    with graph.inserting_after(node):
+        back = (graph.call_function(aten.copy_.default, (first, node)) if written else
+                graph.call_function(aten._to_copy.default, (node,), {"device": device}))
+    node.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
     return True
 
 
