@@ -35,7 +35,7 @@ def preserved_state(model: torch.nn.Module, modes: dict, inputs: list,
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    given = [(t, _version(t), t.detach().clone()) for t in inputs]
+    given = [(t, version_of(t), t.detach().clone()) for t in inputs]
     # Which tensors each module registers: a refused forward may delete or reassign one.
     tables = {m: (list(m._buffers.items()), set(m._non_persistent_buffers_set))
               for m in model.modules()}
@@ -70,7 +70,7 @@ def preserved_state(model: torch.nn.Module, modes: dict, inputs: list,
         generators.put_back()
 
 
-def _version(t: torch.Tensor):
+def version_of(t: torch.Tensor):
     """``t``'s version counter; None for an inference tensor, which keeps none (one made under
     ``torch.inference_mode()``, as Lightning makes its validation and test batches)."""
     return None if t.is_inference() else t._version

@@ -60,7 +60,7 @@ from . import backward_hooks, grad_semantics, losses, markers, structures
 from .casting import _ImplicitCasting
 from .markers import _current, trace_context
 from .subgraphs import wrap_target
-from .trace_state import UserGenerators, _version, preserved_state
+from .trace_state import UserGenerators, preserved_state, version_of
 from .trace_modes import PythonDraws, _InferenceSession, _TraceMode, user_file_test
 
 
@@ -351,12 +351,12 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
                 grad, _quiet_torch_trace_log(), grad_semantics.recording(training), \
                 _TraceMode(generators.saw), _ImplicitCasting(), session:
             state.on_loss = on_loss
-            versions = {n: _version(b) for n, b in buffers.items()}
+            versions = {n: version_of(b) for n, b in buffers.items()}
             # A table of its own (empty) keeps detach an op: make_fx's default turns it
             # into an alias, which gradients pass ([Note: gradients the forward shapes]).
             gm = make_fx(run, decomposition_table={}, tracing_mode="real",
                          record_stack_traces=True, _error_on_data_dependent_ops=False)(*flat)
-            mutated = frozenset(n for n, b in buffers.items() if _version(b) != versions[n]
+            mutated = frozenset(n for n, b in buffers.items() if version_of(b) != versions[n]
                                 or not torch.equal(b, before[id(b)]))
     except Error as exc:
         raise exc.with_traceback(_user_traceback(exc.__traceback__))
