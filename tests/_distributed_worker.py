@@ -3,10 +3,11 @@
     RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \
         python tests/_distributed_worker.py train OUT_DIR
 
-Scenarios: ``train`` runs every configuration of ``CONFIGS`` and then a
-mismatched-options wrap, saving what each call returned and the final state
-to ``OUT_DIR/rank<r>.pt``; ``fail`` makes rank 1 pass a wrong batch on its
-second call and records the error each rank ends with in ``OUT_DIR/rank<r>.txt``;
+Scenarios: ``train`` runs every configuration of ``CONFIGS``, then a
+mismatched-options wrap, a BatchNorm model on replicas and a model writing its
+own buffer, saving what each call returned and the final state to
+``OUT_DIR/rank<r>.pt``; ``fail`` makes rank 1 pass a wrong batch on its second
+call and records the error each rank ends with in ``OUT_DIR/rank<r>.txt``;
 ``nccl`` runs two of the configurations with each process's model on its own GPU.
 Options pick rank and count up from the environment, as under torchrun.
 """
@@ -79,7 +80,70 @@ def train(rank, P):
         results["mismatch"] = str(e)
     results["mismatch_unchanged"] = all(torch.equal(before[k], v)
                                         for k, v in model.state_dict().items())
+    results["batchnorm"] = batchnorm(rank, P)
+    results["buffer_write"] = buffer_write(rank)
     return results
+
+
+# BatchNorm on R replicas in each process ([Note: running statistics on replicas]): blocks,
+# G, R, D, micro-batch, calls. A few rows per BatchNorm amplify summation order; B = 4.
+BN = (2, 3, 2, 2, 4, 2)
+
+
+def bn_call_data(call, rank, P):
+    """Process ``rank``'s combined batch for ``call`` of the BatchNorm run."""
+    _, G, R, D, b, calls = BN
+    C = b * G * R * D
+    x, y = data(C * P * calls, seed=9)
+    k = (call * P + rank) * C
+    return x[k:k + C], y[k:k + C]
+
+
+def batchnorm(rank, P):
+    """A BatchNorm model on 2 replicas per process, broadcastBuffers left on: losses, the
+    host's state (replica 0's buffers) and replica 1's buffers after every call."""
+    blocks, G, R, D, _, calls = BN
+    torch.manual_seed(100 + rank)  # the broadcast gives every process process 0's
+    model = BlockMLP(blocks, batchnorm=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    wrapped = poptorch.trainingModel(model, options(G, R, D, "grouped", "mean"), opt)
+    result = {"losses": [], "state": [], "replica1": []}
+    for c in range(calls):
+        result["losses"].append(wrapped(*bn_call_data(c, rank, P))[1])
+        result["state"].append({k: v.clone() for k, v in model.state_dict().items()})
+        result["replica1"].append({n: wrapped._weights.buffer(n, 1, blocks - 1).clone()
+                                   for n, _ in model.named_buffers()})
+    wrapped.destroy()
+    return result
+
+
+class CountsSteps(BlockMLP):
+    """Its own buffer written in forward: replicas in other processes refuse it too."""
+
+    def __init__(self):
+        super().__init__(1)
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x, y):
+        self.steps += 1
+        return super().forward(x, y)
+
+
+def buffer_write(rank):
+    """The refusal each process gives a model that writes its own buffer, and whether its
+    state stayed as it was."""
+    torch.manual_seed(0)
+    model = CountsSteps()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    wrapped = poptorch.trainingModel(model, options(2, 1, 1, "grouped", "mean"))
+    try:
+        wrapped(*data(B * 2))
+        refused = None
+    except poptorch.OptionsError as e:
+        refused = str(e)
+    wrapped.destroy()
+    return {"refused": refused, "unchanged": all(torch.equal(before[k], v)
+                                                 for k, v in model.state_dict().items())}
 
 
 NCCL_CONFIGS = ["replicated", "grouped"]

@@ -95,6 +95,43 @@ def reference_training(model, optimizer, x, y, D: int, G: int, R: int, mean: boo
     return outs, losses, grads
 
 
+def replicas_training(copies, optimizer, x, y, D: int, G: int, seeds=None):
+    """Plain PyTorch as R = len(copies) independent replicas: micro-batch k of the combined
+    batch ([D, G, R, B] order) runs on copy k % R, with that copy's buffers (its own batch
+    statistics and running statistics); each step sums every copy's gradients into copy 0,
+    divides by G·R, steps ``optimizer`` (copy 0's) and gives the other copies its weights.
+
+    Returns (per-micro-batch outputs, per-micro-batch losses, last step's grads), as
+    :func:`reference_training`.
+    """
+    R = len(copies)
+    b = x.shape[0] // (D * G * R)
+    dev = next(copies[0].parameters()).device
+    outs, losses = [], []
+    for d in range(D):
+        for c in copies:
+            c.zero_grad(set_to_none=True)
+        for j in range(G * R):
+            k = d * G * R + j
+            if seeds is not None:
+                torch.manual_seed(seeds[k])
+            out, loss = copies[j % R](x[k * b:(k + 1) * b].to(dev), y[k * b:(k + 1) * b].to(dev))
+            loss.backward()
+            outs.append(out.detach().cpu())
+            losses.append(loss.detach().cpu())
+        with torch.no_grad():
+            for ps in zip(*(c.parameters() for c in copies)):
+                used = [p.grad for p in ps if p.grad is not None]
+                ps[0].grad = sum(used) / (G * R) if used else None
+        optimizer.step()
+        with torch.no_grad():
+            for ps in zip(*(c.parameters() for c in copies)):
+                for p in ps[1:]:
+                    p.copy_(ps[0])
+    grads = {n: None if p.grad is None else p.grad.cpu() for n, p in copies[0].named_parameters()}
+    return outs, losses, grads
+
+
 def twin(model, device: str = "cpu"):
     """A deep copy to serve as the plain-PyTorch reference, on the test's ``device``'s kind:
     a CUDA run is compared with plain PyTorch on the GPU (its dropout masks come from the

@@ -9,6 +9,7 @@ agree to rounding (atol 1e-5, the house tolerance); the two processes agree
 with each other exactly (every rank receives the same reduced bytes).
 """
 
+import copy
 import doctest
 import os
 import pathlib
@@ -22,7 +23,8 @@ from torch.testing import assert_close
 
 import poptorch_lite as poptorch
 
-from _distributed_worker import B, CALLS, CONFIGS, NCCL_CONFIGS, call_data, optimizer
+from _distributed_worker import (B, BN, CALLS, CONFIGS, NCCL_CONFIGS, bn_call_data, call_data,
+                                 optimizer)
 from models import BlockMLP
 from processes import free_port, start
 
@@ -117,6 +119,56 @@ def test_two_processes_on_gpus_of_their_own_reduce_over_nccl_and_match_one_plain
             for i, state in opt_state["state"].items():
                 for k, v in state.items():
                     assert_close(got["opt"]["state"][i][k], v, atol=1e-4, rtol=0)
+
+
+def test_batchnorm_on_replicas_in_two_processes_keeps_each_replicas_statistics(trained):
+    """[Note: running statistics on replicas]: 2 processes of 2 replicas train a BatchNorm model
+    as 4 independent copies of it would, each normalising its own slices with its own
+    statistics, their gradients averaged; each process's host model holds its replica 0's
+    statistics, its replica 1 its own."""
+    blocks, G, R, D, b, calls = BN
+    torch.manual_seed(100)
+    copies = [BlockMLP(blocks, batchnorm=True)]
+    copies += [copy.deepcopy(copies[0]) for _ in range(P * R - 1)]  # copy p·R + r: replica r of p
+    opt = torch.optim.SGD(copies[0].parameters(), lr=0.02, momentum=0.9)
+    losses = [[[] for _ in range(calls)] for _ in range(P)]
+    for c in range(calls):
+        batches = [bn_call_data(c, p, P) for p in range(P)]
+        for d in range(D):
+            for m in copies:
+                m.zero_grad(set_to_none=True)
+            for p, (x, y) in enumerate(batches):
+                for j in range(G * R):
+                    k = (d * G * R + j) * b
+                    _, loss = copies[p * R + j % R](x[k:k + b], y[k:k + b])
+                    loss.backward()
+                    losses[p][c].append(loss.detach())
+            with torch.no_grad():
+                for ps in zip(*(m.parameters() for m in copies)):
+                    ps[0].grad = sum(q.grad for q in ps) / (G * R * P)
+            opt.step()
+            with torch.no_grad():
+                for ps in zip(*(m.parameters() for m in copies)):
+                    for q in ps[1:]:
+                        q.copy_(ps[0])
+        for r, result in enumerate(trained):
+            got, where = result["batchnorm"], f"process {r}, call {c}"
+            assert_close(got["losses"][c], torch.stack(losses[r][c]), atol=ATOL, rtol=0, msg=where)
+            for k, v in copies[r * R].state_dict().items():
+                assert_close(got["state"][c][k], v, atol=ATOL, rtol=0, msg=f"{k}, {where}")
+            for k, v in copies[r * R + 1].named_buffers():
+                assert_close(got["replica1"][c][k], v, atol=ATOL, rtol=0,
+                             msg=f"replica 1's {k}, {where}")
+    assert not torch.equal(copies[0].bn.running_mean, copies[R].bn.running_mean)
+
+
+def test_a_buffer_write_of_the_models_own_is_refused_in_every_process(trained):
+    for result in trained:
+        assert result["buffer_write"] == {"refused": (
+            "PopTorch does not support broadcasting buffers. If your model is able to tolerate "
+            "buffers becoming out of sync between replicas, you can disable buffer broadcasting "
+            "using poptorch.Options.broadcastBuffers(False). (The model changes buffers "
+            "['steps'] and replicationFactor is 1 in each of 2 processes.)"), "unchanged": True}
 
 
 def test_mismatched_options_are_refused_on_every_process_before_any_change(trained):

@@ -149,6 +149,8 @@ class Two(torch.nn.Module):
                 del self.bn.running_mean
             if self.tail == "reassign_buffer":
                 self.bn.running_mean = self.bn.running_mean * 2
+            if self.tail == "write_statistic":  # the model's write, not BatchNorm's update
+                self.bn.running_mean.mul_(0.5)
             if self.tail == "none":
                 return out
             if self.tail == "none_mse":  # trains on a loss it does not return
@@ -840,7 +842,7 @@ T = {
     "E-PART-12": lambda: first_call(Two(tail="one_hot"), opts()),
     "E-PART-13": lambda: buffer_kept(Two(tail="del_buffer", bn=True)),
     "E-PART-14": lambda: buffer_kept(Two(tail="reassign_buffer", bn=True)),
-    "E-PART-10": lambda: first_call(Two(bn=True), opts(R=2)),
+    "E-PART-10": lambda: first_call(Two(tail="write_statistic", bn=True), opts(R=2)),
     "E-PART-16": lambda: first_call(Returning(Holder), opts()),
     "E-PART-17": lambda: first_call(Returning(lambda t: NeedsTwo(t, t)), opts()),
     "E-PART-18": lambda: first_call(Two(tail="function_given_module"), opts()),

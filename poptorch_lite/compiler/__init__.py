@@ -2,7 +2,8 @@
 
 - ``markers``: the ops annotations leave in a traced graph, and the trace context;
 - ``structures``: inputs and outputs as tensor leaves and a structure that rebuilds them;
-- ``tracing``: the model run once, as an export, into an aten graph;
+- ``tracing``: the model run once, as an export, into an aten graph (``running_stats``: which
+  of its buffer writes are normalisations' updates);
 - ``value_info``: what a value computed by a stage looks like;
 - ``partition``: the traced graph split into stages, and the loss found;
 - ``retarget``: stage graphs rewritten for the device they run on;

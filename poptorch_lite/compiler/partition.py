@@ -102,6 +102,8 @@ class Partition:
             (str) for tensor leaves, or ``("const", value)`` for other leaves.
         out_spec: the pytree spec to rebuild the return value.
         mutated_buffers: names of buffers the forward changes in place.
+        statistics: those of them that only normalisations update, their running
+            statistics ([Note: running statistics on replicas] in ``running_stats``).
         checkpoints: value names marked by ``recomputationCheckpoint``.
         module_blocks: layer name -> block id active when it ran (for summaries).
         values: value name -> :class:`~poptorch_lite.compiler.value_info.ValueInfo` of every
@@ -120,6 +122,7 @@ class Partition:
     module_blocks: dict
     values: dict = dataclasses.field(default_factory=dict)
     replica_values: dict = dataclasses.field(default_factory=dict)
+    statistics: frozenset = frozenset()
 
     @property
     def num_stages(self) -> int:
@@ -329,7 +332,7 @@ def partition(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict,
         1
     """
     replica_values = dict(replica_values or {})
-    gm, pnames, bnames, spec, consts, layer_blocks, mutated = trace(
+    gm, pnames, bnames, spec, consts, layer_blocks, mutated, statistics = trace(
         model, modes, args, kwargs, training, generic, frozenset(replica_values))
     params = dict(model.named_parameters())
     stages, loss, tensor_outputs, checkpoints, _, values = split(
@@ -337,7 +340,7 @@ def partition(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict,
     it = iter(tensor_outputs)
     outputs = [next(it) if c is None else c for c in consts]
     return Partition(stages, loss, outputs, spec, mutated, checkpoints, layer_blocks, values,
-                     replica_values)
+                     replica_values, statistics)
 
 
 def check_pipeline_minimums(num_stages: int, strategy: ExecutionStrategy, training: bool,

@@ -59,6 +59,7 @@ from ..errors import RAISED_IN_TRACE, Error, TraceError, hide_when_refused as __
 from . import backward_hooks, grad_semantics, losses, markers, structures
 from .casting import _ImplicitCasting
 from .markers import _current, trace_context
+from .running_stats import StatisticsWatch
 from .subgraphs import wrap_target
 from .trace_state import UserGenerators, preserved_state, version_of
 from .trace_modes import PythonDraws, _InferenceSession, _TraceMode, user_file_test
@@ -273,14 +274,16 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
 
     Returns:
         ``(graph_module, param_names, buffer_names, out_spec, const_outputs,
-        module_blocks, mutated_buffers)``; the graph takes params, buffers, then
+        module_blocks, mutated_buffers, statistics)``; the graph takes params, buffers, then
         the tensor leaves of (args, kwargs), and returns the tensor leaves of the
         output. ``const_outputs`` has one entry per output leaf: None for a
         tensor, ``("const", value)`` for anything else (``None`` included).
         ``mutated_buffers`` names the buffers the forward wrote in place:
         their version counter moved or their values changed (op schemas do not
         announce every write: ``native_batch_norm`` updates its running
-        statistics without bumping a version).
+        statistics without bumping a version). ``statistics`` names those of them that
+        only normalisations updated ([Note: running statistics on replicas] in
+        ``running_stats``).
 
     Raises:
         TraceError: the forward deleted or reassigned a registered buffer, or did what
@@ -349,7 +352,8 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
         with preserved_state(model, modes, given, generators) as before, \
                 PythonDraws(model.forward), trace_context() as state, _export_style(model), \
                 grad, _quiet_torch_trace_log(), grad_semantics.recording(training), \
-                _TraceMode(generators.saw), _ImplicitCasting(), session:
+                _TraceMode(generators.saw), _ImplicitCasting(), session, \
+                StatisticsWatch(buffers, before) as watch:
             state.on_loss = on_loss
             versions = {n: version_of(b) for n, b in buffers.items()}
             # A table of its own (empty) keeps detach an op: make_fx's default turns it
@@ -358,6 +362,7 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
                          record_stack_traces=True, _error_on_data_dependent_ops=False)(*flat)
             mutated = frozenset(n for n, b in buffers.items() if version_of(b) != versions[n]
                                 or not torch.equal(b, before[id(b)]))
+            statistics = watch.statistics(mutated)
     except Error as exc:
         raise exc.with_traceback(_user_traceback(exc.__traceback__))
     except Exception as exc:  # the forward's own exception, as PopTorch re-raises it: its
@@ -379,7 +384,8 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
                                     for v in result["leaves"]])
     layer_blocks = {name: module_blocks[m] for name, m in model.named_modules()
                     if m in module_blocks and name}
-    return gm, list(params), list(buffers), result["spec"], consts, layer_blocks, mutated
+    return (gm, list(params), list(buffers), result["spec"], consts, layer_blocks, mutated,
+            statistics)
 
 
 @contextlib.contextmanager

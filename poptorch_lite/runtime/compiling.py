@@ -21,6 +21,7 @@ import torch
 from ..compiler import compiled_stages, retarget, rng, tracing
 from ..compiler.lowered import lower
 from ..compiler.partition import Partition, check_pipeline_minimums, partition
+from ..compiler.running_stats import tracks_statistics
 from ..enums import PipelineSchedule
 from ..errors import OptionsError, hide_when_refused as __tracebackhide__
 from ..options.options import Options
@@ -85,19 +86,25 @@ def _compiled(model, modes, options, training, mbs, weights, placement, replicas
     rng.check_user_generators(part.stages, recompute,
                               o.execution_strategy.schedule is PipelineSchedule.Sequential,
                               o.replication_factor, processes is not None)
-    if replicas * P > 1 and part.mutated_buffers and o.broadcast_buffers:
+    # [Note: running statistics on replicas] in ``compiler/running_stats``: normalisations'
+    # statistics are kept per replica; a write of the model's own is PopTorch's refusal.
+    kept = part.statistics if weights is None or weights.separate_buffers or replicas == 1 \
+        else frozenset()  # replicas sharing buffers since an earlier signature's program
+    own = part.mutated_buffers - kept
+    if replicas * P > 1 and own and o.broadcast_buffers:
         raise OptionsError(
             f"PopTorch does not support broadcasting buffers. If your model is able to "
             f"tolerate buffers becoming out of sync between replicas, you can disable buffer "
             f"broadcasting using poptorch.Options.broadcastBuffers(False). (The model changes "
-            f"buffers {sorted(part.mutated_buffers)} and replicationFactor is "
+            f"buffers {sorted(own)} and replicationFactor is "
             f"{o.replication_factor}{f' in each of {P} processes' if P > 1 else ''}.)")
     spans = processes is not None and processes.layout.spans_processes
     if spans:
         check_process_layout(processes.layout, part)
     mine = [st for st in part.stages if not spans or processes.layout.runs(st.ipu)]
-    if weights is None:
-        weights = Weights(model, replicas, separate_buffers=not o.broadcast_buffers,
+    if weights is None:  # buffers per replica where the model keeps running statistics
+        separate = not o.broadcast_buffers or bool(part.statistics) or tracks_statistics(model)
+        weights = Weights(model, replicas, separate_buffers=separate,
                           separate_memories=o.use_model,
                           offload=training and o.TensorLocations.offload_optimizer)
     ipus = {st.ipu for st in mine}

@@ -34,7 +34,8 @@ tensor even where two of them share a GPU. Every copy is
 made when a program is placed, on the caller's thread, so worker threads only
 read these tables. Buffers follow the same rule (the user's buffer where the
 memory is shared, else a copy per IPU, and per replica with
-``broadcastBuffers(False)``); replica 0's copies are what :meth:`to_host`
+``broadcastBuffers(False)`` or running statistics: [Note: running statistics on
+replicas] in ``compiler/running_stats``); replica 0's copies are what :meth:`to_host`
 brings back.
 
 [Note: host gradients]
