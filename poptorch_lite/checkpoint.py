@@ -19,6 +19,20 @@ random state and loader position. Every process calls ``load_checkpoint(path,
 ...)`` too, and loads its part; the processes first agree that every part is
 there, fits, and is of the same step, so a refusal happens in all of them.
 
+When the processes are data-parallel replicas of one whole pipeline, they hold the same
+weights and optimizer state (every step all-reduces their gradients), so one file holds
+the training state: whichever processes call ``save_checkpoint(path, ...)`` (every one, or
+only the main one, as ``is_main_process`` suggests), the main process alone writes it, so
+no two processes write one file. It holds the main process's buffers, which are its
+replica 0's where replicas keep their own ([Note: running statistics on replicas] in
+``compiler/running_stats``), its random state (the processes share one under
+``Options.randomSeed``, as the sharded shuffle requires) and its loader position (the same
+batch in every process: every process calls the model as often). Every process loads that
+file, and every replica starts again from those buffers. A position inside an epoch
+continues only with the process count it was saved with, since the rest of the epoch is
+split between the processes; at an epoch's end any count may go on
+(``DataLoader._check_position``); a refusal comes before anything loads.
+
 The file is written to a temporary file in the same folder, flushed to disk
 and renamed over the target, so a crash leaves either the old checkpoint or
 the new one, never half of one. It is read with ``torch.load(weights_only=True)``
@@ -61,7 +75,7 @@ from typing import Any, Optional
 
 import torch
 
-from .errors import CheckpointError
+from .errors import CheckpointError, DataLoaderError
 from .wrapper import PoplarExecutor
 
 FORMAT = "poptorch_lite checkpoint"
@@ -111,6 +125,8 @@ def save_checkpoint(path, model: PoplarExecutor, dataloader=None, extra: Any = N
         "extra": extra,
     }
     path = pathlib.Path(path)
+    if layout is None and model._processes is not None and model._processes.rank != 0:
+        return  # data-parallel processes: the main process writes the one file
     if layout is not None:  # [Note: checkpoints]: this process's part
         own = _own_keys(model)
         if not own:
@@ -347,12 +363,11 @@ def _check_fits(path, state: dict, model: PoplarExecutor, dataloader) -> None:
     if dataloader is not None and state["dataloader"] is None:
         raise CheckpointError(f"{where} holds no DataLoader position; save it with "
                               f"save_checkpoint(path, model, dataloader)")
-    if dataloader is not None:
-        batches, total = int(state["dataloader"]["batches"]), len(dataloader)
-        if batches > total:
-            raise CheckpointError(f"{where} stopped after batch {batches} of an epoch, but "
-                                  f"this loader has {total} batches per epoch; use the same "
-                                  f"dataset, batch size and options")
+    if dataloader is not None:  # the loader can continue the saved epoch: checked, not loaded
+        try:
+            dataloader._check_position(state["dataloader"])
+        except DataLoaderError as e:
+            raise CheckpointError(f"{where} cannot be resumed by this loader: {e}") from None
 
 
 def _is_generator_state(t) -> bool:

@@ -4,10 +4,12 @@
         python tests/_distributed_worker.py train OUT_DIR
 
 Scenarios: ``train`` runs every configuration of ``CONFIGS``, then a
-mismatched-options wrap, a BatchNorm model on replicas and a model writing its
-own buffer, saving what each call returned and the final state to
-``OUT_DIR/rank<r>.pt``; ``fail`` makes rank 1 pass a wrong batch on its second
-call and records the error each rank ends with in ``OUT_DIR/rank<r>.txt``;
+mismatched-options wrap, a BatchNorm model on replicas, a model writing its own
+buffer, and a run that saves checkpoints mid-epoch and at an epoch's end
+(``OUT_DIR/mid.pt``, ``OUT_DIR/end.pt``) for one process to resume, saving what
+each call returned and the final state to ``OUT_DIR/rank<r>.pt``; ``fail`` makes
+rank 1 pass a wrong batch on its second call and records the error each rank
+ends with in ``OUT_DIR/rank<r>.txt``;
 ``nccl`` runs two of the configurations with each process's model on its own GPU.
 Options pick rank and count up from the environment, as under torchrun.
 """
@@ -56,7 +58,7 @@ def call_data(config, call, rank, P):
     return x[k:k + C], y[k:k + C]
 
 
-def train(rank, P):
+def train(rank, P, out):
     results = {}
     for name, (blocks, G, R, D, schedule, reduction, opt_kind) in CONFIGS.items():
         torch.manual_seed(100 + rank)  # different weights per rank: the broadcast aligns them
@@ -82,6 +84,7 @@ def train(rank, P):
                                         for k, v in model.state_dict().items())
     results["batchnorm"] = batchnorm(rank, P)
     results["buffer_write"] = buffer_write(rank)
+    results["resume"] = resume(rank, P, out)
     return results
 
 
@@ -187,12 +190,45 @@ def fail(rank, out):
         raise
 
 
+def resumable():
+    """A BatchNorm model, its wrapper and a shuffling loader of 64 numbered samples, each
+    process reading its shard in combined batches of 8 (B=2, G=2, D=2)."""
+    model = BlockMLP(1, batchnorm=True)
+    opts = options(2, 1, 2, "grouped", "mean").randomSeed(3)
+    wrapped = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.05))
+    x, y = data(64, seed=11)
+    loader = poptorch.DataLoader(opts, torch.utils.data.TensorDataset(x, y, torch.arange(64)),
+                                 batch_size=B, shuffle=True)
+    return model, wrapped, loader
+
+
+def resume(rank, P, out):
+    """Save mid-epoch (after 2 of each process's 4 batches) and at the epoch's end, every
+    process calling save_checkpoint, process 0 first, then process 1: the samples each read,
+    and its state when it saved."""
+    torch.manual_seed(100 + rank)
+    model, wrapped, loader = resumable()
+    result = {"read": [], "saved": {}}
+    for step, (x, y, index) in enumerate(loader, 1):
+        wrapped(x, y)
+        result["read"] += index.tolist()
+        if step in (2, len(loader)):
+            name = "mid" if step == 2 else "end"
+            for turn in range(P):
+                if turn == rank:
+                    poptorch.save_checkpoint(f"{out}/{name}.pt", wrapped, loader)
+                torch.distributed.barrier()
+            result["saved"][name] = {k: v.clone() for k, v in model.state_dict().items()}
+    wrapped.destroy()
+    return result
+
+
 def main():
     scenario, out = sys.argv[1], sys.argv[2]
     opts = poptorch.Options()
     rank, P = opts.Distributed.processId, opts.Distributed.numProcesses
     if scenario == "train":
-        torch.save(train(rank, P), f"{out}/rank{rank}.pt")
+        torch.save(train(rank, P, out), f"{out}/rank{rank}.pt")
     elif scenario == "nccl":
         torch.save(nccl(rank, P), f"{out}/rank{rank}.pt")
     else:

@@ -24,7 +24,7 @@ from torch.testing import assert_close
 import poptorch_lite as poptorch
 
 from _distributed_worker import (B, BN, CALLS, CONFIGS, NCCL_CONFIGS, bn_call_data, call_data,
-                                 optimizer)
+                                 optimizer, resumable)
 from models import BlockMLP
 from processes import free_port, start
 
@@ -41,11 +41,17 @@ def spawn(scenario, out, timeout=120):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained_in(tmp_path_factory):
+    """The folder of the ``train`` scenario's results (and of its checkpoints)."""
     out = tmp_path_factory.mktemp("distributed")
     for code, _, stderr in spawn("train", out):
         assert code == 0, stderr[-3000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(P)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(trained_in):
+    return [torch.load(trained_in / f"rank{r}.pt", weights_only=False) for r in range(P)]
 
 
 def reference(name):
@@ -169,6 +175,49 @@ def test_a_buffer_write_of_the_models_own_is_refused_in_every_process(trained):
             "buffers becoming out of sync between replicas, you can disable buffer broadcasting "
             "using poptorch.Options.broadcastBuffers(False). (The model changes buffers "
             "['steps'] and replicationFactor is 1 in each of 2 processes.)"), "unchanged": True}
+
+
+def test_a_run_saved_mid_epoch_by_2_processes_is_refused_by_1_and_resumed_at_the_epochs_end(
+        trained_in, trained):
+    """Data-parallel processes write one checkpoint file, the main process's (its replica 0's
+    BatchNorm statistics, not process 1's, though process 1 saved after it). One process
+    refuses its mid-epoch position before changing anything (it would split the rest of the
+    epoch otherwise, reading samples twice or never); from the epoch's end it reads the next
+    epoch whole, every sample once."""
+    ranks = [result["resume"] for result in trained]
+    assert sorted(ranks[0]["read"] + ranks[1]["read"]) == list(range(64))  # the saved epoch
+    for name in ("mid", "end"):
+        saved = torch.load(trained_in / f"{name}.pt", weights_only=True)["model"]
+        assert all(torch.equal(v, ranks[0]["saved"][name][k]) for k, v in saved.items()), name
+        assert not torch.equal(saved["bn.running_mean"], ranks[1]["saved"][name]["bn.running_mean"])
+    assert sorted(os.listdir(trained_in)) == ["end.pt", "mid.pt", "rank0.pt", "rank1.pt"]
+
+    torch.manual_seed(5)
+    model, wrapped, loader = resumable()  # one process
+
+    def state():
+        return ({k: v.clone() for k, v in model.state_dict().items()},
+                copy.deepcopy(wrapped._optimizer.state_dict()), loader.state_dict(),
+                torch.get_rng_state())
+    before = state()
+    with pytest.raises(poptorch.CheckpointError, match=re.escape(
+            "cannot be resumed by this loader: the position (batch 2 of 4 of epoch 0) was saved "
+            "in the middle of an epoch by 2 processes, each reading combined batches of 8, but "
+            "this loader reads 8 combined batches of 8 in 1 process: the rest of that epoch "
+            "would be split otherwise and samples read twice or never. Resume with 2 processes")):
+        poptorch.load_checkpoint(trained_in / "mid.pt", wrapped, loader)
+    after = state()
+    assert all(torch.equal(v, after[0][k]) for k, v in before[0].items())
+    assert before[1:3] == after[1:3] and torch.equal(before[3], after[3])
+
+    info = poptorch.load_checkpoint(trained_in / "end.pt", wrapped, loader)
+    assert info.epoch == 0 and loader.state_dict()["batches"] == len(loader) == 8
+    read = []
+    for x, y, index in loader:
+        wrapped(x, y)
+        read += index.tolist()
+    assert sorted(read) == list(range(64)) and loader.state_dict()["epoch"] == 1
+    wrapped.destroy()
 
 
 def test_mismatched_options_are_refused_on_every_process_before_any_change(trained):

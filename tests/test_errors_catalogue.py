@@ -1007,6 +1007,8 @@ T = {
     "E-DL-18": lambda: loader_position({}, mode=poptorch.DataLoaderMode.Async),
     "E-DL-19": lambda: loader_position({"epoch": "one"}),
     "E-DL-20": lambda: loader_position({"epoch": 0, "batches": 7, "rng": None}),
+    "E-DL-22": lambda: loader_position({"epoch": 0, "batches": 1, "rng": torch.get_rng_state(),
+                                        "processes": 2, "combined": 2, "batches_per_epoch": 2}),
     "E-DL-21": lambda: loader_position({"epoch": 0, "batches": 1, "rng": torch.get_rng_state()},
                                        dataset=Stream()),
     # ops

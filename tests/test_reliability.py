@@ -674,6 +674,51 @@ def test_a_loader_position_is_checked():
     assert loader.state_dict()["epoch"] == 4
 
 
+def sharded_loader(P, batch_size=2):
+    """Process 0 of P's loader of 32 numbered samples, shuffled."""
+    opts = poptorch.Options().randomSeed(3)
+    opts.Distributed.configureProcessId(0, P)
+    return poptorch.DataLoader(opts, torch.utils.data.TensorDataset(torch.arange(32)),
+                               batch_size=batch_size, shuffle=True)
+
+
+def test_a_position_inside_an_epoch_continues_only_where_the_epoch_is_split_alike():
+    """[Note: checkpoints]: the rest of 2 processes' epoch is not 1 process's (nor the
+    reverse, nor another batch size's): refused, the loader unchanged; from an epoch's end
+    any process count reads the next epoch whole."""
+    two = sharded_loader(2)
+    batches = iter(two)
+    next(batches)
+    mid = two.state_dict()
+    for _ in batches:
+        pass
+    end = two.state_dict()
+    assert (mid["batches"], mid["processes"], end["batches"], end["batches_per_epoch"]) == (
+        1, 2, 8, 8)
+    one = sharded_loader(1)
+    fresh = one.state_dict()
+    with pytest.raises(poptorch.DataLoaderError, match=re.escape(
+            "the position (batch 1 of 8 of epoch 0) was saved in the middle of an epoch by 2 "
+            "processes, each reading combined batches of 2, but this loader reads 16 combined "
+            "batches of 2 in 1 process: the rest of that epoch would be split otherwise and "
+            "samples read twice or never. Resume with 2 processes and the same dataset")):
+        one.load_state_dict(mid)
+    assert one.state_dict() == fresh
+    one.load_state_dict(end)
+    assert one.state_dict()["batches"] == len(one) == 16  # epoch 0 is over here too
+    assert sorted(int(i) for (batch,) in one for i in batch) == list(range(32))
+    assert one.state_dict()["epoch"] == 1
+
+    batches = iter(one)  # the reverse, and another batch size
+    next(batches)
+    for other, says in ((sharded_loader(2), "by 1 process, each reading combined batches of 2, "
+                         "but this loader reads 8 combined batches of 2 in 2 processes"),
+                        (sharded_loader(1, batch_size=4), "by 1 process, each reading combined "
+                         "batches of 2, but this loader reads 8 combined batches of 4 in 1")):
+        with pytest.raises(poptorch.DataLoaderError, match=re.escape(says)):
+            other.load_state_dict(one.state_dict())
+
+
 def test_docstring_examples_run():
     import doctest
 

@@ -135,6 +135,7 @@ class DataLoader(torch.utils.data.DataLoader):
         n = options.Distributed.processes_per_pipeline
         P, p = max(options.Distributed.numProcesses // n, 1), options.Distributed.processId // n
         distributed = P > 1 and auto_distributed_partitioning
+        self._processes = P  # the data-parallel processes an epoch is split between
         self._epoch_sampler: Optional[_ProcessBlockSampler] = None
         self._rebatched_size: Optional[int] = None
         self._rebatched_drop_last = drop_last
@@ -301,8 +302,9 @@ class DataLoader(torch.utils.data.DataLoader):
         return _EpochIndices(super()._index_sampler, self)
 
     def state_dict(self) -> dict:
-        """The loader's position: the epoch, the batches of it handed out, and the random
-        state its shuffle started from ([Note: loader position]; saved in checkpoints).
+        """The loader's position: the epoch, the batches of it handed out, the random state
+        its shuffle started from, and how the epoch was split (the processes, the combined
+        batch, the batches per epoch) ([Note: loader position]; saved in checkpoints).
 
         Raises:
             errors.DataLoaderError: the loader is not in Sync mode.
@@ -313,13 +315,15 @@ class DataLoader(torch.utils.data.DataLoader):
             >>> batches = iter(loader)
             >>> _ = next(batches)
             >>> {k: v for k, v in loader.state_dict().items() if k != "rng"}
-            {'epoch': 0, 'batches': 1}
+            {'epoch': 0, 'batches': 1, 'processes': 1, 'combined': 2, 'batches_per_epoch': 3}
         """
         if self._accessor is not None:
             raise errors.DataLoaderError(
                 "the position of an Async-mode DataLoader cannot be saved: it reads ahead in a "
                 "thread, so its position is not the training's; use mode=DataLoaderMode.Sync")
-        return {"epoch": self._epoch, "batches": self._consumed, "rng": self._epoch_rng}
+        return {"epoch": self._epoch, "batches": self._consumed, "rng": self._epoch_rng,
+                "processes": self._processes, "combined": self._combined,
+                "batches_per_epoch": self._batches_per_epoch()}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state`` (:meth:`state_dict`): the next iteration reads the rest of
@@ -327,7 +331,22 @@ class DataLoader(torch.utils.data.DataLoader):
 
         Raises:
             errors.DataLoaderError: the state is not a loader position, the loader is not
-                in Sync mode, or an IterableDataset would have to skip batches.
+                in Sync mode, an IterableDataset would have to skip batches, or the position
+                is inside an epoch that this loader splits otherwise than the saving one.
+        """
+        epoch, batches, rng, total, finished = self._check_position(state)
+        self.set_epoch(epoch + 1 if finished else epoch)
+        self._epoch, self._consumed, self._epoch_rng = epoch, total if finished else batches, rng
+        self._resume = (rng, batches) if 0 < batches < total and not finished else None
+
+    def _check_position(self, state: dict) -> tuple:
+        """``(epoch, batches, rng, batches per epoch here, finished)`` of a position that this
+        loader can continue (it changes nothing; raises as :meth:`load_state_dict`).
+
+        A position inside an epoch continues only where the epoch is split as the saving
+        loader split it (processes, each reading its shard; combined batch; batches per
+        epoch): elsewhere samples would be read twice or never. A finished epoch continues
+        anywhere. A position saved before its split was recorded is taken to be this one's.
         """
         self.state_dict()  # refuses Async mode
         try:
@@ -341,14 +360,32 @@ class DataLoader(torch.utils.data.DataLoader):
                 f"an IterableDataset cannot skip to batch {batches} of epoch {epoch}; save "
                 f"checkpoints at epoch ends (or make the dataset resumable yourself)")
         total = len(self) if batches else 0  # an IterableDataset may have no len()
-        if not 0 <= batches <= total or (0 < batches < total and rng is None):
+        saved = state.get("batches_per_epoch", total)
+        finished = 0 < batches == saved
+        split = (state.get("processes", self._processes), state.get("combined", self._combined))
+        if 0 < batches and not finished and (*split, saved) != (self._processes, self._combined,
+                                                                 total):
+            procs = f"{split[0]} process{'es' if split[0] != 1 else ''}"
+            raise errors.DataLoaderError(
+                f"the position (batch {batches} of {saved} of epoch {epoch}) was saved in the "
+                f"middle of an epoch by {procs}, each reading combined batches of {split[1]}, "
+                f"but this loader reads {total} combined batches of {self._combined} in "
+                f"{self._processes} process{'es' if self._processes != 1 else ''}: the rest of "
+                f"that epoch would be split otherwise and samples read twice or never. Resume "
+                f"with {procs} and the same dataset, batch size and options, or from a position "
+                f"saved at an epoch's end (the next epoch may use any)")
+        if not finished and (not 0 <= batches <= total or (0 < batches < total and rng is None)):
             raise errors.DataLoaderError(
                 f"the position {batches} of epoch {epoch} does not fit this loader of {total} "
                 f"batches per epoch; load a position saved from a loader of the same dataset, "
                 f"batch size and options")
-        self.set_epoch(epoch + 1 if 0 < batches == total else epoch)  # a finished epoch
-        self._epoch, self._consumed, self._epoch_rng = epoch, batches, rng
-        self._resume = (rng, batches) if 0 < batches < total else None
+        return epoch, batches, rng, total, finished
+
+    def _batches_per_epoch(self) -> Optional[int]:
+        try:
+            return len(self)
+        except TypeError:  # an IterableDataset without a length
+            return None
 
 
 class _EpochIndices(torch.utils.data.Sampler):
