@@ -987,6 +987,27 @@ def test_replicas_keep_their_own_statistics_from_the_first_signature_that_update
     train.destroy()
 
 
+class ReadsANanBuffer(Probe):
+    """A buffer that holds a NaN and is only read."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("pad", torch.tensor([float("nan"), 1.0, 2.0, float("nan")]))
+
+    def forward(self, x, y):
+        h = torch.relu(self.fc1(x)) + torch.nan_to_num(self.pad)
+        out = self.fc3(torch.relu(self.fc2(h)))
+        return out, F.cross_entropy(out, y)
+
+
+def test_a_buffer_holding_a_nan_is_not_taken_for_a_write(device):
+    """A NaN differs from itself, but the buffer is only read: replicas run it (it was
+    refused as a buffer write)."""
+    torch.manual_seed(0)
+    trains_like_plain_pytorch(ReadsANanBuffer(), options(device, R=2, G=2, mode=All), device,
+                              G=2, R=2)
+
+
 # -- 6. effective batch arithmetic ------------------------------------------------------
 
 

@@ -178,4 +178,20 @@ def _changed(t: torch.Tensor, state: tuple) -> bool:
     if version_of(t) != version:
         return True
     with disable_proxy_modes_tracing(), torch._C.DisableTorchFunction():
-        return not torch.equal(t, value)
+        return not same_values(t, value)
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` holds ``b``'s values, a NaN where ``b`` has one (``torch.equal`` says a
+    buffer holding a NaN always differs from its copy).
+
+    Example:
+        >>> t = torch.tensor([1.0, float("nan")])
+        >>> torch.equal(t, t.clone()), same_values(t, t.clone())
+        (False, True)
+    """
+    if torch.equal(a, b):
+        return True
+    if not a.is_floating_point() or a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())

@@ -59,7 +59,7 @@ from ..errors import RAISED_IN_TRACE, Error, TraceError, hide_when_refused as __
 from . import backward_hooks, grad_semantics, losses, markers, structures
 from .casting import _ImplicitCasting
 from .markers import _current, trace_context
-from .running_stats import StatisticsWatch
+from .running_stats import StatisticsWatch, same_values
 from .subgraphs import wrap_target
 from .trace_state import UserGenerators, preserved_state, version_of
 from .trace_modes import PythonDraws, _InferenceSession, _TraceMode, user_file_test
@@ -361,7 +361,7 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
             gm = make_fx(run, decomposition_table={}, tracing_mode="real",
                          record_stack_traces=True, _error_on_data_dependent_ops=False)(*flat)
             mutated = frozenset(n for n, b in buffers.items() if version_of(b) != versions[n]
-                                or not torch.equal(b, before[id(b)]))
+                                or not same_values(b, before[id(b)]))
             statistics = watch.statistics(mutated)
     except Error as exc:
         raise exc.with_traceback(_user_traceback(exc.__traceback__))
