@@ -68,8 +68,8 @@ CONFIGS = {
 
 
 def build(kind):
-    """The model of a configuration. "replicable" has no BatchNorm (replicas would share its
-    buffers) and no dropout (a replica in another process draws its masks from the streams
+    """The model of a configuration. "replicable" has no BatchNorm (each replica keeps its own
+    statistics, which one reference model cannot) and no dropout (a replica in another process draws its masks from the streams
     of its own micro-batches, not from those of the one process's interleaved replicas)."""
     torch.manual_seed(100)
     if kind == "skip":
