@@ -101,6 +101,9 @@ class CheckpointInfo:
 def save_checkpoint(path, model: PoplarExecutor, dataloader=None, extra: Any = None) -> None:
     """Write the complete training state of ``model`` to ``path``, atomically.
 
+    Of data-parallel processes the main one alone writes ``path``; of a pipeline spread
+    over processes each writes its own part ([Note: checkpoints]).
+
     Args:
         path: the file to write (replaced if it exists).
         model: a model wrapped by ``trainingModel``.
