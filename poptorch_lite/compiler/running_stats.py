@@ -44,8 +44,9 @@ whatever the statistics). ``num_batches_tracked`` counts each replica's micro-ba
 The host model receives replica 0's buffers (``copyWeightsToHost``, reading the wrapped
 model, a checkpoint), as PopART returns a replicated variable's first replica; replicas in
 other processes keep theirs in their own process (``distributed``), and the main process's
-are its replica 0's. Writing the host's buffers (``copyWeightsToDevice``, loading a
-checkpoint) gives every replica those values.
+are its replica 0's. ``copyWeightsToDevice`` (and so loading a state dict or a
+checkpoint) gives every replica the host's buffers; an edit of the host copy between calls
+reaches replica 0, whose copy it is ([Note: weight homes] in ``runtime/weights``).
 """
 
 from __future__ import annotations
