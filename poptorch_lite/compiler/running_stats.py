@@ -39,8 +39,10 @@ whose program first updates statistics that the replicas share is refused as abo
 
 What the numbers are: replica r normalises with its own slice's batch statistics and
 updates its own running statistics from them, exactly as R independent copies of the
-model would, each fed its slice (gradients, averaged over the replicas, are the same
-whatever the statistics). ``num_batches_tracked`` counts each replica's micro-batches.
+model would, each fed its slice, their gradients averaged (a training batch norm
+normalises with its batch's statistics: the running ones change no gradient).
+``num_batches_tracked`` counts each replica's micro-batches, as plain PyTorch's does
+(PopTorch's stays at its initial value, a constant on the IPU).
 The host model receives replica 0's buffers (``copyWeightsToHost``, reading the wrapped
 model, a checkpoint), as PopART returns a replicated variable's first replica; replicas in
 other processes keep theirs in their own process (``distributed``), and the main process's
