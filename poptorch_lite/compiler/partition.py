@@ -37,7 +37,7 @@ import torch.fx as fx
 from ..enums import AutoStage, PipelineSchedule
 from ..errors import BlockError, PipelineError, hide_when_refused as __tracebackhide__
 from ..strategies import ExecutionStrategy
-from . import backward_hooks, grad_semantics, losses as losses_, markers, rng
+from . import backward_hooks, grad_semantics, losses as losses_, markers, rng, state
 from .subgraphs import segment_groups, subgraphs
 from .trace_modes import node_line
 from .tracing import trace
@@ -111,6 +111,9 @@ class Partition:
         replica_values: parameter name -> the value (index along dim 0) each replica computes
             with, for per-replica variables ([Note: per-replica variables] in
             ``runtime/replica_groups``); traced as one value.
+        shared_state: ``{value name: (writing stages, other stages reading it)}`` of the
+            buffers and parameters that several stages write, or that a stage reads before
+            its writer ([Note: state across stages] in ``state``).
     """
 
     stages: list
@@ -123,6 +126,7 @@ class Partition:
     values: dict = dataclasses.field(default_factory=dict)
     replica_values: dict = dataclasses.field(default_factory=dict)
     statistics: frozenset = frozenset()
+    shared_state: dict = dataclasses.field(default_factory=dict)
 
     @property
     def num_stages(self) -> int:
@@ -170,13 +174,15 @@ def _block_stage_ids(blocks: list, strategy: ExecutionStrategy) -> dict:
 
 def split(gm: fx.GraphModule, param_names: Sequence[str], buffer_names: Sequence[str],
           strategy: ExecutionStrategy, training: bool,
-          trainable: Callable[[str], bool] = lambda name: True) -> tuple:
+          trainable: Callable[[str], bool] = lambda name: True,
+          mutated: frozenset = frozenset()) -> tuple:
     """Split a traced graph into stages.
 
-    ``trainable`` says whether a parameter requires grad ([Note: value info]).
+    ``trainable`` says whether a parameter requires grad ([Note: value info]); ``mutated``
+    names the buffers the trace saw change.
 
     Returns:
-        ``(stages, loss, output_values, checkpoints, block_stage, values)``.
+        ``(stages, loss, output_values, checkpoints, block_stage, values, shared_state)``.
 
     Raises:
         BlockError: an op outside any Block, an unknown or unnamed block, or
@@ -270,6 +276,8 @@ def split(gm: fx.GraphModule, param_names: Sequence[str], buffer_names: Sequence
     if not runs:
         runs = [(0, [], [])]
     backward_hooks.check_module_hooks([run[1] for run in runs])
+    # State written in one stage and read in another ([Note: state across stages]).
+    shared_state = state.follow_state(gm, runs, source_name, mutated)
 
     # 4. The loss, by provenance ([Note: loss provenance]), and the returned value that
     # trains ([Note: the trained loss]).
@@ -312,7 +320,7 @@ def split(gm: fx.GraphModule, param_names: Sequence[str], buffer_names: Sequence
     computed = {v for st in stages for v in st.outputs if v.startswith("node:")}
     values = value_infos(gm, source_name, trainable, value_name, computed)
     return (stages, loss, output_values,
-            frozenset(value_name(c) for c in checkpoint_nodes), block_stage, values)
+            frozenset(value_name(c) for c in checkpoint_nodes), block_stage, values, shared_state)
 
 
 def partition(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict,
@@ -335,12 +343,12 @@ def partition(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict,
     gm, pnames, bnames, spec, consts, layer_blocks, mutated, statistics = trace(
         model, modes, args, kwargs, training, generic, frozenset(replica_values))
     params = dict(model.named_parameters())
-    stages, loss, tensor_outputs, checkpoints, _, values = split(
-        gm, pnames, bnames, strategy, training, lambda name: params[name].requires_grad)
+    stages, loss, tensor_outputs, checkpoints, _, values, shared = split(
+        gm, pnames, bnames, strategy, training, lambda name: params[name].requires_grad, mutated)
     it = iter(tensor_outputs)
     outputs = [next(it) if c is None else c for c in consts]
     return Partition(stages, loss, outputs, spec, mutated, checkpoints, layer_blocks, values,
-                     replica_values, statistics)
+                     replica_values, statistics, shared)
 
 
 def check_pipeline_minimums(num_stages: int, strategy: ExecutionStrategy, training: bool,

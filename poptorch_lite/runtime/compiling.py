@@ -23,15 +23,16 @@ from ..compiler.lowered import lower
 from ..compiler.partition import Partition, check_pipeline_minimums, partition
 from ..compiler.running_stats import tracks_statistics
 from ..enums import PipelineSchedule
-from ..errors import OptionsError, hide_when_refused as __tracebackhide__
+from ..errors import BlockError, OptionsError, hide_when_refused as __tracebackhide__
 from ..options.options import Options
 from .batch import MicroBatches
 from .channels import Channels
+from .devices import resolve_devices
 from .executor import Executor
 from .placement import Placement
 from .program import Program
 from .step_graph import for_program
-from .weights import Weights
+from .weights import Weights, one_tensor
 
 
 def compile_program(model: torch.nn.Module, modes: dict, options: Options, training: bool,
@@ -81,6 +82,8 @@ def _compiled(model, modes, options, training, mbs, weights, placement, replicas
     check_pipeline_minimums(part.num_stages, o.execution_strategy, training,
                             o.Training.gradient_accumulation, o.device_iterations)
     check_mapped(part, o.ipu_devices)
+    spans = processes is not None and processes.layout.spans_processes
+    check_shared_state(part, model, o, processes.layout.runs if spans else lambda ipu: True)
     P = processes.layout.pipelines if processes is not None else 1  # data-parallel processes
     recompute = tuple(recomputed(o, st) for st in part.stages) if training else ()
     rng.check_user_generators(part.stages, recompute,
@@ -98,7 +101,6 @@ def _compiled(model, modes, options, training, mbs, weights, placement, replicas
             f"broadcasting using poptorch.Options.broadcastBuffers(False). (The model changes "
             f"buffers {sorted(own)} and replicationFactor is "
             f"{o.replication_factor}{f' in each of {P} processes' if P > 1 else ''}.)")
-    spans = processes is not None and processes.layout.spans_processes
     if spans:
         check_process_layout(processes.layout, part)
     mine = [st for st in part.stages if not spans or processes.layout.runs(st.ipu)]
@@ -155,6 +157,53 @@ def check_mapped(part: Partition, mapping) -> None:
             f"{{{', '.join(f'{i}: {str(mapping[i])!r}' for i in sorted(mapping))}"
             f"{', ' if mapping else ''}{missing[0].ipu}: 'cpu'}}), or change the block's "
             f"ipu_id")
+
+
+def check_shared_state(part: Partition, model: torch.nn.Module, options: Options,
+                       runs_here) -> None:
+    """Refuse state that several stages write, or that a stage reads before its writer, where
+    a read would not see the write before it ([Note: state across stages] in
+    ``compiler/state``): micro-batch i's read needs micro-batch i-1's write in a later stage.
+
+    Args:
+        runs_here: IPU -> whether this process runs it.
+
+    Raises:
+        BlockError: under a schedule that overlaps micro-batches (every one but Sequential),
+            or where those stages compute with separate copies of it (``useIpuModel``, GPUs,
+            stages in other processes).
+    """
+    strategy = options.execution_strategy
+    for name, (writers, readers) in part.shared_state.items():
+        kind, key = name.split(":", 1)
+        ipus = sorted({part.stages[s].ipu for s in (*writers, *readers)})
+        if strategy.schedule is not PipelineSchedule.Sequential:
+            why = (f"the {strategy.schedule.name} schedule runs stages of different "
+                   f"micro-batches at once, so a read sees whichever writes have run by then")
+        elif not all(map(runs_here, ipus)):
+            why = "those stages run in different processes, each with its own copy of it"
+        else:
+            host = dict(model.named_parameters() if kind == "param" else model.named_buffers())
+            devices = list(resolve_devices(ipus, options.ipu_devices).values())
+            if one_tensor(host[key], devices, options.use_model, kind == "param"):
+                continue
+            why = (f"IPUs {', '.join(map(str, ipus))} each compute with their own copy of it "
+                   f"({'useIpuModel: a memory per IPU' if options.use_model else 'on ' + ', '.join(map(str, devices))}"
+                   f"), so a read never sees another IPU's write")
+
+        def where(stages) -> str:
+            return ", ".join(f"{s} (blocks {list(part.stages[s].blocks)}, IPU "
+                             f"{part.stages[s].ipu})" for s in stages)
+        early = [t for t in readers if t < min(writers)]
+        raise BlockError(
+            f"{kind} '{key}' is written in forward by stage{'s' if len(writers) > 1 else ''} "
+            f"{where(writers)}"
+            + (f" and read before that by stage{'s' if len(early) > 1 else ''} {where(early)}"
+               if early else "")
+            + f": plain PyTorch's micro-batch i reads it after micro-batch i-1's writes, but "
+            f"{why}. Move the {kind}'s reads and writes into one stage (one block, or blocks "
+            f"on one IPU), or use ShardedExecution (or PipelinedExecution(schedule="
+            f"PipelineSchedule.Sequential)) on IPUs that share one memory")
 
 
 def check_process_layout(layout, part: Partition) -> None:
