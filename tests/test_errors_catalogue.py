@@ -261,6 +261,23 @@ class NeedsTwo(dict):
         super().__init__(a=a, b=b)
 
 
+class ReadBeforeWritten(torch.nn.Module):
+    """Block a reads a buffer that block b writes (E-PART-25, E-PART-26)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.register_buffer("seen", torch.zeros(4))
+
+    def forward(self, x, y):
+        with poptorch.Block("a", ipu_id=0):
+            h = self.l1(x + self.seen)
+        with poptorch.Block("b", ipu_id=1):
+            with torch.no_grad():
+                self.seen.add_(h.mean(0))
+            return F.mse_loss(self.l2(h), y)
+
+
 class Returning(torch.nn.Module):
     """Returns its loss beside ``wrap(out)``."""
 
@@ -852,6 +869,8 @@ T = {
     "E-PART-23": lambda: first_call(Two(tail="generator_made"), opts()),
     "E-OPT-41": lambda: first_call(Two(tail="generator"), opts(R=2)),
     "E-PART-24": lambda: first_call(Two(tail="packed"), opts()),
+    "E-PART-25": lambda: first_call(ReadBeforeWritten(), opts(poptorch.PipelinedExecution(), G=3)),
+    "E-PART-26": lambda: first_call(ReadBeforeWritten(), opts().useIpuModel(True)),
     "E-PART-15": lambda: without_kernel("aten::addmm", lambda: first_call(
         Two(), opts(strategy=poptorch.PipelinedExecution("a", "b"), G=4))),
     # pipelining

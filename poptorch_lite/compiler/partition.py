@@ -111,9 +111,9 @@ class Partition:
         replica_values: parameter name -> the value (index along dim 0) each replica computes
             with, for per-replica variables ([Note: per-replica variables] in
             ``runtime/replica_groups``); traced as one value.
-        shared_state: ``{value name: (writing stages, other stages reading it)}`` of the
-            buffers and parameters that several stages write, or that a stage reads before
-            its writer ([Note: state across stages] in ``state``).
+        shared_state: the buffers and parameters that several stages write, or that a
+            stage reads before its writer (``state.follow_state``; [Note: state across
+            stages] in ``state``).
     """
 
     stages: list

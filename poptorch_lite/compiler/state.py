@@ -19,10 +19,12 @@ the stages that write it and those that read it:
   its last write, a ``clone`` per micro-batch, and every later stage that reads the state
   reads the snapshot instead (a view it takes is taken of the snapshot). The snapshot is a
   value between stages like any other ([Note: partition] in ``partition``): it crosses
-  memories, streams and processes, a recompute keeps it, and for a parameter (or a buffer
-  written with values that carry gradients: [Note: buffers written in forward] in
-  ``runtime/stage_work``) its gradient flows back through the boundary into s and on into
-  the parameter's home, as a tied weight's does.
+  memories, streams and processes, a recompute keeps it, and for a parameter its gradient
+  flows back through the boundary into s and on into the parameter's home, as a tied
+  weight's does. (A buffer is state, not a weight: its snapshot carries no gradient to
+  other processes, [Note: value info] in ``value_info``; plain PyTorch could not take one
+  through it past the first micro-batch, [Note: buffers written in forward] in
+  ``runtime/stage_work``.)
 - **Read before its writer, or written by several stages.** Micro-batch i's read in stage t
   then needs micro-batch i-1's write in a later stage. Only a schedule that runs one action
   at a time, micro-batch after micro-batch (Sequential: ``ShardedExecution`` and the phased
@@ -91,9 +93,11 @@ def follow_state(gm: fx.GraphModule, runs: list, source_name: dict,
         mutated_buffers: the buffers the trace saw change.
 
     Returns:
-        ``{value name: (writing stages, other stages reading it)}`` of the state that
-        several stages write, or that a stage reads before its writer: what only a
-        one-at-a-time schedule on one memory runs as plain PyTorch does.
+        ``{value name: (writing stages, other stages reading it, whether the writes are
+        known)}`` of the state that several stages write, or that a stage reads before its
+        writer: what only a one-at-a-time schedule on one memory runs as plain PyTorch does.
+        Where no op says it writes the state (native_batch_norm's statistics), every stage
+        that uses it may.
     """
     stage_of = {n: s for s, (_, nodes, _) in enumerate(runs) for n in nodes}
     root: dict = {}  # node -> the state placeholder whose memory it is
@@ -114,19 +118,18 @@ def follow_state(gm: fx.GraphModule, runs: list, source_name: dict,
         if p not in writes and source_name[p].split(":", 1)[1] not in mutated_buffers:
             continue
         family = [n for n in root if root[n] is p]
-        if len({stage_of[u] for n in family for u in (n, *n.users) if u in stage_of}) < 2:
-            continue  # one stage has it (BatchNorm's statistics): nothing crosses
-        _made_locally(gm, runs, stage_of, root, p)
+        if len({stage_of[u] for n in family for u in (n, *n.users) if u in stage_of}) > 1:
+            _made_locally(gm, runs, stage_of, root, p)
         written = writes.get(p, [])
         touch = sorted({stage_of[u] for n in root if root[n] is p for u in n.users
                         if u in stage_of and (root.get(u) is not p or u in written)})
         # A write no schema announces (native_batch_norm's statistics): every stage may write.
         writers = sorted({stage_of[n] for n in written}) or touch
         if len(writers) == 1 and touch[0] >= writers[0]:
-            if touch[-1] > writers[0]:
-                _snapshot(gm, runs, stage_of, p, source_name[p], writers[0], written)
+            _snapshot(gm, runs, stage_of, root, p, source_name[p], writers[0], written)
         elif len(touch) > 1:
-            shared[source_name[p]] = (tuple(writers), tuple(t for t in touch if t not in writers))
+            shared[source_name[p]] = (tuple(writers), tuple(t for t in touch if t not in writers),
+                                      bool(written))
     return shared
 
 
@@ -170,19 +173,47 @@ def _made_locally(gm: fx.GraphModule, runs: list, stage_of: dict, root: dict,
             gm.graph.erase_node(n)
 
 
-def _snapshot(gm: fx.GraphModule, runs: list, stage_of: dict, p: fx.Node, name: str, s: int,
-              written: list) -> None:
-    """Stage s returns state ``p``'s value after its writes, a clone per micro-batch; the
-    later stages read that instead of ``p``."""
-    last = runs[s][1][-1]
-    with gm.graph.inserting_after(last):
+def _snapshot(gm: fx.GraphModule, runs: list, stage_of: dict, root: dict, p: fx.Node,
+              name: str, s: int, written: list) -> None:
+    """Stage s clones state ``p`` after its last write, once per micro-batch, and everything
+    after that reads the clone: later ops of s and the later stages (``p``'s views are taken
+    again of the clone)."""
+    nodes = runs[s][1]
+    at = max(nodes.index(n) for n in written) if written else len(nodes) - 1
+    reads = [u for u in (*nodes[at + 1:], *(n for _, ns, _ in runs[s + 1:] for n in ns))
+             if any(root.get(a) is p for a in u.all_input_nodes)]
+    if not reads:
+        return  # the last write is the last word
+    before = set(nodes[:at + 1]) | {p}
+    with gm.graph.inserting_after(nodes[at]):
         snap = gm.graph.create_node("call_function", torch.ops.aten.clone.default, (p,),
-                                    name=f"{name.split(':', 1)[1].replace('.', '_')}_after_stage{s}")
+                                    name=f"{name.split(':', 1)[1].replace('.', '_')}_snapshot")
     snap.meta["val"] = p.meta.get("val")
-    snap.meta["stack_trace"] = written[-1].meta.get("stack_trace") if written else None
-    snap.meta["written_by"] = tuple(written)  # a gradient may come through what was written
-    runs[s][1].append(snap)
-    stage_of[snap] = s
-    for u in list(p.users):
-        if stage_of.get(u, -1) > s:
-            u.replace_input_with(p, snap)
+    snap.meta["stack_trace"] = nodes[at].meta.get("stack_trace")
+    cursor = [snap]
+    made = {p: snap}
+
+    def again(n: fx.Node) -> fx.Node:  # n, made of the clone rather than of p
+        if n not in made:
+            base = _aliased_input(n)
+            if base in _written(n):  # an in-place result: base's memory itself
+                made[n] = again(base)
+            else:
+                here = again(base)
+                with gm.graph.inserting_after(cursor[0]):
+                    view = gm.graph.create_node(
+                        "call_function", n.target,
+                        tuple(here if a is base else a for a in n.args),
+                        {k: here if v is base else v for k, v in n.kwargs.items()})
+                view.meta.update(n.meta)
+                cursor[0] = made[n] = view
+        return made[n]
+
+    for u in reads:
+        for n in list(u.all_input_nodes):
+            if root.get(n) is p and n in before:
+                u.replace_input_with(n, again(n))
+    made = [n for n in gm.graph.nodes if n is snap or n in set(made.values())]
+    nodes[at + 1:at + 1] = made
+    for n in made:
+        stage_of[n], root[n] = s, None

@@ -80,8 +80,7 @@ def value_infos(gm: fx.GraphModule, source_name: dict, trainable: Callable[[str]
         if n.op != "call_function":
             differentiable[n] = dynamic[n] = False
             continue
-        # A snapshot of state carries what was written into it ([Note: state across stages]).
-        inputs = [*n.all_input_nodes, *n.meta.get("written_by", ())]
+        inputs = n.all_input_nodes
         val = n.meta.get("val")
         tags = getattr(n.target, "tags", ())
         dynamic[n] = torch.Tag.dynamic_output_shape in tags or any(dynamic.get(m) for m in inputs)

@@ -174,7 +174,7 @@ def check_shared_state(part: Partition, model: torch.nn.Module, options: Options
             stages in other processes).
     """
     strategy = options.execution_strategy
-    for name, (writers, readers) in part.shared_state.items():
+    for name, (writers, readers, known) in part.shared_state.items():
         kind, key = name.split(":", 1)
         ipus = sorted({part.stages[s].ipu for s in (*writers, *readers)})
         if strategy.schedule is not PipelineSchedule.Sequential:
@@ -187,23 +187,32 @@ def check_shared_state(part: Partition, model: torch.nn.Module, options: Options
             devices = list(resolve_devices(ipus, options.ipu_devices).values())
             if one_tensor(host[key], devices, options.use_model, kind == "param"):
                 continue
+            memory = ("useIpuModel: a memory per IPU" if options.use_model
+                      else f"on {', '.join(map(str, devices))}")
             why = (f"IPUs {', '.join(map(str, ipus))} each compute with their own copy of it "
-                   f"({'useIpuModel: a memory per IPU' if options.use_model else 'on ' + ', '.join(map(str, devices))}"
-                   f"), so a read never sees another IPU's write")
+                   f"({memory}), so a read never sees another IPU's write")
 
-        def where(stages) -> str:
-            return ", ".join(f"{s} (blocks {list(part.stages[s].blocks)}, IPU "
-                             f"{part.stages[s].ipu})" for s in stages)
-        early = [t for t in readers if t < min(writers)]
         raise BlockError(
-            f"{kind} '{key}' is written in forward by stage{'s' if len(writers) > 1 else ''} "
-            f"{where(writers)}"
-            + (f" and read before that by stage{'s' if len(early) > 1 else ''} {where(early)}"
-               if early else "")
-            + f": plain PyTorch's micro-batch i reads it after micro-batch i-1's writes, but "
-            f"{why}. Move the {kind}'s reads and writes into one stage (one block, or blocks "
-            f"on one IPU), or use ShardedExecution (or PipelinedExecution(schedule="
-            f"PipelineSchedule.Sequential)) on IPUs that share one memory")
+            f"{_state_use(part, kind, key, writers, readers, known)}: plain PyTorch's "
+            f"micro-batch i reads it after micro-batch i-1's writes, but {why}. Move the "
+            f"{kind}'s reads and writes into one stage (one block, or blocks on one IPU), or "
+            f"use ShardedExecution (or PipelinedExecution(schedule=PipelineSchedule."
+            f"Sequential)) on IPUs that share one memory")
+
+
+def _state_use(part: Partition, kind: str, key: str, writers: tuple, readers: tuple,
+               known: bool) -> str:
+    """Which stages write state and which read it before them, for a refusal."""
+    def where(stages) -> str:
+        return f"stage{'s' if len(stages) > 1 else ''} " + ", ".join(
+            f"{s} (blocks {list(part.stages[s].blocks)}, IPU {part.stages[s].ipu})"
+            for s in stages)
+    if not known:
+        return (f"{kind} '{key}' changes in forward in an op that does not say where "
+                f"(BatchNorm's statistics), and {where(writers)} use it")
+    early = [t for t in readers if t < min(writers)]
+    return (f"{kind} '{key}' is written in forward by {where(writers)}"
+            + (f" and read before that by {where(early)}" if early else ""))
 
 
 def check_process_layout(layout, part: Partition) -> None:

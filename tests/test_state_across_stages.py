@@ -1,0 +1,251 @@
+"""Transparency for state that one stage writes in forward and another reads ([Note: state
+across stages] in compiler/state.py): a buffer (an EMA, a counter, a queue written through a
+slice) or a parameter (``nn.Embedding(max_norm=...)``, tied to a head on another stage).
+
+Each micro-batch reads what plain PyTorch's loop would read at that point, on every device,
+under every schedule, with and without recomputation; the shapes no pipeline can run so
+(read before the writer, two writers) are refused before any state changes, and run exactly
+where one action runs at a time on one memory.
+"""
+
+import copy
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+import poptorch_lite as poptorch
+
+from poptorch_lite.compiler.partition import partition
+
+from models import on_device, reference_training, trained_grads, twin
+
+ATOL = 1e-5
+SCHEDULES = ["sequential", "grouped", "interleaved", "gpipe", "zero_bubble"]
+G, D, B = 3, 2, 2  # 6 micro-batches a call, an optimizer step every 3
+
+
+class WrittenState(torch.nn.Module):
+    """Four blocks on ``ipus``. Blocks 0 and 1 compute; block 1 writes ``kind``'s state
+    (block 0 when ``kind`` is tied_max_norm: the embedding's lookup renormalises its rows);
+    blocks 2 and 3 read it.
+
+    kinds: "ema" (a buffer following the features), "counter" (an int buffer counting
+    micro-batches, which the read saves for its backward), "queue" (rows of a buffer written
+    through a slice, the whole read), "queue_view" (the same, the rows' view taken in block
+    0), and "tied_max_norm" (an ``nn.Embedding(max_norm=1)`` whose weight the head uses, tied).
+    """
+
+    def __init__(self, kind: str, ipus=(0, 0, 1, 1)):
+        super().__init__()
+        self.kind, self.ipus = kind, ipus
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.head = torch.nn.Linear(8, 4)
+        if kind == "tied_max_norm":
+            self.emb = torch.nn.Embedding(10, 8, max_norm=1.0)
+            with torch.no_grad():
+                self.emb.weight.mul_(3)  # most rows are longer than max_norm: renormalised
+        self.register_buffer("ema", torch.zeros(8))
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+        self.register_buffer("queue", torch.zeros(4, 8))
+
+    def forward(self, x, y):
+        poptorch.Block.start("b0", ipu_id=self.ipus[0])
+        h = self.emb(x) if self.kind == "tied_max_norm" else x
+        h = torch.relu(self.layers[0](h))
+        rows = self.queue[1:3]
+        poptorch.Block.start("b1", ipu_id=self.ipus[1])
+        h = torch.relu(self.layers[1](h))
+        with torch.no_grad():
+            if self.kind == "ema":
+                self.ema.mul_(0.5).add_(h.mean(0), alpha=0.5)
+            elif self.kind == "queue":
+                self.queue[1:3] = h[:2]
+            elif self.kind == "queue_view":
+                rows.copy_(h[:2])
+        if self.kind == "counter":
+            self.count += 1
+        poptorch.Block.start("b2", ipu_id=self.ipus[2])
+        if self.kind == "ema":
+            h = h + self.ema
+        elif self.kind == "counter":
+            h = h * self.count / 4
+        elif self.kind in ("queue", "queue_view"):
+            h = h + self.queue.mean(0)
+        h = torch.relu(self.layers[2](h))
+        poptorch.Block.start("b3", ipu_id=self.ipus[3])
+        out = self.head(h)
+        if self.kind == "tied_max_norm":
+            out = h @ self.emb.weight.t()
+        return out, F.cross_entropy(out, y)
+
+
+def batch(kind: str, n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    classes = 10 if kind == "tied_max_norm" else 4
+    x = (torch.randint(0, 10, (n,), generator=g) if kind == "tied_max_norm"
+         else torch.randn(n, 8, generator=g))
+    return x, torch.randint(0, classes, (n,), generator=g)
+
+
+def options(schedule, recompute, device, strategy=None):
+    opts = poptorch.Options().setExecutionStrategy(
+        strategy or poptorch.PipelinedExecution(schedule=schedule)).deviceIterations(D)
+    opts.Training.gradientAccumulation(G)
+    opts.outputMode(poptorch.OutputMode.All)
+    on_device(opts, device)
+    if recompute:
+        opts._Popart.set("autoRecomputation", 3)
+    return opts
+
+
+def train_against_plain_pytorch(model, opts, device):
+    """Two calls of a wrapped copy of ``model`` and of plain PyTorch's loop over the same
+    micro-batches: outputs, losses, gradients, weights, buffers and optimizer state agree."""
+    ref = twin(model, device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    train = poptorch.trainingModel(model, opts, opt)
+    try:
+        for call in range(2):
+            x, y = batch(model.kind, B * G * D, seed=call)
+            out, loss = train(x, y)
+            ref_outs, ref_losses, ref_grads = reference_training(ref, ref_opt, x, y, D, G, 1)
+            assert_close(out, torch.cat(ref_outs), atol=ATOL, rtol=0)
+            assert_close(loss, torch.stack(ref_losses), atol=ATOL, rtol=0)
+            for name, g in trained_grads(train).items():
+                assert_close(g, ref_grads[name], atol=ATOL, rtol=0, msg=f"grad of {name}")
+            for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+                assert_close(a, b.detach().cpu(), atol=ATOL, rtol=0, msg=f"call {call}: {name}")
+            state, ref_state = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+            assert state.keys() == ref_state.keys()
+            for k, held in state.items():
+                assert_close(held["momentum_buffer"], ref_state[k]["momentum_buffer"].cpu(),
+                             atol=ATOL, rtol=0)
+    finally:
+        train.destroy()
+
+
+ROWS = [(kind, ipus) for kind in ("ema", "counter", "queue", "queue_view", "tied_max_norm")
+        for ipus in ((0, 0, 1, 1), (0, 1, 1, 1))]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("recompute", [False, True], ids=["", "recompute"])
+@pytest.mark.parametrize("kind,ipus", ROWS, ids=[f"{k}-ipus{''.join(map(str, i))}"
+                                                 for k, i in ROWS])
+def test_state_written_in_one_stage_and_read_in_a_later_one_matches_plain_pytorch(
+        kind, ipus, schedule, recompute, device):
+    """Each micro-batch's later stages read the state as the writing stage left it for that
+    micro-batch (its snapshot), not as other micro-batches' writes or another IPU's copy
+    have it by then; the writer's parameter gets the head's gradient."""
+    torch.manual_seed(0)
+    model = WrittenState(kind, ipus)
+    train_against_plain_pytorch(model, options(schedule, recompute, device), device)
+    assert model.count.item() == (2 * G * D if kind == "counter" else 0)
+    assert (model.ema.abs().sum() > 0) == (kind == "ema")
+    assert (model.queue.abs().sum() > 0) == kind.startswith("queue")
+
+
+@pytest.mark.parametrize("kind,ipus", ROWS, ids=[f"{k}-ipus{''.join(map(str, i))}"
+                                                 for k, i in ROWS])
+def test_the_writing_stage_hands_later_stages_a_snapshot(kind, ipus):
+    """The partition: the stage that writes the state returns its value after the last write,
+    and no later stage reads the buffer or parameter itself, nor a view of it that another
+    stage took ([Note: state across stages])."""
+    model = WrittenState(kind, ipus)
+    part = partition(model, {m: True for m in model.modules()}, batch(kind, B, 0), {},
+                     poptorch.PipelinedExecution(), training=True)
+    name = {"ema": "ema", "counter": "count", "tied_max_norm": "emb.weight"}.get(kind, "queue")
+    state = f"{'param' if kind == 'tied_max_norm' else 'buffer'}:{name}"
+    writer = 0 if kind == "tied_max_norm" or ipus[1] == 0 else 1
+    snapshot = f"node:{name.replace('.', '_')}_snapshot"
+    assert part.shared_state == {}
+    last = len(part.stages) - 1
+    for st in part.stages:
+        made = any(f"node:{n.name}" == snapshot for n in st.module.graph.nodes)
+        assert made == (st.index == writer), st.index
+        assert (state in st.inputs) == (st.index == writer), st.index
+        assert (snapshot in st.outputs) == (st.index == writer < last), st.index
+        assert (snapshot in st.inputs) == (st.index > writer), st.index
+
+
+def test_one_stage_holding_the_state_is_left_as_it_is(device):
+    """All blocks on one IPU: the state never crosses, and the stage returns no snapshot."""
+    torch.manual_seed(0)
+    model = WrittenState("ema", (0, 0, 0, 0))
+    train = poptorch.trainingModel(copy.deepcopy(model), options("interleaved", False, device))
+    train(*batch("ema", B * G * D, 0))
+    (stage,) = next(iter(train._programs.values())).partition.stages
+    assert stage.outputs == ("node:addmm_3", "node:getitem")
+    train.destroy()
+    train_against_plain_pytorch(model, options("interleaved", False, device), device)
+
+
+class SharedState(torch.nn.Module):
+    """A buffer read in stage 0 before stage 1 writes it ("read_before"), or written in both
+    stages ("two_writers")."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+        self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, x, y):
+        poptorch.Block.start("b0", ipu_id=0)
+        if self.kind == "two_writers":
+            self.ema.add_(1)
+        h = torch.relu(self.a(x + self.ema))
+        poptorch.Block.start("b1", ipu_id=1)
+        with torch.no_grad():
+            self.ema.mul_(0.5).add_(h.mean(0), alpha=0.5)
+        out = self.b(h + self.ema)
+        return out, F.cross_entropy(out, y)
+
+
+ONE_AT_A_TIME = {"sharded": poptorch.ShardedExecution, "sequential": None}
+
+
+@pytest.mark.parametrize("kind", ["read_before", "two_writers"])
+@pytest.mark.parametrize("schedule", ["sharded", *SCHEDULES])
+def test_state_read_before_its_writer_or_written_twice_is_exact_or_refused(
+        kind, schedule, device):
+    """Micro-batch i's read needs micro-batch i-1's write in a later stage: exact where one
+    action runs at a time on one memory (the CPU's), refused everywhere else before any
+    state changes, naming the buffer, its stages and the fixes."""
+    torch.manual_seed(0)
+    model = SharedState(kind)
+    strategy = poptorch.ShardedExecution() if schedule == "sharded" else None
+    opts = options(schedule, False, device, strategy)
+    if schedule in ONE_AT_A_TIME and device == "cpu":
+        train_against_plain_pytorch(model, opts, device)
+        return
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = batch(kind, B * G * D, 0)
+    model(x[:B], y[:B])[1].backward()  # optimizer state to keep, and an EMA already moved
+    opt.step()
+    before = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    rng = torch.get_rng_state()
+    train = poptorch.trainingModel(model, opts, opt)
+    where = (r"written in forward by stage 1 \(blocks \['b1'\], IPU 1\) and read before "
+             r"that by stage 0 \(blocks \['b0'\], IPU 0\)" if kind == "read_before" else
+             r"written in forward by stages 0 \(blocks \['b0'\], IPU 0\), 1 \(blocks "
+             r"\['b1'\], IPU 1\)")
+    why = ("runs stages of different micro-batches at once" if schedule not in ONE_AT_A_TIME
+           else "each compute with their own copy of it")
+    with pytest.raises(poptorch.Error, match=rf"buffer 'ema' is {where}: .*{why}.*"
+                                             r"Move the buffer's reads and writes into one "
+                                             r"stage .* or use ShardedExecution"):
+        train(x, y)
+    state, opt_state = before
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, state[name]), name
+    now = opt.state_dict()
+    assert now["param_groups"] == opt_state["param_groups"]
+    for k, held in opt_state["state"].items():
+        assert torch.equal(now["state"][k]["momentum_buffer"], held["momentum_buffer"]), k
+    assert torch.equal(torch.get_rng_state(), rng)
+    train.destroy()
