@@ -48,11 +48,37 @@ class SkipTied(torch.nn.Module):
             return out, F.cross_entropy(out, y)
 
 
+class StateAcross(torch.nn.Module):
+    """Two stages: stage 0 moves an EMA buffer and renormalises the rows of an embedding
+    (max_norm) that it looks up; stage 1 reads the EMA and uses the embedding's weight again
+    (tied) beside its head: each reads the writer's snapshot ([Note: state across stages])."""
+
+    def __init__(self, width=8, classes=4):
+        super().__init__()
+        self.fc, self.head = torch.nn.Linear(width, width), torch.nn.Linear(width, classes)
+        self.emb = torch.nn.Embedding(classes, width, max_norm=1.0)
+        with torch.no_grad():
+            self.emb.weight.mul_(3)
+        self.register_buffer("ema", torch.zeros(width))
+
+    def forward(self, x, y):
+        with poptorch.Block("b0", ipu_id=0):
+            h = torch.relu(self.fc(x)) + self.emb(y)
+            with torch.no_grad():
+                self.ema.mul_(0.5).add_(h.mean(0), alpha=0.5)
+        with poptorch.Block("b1", ipu_id=1):
+            h = h + self.ema
+            out = self.head(h) + h @ self.emb.weight.t()
+            return out, F.cross_entropy(out, y)
+
+
 # name: (world size, model, processes' IPUs, schedule, G, D, recompute, optimizer)
 CONFIGS = {
     **{f"2-{s}{'-recompute' if r else ''}": (2, "mlp", [[0], [1]], s, 4, 2, r, "sgd")
        for s in ("sequential", "grouped", "interleaved", "gpipe", "zero_bubble")
        for r in (False, True)},
+    "2-state-interleaved-recompute": (2, "state", [[0], [1]], "interleaved", 4, 2, True, "sgd"),
+    "2-state-zero_bubble": (2, "state", [[0], [1]], "zero_bubble", 4, 2, False, "adam"),
     "3-grouped": (3, "skip", [[0], [1], [2, 3]], "grouped", 8, 2, False, "sgd"),
     "3-interleaved-recompute-clip": (3, "skip", [[0], [1], [2, 3]], "interleaved", 8, 2, True,
                                      "clip"),
@@ -74,6 +100,8 @@ def build(kind):
     torch.manual_seed(100)
     if kind == "skip":
         return SkipTied()
+    if kind == "state":
+        return StateAcross()
     if kind == "replicable":
         return BlockMLP(2)
     return BlockMLP(2, dropout=0.3, batchnorm=True)

@@ -118,6 +118,7 @@ def _layer(name):
 OWN_LAYERS = {
     ("mlp", ((0,), (1,))): [{"layers.0", "layers.1"}, {"layers.2", "bn", "head"}],
     ("replicable", ((0,), (1,))): [{"layers.0", "layers.1"}, {"layers.2", "head"}],
+    ("state", ((0,), (1,))): [{"fc", "emb"}, {"head"}],  # stage 1 reads emb's snapshot
     ("skip", ((0,), (1,), (2, 3))): [{"fc0"}, {"fc1"}, {"fc2", "fc1", "head"}],
     ("skip", ((0, 2), (1,), (3,))): [{"fc0", "fc2"}, {"fc1"}, {"fc1", "head"}],
 }
