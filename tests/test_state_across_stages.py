@@ -18,8 +18,10 @@ from torch.testing import assert_close
 
 import poptorch_lite as poptorch
 
+from poptorch_lite.compiler.compiled_stages import CompiledGraph
 from poptorch_lite.compiler.partition import partition
 
+from conftest import DEVICE_MARKS
 from models import on_device, reference_training, trained_grads, twin
 
 ATOL = 1e-5
@@ -101,15 +103,16 @@ def options(schedule, recompute, device, strategy=None):
     return opts
 
 
-def train_against_plain_pytorch(model, opts, device):
-    """Two calls of a wrapped copy of ``model`` and of plain PyTorch's loop over the same
-    micro-batches: outputs, losses, gradients, weights, buffers and optimizer state agree."""
+def train_against_plain_pytorch(model, opts, device, calls=2):
+    """``calls`` calls of a wrapped ``model`` and of plain PyTorch's loop over the same
+    micro-batches: outputs, losses, gradients, weights, buffers and optimizer state agree.
+    Returns the wrapper's program."""
     ref = twin(model, device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     train = poptorch.trainingModel(model, opts, opt)
     try:
-        for call in range(2):
+        for call in range(calls):
             x, y = batch(model.kind, B * G * D, seed=call)
             out, loss = train(x, y)
             ref_outs, ref_losses, ref_grads = reference_training(ref, ref_opt, x, y, D, G, 1)
@@ -124,6 +127,7 @@ def train_against_plain_pytorch(model, opts, device):
             for k, held in state.items():
                 assert_close(held["momentum_buffer"], ref_state[k]["momentum_buffer"].cpu(),
                              atol=ATOL, rtol=0)
+        return next(iter(train._programs.values()))
     finally:
         train.destroy()
 
@@ -149,6 +153,29 @@ def test_state_written_in_one_stage_and_read_in_a_later_one_matches_plain_pytorc
     assert (model.queue.abs().sum() > 0) == kind.startswith("queue")
 
 
+@pytest.mark.parametrize("schedule", ["grouped", "interleaved"])
+@pytest.mark.parametrize("kind", ["ema", "counter", "queue_view", "tied_max_norm"])
+def test_an_inference_pipeline_reads_the_snapshot(kind, schedule, device):
+    """Inference overlaps micro-batches too: each one's outputs are plain PyTorch's."""
+    torch.manual_seed(0)
+    model = WrittenState(kind)
+    ref = twin(model, device)
+    opts = poptorch.Options().setExecutionStrategy(poptorch.PipelinedExecution(
+        schedule=schedule)).deviceIterations(G * D).outputMode(poptorch.OutputMode.All)
+    infer = poptorch.inferenceModel(model, on_device(opts, device))
+    for call in range(2):
+        x, y = batch(kind, B * G * D, seed=call)
+        with torch.no_grad():
+            expected = [ref(x[k * B:(k + 1) * B].to(ref.ema.device),
+                            y[k * B:(k + 1) * B].to(ref.ema.device))[0].cpu()
+                        for k in range(G * D)]
+        assert_close(infer(x, y)[0], torch.cat(expected), atol=ATOL, rtol=0)
+    infer.copyWeightsToHost()
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert_close(a, b.cpu(), atol=ATOL, rtol=0, msg=name)
+    infer.destroy()
+
+
 @pytest.mark.parametrize("kind,ipus", ROWS, ids=[f"{k}-ipus{''.join(map(str, i))}"
                                                  for k, i in ROWS])
 def test_the_writing_stage_hands_later_stages_a_snapshot(kind, ipus):
@@ -172,16 +199,20 @@ def test_the_writing_stage_hands_later_stages_a_snapshot(kind, ipus):
         assert (snapshot in st.inputs) == (st.index > writer), st.index
 
 
-def test_one_stage_holding_the_state_is_left_as_it_is(device):
-    """All blocks on one IPU: the state never crosses, and the stage returns no snapshot."""
+@pytest.mark.parametrize("kind", ["ema", "counter", "queue_view", "tied_max_norm"])
+def test_one_stage_reads_its_own_snapshot_after_its_last_write(kind, device):
+    """All blocks on one IPU: micro-batch i's reads after the stage's last write read a copy,
+    which micro-batch i+1's write cannot change before i's backward (the counter's product
+    saves it, as the head saves the embedding's weight); nothing leaves the stage."""
     torch.manual_seed(0)
-    model = WrittenState("ema", (0, 0, 0, 0))
-    train = poptorch.trainingModel(copy.deepcopy(model), options("interleaved", False, device))
-    train(*batch("ema", B * G * D, 0))
-    (stage,) = next(iter(train._programs.values())).partition.stages
-    assert stage.outputs == ("node:addmm_3", "node:getitem")
-    train.destroy()
+    model = WrittenState(kind, (0, 0, 0, 0))
     train_against_plain_pytorch(model, options("interleaved", False, device), device)
+    wrapped = poptorch.inferenceModel(model, poptorch.Options())
+    wrapped(*batch(kind, B, 0))
+    (stage,) = next(iter(wrapped._programs.values())).partition.stages
+    assert stage.outputs == ("node:addmm_3", "node:getitem") if kind != "tied_max_norm" \
+        else stage.outputs == ("node:mm", "node:getitem")
+    wrapped.destroy()
 
 
 class SharedState(torch.nn.Module):
@@ -249,3 +280,30 @@ def test_state_read_before_its_writer_or_written_twice_is_exact_or_refused(
         assert torch.equal(now["state"][k]["momentum_buffer"], held["momentum_buffer"]), k
     assert torch.equal(torch.get_rng_state(), rng)
     train.destroy()
+
+
+COMPILED = [pytest.param("cpu", "aot_eager", False, id="cpu-aot_eager"),
+            pytest.param("gpu_twin", "eager", True, id="gpu_twin-step_graph"),
+            pytest.param("gpu_twin", "aot_eager", True, id="gpu_twin-aot_eager-step_graph")] + (
+    [pytest.param("cuda", "eager", True, marks=DEVICE_MARKS["cuda"], id="cuda-step_graph")]
+    if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device,backend,graph", COMPILED)
+@pytest.mark.parametrize("schedule,recompute", [("interleaved", True), ("zero_bubble", False)])
+@pytest.mark.parametrize("kind", ["ema", "counter", "queue_view", "tied_max_norm"])
+def test_compiled_stages_and_step_graphs_read_the_snapshot(kind, schedule, recompute, device,
+                                                           backend, graph, every_stage_compiles):
+    """Compiled stages (their split halves under ZeroBubble) and a step captured as one CUDA
+    graph take the snapshot as any other value between stages."""
+    torch.manual_seed(0)
+    model = WrittenState(kind, (0, 0, 1, 1))
+    opts = options(schedule, recompute, device)
+    opts.compileStages(True, backend=backend, cuda_graph=graph)
+    program = train_against_plain_pytorch(model, opts, device, calls=3)
+    if backend != "eager":
+        assert all(isinstance(st.module, CompiledGraph) and st.module.fns
+                   for st in program.executor.work.stages if not st.recompute)
+    if graph:  # 6 runs: 2 to warm up, then one captured and replayed, 3 replays
+        report = program.graph.report
+        assert (report.captures, report.replays, report.eager_runs) == (1, 4, 2)
