@@ -36,8 +36,8 @@ class WrittenState(torch.nn.Module):
 
     kinds: "ema" (a buffer following the features), "counter" (an int buffer counting
     micro-batches, which the read saves for its backward), "queue" (rows of a buffer written
-    through a slice, the whole read), "queue_view" (the same, the rows' view taken in block
-    0), and "tied_max_norm" (an ``nn.Embedding(max_norm=1)`` whose weight the head uses, tied).
+    through a slice, the whole read), "queue_view" (the same, through a view of the rows
+    taken in block 0 and read again after the write), and "tied_max_norm" (an ``nn.Embedding(max_norm=1)`` whose weight the head uses, tied).
     """
 
     def __init__(self, kind: str, ipus=(0, 0, 1, 1)):
@@ -74,8 +74,10 @@ class WrittenState(torch.nn.Module):
             h = h + self.ema
         elif self.kind == "counter":
             h = h * self.count / 4
-        elif self.kind in ("queue", "queue_view"):
+        elif self.kind == "queue":
             h = h + self.queue.mean(0)
+        elif self.kind == "queue_view":  # the rows' view, taken before the write, read after
+            h = h + self.queue.mean(0) - rows.mean(0)
         h = torch.relu(self.layers[2](h))
         poptorch.Block.start("b3", ipu_id=self.ipus[3])
         out = self.head(h)

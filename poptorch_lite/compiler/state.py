@@ -125,6 +125,8 @@ def follow_state(gm: fx.GraphModule, runs: list, source_name: dict,
                         if u in stage_of and (root.get(u) is not p or u in written)})
         # A write no schema announces (native_batch_norm's statistics): every stage may write.
         writers = sorted({stage_of[n] for n in written}) or touch
+        if not touch:
+            continue
         if len(writers) == 1 and touch[0] >= writers[0]:
             _snapshot(gm, runs, stage_of, root, p, source_name[p], writers[0], written)
         elif len(touch) > 1:
@@ -133,39 +135,50 @@ def follow_state(gm: fx.GraphModule, runs: list, source_name: dict,
     return shared
 
 
+def _again(gm: fx.GraphModule, n: fx.Node, p: fx.Node, here: fx.Node, made: dict,
+           place: Callable) -> fx.Node:
+    """``n``, an alias of state ``p``, made again of ``here`` instead of ``p``: an in-place
+    result is its input's memory itself, a view is taken again, and ``place`` puts it in
+    the graph (``place(make)`` calls ``make()`` where it belongs). ``made`` holds what is made."""
+    if n is p:
+        return here
+    if n not in made:
+        base = _aliased_input(n)
+        of = _again(gm, base, p, here, made, place)
+        if base in _written(n):  # an in-place result
+            made[n] = of
+        else:
+            made[n] = place(lambda: gm.graph.create_node(
+                "call_function", n.target, tuple(of if a is base else a for a in n.args),
+                {k: of if v is base else v for k, v in n.kwargs.items()}))
+            made[n].meta.update(n.meta)
+    return made[n]
+
+
 def _made_locally(gm: fx.GraphModule, runs: list, stage_of: dict, root: dict,
                   p: fx.Node) -> None:
     """Make each alias of state ``p`` that a stage uses but another stage made again in the
-    stage that uses it, from ``p``: an in-place result is ``p``'s memory itself, a view is
-    taken again (at the stage's start). Then drop the views no stage uses any more."""
-    made: dict = {}
+    stage that uses it (at its start), from ``p``; then drop the views that no stage uses
+    any more."""
+    family = [n for n in root if root[n] is p and n is not p]
+    made: dict = {}  # stage -> its aliases of p
 
-    def local(n: fx.Node, t: int) -> fx.Node:
-        if n is p or stage_of.get(n) == t:
-            return n
-        if (n, t) not in made:
-            base = _aliased_input(n)
-            here = local(base, t)
-            if base in _written(n):  # an in-place result: base's memory itself
-                made[n, t] = here
-            else:
-                first = runs[t][1][0]
-                with gm.graph.inserting_before(first):
-                    view = gm.graph.create_node(
-                        "call_function", n.target,
-                        tuple(here if a is base else a for a in n.args),
-                        {k: here if v is base else v for k, v in n.kwargs.items()})
-                view.meta.update(n.meta)
-                runs[t][1].insert(runs[t][1].index(first), view)
-                stage_of[view], root[view] = t, p
-                made[n, t] = view
-        return made[n, t]
+    def at_start(t: int):
+        def place(make):
+            first = runs[t][1][0]
+            with gm.graph.inserting_before(first):
+                view = make()
+            runs[t][1].insert(runs[t][1].index(first), view)
+            stage_of[view], root[view] = t, p
+            return view
+        return place
 
-    for n in [n for n in root if root[n] is p and n is not p]:
+    for n in family:
         for u in list(n.users):
             t = stage_of.get(u)
             if t is not None and stage_of.get(n) != t:
-                u.replace_input_with(n, local(n, t))
+                here = made.setdefault(t, {m: m for m in family if stage_of.get(m) == t})
+                u.replace_input_with(n, _again(gm, n, p, p, here, at_start(t)))
     for n in reversed(list(gm.graph.nodes)):  # views that only fed other stages
         if root.get(n) is p and n is not p and not n.users and not _written(n):
             runs[stage_of.pop(n)][1].remove(n)
@@ -190,30 +203,18 @@ def _snapshot(gm: fx.GraphModule, runs: list, stage_of: dict, root: dict, p: fx.
                                     name=f"{name.split(':', 1)[1].replace('.', '_')}_snapshot")
     snap.meta["val"] = p.meta.get("val")
     snap.meta["stack_trace"] = nodes[at].meta.get("stack_trace")
-    cursor = [snap]
-    made = {p: snap}
+    placed = [snap]
 
-    def again(n: fx.Node) -> fx.Node:  # n, made of the clone rather than of p
-        if n not in made:
-            base = _aliased_input(n)
-            if base in _written(n):  # an in-place result: base's memory itself
-                made[n] = again(base)
-            else:
-                here = again(base)
-                with gm.graph.inserting_after(cursor[0]):
-                    view = gm.graph.create_node(
-                        "call_function", n.target,
-                        tuple(here if a is base else a for a in n.args),
-                        {k: here if v is base else v for k, v in n.kwargs.items()})
-                view.meta.update(n.meta)
-                cursor[0] = made[n] = view
-        return made[n]
+    def after_the_last(make):  # the views of the snapshot follow it, in order
+        with gm.graph.inserting_after(placed[-1]):
+            placed.append(make())
+        return placed[-1]
 
+    made: dict = {}
     for u in reads:
         for n in list(u.all_input_nodes):
             if root.get(n) is p and n in before:
-                u.replace_input_with(n, again(n))
-    made = [n for n in gm.graph.nodes if n is snap or n in set(made.values())]
-    nodes[at + 1:at + 1] = made
-    for n in made:
+                u.replace_input_with(n, _again(gm, n, p, snap, made, after_the_last))
+    nodes[at + 1:at + 1] = placed
+    for n in placed:
         stage_of[n], root[n] = s, None

@@ -37,7 +37,9 @@ write would chain its graph to this one's, already freed by its backward
 ("backward through the graph a second time"). A buffer is state, not a weight:
 a later micro-batch (or call) reads its value, never its history; plain PyTorch
 would fail, or leak gradients across micro-batches, where a later micro-batch
-reads it with gradients on.
+reads it with gradients on. What the stage's own later ops and later stages read
+is a snapshot taken after the last write ([Note: state across stages] in
+compiler/state), which the next micro-batch's write leaves alone.
 
 [Note: edited arguments]
 A forward that writes an argument in place (``x += 1``) edits the caller's tensor once
