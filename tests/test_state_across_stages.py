@@ -309,3 +309,18 @@ def test_compiled_stages_and_step_graphs_read_the_snapshot(kind, schedule, recom
     if graph:  # 6 runs: 2 to warm up, then one captured and replayed, 3 replays
         report = program.graph.report
         assert (report.captures, report.replays, report.eager_runs) == (1, 4, 2)
+
+
+def test_shared_state_across_processes_is_refused():
+    """Stages in other processes each hold their own copy of the buffer: refused even
+    where one action runs at a time (each process checks its layout alike)."""
+    from poptorch_lite.runtime.compiling import check_shared_state
+    model = SharedState("read_before")
+    opts = poptorch.Options().setExecutionStrategy(poptorch.ShardedExecution())
+    part = partition(model, {m: True for m in model.modules()}, batch("read_before", B, 0), {},
+                     opts.execution_strategy, training=True)
+    assert part.shared_state == {"buffer:ema": ((1,), (0,), True)}
+    check_shared_state(part, model, opts, lambda ipu: True)  # one process, one memory
+    with pytest.raises(poptorch.Error, match=r"buffer 'ema' is written in forward by stage 1 .*"
+                                             r"those stages run in different processes"):
+        check_shared_state(part, model, opts, lambda ipu: ipu == 0)
