@@ -205,10 +205,11 @@ def test_the_writing_stage_hands_later_stages_a_snapshot(kind, ipus):
 def test_one_stage_reads_its_own_snapshot_after_its_last_write(kind, device):
     """All blocks on one IPU: micro-batch i's reads after the stage's last write read a copy,
     which micro-batch i+1's write cannot change before i's backward (the counter's product
-    saves it, as the head saves the embedding's weight); nothing leaves the stage."""
+    saves it, as the head saves the embedding's weight; GPipe runs every forward first);
+    nothing leaves the stage."""
     torch.manual_seed(0)
     model = WrittenState(kind, (0, 0, 0, 0))
-    train_against_plain_pytorch(model, options("interleaved", False, device), device)
+    train_against_plain_pytorch(model, options("gpipe", False, device), device)
     wrapped = poptorch.inferenceModel(model, poptorch.Options())
     wrapped(*batch(kind, B, 0))
     (stage,) = next(iter(wrapped._programs.values())).partition.stages
