@@ -32,7 +32,7 @@ from .executor import Executor
 from .placement import Placement
 from .program import Program
 from .step_graph import for_program
-from .weights import Weights, one_tensor
+from .weights import Weights
 
 
 def compile_program(model: torch.nn.Module, modes: dict, options: Options, training: bool,
@@ -185,7 +185,7 @@ def check_shared_state(part: Partition, model: torch.nn.Module, options: Options
         else:
             host = dict(model.named_parameters() if kind == "param" else model.named_buffers())
             devices = list(resolve_devices(ipus, options.ipu_devices).values())
-            if one_tensor(host[key], devices, options.use_model, kind == "param"):
+            if _one_tensor(host[key], devices, options.use_model, kind == "param"):
                 continue
             memory = ("useIpuModel: a memory per IPU" if options.use_model
                       else f"on {', '.join(map(str, devices))}")
@@ -198,6 +198,16 @@ def check_shared_state(part: Partition, model: torch.nn.Module, options: Options
             f"{kind}'s reads and writes into one stage (one block, or blocks on one IPU), or "
             f"use ShardedExecution (or PipelinedExecution(schedule=PipelineSchedule."
             f"Sequential)) on IPUs that share one memory")
+
+
+def _one_tensor(host: torch.Tensor, devices: list, separate_memories: bool,
+                param: bool) -> bool:
+    """Whether stages on IPUs with ``devices`` (one per IPU) compute with one tensor of the
+    host parameter (``param``) or buffer ``host``, as ``Weights`` places them ([Note:
+    weight homes] in ``weights``: the host's own where its memory is shared, and a
+    parameter's on one GPU user only)."""
+    return len(devices) <= 1 or (not separate_memories and all(d == host.device for d in devices)
+                                 and (not param or host.device.type == "cpu"))
 
 
 def _state_use(part: Partition, kind: str, key: str, writers: tuple, readers: tuple,

@@ -71,14 +71,6 @@ import torch
 from .streams import arrive
 
 
-def one_tensor(host: torch.Tensor, devices: list, separate_memories: bool,
-               param: bool) -> bool:
-    """Whether stages on IPUs with ``devices`` (one per IPU) compute with one tensor of the
-    host parameter (``param``) or buffer ``host``, as :class:`Weights` places them."""
-    return len(devices) <= 1 or (not separate_memories and all(d == host.device for d in devices)
-                                 and (not param or host.device.type == "cpu"))
-
-
 class Weights:
     """The tensors each stage computes with, and the host copy ([Note: weight homes]).
 
