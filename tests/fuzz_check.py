@@ -1,0 +1,413 @@
+"""The fuzzer's oracle: a program run by plain PyTorch and by poptorch_lite, call by call.
+
+[Note: the fuzzer's oracle]
+:func:`check` builds the program twice from the same seed and runs ``config.calls``
+calls on each side, the user's ``between_calls`` edits after each. The plain side does
+the arithmetic the contract names (``models.reference_training``'s, generalized to any
+outputs and to per-replica buffers): D optimizer steps per call, each the summed backward
+of G·R micro-batches (a loss's gradient is ones, so ``identity_loss(..., "none")`` trains
+as its sum), divided by G·R under ``ReductionType.Mean``; micro-batch k of the combined
+batch in [D, G, R, B] order, its random ops seeded with ``models.microbatch_seeds`` (or
+``Options.randomSeed``'s own generator); with ``broadcastBuffers(False)`` each replica
+keeps its own buffers and the host's are replica 0's. The plain side runs first; a
+program plain PyTorch cannot run is :class:`Invalid` (from its first call) or ends early.
+
+Each wrapped call must then be **exact**: every output of every micro-batch, the gradient
+each step used (``models.trained_grads``) for every parameter the optimizer holds, the
+host ``.grad`` left as the user left it (None), every weight and buffer, the optimizer's
+state and hyper-parameters, the input (a forward may edit it in place), and the random
+state of Python, numpy and the model's own generators. Or it is a **refusal** (a
+``poptorch_lite.Error``) that changed nothing of that (model, optimizer, input, random
+states), and one the program makes acceptable (:func:`fuzz_grammar.refusable`, or
+replicas of a model writing buffers without ``broadcastBuffers(False)``: E-PART-10).
+Anything else is a :class:`Finding`: a difference, an unexpected or unclean refusal, a
+crash (an exception that is not a ``poptorch_lite.Error``).
+
+Tolerance: 0 (bit for bit) where the arithmetic is the same (one stage, one micro-batch
+per step, eager stages); elsewhere atol 1e-5, rtol 1e-5 (fp32 sums across micro-batches,
+stages and replicas in another order; compiled stages' reassociation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import random
+import re
+import traceback
+import warnings
+from typing import Optional
+
+import numpy as np
+import torch
+
+import poptorch_lite as poptorch
+from poptorch_lite import errors
+from poptorch_lite.compiler import compiled_stages, rng
+from poptorch_lite.runtime import gpu
+
+from fuzz_grammar import Program, build, outputs_of, refusable, source, writes_buffers
+from gpu_twin import TwinGpu
+from models import microbatch_seeds, on_device, trained_grads
+
+SCHEDULES = ("grouped", "sequential", "interleaved", "gpipe", "zero_bubble", "sharded")
+DEVICES = ("cpu", "ipu_model", "gpu_twin")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """How the wrapped side runs a program (the simplest value of each factor first)."""
+    schedule: str = "grouped"
+    G: int = 1
+    D: int = 1
+    R: int = 1
+    reduction: str = "mean"
+    recompute: bool = False
+    compiled: bool = False
+    device: str = "cpu"
+    broadcast_buffers: bool = True
+    random_seed: Optional[int] = None
+    B: int = 2
+    calls: int = 2
+    dtype: str = "float32"
+
+    def code(self, program: Program) -> str:
+        """The Options as a user writes them."""
+        if self.schedule == "sharded":
+            lines = ["opts = poptorch.Options().setExecutionStrategy(poptorch.ShardedExecution())"]
+        else:
+            auto = "poptorch.AutoStage.AutoIncrement, " if program.ipus == "loop" else ""
+            lines = ["opts = poptorch.Options().setExecutionStrategy(poptorch.PipelinedExecution("
+                     f"{auto}schedule={self.schedule!r}))"]
+        lines += [f"opts.Training.gradientAccumulation({self.G})",
+                  f"opts.deviceIterations({self.D}).replicationFactor({self.R})",
+                  "opts.outputMode(poptorch.OutputMode.All)"]
+        if self.reduction == "sum":
+            lines.append("opts.Training.accumulationAndReplicationReductionType("
+                         "poptorch.ReductionType.Sum)")
+        if self.recompute:
+            lines.append("opts._Popart.set(\"autoRecomputation\", 3)")
+        if self.compiled:
+            lines.append("opts.compileStages(True, backend=\"aot_eager\")  # and PAYS_FROM = 0")
+        if not self.broadcast_buffers:
+            lines.append("opts.broadcastBuffers(False)")
+        if self.random_seed is not None:
+            lines.append(f"opts.randomSeed({self.random_seed})")
+        lines.append(f"models.on_device(opts, {self.device!r})")
+        if self.dtype != "float32":
+            lines.append(f"# the model and the inputs in torch.{self.dtype}: net = Net().to(torch."
+                         f"{self.dtype})")
+        return "\n".join(lines)
+
+    def options(self, program: Program) -> poptorch.Options:
+        namespace = {"poptorch": poptorch, "models": _Models}
+        exec(self.code(program), namespace)  # noqa: S102: the text printed is what ran
+        return namespace["opts"]
+
+    def atoms(self) -> frozenset:
+        return frozenset(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+    def tolerance(self, program: Program) -> float:
+        """0 where the arithmetic is plain PyTorch's to the bit, else by dtype (module doc)."""
+        if program.stages == 1 and self.G * self.R == 1 and not self.compiled:
+            return 0.0
+        return 1e-5 if self.dtype == "float32" else 1e-7
+
+
+class _Models:
+    on_device = staticmethod(on_device)
+
+
+class Invalid(Exception):
+    """Plain PyTorch cannot run the program's first call: not an example."""
+
+
+class Finding(AssertionError):
+    """A silent difference, an unexpected or unclean refusal, or a crash."""
+
+
+def describe(program: Program, config: Config) -> str:
+    """What a finding prints: the model as code, the options, and both as data."""
+    return (f"{source(program)}\n# options\n{config.code(program)}\n\n"
+            f"# as data (tests/fuzz_found.py)\n{program!r}\n{config!r}\n")
+
+
+@contextlib.contextmanager
+def _running(config: Config):
+    saved = compiled_stages.PAYS_FROM
+    compiled_stages.PAYS_FROM = 0  # tiny stages: compile them anyway (conftest's fixture)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if config.device == "gpu_twin":
+                with gpu.installed(TwinGpu()):
+                    yield
+            else:
+                yield
+    finally:
+        compiled_stages.PAYS_FROM = saved
+
+
+def _data(config: Config, call: int):
+    g = torch.Generator().manual_seed(1000 + call)
+    n = config.B * config.D * config.G * config.R
+    x = torch.randn(n, 6, generator=g).to(getattr(torch, config.dtype))
+    return x, torch.randint(0, 4, (n,), generator=g)
+
+
+def _model(ns: dict, config: Config):
+    """The program's model, its optimizer and its scheduler, from one seed."""
+    torch.manual_seed(0)
+    net = ns["Net"]().to(getattr(torch, config.dtype))
+    opt = ns["make_optimizer"](net)
+    return net, opt, ns["make_scheduler"](opt) if "make_scheduler" in ns else None
+
+
+def _seeds(config: Config, own: Optional[torch.Generator], call: int) -> list:
+    m = config.G * config.R
+    if own is not None:
+        return [rng.microbatch_seed(b, i) for b in rng.draw_bases(config.D, own) for i in range(m)]
+    torch.manual_seed(100 + call)
+    return microbatch_seeds(config.D, m)
+
+
+def _seed_host(call: int) -> None:
+    torch.manual_seed(100 + call)
+    random.seed(call)
+    np.random.seed(call)
+
+
+def _generators(net) -> dict:
+    return {n: g.get_state() for n, g in vars(net).items() if isinstance(g, torch.Generator)}
+
+
+def _clone(tree):
+    return torch.utils._pytree.tree_map(
+        lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else copy.deepcopy(t), tree)
+
+
+def _state(net, opt, x) -> dict:
+    """Everything a call may change that the user sees (torch's generator aside: the plain
+    side seeds each micro-batch)."""
+    kind, keys, pos, *_ = np.random.get_state()
+    return {"model": _clone(dict(net.state_dict())), "optimizer": _clone(opt.state_dict()),
+            "input": x.clone(), "python random": torch.tensor(random.getstate()[1]),
+            "numpy random": torch.tensor([*keys.tolist(), pos]),
+            "generators": _clone(_generators(net))}
+
+
+def _plain_call(net, opt, x, y, config: Config, seeds: list, replicas: list) -> tuple:
+    """One call's D steps in plain PyTorch; returns (per-output values, last step's grads)."""
+    m = config.G * config.R
+    b = config.B
+    per_output = [[] for _ in range(10)]
+    buffers = dict(net.named_buffers())
+    for d in range(config.D):
+        opt.zero_grad(set_to_none=True)
+        for j in range(m):
+            k, r = d * m + j, j % config.R
+            if replicas:  # broadcastBuffers(False): replica r's own buffers
+                with torch.no_grad():
+                    for name, t in buffers.items():
+                        replicas[0][name] = t.clone()
+                        t.copy_(replicas[r][name])
+            torch.manual_seed(seeds[k])
+            result = net(x[k * b:(k + 1) * b], y[k * b:(k + 1) * b])
+            loss = result[1]
+            loss.backward(torch.ones_like(loss))
+            for i, t in enumerate(result):
+                per_output[i].append(t.detach().clone())
+            if replicas:
+                with torch.no_grad():
+                    for name, t in buffers.items():
+                        replicas[r][name] = t.clone()
+                        t.copy_(replicas[0][name])
+        if config.reduction == "mean":
+            for p in net.parameters():
+                if p.grad is not None:
+                    p.grad.div_(m)
+        opt.step()
+    n = config.D * m  # OutputMode.All: a scalar per micro-batch is (n,), or () when n == 1
+    outputs = [torch.stack(v).reshape(-1 if n > 1 else ()) if v[0].dim() == 0 else torch.cat(v)
+               for v in per_output if v]
+    in_optimizer = {id(p) for g in opt.param_groups for p in g["params"]}
+    grads = {n: None if p.grad is None else p.grad.clone() for n, p in net.named_parameters()
+             if id(p) in in_optimizer}
+    return outputs, grads
+
+
+def plain(program: Program, config: Config):
+    """The plain PyTorch side, a call at a time: yields what each wrapped call must equal (see
+    the Note), the user's edits run before the next; stops where plain PyTorch cannot go on.
+
+    Raises:
+        Invalid: the first call fails: the program is wrong in plain PyTorch.
+    """
+    ns = build(program)
+    net, opt, sched = _model(ns, config)
+    own = None if config.random_seed is None else torch.Generator().manual_seed(config.random_seed)
+    replicas = []
+    if config.R > 1 and not config.broadcast_buffers and writes_buffers(program):
+        replicas = [{n: b.clone() for n, b in net.named_buffers()} for _ in range(config.R)]
+    for call in range(config.calls):
+        x, y = _data(config, call)
+        seeds = _seeds(config, own, call)
+        _seed_host(call)
+        try:
+            outputs, grads = _plain_call(net, opt, x, y, config, seeds, replicas)
+        except Exception as e:  # the program itself is wrong in plain PyTorch
+            if call == 0:
+                raise Invalid(f"{type(e).__name__}: {e}") from e
+            return
+        yield dict(_state(net, opt, x), outputs=outputs, grads=grads)
+        _seed_host(1000 + call)
+        try:
+            ns["between_calls"](net, opt, sched, None, call)
+        except Exception:  # noqa: BLE001: an edit plain PyTorch refuses ends the example
+            return
+
+
+def _differences(what: str, got, want, tol: float) -> list:
+    """Where ``got`` and ``want`` differ beyond the tolerance, as readable lines."""
+    if isinstance(want, dict):
+        if not isinstance(got, dict) or got.keys() != want.keys():
+            return [f"{what}: keys {sorted(map(str, got.keys())) if isinstance(got, dict) else got}"
+                    f" != {sorted(map(str, want.keys()))}"]
+        return [d for k in want for d in _differences(f"{what}[{k!r}]", got[k], want[k], tol)]
+    if isinstance(want, (list, tuple)):
+        if not isinstance(got, (list, tuple)) or len(got) != len(want):
+            return [f"{what}: {got!r} != {want!r}"]
+        return [d for i, (a, b) in enumerate(zip(got, want))
+                for d in _differences(f"{what}[{i}]", a, b, tol)]
+    if isinstance(want, torch.Tensor) or isinstance(got, torch.Tensor):
+        if not isinstance(got, torch.Tensor) or not isinstance(want, torch.Tensor):
+            return [f"{what}: {_kind(got)}, plain PyTorch has {_kind(want)}"]
+        if got.shape != want.shape or got.dtype != want.dtype:
+            return [f"{what}: shape {tuple(got.shape)} {got.dtype} != {tuple(want.shape)} "
+                    f"{want.dtype}"]
+        a, b = got.detach().cpu(), want.detach().cpu()
+        if not a.is_floating_point():
+            return [] if torch.equal(a, b) else [f"{what}: {a.tolist()} != {b.tolist()}"]
+        bad = ~((a - b).abs() <= tol + tol * b.abs()) & ~(a.isnan() & b.isnan())
+        if bad.any():
+            return [f"{what}: differs by {(a - b).abs().max().item():.3g} "
+                    f"({int(bad.sum())} of {a.numel()} values; tolerance {tol:g})"]
+        return []
+    return [] if got == want else [f"{what}: {got!r} != {want!r}"]
+
+
+def _kind(value) -> str:
+    return (f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+            else repr(value))
+
+
+def _compare(call: int, train, net, opt, x, result, want: dict, tol: float) -> list:
+    got = _state(net, opt, x)
+    grads = trained_grads(train)
+    used = {n: grads.get(n) for n in want["grads"]}
+    host_grads = {n: p.grad for n, p in net.named_parameters() if p.grad is not None}
+    found = _differences("outputs", list(result) if isinstance(result, (tuple, list))
+                         else [result], want["outputs"], tol)
+    found += _differences("the gradient the step used", used, want["grads"], tol)
+    found += [f"the host .grad of {n}: the call left one (the user left None)" for n in host_grads]
+    for key in ("model", "optimizer", "input", "python random", "numpy random", "generators"):
+        found += _differences(key, got[key], want[key], tol)
+    return [f"call {call}: {d}" for d in found]
+
+
+def _refusal(program: Program, config: Config, error: Exception, call: int, before: dict,
+             after: dict) -> list:
+    """What is wrong with a refusal: it changed state, or nothing makes it acceptable."""
+    found = [f"call {call}: refused with {type(error).__name__}, but it changed {d}"
+             for k in before for d in _differences(k, after[k], before[k], True)]
+    replicas = config.R > 1 and config.broadcast_buffers and writes_buffers(program)
+    if not (refusable(program) or replicas):
+        found.append(f"call {call}: refused a program that should run: "
+                     f"{type(error).__name__}: {str(error).splitlines()[0][:300]}")
+    return found
+
+
+_TORCH_TWIN = {"poptorch_sgd": "sgd_momentum", "poptorch_adam": "adam"}
+
+
+def check(program: Program, config: Config) -> str:
+    """Run ``program`` both ways under ``config`` (see [Note: the fuzzer's oracle]).
+
+    A float32 difference where sums run in another order is confirmed in float64 before it
+    counts: rounding that the model amplifies (a BatchNorm over two samples) vanishes there,
+    a semantic difference does not.
+
+    Returns:
+        "exact", "rounding" (float32 only) or "refused: <error class>".
+
+    Raises:
+        Invalid: plain PyTorch cannot run it.
+        Finding: the difference, refusal or crash, with the program and options.
+    """
+    outcome, found, numeric = _run(program, config)
+    if found and numeric and config.dtype == "float32" and config.tolerance(program) > 0:
+        # poptorch.optim keeps its accumulators in float32 (accum_type): torch's own
+        # optimizer, the same arithmetic, keeps float64 in float64
+        twin = dataclasses.replace(program, optimizer=_TORCH_TWIN.get(program.optimizer,
+                                                                      program.optimizer))
+        if not _run(twin, dataclasses.replace(config, dtype="float64"))[1]:
+            return "rounding"
+    if found:
+        raise Finding("\n".join(found[:8]) + "\n\n" + describe(program, config))
+    return outcome
+
+
+def _run(program: Program, config: Config) -> tuple:
+    """(outcome, what is wrong, whether it is only numbers that differ, by less than 1e-3)."""
+    expected = plain(program, config)
+    tol = config.tolerance(program)
+    ns = build(program)
+    net, opt, sched = _model(ns, config)
+    outcome, found = "exact", []
+    with _running(config):
+        want = next(expected)  # raises Invalid before anything is wrapped
+        train = None
+        try:
+            train = poptorch.trainingModel(net, config.options(program), opt)
+            for call in range(config.calls):
+                x, y = _data(config, call)
+                _seed_host(call)
+                before = dict(_state(net, opt, x), torch_random=torch.get_rng_state())
+                try:
+                    result = train(x, y)
+                except (errors.ExecutionError, errors.UnrecoverableError) as e:
+                    found = [f"call {call}: failed while running, where plain PyTorch runs: "
+                             f"{_where(e)}"]
+                    break
+                except poptorch.Error as e:
+                    after = dict(_state(net, opt, x), torch_random=torch.get_rng_state())
+                    found = _refusal(program, config, e, call, before, after)
+                    outcome = f"refused: {type(e).__name__}"
+                    break
+                found = _compare(call, train, net, opt, x, result, want, tol)
+                want = next(expected, None)
+                if found or want is None:
+                    break
+                _seed_host(1000 + call)
+                ns["between_calls"](net, opt, sched, train, call)
+        except poptorch.Error as e:
+            found = [f"refused outside a call: {_where(e)}"]
+        except Exception as e:  # noqa: BLE001: a crash is what we are looking for
+            found = [f"crashed: {_where(e)}"]
+        finally:
+            if train is not None:
+                train.destroy()
+    sizes = [float(m.group(1)) for f in found for m in [re.search(r"differs by (\S+) ", f)] if m]
+    return outcome, found, bool(found) and len(sizes) == len(found) and max(sizes) < 1e-3
+
+
+def _where(error: BaseException) -> str:
+    """An exception, its cause, and the innermost frame that raised it."""
+    cause = error.__cause__ or error
+    frame = traceback.extract_tb(cause.__traceback__)[-1:] if cause.__traceback__ else []
+    at = f" (at {frame[0].filename}:{frame[0].lineno})" if frame else ""
+    text = f"{type(error).__name__}: {str(error).splitlines()[0][:400] if str(error) else ''}"
+    if cause is not error:
+        text += f"; caused by {type(cause).__name__}: {str(cause).splitlines()[0][:300]}"
+    return text + at
