@@ -59,6 +59,16 @@ FOUND = [
     # -- beyond issue 45 ----------------------------------------------------------------
     Found("lstm_in_a_compiled_stage", "lstm&compiled=True", Program(ops=(Op("lstm"),)),
           Config(compiled=True)),
+    Found("parameter_replaced_between_calls", "replace_param",
+          Program(edits=(Edit("replace_param"),)), Config()),
+    Found("parameter_clamped_in_forward", "weight_clip", Program(ops=(Op("weight_clip"),)),
+          Config()),
+    Found("python_counter_in_forward", "python_counter",
+          Program(ops=(Op("python_counter"),)), Config()),
+    Found("attribute_changed_between_calls", "anneal",
+          Program(ops=(Op("temperature"),), edits=(Edit("anneal"),)), Config()),
+    Found("batchnorm_cumulative_average", "batchnorm_cumulative",
+          Program(ops=(Op("batchnorm_cumulative"),)), Config()),
     Found("keras_replicated_batchnorm", "keras_replicated_buffers",
           Program(ops=(Op("batchnorm"),)), KerasConfig(R=2)),
 ]

@@ -76,6 +76,7 @@ class Feature(NamedTuple):
     writes_buffers: bool = False   # replicas need broadcastBuffers(False) (E-PART-10)
     refusable: bool = False        # a clean refusal is an acceptable outcome
     output: str = ""               # an extra output forward returns
+    head: str = ""                 # lines right after ``out = self.head(h)``
 
 
 _STAT = f"self.register_buffer(\"stat{{i}}\", torch.zeros({WIDTH}))"
@@ -90,6 +91,8 @@ FEATURES = {
     "dot_data": Feature("h = h + h.data"),
     "no_grad": Feature("with torch.no_grad():\n    scale{i} = h.abs().mean() + 1.0\n"
                        "h = h / scale{i}"),
+    "inference_mode": Feature("with torch.inference_mode():\n    shift{i} = h.mean() * 0.1\n"
+                              "h = h - shift{i}"),
     "no_grad_inplace": Feature("h = h * 1.0\nwith torch.no_grad():\n    h.clamp_(-0.5, 0.5)"),
     "function": Feature("h = ScaledBackward.apply(h, -0.5)",
                         imports=("from models import ScaledBackward",)),
@@ -116,6 +119,11 @@ FEATURES = {
                         post="g{i}, = torch.autograd.grad(out.sum(), anchor{i}, "
                              "retain_graph=True)\nloss = loss + 0.1 * (g{i} * anchor{i}).sum()"),
     # buffers, tied weights, parametrizations
+    "batchnorm_cumulative": Feature("h = self.bn{i}(h)", writes_buffers=True,
+                                    init=f"self.bn{{i}} = torch.nn.BatchNorm1d({WIDTH}, "
+                                         "momentum=None)"),
+    "shared_module": Feature(read="h = torch.tanh(self.l{s}(h))"),
+    "weight_clip": Feature("with torch.no_grad():\n    self.l{s}.bias.clamp_(-0.1, 0.1)"),
     "batchnorm": Feature("h = self.bn{i}(h)", init=f"self.bn{{i}} = torch.nn.BatchNorm1d({WIDTH})",
                          writes_buffers=True),
     "buffer": Feature(_WRITE, init=_STAT, read="h = h + self.stat{i}", writes_buffers=True),
@@ -141,7 +149,16 @@ FEATURES = {
                              refusable=True),
     "numpy_random": Feature("h = h * float(1 + np.random.rand())",
                             imports=("import numpy as np",), refusable=True),
+    # Python values the forward reads: a tensor's, and attributes it keeps or the user sets
+    "item": Feature("h = h * float(h.mean())", refusable=True),
+    "python_counter": Feature("self.steps{i} += 1\nh = h * (1 + 0.1 * self.steps{i})",
+                              init="self.steps{i} = 0", refusable=True),
+    "temperature": Feature("h = h / self.temperature", init="self.temperature = 1.0",
+                           refusable=True),
     # sequences
+    "embedding": Feature("h = h + self.emb{i}(y)", init=f"self.emb{{i}} = torch.nn.Embedding("
+                         f"{CLASSES}, {WIDTH})",
+                         head="out = out + 0.1 * F.linear(h, self.emb{i}.weight)"),
     "lstm": Feature("seq{i}, _ = self.lstm{i}(h.unsqueeze(1).repeat(1, 3, 1))\n"
                     "h = seq{i}[:, -1]",
                     init=f"self.lstm{{i}} = torch.nn.LSTM({WIDTH}, {WIDTH}, batch_first=True)"),
@@ -163,7 +180,7 @@ FEATURES = {
 
 #: Features acting at a second stage (``Op.to``; "buffer_across": another one); the rest
 #: ignore ``to`` ("buffer" writes, then reads, at its own stage).
-TWO_STAGE = {"buffer_across", "tied"}
+TWO_STAGE = {"buffer_across", "tied", "shared_module"}
 #: Features that change l<s>'s weight into a computed one (edits then touch its bias).
 PARAMETRIZED = {"weight_norm", "spectral_norm", "parametrize"}
 
@@ -190,6 +207,8 @@ LOSSES = {
                      + ", reduction=\"none\")",
     "identity_custom": "loss = poptorch.identity_loss((out - F.one_hot(y, 4).to(out.dtype))"
                        ".pow(2).mean() + 0.1 * out.abs().mean(), reduction=\"mean\")",
+    "identity_none_vector": "loss = poptorch.identity_loss(" + _CE.format(", reduction=\"none\"")
+                            + ", reduction=\"none\")",
     "identity_two": "loss = poptorch.identity_loss(" + _CE.format("") + " + F.mse_loss(out, "
                     f"F.one_hot(y, {CLASSES}).to(out.dtype)), reduction=\"none\")",
 }
@@ -210,6 +229,16 @@ EDITS = {
                      "    train.setOptimizer(opt)",
     "add_param_group": "opt.add_param_group({{\"params\": [net.head.bias], \"lr\": 0.02}})",
     "scheduler": "sched.step()",
+    "anneal": "net.temperature = 2.0",
+    "replace_param": "net.{p} = torch.nn.Parameter(net.{p}.detach() * 0.5)",
+    "reset_parameters": "net.l{s}.reset_parameters()",
+    "momentum": "group = opt.param_groups[0]\nif \"momentum\" in group:\n"
+                "    group[\"momentum\"] = 0.5\nif \"betas\" in group:\n"
+                "    group[\"betas\"] = (0.5, 0.9)",
+    "optimizer_reload": "opt.load_state_dict(opt.state_dict())",
+    "detach_attach": "if train is not None:\n    train.detachFromDevice()",
+    "copy_weights": "if train is not None:\n    train.copyWeightsToHost()\n"
+                    "    train.copyWeightsToDevice()",
     "host_forward": f"with torch.no_grad():\n    net(torch.ones(2, {WIDTH}), "
                     "torch.zeros(2, dtype=torch.long))",
 }
@@ -222,7 +251,15 @@ OPTIMIZERS = {
     "rmsprop": "torch.optim.RMSprop({}, lr=0.01)",
     "poptorch_sgd": "poptorch.optim.SGD({}, lr=0.1, momentum=0.9)",
     "poptorch_adam": "poptorch.optim.Adam({}, lr=0.01)",
+    "poptorch_adamw": "poptorch.optim.AdamW({}, lr=0.01)",
+    "poptorch_rmsprop": "poptorch.optim.RMSprop({}, lr=0.01)",
+    "poptorch_lamb": "poptorch.optim.LAMB({}, lr=0.01)",
+    "loss_scaled": "poptorch.optim.SGD({}, lr=0.1, momentum=0.9, loss_scaling=128.0)",
+    "clipped": "poptorch.optim.SGD({}, lr=0.1, momentum=0.9, max_grad_norm=0.1)",
 }
+#: Edits for which a clean refusal (at the next call) is an acceptable outcome: the model's
+#: parameter is another object than the one the wrapper took.
+REFUSABLE_EDITS = {"replace_param"}
 _GROUPS = {
     "one": "net.parameters()",
     "two": "[{\"params\": [p for n, p in net.named_parameters() if not n.startswith(\"head\")]},\n"
@@ -266,7 +303,7 @@ def source(program: Program) -> str:
                "import poptorch_lite as poptorch"}
     init = [f"self.l{s} = torch.nn.Linear({WIDTH}, {WIDTH})" for s in range(program.stages)]
     init.append(f"self.head = torch.nn.Linear({WIDTH}, {CLASSES})")
-    body, post, outputs = [], [], []
+    body, head, post, outputs = [], [], [], []
     for s in range(program.stages):
         ipu = s % 2 if program.ipus == "loop" else s
         body += [f"poptorch.Block.start(\"s{s}\", ipu_id={ipu})",
@@ -284,9 +321,11 @@ def source(program: Program) -> str:
             init += _fill(f.init, op, i, program).split("\n")
         if f.post:
             post += _fill(f.post, op, i, program).split("\n")
+        if f.head:
+            head += _fill(f.head, op, i, program).split("\n")
         if f.output:
             outputs.append(_fill(f.output, op, i, program))
-    body.append("out = self.head(h)")
+    body += ["out = self.head(h)"] + head
     body += LOSSES[program.loss].split("\n") + post
     body.append("return " + ", ".join(["out", "loss"] + outputs))
     if "input_inplace" in {o.kind for o in program.ops}:  # first thing: x is still unused
@@ -300,7 +339,8 @@ def source(program: Program) -> str:
         for e in program.edits:
             if e.call == call:
                 edits += textwrap.indent(
-                    EDITS[e.kind].format(p=param_of(program, e.stage)), "    ").split("\n")
+                    EDITS[e.kind].format(p=param_of(program, e.stage), s=e.stage),
+                    "    ").split("\n")
     optimizer = OPTIMIZERS[program.optimizer].format(_GROUPS[program.groups])
     scheduler = _SCHEDULER if "scheduler" in {e.kind for e in program.edits} else ""
     return f'''{head}
@@ -336,11 +376,6 @@ def build(program: Program) -> dict:
     return namespace
 
 
-def outputs_of(program: Program) -> int:
-    """How many values forward returns (out, loss and the extra outputs)."""
-    return 2 + sum(bool(FEATURES[o.kind].output) for o in program.ops)
-
-
 def writes_buffers(program: Program) -> bool:
     """Whether forward changes a buffer (replicas then need ``broadcastBuffers(False)``)."""
     return any(FEATURES[o.kind].writes_buffers for o in program.ops)
@@ -348,4 +383,5 @@ def writes_buffers(program: Program) -> bool:
 
 def refusable(program: Program) -> set:
     """The features of ``program`` for which a clean refusal is an acceptable outcome."""
-    return {o.kind for o in program.ops if FEATURES[o.kind].refusable}
+    return ({o.kind for o in program.ops if FEATURES[o.kind].refusable}
+            | {e.kind for e in program.edits if e.kind in REFUSABLE_EDITS})

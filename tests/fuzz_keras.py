@@ -114,7 +114,8 @@ def source(program: Program, config: KerasConfig) -> str:
               f"{config.schedule},",
               f"                             recomputation_mode={mode})",
               "model.compile(sgd, keras.losses.SparseCategoricalCrossentropy(from_logits=True),",
-              f"              [\"accuracy\"], steps_per_execution={config.D * config.G * config.R})",
+              "              [\"accuracy\"], steps_per_execution="
+              f"{config.D * config.G * config.R})",
               f"history = model.fit(x, y, batch_size={config.B}, epochs={config.epochs}, "
               "shuffle=False, verbose=0)"]
     if config.dtype != "float32":
