@@ -15,7 +15,8 @@ numpy the same before each call and before each edit. A program plain PyTorch ca
 
 Each wrapped call must then be **exact**: every output of every micro-batch, the gradient
 each step used (``models.trained_grads``) for every parameter the optimizer holds, the
-host ``.grad`` left as the user left it (None), every weight and buffer, the optimizer's
+host ``.grad`` left as the user left it (None, or what an edit put there), every weight
+and buffer, the optimizer's
 state and hyper-parameters, the input (a forward may edit it in place), and the random
 state of Python, numpy and the model's own generators. Or it is a **refusal** (a
 ``poptorch_lite.Error``) that changed nothing of that (model, optimizer, input, random
@@ -80,6 +81,7 @@ class Config:
     calls: int = 2
     output_mode: str = "All"
     keyword: bool = False  # the labels passed as y=
+    offload: bool = False  # the optimizer's state and update in host memory
     dtype: str = "float32"
 
     def code(self, program: Program) -> str:
@@ -100,6 +102,9 @@ class Config:
             lines.append("opts._Popart.set(\"autoRecomputation\", 3)")
         if self.compiled:
             lines.append("opts.compileStages(True, backend=\"aot_eager\")  # and PAYS_FROM = 0")
+        if self.offload:
+            lines.append("opts.TensorLocations.setOptimizerLocation("
+                         "poptorch.TensorLocationSettings().useOnChipStorage(False))")
         if not self.broadcast_buffers:
             lines.append("opts.broadcastBuffers(False)")
         if self.random_seed is not None:
@@ -333,15 +338,21 @@ def _kind(value) -> str:
             else repr(value))
 
 
-def _compare(call: int, train, net, opt, x, result, want: dict, tol: float) -> list:
+def _host_grads(net) -> dict:
+    return {n: None if p.grad is None else p.grad.clone() for n, p in net.named_parameters()}
+
+
+def _compare(call: int, train, net, opt, x, result, want: dict, tol: float,
+             host_grads: dict) -> list:
+    """What differs after a wrapped call (``host_grads``: the ``.grad`` the user left)."""
     got = _state(net, opt, x)
     grads = trained_grads(train)
     used = {n: grads.get(n) for n in want["grads"]}
-    host_grads = {n: p.grad for n, p in net.named_parameters() if p.grad is not None}
     found = _differences("outputs", list(result) if isinstance(result, (tuple, list))
                          else [result], want["outputs"], tol)
     found += _differences("the gradient the step used", used, want["grads"], tol)
-    found += [f"the host .grad of {n}: the call left one (the user left None)" for n in host_grads]
+    found += _differences("the host .grad (as the user left it)", _host_grads(net), host_grads,
+                          0.0)
     for key in ("model", "optimizer", "input", "python random", "numpy random", "generators"):
         found += _differences(key, got[key], want[key], tol)
     return [f"call {call}: {d}" for d in found]
@@ -405,6 +416,7 @@ def _run(program: Program, config: Config) -> tuple:
                 x, y = _data(config, call)
                 _seed_host(call)
                 before = dict(_state(net, opt, x), torch_random=torch.get_rng_state())
+                host_grads = _host_grads(net)
                 try:
                     result = train(x, y=y) if config.keyword else train(x, y)
                 except (errors.ExecutionError, errors.UnrecoverableError) as e:
@@ -416,7 +428,7 @@ def _run(program: Program, config: Config) -> tuple:
                     found = _refusal(program, config, e, call, before, after)
                     outcome = f"refused: {type(e).__name__}"
                     break
-                found = _compare(call, train, net, opt, x, result, want, tol)
+                found = _compare(call, train, net, opt, x, result, want, tol, host_grads)
                 want = next(expected, None)
                 if found or want is None:
                     break

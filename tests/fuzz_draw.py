@@ -45,8 +45,13 @@ PENDING = {
                    "edited: plain PyTorch clamps it in every micro-batch",
     "python_counter": "a Python attribute the forward changes (self.steps += 1) is read once, "
                       "at the trace",
-    "anneal": "a Python attribute the forward reads, changed between calls "
-              "(net.temperature = 2.0), is not seen",
+    "temperature&anneal": "a Python attribute the forward reads, changed between calls "
+                          "(net.temperature = 2.0), is not seen",
+    "host_forward&batchnorm&device=ipu_model": "BatchNorm statistics moved by a forward on the "
+        "host between calls are lost on separate memories (torch's kernel does not bump their "
+        "version, which is how host edits are found)",
+    "host_forward&batchnorm&device=gpu_twin": "as on the IPU Model: a host forward's BatchNorm "
+                                              "statistics are lost",
     "batchnorm_cumulative": "BatchNorm1d(momentum=None) (a cumulative average) is refused as "
                             "a read of a tensor into Python, at the caller's line",
     "lstm&compiled=True": "an LSTM in a compiled stage (aot_eager) fails while running",
@@ -125,7 +130,8 @@ def configs(draw, program: Program, require=frozenset()) -> Config:
         B=pick("B", st.sampled_from([2, 3])),
         calls=pick("calls", st.integers(2, 3)),
         output_mode=pick("output_mode", st.sampled_from(["All", "Final", "Sum"])),
-        keyword=pick("keyword", st.booleans()))
+        keyword=pick("keyword", st.booleans()),
+        offload=pick("offload", st.booleans()))
 
 
 def atoms(program: Program, config: Config) -> frozenset:

@@ -239,6 +239,7 @@ EDITS = {
     "detach_attach": "if train is not None:\n    train.detachFromDevice()",
     "copy_weights": "if train is not None:\n    train.copyWeightsToHost()\n"
                     "    train.copyWeightsToDevice()",
+    "host_grad": "for p in net.parameters():\n    p.grad = torch.full_like(p, 0.5)",
     "host_forward": f"with torch.no_grad():\n    net(torch.ones(2, {WIDTH}), "
                     "torch.zeros(2, dtype=torch.long))",
 }
