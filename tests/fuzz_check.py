@@ -247,10 +247,10 @@ def _plain_call(net, opt, x, y, config: Config, seeds: list, replicas: list) -> 
             for p in net.parameters():
                 if p.grad is not None:
                     p.grad.div_(m)
-        clip = getattr(opt, "max_grad_norm", None)  # poptorch.optim's: the step clips first
+        clip = getattr(opt, "max_grad_norm", None)  # poptorch.optim's: the norm of what it steps
         if clip is not None and math.isfinite(clip):
-            torch.nn.utils.clip_grad_norm_([p for p in net.parameters() if p.grad is not None],
-                                           clip)
+            torch.nn.utils.clip_grad_norm_(
+                [p for g in opt.param_groups for p in g["params"] if p.grad is not None], clip)
         opt.step()
     outputs = [_merged(v, config) for v in per_output if v]
     in_optimizer = {id(p) for g in opt.param_groups for p in g["params"]}

@@ -54,6 +54,10 @@ PENDING = {
                                               "statistics are lost",
     "batchnorm_cumulative": "BatchNorm1d(momentum=None) (a cumulative average) is refused as "
                             "a read of a tensor into Python, at the caller's line",
+    "loss_scaled&param_hook": "loss scaling shows through gradient code the model brings: a "
+                              "hook that clamps sees gradients times loss_scaling",
+    "clipped&groups=partial": "max_grad_norm's global norm counts the gradient of a parameter "
+                              "the optimizer does not hold",
     "lstm&compiled=True": "an LSTM in a compiled stage (aot_eager) fails while running",
     "keras_replicated_buffers": "Keras' fit refuses replicas of a model that writes buffers "
                                 "(BatchNorm), naming an Options call Keras users cannot make",

@@ -75,6 +75,10 @@ FOUND = [
     Found("host_forward_batchnorm_gpu_twin", "host_forward&batchnorm&device=gpu_twin",
           Program(ops=(Op("batchnorm"),), edits=(Edit("host_forward"),)),
           Config(device="gpu_twin")),
+    Found("loss_scaling_seen_by_a_clamping_hook", "loss_scaled&param_hook",
+          Program(ops=(Op("param_hook"),), optimizer="loss_scaled"), Config()),
+    Found("clipping_counts_a_parameter_outside_the_optimizer", "clipped&groups=partial",
+          Program(optimizer="clipped", groups="partial"), Config()),
     Found("keras_replicated_batchnorm", "keras_replicated_buffers",
           Program(ops=(Op("batchnorm"),)), KerasConfig(R=2)),
 ]

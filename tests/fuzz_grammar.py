@@ -236,7 +236,8 @@ EDITS = {
                 "    group[\"momentum\"] = 0.5\nif \"betas\" in group:\n"
                 "    group[\"betas\"] = (0.5, 0.9)",
     "optimizer_reload": "opt.load_state_dict(opt.state_dict())",
-    "detach_attach": "if train is not None:\n    train.detachFromDevice()",
+    "detach_attach": "if train is not None and train.isAttachedToDevice():\n"
+                     "    train.detachFromDevice()",
     "copy_weights": "if train is not None:\n    train.copyWeightsToHost()\n"
                     "    train.copyWeightsToDevice()",
     "host_grad": "for p in net.parameters():\n    p.grad = torch.full_like(p, 0.5)",
