@@ -9,7 +9,8 @@ of G·R micro-batches (a loss's gradient is ones, so ``identity_loss(..., "none"
 as its sum), divided by G·R under ``ReductionType.Mean``; micro-batch k of the combined
 batch in [D, G, R, B] order, its random ops seeded with ``models.microbatch_seeds`` (or
 ``Options.randomSeed``'s own generator); with ``broadcastBuffers(False)`` each replica
-keeps its own buffers and the host's are replica 0's. Both sides seed torch, Python and
+keeps its own buffers, the host's are replica 0's (a host edit is replica 0's) and a copy to
+the device (``copyWeightsToDevice``, a re-attach) gives every replica the host's. Both sides seed torch, Python and
 numpy the same before each call and before each edit. A program plain PyTorch cannot run is
 :class:`Invalid` (its first call fails) or ends early (a later call or edit fails).
 
@@ -259,6 +260,11 @@ def _plain_call(net, opt, x, y, config: Config, seeds: list, replicas: list) -> 
     return outputs, grads
 
 
+#: Edits after which every replica holds the host's buffers: a copy to the device (a
+#: re-attach copies too) has one value to copy, the host's, as PopTorch's has.
+_TO_DEVICE = {"detach_attach", "copy_weights"}
+
+
 def _merged(values: list, config: Config) -> torch.Tensor:
     """One output of a call's micro-batches as the call returns it (POPTORCH_REFERENCE §3):
     All: every micro-batch; Final: each replica's last; Sum: each replica's sum. A scalar per
@@ -302,6 +308,8 @@ def plain(program: Program, config: Config):
             ns["between_calls"](net, opt, sched, None, call)
         except Exception:  # noqa: BLE001: an edit plain PyTorch refuses ends the example
             return
+        if replicas and {e.kind for e in program.edits if e.call == call} & _TO_DEVICE:
+            replicas[:] = [{n: b.clone() for n, b in net.named_buffers()} for _ in replicas]
 
 
 def _differences(what: str, got, want, tol: float) -> list:

@@ -54,10 +54,16 @@ PENDING = {
                                               "statistics are lost",
     "batchnorm_cumulative": "BatchNorm1d(momentum=None) (a cumulative average) is refused as "
                             "a read of a tensor into Python, at the caller's line",
-    "loss_scaled&param_hook": "loss scaling shows through gradient code the model brings: a "
+    "optimizer=loss_scaled&param_hook": "loss scaling shows through gradient code the model brings: a "
                               "hook that clamps sees gradients times loss_scaling",
-    "clipped&groups=partial": "max_grad_norm's global norm counts the gradient of a parameter "
+    "optimizer=clipped&groups=partial": "max_grad_norm's global norm counts the gradient of a parameter "
                               "the optimizer does not hold",
+    **{f"{edit}&broadcast_buffers=False&device={device}":
+       "with broadcastBuffers(False), a host edit of a buffer resets the other replicas' "
+       "buffers to their values at wrap time on separate memories (their host-side homes are "
+       "never refreshed from the devices, and the push copies them over)"
+       for edit in ("buffers_edit", "host_forward", "load_state_dict")
+       for device in ("ipu_model", "gpu_twin")},
     "lstm&compiled=True": "an LSTM in a compiled stage (aot_eager) fails while running",
     "keras_replicated_buffers": "Keras' fit refuses replicas of a model that writes buffers "
                                 "(BatchNorm), naming an Options call Keras users cannot make",
@@ -83,13 +89,14 @@ def _op(draw, stages: int, kinds: list) -> Op:
 def programs(draw, pending=frozenset(PENDING), require=frozenset()) -> Program:
     """A program of the grammar, without the ``pending`` names and with the ``require``d
     ones (ops, a loss, edits)."""
+    forced = dict(a.split("=", 1) for a in require if "=" in a)
     stages = draw(st.integers(2 if "buffer_across" in require else 1, 4))
     kinds = [k for k in _names(FEATURES, pending) if stages > 1 or k != "buffer_across"]
     ops = tuple(draw(st.lists(_op(stages, kinds), max_size=3)))
     ops += tuple(draw(_op(stages, [k])) for k in sorted(require & FEATURES.keys()))
     forced_loss = sorted(require & LOSSES.keys())
     loss = draw(st.sampled_from(forced_loss or _names(LOSSES, pending)))
-    optimizer = draw(st.sampled_from(list(OPTIMIZERS)))
+    optimizer = forced.get("optimizer") or draw(st.sampled_from(list(OPTIMIZERS)))
 
     def edit(kinds):
         return st.builds(Edit, st.sampled_from(kinds), st.integers(0, 1),
@@ -99,7 +106,7 @@ def programs(draw, pending=frozenset(PENDING), require=frozenset()) -> Program:
     if any(e.kind == "add_param_group" for e in edits):
         groups = "partial"  # the head's bias joins the optimizer later
     else:
-        groups = draw(st.sampled_from(["one", "two", "partial"]))
+        groups = forced.get("groups") or draw(st.sampled_from(["one", "two", "partial"]))
     ipus = draw(st.sampled_from(["distinct", "loop"])) if stages > 2 else "distinct"
     return Program(stages, ops, loss, optimizer, groups, edits, ipus)
 
@@ -111,7 +118,7 @@ def configs(draw, program: Program, require=frozenset()) -> Config:
     forced = dict(a.split("=", 1) for a in require if "=" in a)
 
     def pick(name, strategy):
-        if name not in forced:
+        if name not in forced or name not in Config.__dataclass_fields__:
             return draw(strategy)
         kind = type(getattr(Config(), name))
         value = forced[name]

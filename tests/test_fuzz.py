@@ -39,7 +39,7 @@ def _found_params():
         yield pytest.param(found, marks=marks, id=found.name)
 
 
-@pytest.mark.parametrize("found", _found_params())
+@pytest.mark.parametrize("found", list(_found_params()))
 def test_found_example(found):
     """A finding's minimal example: exact (or a clean, acceptable refusal) once it is fixed."""
     keras = isinstance(found.config, fuzz_keras.KerasConfig)
