@@ -10,9 +10,10 @@ as its sum), divided by G·R under ``ReductionType.Mean``; micro-batch k of the 
 batch in [D, G, R, B] order, its random ops seeded with ``models.microbatch_seeds`` (or
 ``Options.randomSeed``'s own generator); with ``broadcastBuffers(False)`` each replica
 keeps its own buffers, the host's are replica 0's (a host edit is replica 0's) and a copy to
-the device (``copyWeightsToDevice``, a re-attach) gives every replica the host's. Both sides seed torch, Python and
-numpy the same before each call and before each edit. A program plain PyTorch cannot run is
-:class:`Invalid` (its first call fails) or ends early (a later call or edit fails).
+the device (``copyWeightsToDevice``, a re-attach) gives every replica the host's. Both sides
+seed torch, Python and numpy the same before each call and before each edit. A program
+plain PyTorch cannot run is :class:`Invalid` (its first call fails) or ends early (a later
+call or edit fails).
 
 Each wrapped call must then be **exact**: every output of every micro-batch, the gradient
 each step used (``models.trained_grads``) for every parameter the optimizer holds, the
@@ -83,6 +84,7 @@ class Config:
     output_mode: str = "All"
     keyword: bool = False  # the labels passed as y=
     offload: bool = False  # the optimizer's state and update in host memory
+    vary_batch: bool = False  # the second call's micro-batches hold B + 1 samples
     dtype: str = "float32"
 
     def code(self, program: Program) -> str:
@@ -169,9 +171,13 @@ def _running(config: Config):
         compiled_stages.PAYS_FROM = saved
 
 
+def _batch(config: Config, call: int) -> int:
+    return config.B + (config.vary_batch and call == 1)
+
+
 def _data(config: Config, call: int):
     g = torch.Generator().manual_seed(1000 + call)
-    n = config.B * config.D * config.G * config.R
+    n = _batch(config, call) * config.D * config.G * config.R
     x = torch.randn(n, 6, generator=g).to(getattr(torch, config.dtype))
     return x, torch.randint(0, 4, (n,), generator=g)
 
@@ -220,7 +226,7 @@ def _state(net, opt, x) -> dict:
 def _plain_call(net, opt, x, y, config: Config, seeds: list, replicas: list) -> tuple:
     """One call's D steps in plain PyTorch; returns (per-output values, last step's grads)."""
     m = config.G * config.R
-    b = config.B
+    b = len(x) // (config.D * m)
     per_output = [[] for _ in range(10)]
     buffers = dict(net.named_buffers())
     for d in range(config.D):

@@ -19,6 +19,11 @@ from hypothesis import assume, strategies as st
 from fuzz_check import DEVICES, SCHEDULES, Config
 from fuzz_grammar import EDITS, FEATURES, LOSSES, OPTIMIZERS, TWO_STAGE, Edit, Op, Program
 
+def _on_separate_memories(names: str, what: str) -> dict:
+    """A finding on the devices whose stages hold their own copies (the IPU Model, the GPU)."""
+    return {f"{names}&device={d}": what for d in ("ipu_model", "gpu_twin")}
+
+
 PENDING = {
     # issue 45's findings, found again by the fuzzer (tests/fuzz_found.py)
     "ce_times": "arithmetic after a loss function is left out of the gradient (2 * ce)",
@@ -28,10 +33,10 @@ PENDING = {
     "ce_plus_l2": "a regularizer added to a loss function's output gets no gradient",
     "penalty": "a gradient penalty (autograd.grad(create_graph=True) in forward) is dropped",
     "saliency": "a gradient taken in forward (autograd.grad) is wrong",
-    "data_edit&device=ipu_model": "a .data edit between calls is lost on separate homes",
-    "data_edit&device=gpu_twin": "a .data edit between calls is lost on separate homes",
-    "freeze&device=ipu_model": "requires_grad_(False) between calls is ignored on separate homes",
-    "freeze&device=gpu_twin": "requires_grad_(False) between calls is ignored on separate homes",
+    **_on_separate_memories("data_edit", "a .data edit between calls is lost"),
+    **_on_separate_memories("freeze", "requires_grad_(False) between calls is ignored"),
+    **_on_separate_memories("unfreeze_bias", "requires_grad_(True) between calls, on a "
+                            "parameter frozen when wrapped, is ignored"),
     "buffer_across": "a buffer written by one stage and read by another",
     "packed_lstm": "a packed sequence through an LSTM fails while running",
     "generator": "a user's torch.Generator in forward draws once, at the trace",
@@ -39,35 +44,34 @@ PENDING = {
     "numpy_random": "numpy's random in forward is read once, at the trace",
     "metric": "a metric computed with a loss function under no_grad counts as a second loss",
     # found by the fuzzer beyond issue 45 (tests/fuzz_found.py)
-    "replace_param": "a parameter replaced by a new Parameter between calls is ignored: "
-                     "the wrapper trains and computes with the old one",
-    "weight_clip": "a parameter edited in place in forward (torch.no_grad(): clamp_) is not "
+    "replace_param": "a parameter replaced by a new Parameter between calls is ignored: the "
+                     "wrapper trains and computes with the old one",
+    "weight_clip": "a parameter edited in place in forward (under no_grad: clamp_) is not "
                    "edited: plain PyTorch clamps it in every micro-batch",
     "python_counter": "a Python attribute the forward changes (self.steps += 1) is read once, "
                       "at the trace",
     "temperature&anneal": "a Python attribute the forward reads, changed between calls "
                           "(net.temperature = 2.0), is not seen",
-    "host_forward&batchnorm&device=ipu_model": "BatchNorm statistics moved by a forward on the "
-        "host between calls are lost on separate memories (torch's kernel does not bump their "
-        "version, which is how host edits are found)",
-    "host_forward&batchnorm&device=gpu_twin": "as on the IPU Model: a host forward's BatchNorm "
-                                              "statistics are lost",
+    **_on_separate_memories("host_forward&batchnorm", "BatchNorm statistics a forward on the "
+                            "host moves between calls are lost: torch's kernel does not bump "
+                            "their version, which is how host edits are found"),
+    **{k: v for edit in ("buffers_edit", "host_forward", "load_state_dict")
+       for k, v in _on_separate_memories(
+           f"{edit}&broadcast_buffers=False", "with broadcastBuffers(False), a host edit of "
+           "a buffer resets the other replicas' buffers to their values when wrapped: their "
+           "homes are never refreshed from the devices, and the push copies them over").items()},
     "batchnorm_cumulative": "BatchNorm1d(momentum=None) (a cumulative average) is refused as "
                             "a read of a tensor into Python, at the caller's line",
-    "optimizer=loss_scaled&param_hook": "loss scaling shows through gradient code the model brings: a "
-                              "hook that clamps sees gradients times loss_scaling",
-    "optimizer=clipped&groups=partial": "max_grad_norm's global norm counts the gradient of a parameter "
-                              "the optimizer does not hold",
-    **{f"{edit}&broadcast_buffers=False&device={device}":
-       "with broadcastBuffers(False), a host edit of a buffer resets the other replicas' "
-       "buffers to their values at wrap time on separate memories (their host-side homes are "
-       "never refreshed from the devices, and the push copies them over)"
-       for edit in ("buffers_edit", "host_forward", "load_state_dict")
-       for device in ("ipu_model", "gpu_twin")},
+    "optimizer=loss_scaled&param_hook": "loss scaling shows through gradient code the model "
+                                        "brings: a hook that clamps sees gradients times the "
+                                        "loss scale",
+    "optimizer=clipped&groups=partial": "max_grad_norm's global norm counts the gradient of a "
+                                        "parameter the optimizer does not hold",
     "lstm&compiled=True": "an LSTM in a compiled stage (aot_eager) fails while running",
     "keras_replicated_buffers": "Keras' fit refuses replicas of a model that writes buffers "
                                 "(BatchNorm), naming an Options call Keras users cannot make",
 }
+
 
 def _names(catalogue, pending) -> list:
     return [n for n in catalogue if n not in pending]
@@ -142,7 +146,8 @@ def configs(draw, program: Program, require=frozenset()) -> Config:
         calls=pick("calls", st.integers(2, 3)),
         output_mode=pick("output_mode", st.sampled_from(["All", "Final", "Sum"])),
         keyword=pick("keyword", st.booleans()),
-        offload=pick("offload", st.booleans()))
+        offload=pick("offload", st.booleans()),
+        vary_batch=pick("vary_batch", st.booleans()))
 
 
 def atoms(program: Program, config: Config) -> frozenset:

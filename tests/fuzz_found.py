@@ -44,6 +44,12 @@ FOUND = [
           Program(edits=(Edit("freeze"),)), Config(device="ipu_model")),
     Found("requires_grad_off_gpu_twin", "freeze&device=gpu_twin",
           Program(edits=(Edit("freeze"),)), Config(device="gpu_twin")),
+    Found("requires_grad_on_ipu_model", "unfreeze_bias&device=ipu_model",
+          Program(ops=(Op("frozen"),), edits=(Edit("unfreeze_bias"),)),
+          Config(device="ipu_model")),
+    Found("requires_grad_on_gpu_twin", "unfreeze_bias&device=gpu_twin",
+          Program(ops=(Op("frozen"),), edits=(Edit("unfreeze_bias"),)),
+          Config(device="gpu_twin")),
     # -- a buffer written by one stage and read by another ------------------------------
     Found("buffer_written_by_a_later_stage", "buffer_across",
           Program(stages=2, ops=(Op("buffer_across", 1, 0),)), Config(G=3)),
@@ -79,14 +85,12 @@ FOUND = [
           Program(ops=(Op("param_hook"),), optimizer="loss_scaled"), Config()),
     Found("clipping_counts_a_parameter_outside_the_optimizer", "optimizer=clipped&groups=partial",
           Program(optimizer="clipped", groups="partial"), Config()),
-    Found("replica_buffers_reset_by_a_host_edit_ipu_model",
-          "buffers_edit&broadcast_buffers=False&device=ipu_model",
-          Program(ops=(Op("buffer"),), edits=(Edit("buffers_edit"),)),
-          Config(R=2, broadcast_buffers=False, device="ipu_model")),
-    Found("replica_buffers_reset_by_a_host_edit_gpu_twin",
-          "buffers_edit&broadcast_buffers=False&device=gpu_twin",
-          Program(ops=(Op("buffer"),), edits=(Edit("buffers_edit"),)),
-          Config(R=2, broadcast_buffers=False, device="gpu_twin")),
+    *(Found(f"replica_buffers_reset_by_{edit}_{device}",
+            f"{edit}&broadcast_buffers=False&device={device}",
+            Program(ops=(Op("buffer"),), edits=(Edit(edit),)),
+            Config(R=2, broadcast_buffers=False, device=device))
+      for edit in ("buffers_edit", "host_forward", "load_state_dict")
+      for device in ("ipu_model", "gpu_twin")),
     Found("keras_replicated_batchnorm", "keras_replicated_buffers",
           Program(ops=(Op("batchnorm"),)), KerasConfig(R=2)),
 ]

@@ -219,6 +219,7 @@ EDITS = {
     "inplace_edit": "with torch.no_grad():\n    net.{p}.mul_(0.5)",
     "freeze": "net.{p}.requires_grad_(False)",
     "unfreeze": "net.{p}.requires_grad_(True)",
+    "unfreeze_bias": "net.l{s}.bias.requires_grad_(True)",
     "load_state_dict": "net.load_state_dict({{k: v * 0.9 if v.is_floating_point() else v\n"
                        "                     for k, v in net.state_dict().items()}})",
     "buffers_edit": "with torch.no_grad():\n    for b in net.buffers():\n"
@@ -240,6 +241,7 @@ EDITS = {
                      "    train.detachFromDevice()",
     "copy_weights": "if train is not None:\n    train.copyWeightsToHost()\n"
                     "    train.copyWeightsToDevice()",
+    "host_step": "for p in net.parameters():\n    p.grad = torch.full_like(p, 0.5)\nopt.step()",
     "host_grad": "for p in net.parameters():\n    p.grad = torch.full_like(p, 0.5)",
     "host_forward": f"with torch.no_grad():\n    net(torch.ones(2, {WIDTH}), "
                     "torch.zeros(2, dtype=torch.long))",
