@@ -418,11 +418,11 @@ def _run(program: Program, config: Config) -> tuple:
     """(outcome, what is wrong, whether it is only numbers that differ, by less than 1e-3)."""
     expected = plain(program, config)
     tol = config.tolerance(program)
-    ns = build(program)
-    net, opt, sched = _model(ns, config)
     outcome, found = "exact", []
     with _running(config):
-        want = next(expected)  # raises Invalid before anything is wrapped
+        want = next(expected)  # raises Invalid before anything is built or wrapped
+        ns = build(program)
+        net, opt, sched = _model(ns, config)
         train = None
         try:
             train = poptorch.trainingModel(net, config.options(program), opt)
