@@ -293,7 +293,10 @@ def plain(program: Program, config: Config):
         Invalid: the first call fails: the program is wrong in plain PyTorch.
     """
     ns = build(program)
-    net, opt, sched = _model(ns, config)
+    try:
+        net, opt, sched = _model(ns, config)
+    except Exception as e:  # noqa: BLE001: plain PyTorch cannot build it
+        raise Invalid(f"{type(e).__name__}: {e}") from e
     own = None if config.random_seed is None else torch.Generator().manual_seed(config.random_seed)
     replicas = []
     if config.R > 1 and not config.broadcast_buffers and writes_buffers(program):

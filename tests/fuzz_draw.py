@@ -55,11 +55,12 @@ PENDING = {
     **_on_separate_memories("host_forward&batchnorm", "BatchNorm statistics a forward on the "
                             "host moves between calls are lost: torch's kernel does not bump "
                             "their version, which is how host edits are found"),
-    **{k: v for edit in ("buffers_edit", "host_forward", "load_state_dict")
+    **{k: v for edit in ("buffers_edit", "host_forward", "load_state_dict", "vary_batch=True")
        for k, v in _on_separate_memories(
            f"{edit}&broadcast_buffers=False", "with broadcastBuffers(False), a host edit of "
-           "a buffer resets the other replicas' buffers to their values when wrapped: their "
-           "homes are never refreshed from the devices, and the push copies them over").items()},
+           "a buffer (or a second program, for another batch size) resets the other replicas' "
+           "buffers to their values when wrapped: their homes are never refreshed from the "
+           "devices, and the push (the new program's copies) copies them over").items()},
     "batchnorm_cumulative": "BatchNorm1d(momentum=None) (a cumulative average) is refused as "
                             "a read of a tensor into Python, at the caller's line",
     "optimizer=loss_scaled&param_hook": "loss scaling shows through gradient code the model "

@@ -91,6 +91,11 @@ FOUND = [
             Config(R=2, broadcast_buffers=False, device=device))
       for edit in ("buffers_edit", "host_forward", "load_state_dict")
       for device in ("ipu_model", "gpu_twin")),
+    *(Found(f"replica_buffers_reset_by_a_second_program_{device}",
+            f"vary_batch=True&broadcast_buffers=False&device={device}",
+            Program(ops=(Op("buffer"),)),
+            Config(R=2, broadcast_buffers=False, device=device, vary_batch=True))
+      for device in ("ipu_model", "gpu_twin")),
     Found("keras_replicated_batchnorm", "keras_replicated_buffers",
           Program(ops=(Op("batchnorm"),)), KerasConfig(R=2)),
 ]
