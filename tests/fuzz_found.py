@@ -96,6 +96,10 @@ FOUND = [
             Program(ops=(Op("buffer"),)),
             Config(R=2, broadcast_buffers=False, device=device, vary_batch=True))
       for device in ("ipu_model", "gpu_twin")),
+    Found("parameter_hook_on_a_module_two_stages_use", "param_hook&shared_module",
+          Program(stages=2, ops=(Op("param_hook"), Op("shared_module", 0, 1))), Config(G=3)),
+    Found("parameter_hook_without_gradient_compiled", "compiled=True&param_hook&stop",
+          Program(ops=(Op("param_hook"), Op("stop"))), Config(compiled=True)),
     Found("keras_replicated_batchnorm", "keras_replicated_buffers",
           Program(ops=(Op("batchnorm"),)), KerasConfig(R=2)),
 ]
