@@ -25,7 +25,7 @@ from fuzz_found import FOUND
 _STORAGE = tempfile.TemporaryDirectory(prefix="hypothesis-")
 configuration.set_hypothesis_home_dir(_STORAGE.name)
 
-SHORT = settings(max_examples=12, derandomize=True, deadline=None, database=None,
+SHORT = settings(max_examples=14, derandomize=True, deadline=None, database=None,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
                  print_blob=False)
 
