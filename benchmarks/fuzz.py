@@ -3,6 +3,7 @@
     python benchmarks/fuzz.py                    # 30 minutes, PENDING left out: new findings
     python benchmarks/fuzz.py --minutes 5 --all  # everything drawn: finds the pending ones too
     python benchmarks/fuzz.py --seed 3 --report /tmp/fuzz.txt
+    python benchmarks/fuzz.py --prove --minutes 3  # the proof of power: each PENDING finding
 
 Draws (program, config) pairs from tests/fuzz_draw.py and checks each against plain PyTorch
 (tests/fuzz_check.py, [Note: the fuzzer's oracle] there). A finding is shrunk by Hypothesis to
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import pathlib
 import sys
 import tempfile
@@ -37,7 +37,8 @@ from hypothesis import HealthCheck, configuration, given, settings  # noqa: E402
 from hypothesis import seed as hypothesis_seed  # noqa: E402
 
 import fuzz_draw  # noqa: E402
-from fuzz_check import Config, Finding, Invalid, check, describe  # noqa: E402
+from fuzz_check import Finding, Invalid, check  # noqa: E402
+from fuzz_config import Config  # noqa: E402
 from fuzz_grammar import Program  # noqa: E402
 
 #: Factors whose values are sizes: left out of a signature (a bug at 2 stages is the same bug

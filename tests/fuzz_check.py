@@ -57,81 +57,10 @@ from poptorch_lite import errors
 from poptorch_lite.compiler import compiled_stages, rng
 from poptorch_lite.runtime import gpu
 
-import models
+from fuzz_config import Config
 from fuzz_grammar import Program, build, refusable, source, writes_buffers
 from gpu_twin import TwinGpu
 from models import microbatch_seeds, trained_grads
-
-SCHEDULES = ("grouped", "sequential", "interleaved", "gpipe", "zero_bubble", "sharded")
-DEVICES = ("cpu", "ipu_model", "gpu_twin")
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """How the wrapped side runs a program (the simplest value of each factor first)."""
-    schedule: str = "grouped"
-    G: int = 1
-    D: int = 1
-    R: int = 1
-    reduction: str = "mean"
-    recompute: bool = False
-    compiled: bool = False
-    device: str = "cpu"
-    broadcast_buffers: bool = True
-    random_seed: Optional[int] = None
-    B: int = 2
-    calls: int = 2
-    output_mode: str = "All"
-    keyword: bool = False  # the labels passed as y=
-    offload: bool = False  # the optimizer's state and update in host memory
-    vary_batch: bool = False  # the second call's micro-batches hold B + 1 samples
-    dtype: str = "float32"
-
-    def code(self, program: Program) -> str:
-        """The Options as a user writes them."""
-        if self.schedule == "sharded":
-            lines = ["opts = poptorch.Options().setExecutionStrategy(poptorch.ShardedExecution())"]
-        else:
-            auto = "poptorch.AutoStage.AutoIncrement, " if program.ipus == "loop" else ""
-            lines = ["opts = poptorch.Options().setExecutionStrategy(poptorch.PipelinedExecution("
-                     f"{auto}schedule={self.schedule!r}))"]
-        lines += [f"opts.Training.gradientAccumulation({self.G})",
-                  f"opts.deviceIterations({self.D}).replicationFactor({self.R})",
-                  f"opts.outputMode(poptorch.OutputMode.{self.output_mode})"]
-        if self.reduction == "sum":
-            lines.append("opts.Training.accumulationAndReplicationReductionType("
-                         "poptorch.ReductionType.Sum)")
-        if self.recompute:
-            lines.append("opts._Popart.set(\"autoRecomputation\", 3)")
-        if self.compiled:
-            lines.append("opts.compileStages(True, backend=\"aot_eager\")  # and PAYS_FROM = 0")
-        if self.offload:
-            lines.append("opts.TensorLocations.setOptimizerLocation("
-                         "poptorch.TensorLocationSettings().useOnChipStorage(False))")
-        if not self.broadcast_buffers:
-            lines.append("opts.broadcastBuffers(False)")
-        if self.random_seed is not None:
-            lines.append(f"opts.randomSeed({self.random_seed})")
-        lines.append(f"models.on_device(opts, {self.device!r})")
-        if self.dtype != "float32":
-            lines.append(f"# the model and the inputs in torch.{self.dtype}: net = Net().to(torch."
-                         f"{self.dtype})")
-        return "\n".join(lines)
-
-    def options(self, program: Program) -> poptorch.Options:
-        namespace = {"poptorch": poptorch, "models": models}
-        exec(self.code(program), namespace)  # noqa: S102: the text printed is what ran
-        return namespace["opts"]
-
-    def atoms(self) -> frozenset:
-        return frozenset(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
-
-    def tolerance(self, program: Program) -> float:
-        """0 where the arithmetic is plain PyTorch's to the bit, else by dtype (module doc)."""
-        if program.stages == 1 and self.G * self.R == 1 and not self.compiled:
-            return 0.0
-        return 1e-5 if self.dtype == "float32" else 1e-7
-
 
 class Invalid(Exception):
     """Plain PyTorch cannot run the program's first call: not an example."""

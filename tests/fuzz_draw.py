@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from hypothesis import assume, strategies as st
 
-from fuzz_check import DEVICES, SCHEDULES, Config
+from fuzz_config import DEVICES, SCHEDULES, Config
 from fuzz_grammar import EDITS, FEATURES, LOSSES, OPTIMIZERS, TWO_STAGE, Edit, Op, Program
 
 def _on_separate_memories(names: str, what: str) -> dict:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Union
 
-from fuzz_check import Config
+from fuzz_config import Config
 from fuzz_grammar import Edit, Op, Program
 from fuzz_keras import KerasConfig
 
