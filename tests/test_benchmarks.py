@@ -170,3 +170,13 @@ def test_the_short_soak_leaves_threads_files_and_processes_as_after_its_warm_up(
     assert "'call': " in ctrl_c  # a Ctrl-C landed inside a call, on every schedule
     assert sorted(line[:9] for line in lines if line.startswith("process") and " RSS MiB " in line
                   ) == ["process 0", "process 1"]
+
+
+def test_the_fuzzers_long_profile_runs_and_reports():
+    """benchmarks/fuzz.py for a few seconds: examples run, outcomes and coverage printed, and
+    no finding (the PENDING ones are left out, as in the short profile)."""
+    done = subprocess.run([sys.executable, str(BENCH / "fuzz.py"), "--minutes", "0.05",
+                           "--seed", "1"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert " examples in " in done.stdout and "0 findings" in done.stdout
+    assert "grammar: " in done.stdout and "config: " in done.stdout

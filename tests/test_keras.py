@@ -114,7 +114,8 @@ def plain(net, x, y, B, G, R, order_list, lr_of_epoch=None):
                 losses.append(float(loss.detach()))
                 correct += int((out.argmax(-1) == y[idx]).sum())
             for p in net.parameters():
-                p.grad.div_(G * R)
+                if p.grad is not None:  # a frozen parameter has none
+                    p.grad.div_(G * R)
             opt.step()
         history["loss"].append(sum(losses) / len(losses))
         history["accuracy"].append(correct / (batches * B))

@@ -1,0 +1,90 @@
+"""How the fuzzer's wrapped side runs a program: the configuration, as the Options a user writes.
+
+A :class:`Config` holds one value per factor (schedule, G, D, R, reduction, recomputation,
+compiled stages, device, buffers per replica, random seed, micro-batch size, calls, output
+mode, labels by keyword, offloaded optimizer state, a batch size that changes), the simplest
+first, so that Hypothesis shrinks towards it (tests/fuzz_draw.py draws valid ones).
+:meth:`Config.code` is the Options as Python, which is what :meth:`Config.options` runs and
+what a finding prints; :meth:`Config.tolerance` is the fuzzer's tolerance rule ([Note: the
+fuzzer's oracle] in fuzz_check).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import poptorch_lite as poptorch
+
+import models
+from fuzz_grammar import Program
+
+SCHEDULES = ("grouped", "sequential", "interleaved", "gpipe", "zero_bubble", "sharded")
+DEVICES = ("cpu", "ipu_model", "gpu_twin")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """How the wrapped side runs a program (the simplest value of each factor first)."""
+    schedule: str = "grouped"
+    G: int = 1
+    D: int = 1
+    R: int = 1
+    reduction: str = "mean"
+    recompute: bool = False
+    compiled: bool = False
+    device: str = "cpu"
+    broadcast_buffers: bool = True
+    random_seed: Optional[int] = None
+    B: int = 2
+    calls: int = 2
+    output_mode: str = "All"
+    keyword: bool = False  # the labels passed as y=
+    offload: bool = False  # the optimizer's state and update in host memory
+    vary_batch: bool = False  # the second call's micro-batches hold B + 1 samples
+    dtype: str = "float32"
+
+    def code(self, program: Program) -> str:
+        """The Options as a user writes them."""
+        if self.schedule == "sharded":
+            lines = ["opts = poptorch.Options().setExecutionStrategy(poptorch.ShardedExecution())"]
+        else:
+            auto = "poptorch.AutoStage.AutoIncrement, " if program.ipus == "loop" else ""
+            lines = ["opts = poptorch.Options().setExecutionStrategy(poptorch.PipelinedExecution("
+                     f"{auto}schedule={self.schedule!r}))"]
+        lines += [f"opts.Training.gradientAccumulation({self.G})",
+                  f"opts.deviceIterations({self.D}).replicationFactor({self.R})",
+                  f"opts.outputMode(poptorch.OutputMode.{self.output_mode})"]
+        if self.reduction == "sum":
+            lines.append("opts.Training.accumulationAndReplicationReductionType("
+                         "poptorch.ReductionType.Sum)")
+        if self.recompute:
+            lines.append("opts._Popart.set(\"autoRecomputation\", 3)")
+        if self.compiled:
+            lines.append("opts.compileStages(True, backend=\"aot_eager\")  # and PAYS_FROM = 0")
+        if self.offload:
+            lines.append("opts.TensorLocations.setOptimizerLocation("
+                         "poptorch.TensorLocationSettings().useOnChipStorage(False))")
+        if not self.broadcast_buffers:
+            lines.append("opts.broadcastBuffers(False)")
+        if self.random_seed is not None:
+            lines.append(f"opts.randomSeed({self.random_seed})")
+        lines.append(f"models.on_device(opts, {self.device!r})")
+        if self.dtype != "float32":
+            lines.append(f"# the model and the inputs in torch.{self.dtype}: net = Net().to(torch."
+                         f"{self.dtype})")
+        return "\n".join(lines)
+
+    def options(self, program: Program) -> poptorch.Options:
+        namespace = {"poptorch": poptorch, "models": models}
+        exec(self.code(program), namespace)  # noqa: S102: the text printed is what ran
+        return namespace["opts"]
+
+    def atoms(self) -> frozenset:
+        return frozenset(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+    def tolerance(self, program: Program) -> float:
+        """0 where the arithmetic is plain PyTorch's to the bit, else by dtype (module doc)."""
+        if program.stages == 1 and self.G * self.R == 1 and not self.compiled:
+            return 0.0
+        return 1e-5 if self.dtype == "float32" else 1e-7

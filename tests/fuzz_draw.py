@@ -1,0 +1,173 @@
+"""What the differential fuzzer draws: programs of the grammar and valid configurations.
+
+Hypothesis shrinks each choice towards its first value, so every list starts with the
+simplest (one stage, no ops, ``F.cross_entropy``, SGD, the CPU, G = D = R = 1): a
+finding shrinks to the fewest features and configuration factors that still show it.
+
+:data:`PENDING` names what the short profile leaves out until its fix lands: a grammar
+name (``fuzz_grammar``: an op, a loss, an edit) or a combination ``"a&b"`` of names and
+configuration factors (``"data_edit&device=ipu_model"``). Each is a finding of the
+fuzzer on the code of its day (tests/fuzz_found.py holds its minimal example, which runs
+as a strict xfail); when its fix lands, delete the entry: the short profile then draws it,
+and the found example turns into a regression test.
+"""
+
+from __future__ import annotations
+
+from hypothesis import assume, strategies as st
+
+from fuzz_config import DEVICES, SCHEDULES, Config
+from fuzz_grammar import EDITS, FEATURES, LOSSES, OPTIMIZERS, TWO_STAGE, Edit, Op, Program
+
+def _on_separate_memories(names: str, what: str) -> dict:
+    """A finding on the devices whose stages hold their own copies (the IPU Model, the GPU)."""
+    return {f"{names}&device={d}": what for d in ("ipu_model", "gpu_twin")}
+
+
+PENDING = {
+    # issue 45's findings, found again by the fuzzer (tests/fuzz_found.py)
+    "ce_times": "arithmetic after a loss function is left out of the gradient (2 * ce)",
+    "ce_div": "arithmetic after a loss function is left out of the gradient (ce / 4)",
+    "ce_none_mean": "F.cross_entropy(..., reduction='none').mean() trains as its sum",
+    "masked_mean": "a masked mean of per-sample losses trains as their sum",
+    "ce_plus_l2": "a regularizer added to a loss function's output gets no gradient",
+    "penalty": "a gradient penalty (autograd.grad(create_graph=True) in forward) is dropped",
+    "saliency": "a gradient taken in forward (autograd.grad) is wrong",
+    **_on_separate_memories("data_edit", "a .data edit between calls is lost"),
+    **_on_separate_memories("freeze", "requires_grad_(False) between calls is ignored"),
+    **_on_separate_memories("unfreeze_bias", "requires_grad_(True) between calls, on a "
+                            "parameter frozen when wrapped, is ignored"),
+    "buffer_across": "a buffer written by one stage and read by another",
+    "packed_lstm": "a packed sequence through an LSTM fails while running",
+    "generator": "a user's torch.Generator in forward draws once, at the trace",
+    "python_random": "Python's random in forward is read once, at the trace",
+    "numpy_random": "numpy's random in forward is read once, at the trace",
+    "metric": "a metric computed with a loss function under no_grad counts as a second loss",
+    # found by the fuzzer beyond issue 45 (tests/fuzz_found.py)
+    "replace_param": "a parameter replaced by a new Parameter between calls is ignored: the "
+                     "wrapper trains and computes with the old one",
+    "weight_clip": "a parameter edited in place in forward (under no_grad: clamp_) is not "
+                   "edited: plain PyTorch clamps it in every micro-batch",
+    "python_counter": "a Python attribute the forward changes (self.steps += 1) is read once, "
+                      "at the trace",
+    "temperature&anneal": "a Python attribute the forward reads, changed between calls "
+                          "(net.temperature = 2.0), is not seen",
+    **_on_separate_memories("host_forward&batchnorm", "BatchNorm statistics a forward on the "
+                            "host moves between calls are lost: torch's kernel does not bump "
+                            "their version, which is how host edits are found"),
+    **{k: v for edit in ("buffers_edit", "host_forward", "load_state_dict", "vary_batch=True")
+       for k, v in _on_separate_memories(
+           f"{edit}&broadcast_buffers=False", "with broadcastBuffers(False), a host edit of "
+           "a buffer (or a second program, for another batch size) resets the other replicas' "
+           "buffers to their values when wrapped: their homes are never refreshed from the "
+           "devices, and the push (the new program's copies) copies them over").items()},
+    "batchnorm_cumulative": "BatchNorm1d(momentum=None) (a cumulative average) is refused as "
+                            "a read of a tensor into Python, at the caller's line",
+    "optimizer=loss_scaled&param_hook": "loss scaling shows through gradient code the model "
+                                        "brings: a hook that clamps sees gradients times the "
+                                        "loss scale",
+    "optimizer=clipped&groups=partial": "max_grad_norm's global norm counts the gradient of a "
+                                        "parameter the optimizer does not hold",
+    "param_hook&shared_module": "a hook on a parameter that two stages use runs on each "
+                                "stage's part of its gradient, not on their sum (a clamp of "
+                                "each part, not of the sum)",
+    "compiled=True&param_hook&stop": "in a compiled stage a parameter hook is called with None "
+                                     "where no gradient reaches the parameter (plain PyTorch "
+                                     "does not call it): the call fails",
+    "lstm&compiled=True": "an LSTM in a compiled stage (aot_eager) fails while running",
+    "keras_replicated_buffers": "Keras' fit refuses replicas of a model that writes buffers "
+                                "(BatchNorm), naming an Options call Keras users cannot make",
+}
+
+
+def _names(catalogue, pending) -> list:
+    return [n for n in catalogue if n not in pending]
+
+
+@st.composite
+def _op(draw, stages: int, kinds: list) -> Op:
+    kind = draw(st.sampled_from(kinds))
+    stage = draw(st.integers(0, stages - 1))
+    to = 0
+    if kind == "buffer_across":
+        to = draw(st.sampled_from([t for t in range(stages) if t != stage]))
+    elif kind in TWO_STAGE:
+        to = draw(st.integers(0, stages - 1))
+    return Op(kind, stage, to)
+
+
+@st.composite
+def programs(draw, pending=frozenset(PENDING), require=frozenset()) -> Program:
+    """A program of the grammar, without the ``pending`` names and with the ``require``d
+    ones (ops, a loss, edits)."""
+    forced = dict(a.split("=", 1) for a in require if "=" in a)
+    stages = draw(st.integers(2 if "buffer_across" in require else 1, 4))
+    kinds = [k for k in _names(FEATURES, pending) if stages > 1 or k != "buffer_across"]
+    ops = tuple(draw(st.lists(_op(stages, kinds), max_size=3)))
+    ops += tuple(draw(_op(stages, [k])) for k in sorted(require & FEATURES.keys()))
+    forced_loss = sorted(require & LOSSES.keys())
+    loss = draw(st.sampled_from(forced_loss or _names(LOSSES, pending)))
+    optimizer = forced.get("optimizer") or draw(st.sampled_from(list(OPTIMIZERS)))
+
+    def edit(kinds):
+        return st.builds(Edit, st.sampled_from(kinds), st.integers(0, 1),
+                         st.integers(0, stages - 1))
+    edits = tuple(draw(st.lists(edit(_names(EDITS, pending)), max_size=2)))
+    edits += tuple(draw(edit([k])) for k in sorted(require & EDITS.keys()))
+    if any(e.kind == "add_param_group" for e in edits):
+        groups = "partial"  # the head's bias joins the optimizer later
+    else:
+        groups = forced.get("groups") or draw(st.sampled_from(["one", "two", "partial"]))
+    ipus = draw(st.sampled_from(["distinct", "loop"])) if stages > 2 else "distinct"
+    return Program(stages, ops, loss, optimizer, groups, edits, ipus)
+
+
+@st.composite
+def configs(draw, program: Program, require=frozenset()) -> Config:
+    """A configuration valid for ``program`` (PopTorch's minimums met: G >= 2S-1 for
+    Grouped and Interleaved pipelines), with the ``require``d factors ("device=ipu_model")."""
+    forced = dict(a.split("=", 1) for a in require if "=" in a)
+
+    def pick(name, strategy):
+        if name not in forced or name not in Config.__dataclass_fields__:
+            return draw(strategy)
+        kind = type(getattr(Config(), name))
+        value = forced[name]
+        return value == "True" if kind is bool else kind(value) if kind is int else value
+
+    schedules = [s for s in SCHEDULES if program.ipus == "distinct" or s != "sharded"]
+    schedule = pick("schedule", st.sampled_from(schedules))
+    low = 2 * program.stages - 1 if schedule in ("grouped", "interleaved") else 1
+    return Config(
+        schedule=schedule,
+        G=pick("G", st.integers(low, low + 1)),
+        D=pick("D", st.integers(1, 2)),
+        R=pick("R", st.integers(1, 2)),
+        reduction=pick("reduction", st.sampled_from(["mean", "sum"])),
+        recompute=pick("recompute", st.booleans()),
+        compiled=pick("compiled", st.booleans()),
+        device=pick("device", st.sampled_from(DEVICES)),
+        broadcast_buffers=pick("broadcast_buffers", st.booleans().map(lambda b: not b)),
+        random_seed=pick("random_seed", st.sampled_from([None, 77])),
+        B=pick("B", st.sampled_from([2, 3])),
+        calls=pick("calls", st.integers(2, 3)),
+        output_mode=pick("output_mode", st.sampled_from(["All", "Final", "Sum"])),
+        keyword=pick("keyword", st.booleans()),
+        offload=pick("offload", st.booleans()),
+        vary_batch=pick("vary_batch", st.booleans()))
+
+
+def atoms(program: Program, config: Config) -> frozenset:
+    """The grammar's names and the configuration's factors an example uses."""
+    return program.atoms() | config.atoms()
+
+
+@st.composite
+def examples(draw, pending=frozenset(PENDING), require=frozenset()) -> tuple:
+    """A (program, config) pair with nothing ``pending`` in it and the ``require``d names
+    and factors (``"lstm"``, ``"compiled=True"``) in it."""
+    program = draw(programs(frozenset(p for p in pending if "&" not in p), require))
+    config = draw(configs(program, require))
+    used = atoms(program, config)
+    assume(not any(c <= used for c in (frozenset(p.split("&")) for p in pending if "&" in p)))
+    return program, config

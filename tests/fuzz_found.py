@@ -1,0 +1,105 @@
+"""What the differential fuzzer found, each as its minimal example: they always run.
+
+Each entry is the (program, config) that Hypothesis shrank a finding to
+(``python benchmarks/fuzz.py --prove`` finds and shrinks every ``fuzz_draw.PENDING`` one
+again), with the PENDING key that keeps it out of the short profile while its fix is
+pending. tests/test_fuzz.py runs every entry: a strict xfail while its key is in PENDING,
+so that the fix landing fails it (XPASS) until the key is deleted; after that, a regression
+test. Print one as Python with ``fuzz_check.describe(found.program, found.config)``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Union
+
+from fuzz_config import Config
+from fuzz_grammar import Edit, Op, Program
+from fuzz_keras import KerasConfig
+
+
+class Found(NamedTuple):
+    """A finding's minimal example; ``pending``: its key in ``fuzz_draw.PENDING``."""
+    name: str
+    pending: str
+    program: Program
+    config: Union[Config, KerasConfig]
+
+
+FOUND = [
+    # -- issue 45's findings: arithmetic after a loss function --------------------------
+    Found("loss_times_two", "ce_times", Program(loss="ce_times"), Config()),
+    Found("loss_divided", "ce_div", Program(loss="ce_div"), Config()),
+    Found("loss_none_then_mean", "ce_none_mean", Program(loss="ce_none_mean"), Config()),
+    Found("masked_mean_of_losses", "masked_mean", Program(loss="masked_mean"), Config()),
+    Found("loss_plus_regularizer", "ce_plus_l2", Program(loss="ce_plus_l2"), Config()),
+    # -- second-order gradients ----------------------------------------------------------
+    Found("gradient_penalty", "penalty", Program(ops=(Op("penalty"),)), Config()),
+    Found("gradient_in_forward", "saliency", Program(ops=(Op("saliency"),)), Config()),
+    # -- edits between calls where stages hold their own copies ------------------------
+    Found("data_edit_ipu_model", "data_edit&device=ipu_model",
+          Program(edits=(Edit("data_edit"),)), Config(device="ipu_model")),
+    Found("data_edit_gpu_twin", "data_edit&device=gpu_twin",
+          Program(edits=(Edit("data_edit"),)), Config(device="gpu_twin")),
+    Found("requires_grad_off_ipu_model", "freeze&device=ipu_model",
+          Program(edits=(Edit("freeze"),)), Config(device="ipu_model")),
+    Found("requires_grad_off_gpu_twin", "freeze&device=gpu_twin",
+          Program(edits=(Edit("freeze"),)), Config(device="gpu_twin")),
+    Found("requires_grad_on_ipu_model", "unfreeze_bias&device=ipu_model",
+          Program(ops=(Op("frozen"),), edits=(Edit("unfreeze_bias"),)),
+          Config(device="ipu_model")),
+    Found("requires_grad_on_gpu_twin", "unfreeze_bias&device=gpu_twin",
+          Program(ops=(Op("frozen"),), edits=(Edit("unfreeze_bias"),)),
+          Config(device="gpu_twin")),
+    # -- a buffer written by one stage and read by another ------------------------------
+    Found("buffer_written_by_a_later_stage", "buffer_across",
+          Program(stages=2, ops=(Op("buffer_across", 1, 0),)), Config(G=3)),
+    Found("buffer_read_by_a_later_stage", "buffer_across",
+          Program(stages=2, ops=(Op("buffer_across", 0, 1),)), Config(G=3)),
+    # -- packed sequences; random numbers outside torch's default generator -------------
+    Found("packed_lstm", "packed_lstm", Program(ops=(Op("packed_lstm"),)), Config()),
+    Found("user_generator", "generator", Program(ops=(Op("generator"),)), Config()),
+    Found("python_random", "python_random", Program(ops=(Op("python_random"),)), Config()),
+    Found("numpy_random", "numpy_random", Program(ops=(Op("numpy_random"),)), Config()),
+    # -- a metric computed with a loss function under no_grad ---------------------------
+    Found("no_grad_metric", "metric", Program(ops=(Op("metric"),)), Config()),
+    # -- beyond issue 45 ----------------------------------------------------------------
+    Found("lstm_in_a_compiled_stage", "lstm&compiled=True", Program(ops=(Op("lstm"),)),
+          Config(compiled=True)),
+    Found("parameter_replaced_between_calls", "replace_param",
+          Program(edits=(Edit("replace_param"),)), Config()),
+    Found("parameter_clamped_in_forward", "weight_clip", Program(ops=(Op("weight_clip"),)),
+          Config()),
+    Found("python_counter_in_forward", "python_counter",
+          Program(ops=(Op("python_counter"),)), Config()),
+    Found("attribute_changed_between_calls", "temperature&anneal",
+          Program(ops=(Op("temperature"),), edits=(Edit("anneal"),)), Config()),
+    Found("batchnorm_cumulative_average", "batchnorm_cumulative",
+          Program(ops=(Op("batchnorm_cumulative"),)), Config()),
+    Found("host_forward_batchnorm_ipu_model", "host_forward&batchnorm&device=ipu_model",
+          Program(ops=(Op("batchnorm"),), edits=(Edit("host_forward"),)),
+          Config(device="ipu_model")),
+    Found("host_forward_batchnorm_gpu_twin", "host_forward&batchnorm&device=gpu_twin",
+          Program(ops=(Op("batchnorm"),), edits=(Edit("host_forward"),)),
+          Config(device="gpu_twin")),
+    Found("loss_scaling_seen_by_a_clamping_hook", "optimizer=loss_scaled&param_hook",
+          Program(ops=(Op("param_hook"),), optimizer="loss_scaled"), Config()),
+    Found("clipping_counts_a_parameter_outside_the_optimizer", "optimizer=clipped&groups=partial",
+          Program(optimizer="clipped", groups="partial"), Config()),
+    *(Found(f"replica_buffers_reset_by_{edit}_{device}",
+            f"{edit}&broadcast_buffers=False&device={device}",
+            Program(ops=(Op("buffer"),), edits=(Edit(edit),)),
+            Config(R=2, broadcast_buffers=False, device=device))
+      for edit in ("buffers_edit", "host_forward", "load_state_dict")
+      for device in ("ipu_model", "gpu_twin")),
+    *(Found(f"replica_buffers_reset_by_a_second_program_{device}",
+            f"vary_batch=True&broadcast_buffers=False&device={device}",
+            Program(ops=(Op("buffer"),)),
+            Config(R=2, broadcast_buffers=False, device=device, vary_batch=True))
+      for device in ("ipu_model", "gpu_twin")),
+    Found("parameter_hook_on_a_module_two_stages_use", "param_hook&shared_module",
+          Program(stages=2, ops=(Op("param_hook"), Op("shared_module", 0, 1))), Config(G=3)),
+    Found("parameter_hook_without_gradient_compiled", "compiled=True&param_hook&stop",
+          Program(ops=(Op("param_hook"), Op("stop"))), Config(compiled=True)),
+    Found("keras_replicated_batchnorm", "keras_replicated_buffers",
+          Program(ops=(Op("batchnorm"),)), KerasConfig(R=2)),
+]

@@ -1,0 +1,391 @@
+"""The differential fuzzer's programs: small models drawn from a grammar, written as Python.
+
+A :class:`Program` is data (stages, the ops each stage runs, the loss, the optimizer, the
+edits a user makes between calls); :func:`source` writes it as the Python module a user
+would have written, and :func:`build` executes that text. The text is the model: what a
+failure prints is exactly what ran, and it runs as it stands (with ``tests/`` on the path
+for the custom Functions of ``models.py``).
+
+Every feature of the grammar is one entry of :data:`FEATURES` (forward ops, each at a
+stage; some read at a second stage ``to``), :data:`LOSSES` or :data:`EDITS`, by name; the
+names are what ``fuzz_draw.PENDING`` switches off and what the long profile counts.
+Width 6 in, 6 hidden, 4 classes: every stage is ``h = tanh(l<s>(h))`` and then its ops;
+the last stage ends with ``out = head(h)`` and the loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import linecache
+import textwrap
+import zlib
+from typing import NamedTuple
+
+WIDTH, CLASSES = 6, 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One feature of the forward: ``kind`` (a :data:`FEATURES` name) at ``stage``; those
+    that act twice (a buffer written then read, a weight used again) act again at ``to``."""
+    kind: str
+    stage: int = 0
+    to: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Edit:
+    """What the user does after call ``call``: ``kind`` (an :data:`EDITS` name) to stage
+    ``stage``'s parameter."""
+    kind: str
+    call: int = 0
+    stage: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A small model, its loss, its optimizer and the edits between calls (see module doc).
+
+    ``groups``: "one" param group, "two" (the head at another lr) or "partial" (the head's
+    bias left out, for ``add_param_group``). ``ipus``: "distinct" (stage s on IPU s) or
+    "loop" (stage s on IPU s % 2: virtual stages, ``AutoStage.AutoIncrement``).
+    """
+    stages: int = 1
+    ops: tuple = ()
+    loss: str = "ce"
+    optimizer: str = "sgd"
+    groups: str = "one"
+    edits: tuple = ()
+    ipus: str = "distinct"
+
+    def atoms(self) -> frozenset:
+        """The grammar's names this program uses (what PENDING and the coverage count)."""
+        return frozenset({o.kind for o in self.ops} | {self.loss} | {e.kind for e in self.edits}
+                         | {f"optimizer={self.optimizer}", f"groups={self.groups}",
+                            f"stages={self.stages}", f"ipus={self.ipus}"})
+
+
+class Feature(NamedTuple):
+    """The text one op adds: lines in ``__init__``, in forward at its stage, at its second
+    stage (``read``), after the loss (``post``); and what it needs and does."""
+    forward: str = ""
+    init: str = ""
+    read: str = ""
+    post: str = ""
+    imports: tuple = ()
+    writes_buffers: bool = False   # replicas need broadcastBuffers(False) (E-PART-10)
+    refusable: bool = False        # a clean refusal is an acceptable outcome
+    output: str = ""               # an extra output forward returns
+    head: str = ""                 # lines right after ``out = self.head(h)``
+
+
+_STAT = f"self.register_buffer(\"stat{{i}}\", torch.zeros({WIDTH}))"
+_WRITE = "with torch.no_grad():\n    self.stat{i}.mul_(0.5).add_(h.mean(0))"
+
+# {i}: the op's index (unique names), {s}: its stage, {t}: its second stage, {p}: stage s's
+# parameter that edits and hooks touch (the bias where the weight is parametrized).
+FEATURES = {
+    # gradient stops and shapes
+    "stop": Feature("h = h.detach()"),
+    "detach": Feature("h = 0.5 * h + 0.5 * h.detach()"),
+    "dot_data": Feature("h = h + h.data"),
+    "no_grad": Feature("with torch.no_grad():\n    scale{i} = h.abs().mean() + 1.0\n"
+                       "h = h / scale{i}"),
+    "inference_mode": Feature("with torch.inference_mode():\n    shift{i} = h.mean() * 0.1\n"
+                              "h = h - shift{i}"),
+    "no_grad_inplace": Feature("h = h * 1.0\nwith torch.no_grad():\n    h.clamp_(-0.5, 0.5)"),
+    "function": Feature("h = ScaledBackward.apply(h, -0.5)",
+                        imports=("from models import ScaledBackward",)),
+    "straight_through": Feature("h = RoundThrough.apply(h * 4) / 4",
+                                imports=("from models import RoundThrough",)),
+    "custom_op": Feature("h = thirds_grad(h)", imports=("from models import thirds_grad",)),
+    "checkpoint": Feature("h = torch.utils.checkpoint.checkpoint(torch.tanh, h, "
+                          "use_reentrant=False)", imports=("import torch.utils.checkpoint",)),
+    "tensor_hook": Feature("h = h * 1.0\nh.register_hook(lambda g: g * 2)"),
+    "module_hook": Feature(init="self.l{s}.register_full_backward_hook(\n"
+                           "    lambda m, gi, go: tuple(None if g is None else g * 0.5 "
+                           "for g in gi))"),
+    "pre_hook": Feature(init="self.l{s}.register_full_backward_pre_hook("
+                        "lambda m, go: (go[0] * 3,))"),
+    "forward_hook": Feature(init="self.l{s}.register_forward_hook(lambda m, i, o: o * 2)"),
+    "param_hook": Feature(init="self.l{s}.bias.register_hook(lambda g: g.clamp(-0.01, 0.01))"),
+    "frozen": Feature(init="self.l{s}.bias.requires_grad_(False)"),
+    "input_inplace": Feature("x.mul_(0.5)"),
+    # second-order gradients: a gradient penalty, a gradient used as a value
+    "penalty": Feature("anchor{i} = h", refusable=True,
+                       post="g{i}, = torch.autograd.grad(out.sum(), anchor{i}, "
+                            "create_graph=True)\nloss = loss + 0.1 * g{i}.pow(2).sum()"),
+    "saliency": Feature("anchor{i} = h", refusable=True,
+                        post="g{i}, = torch.autograd.grad(out.sum(), anchor{i}, "
+                             "retain_graph=True)\nloss = loss + 0.1 * (g{i} * anchor{i}).sum()"),
+    # buffers, tied weights, parametrizations
+    "batchnorm_cumulative": Feature("h = self.bn{i}(h)", writes_buffers=True,
+                                    init=f"self.bn{{i}} = torch.nn.BatchNorm1d({WIDTH}, "
+                                         "momentum=None)"),
+    "shared_module": Feature(read="h = torch.tanh(self.l{s}(h))"),
+    "weight_clip": Feature("with torch.no_grad():\n    self.l{s}.bias.clamp_(-0.1, 0.1)"),
+    "batchnorm": Feature("h = self.bn{i}(h)", init=f"self.bn{{i}} = torch.nn.BatchNorm1d({WIDTH})",
+                         writes_buffers=True),
+    "buffer": Feature(_WRITE, init=_STAT, read="h = h + self.stat{i}", writes_buffers=True),
+    "buffer_across": Feature(_WRITE, init=_STAT, read="h = h + self.stat{i}",
+                             writes_buffers=True),
+    "counter": Feature("self.count{i} += 1\nh = h * (1 + 0.1 * self.count{i})",
+                       init="self.register_buffer(\"count{i}\", torch.zeros(()))",
+                       writes_buffers=True),
+    "tied": Feature(read="h = h + 0.1 * F.linear(h, self.l{s}.weight)"),
+    "weight_norm": Feature(init="self.l{s} = torch.nn.utils.parametrizations.weight_norm("
+                                "self.l{s})"),
+    "spectral_norm": Feature(init="self.l{s} = torch.nn.utils.parametrizations.spectral_norm("
+                                  "self.l{s})", writes_buffers=True),
+    "parametrize": Feature(init="torch.nn.utils.parametrize.register_parametrization("
+                                "self.l{s}, \"weight\", Symmetric())",
+                           imports=("import torch.nn.utils.parametrize",)),
+    # random numbers
+    "dropout": Feature("h = F.dropout(h, 0.3, self.training)"),
+    "rand_like": Feature("h = h + 0.1 * torch.rand_like(h)"),
+    "generator": Feature("h = h + 0.1 * torch.randn(h.shape, generator=self.gen{i})",
+                         init="self.gen{i} = torch.Generator().manual_seed(5)", refusable=True),
+    "python_random": Feature("h = h * (1 + random.random())", imports=("import random",),
+                             refusable=True),
+    "numpy_random": Feature("h = h * float(1 + np.random.rand())",
+                            imports=("import numpy as np",), refusable=True),
+    # Python values the forward reads: a tensor's, and attributes it keeps or the user sets
+    "item": Feature("h = h * float(h.mean())", refusable=True),
+    "python_counter": Feature("self.steps{i} += 1\nh = h * (1 + 0.1 * self.steps{i})",
+                              init="self.steps{i} = 0", refusable=True),
+    "temperature": Feature("h = h / self.temperature", init="self.temperature = 1.0",
+                           refusable=True),
+    # sequences
+    "embedding": Feature("h = h + self.emb{i}(y)", init=f"self.emb{{i}} = torch.nn.Embedding("
+                         f"{CLASSES}, {WIDTH})",
+                         head="out = out + 0.1 * F.linear(h, self.emb{i}.weight)"),
+    "lstm": Feature("seq{i}, _ = self.lstm{i}(h.unsqueeze(1).repeat(1, 3, 1))\n"
+                    "h = seq{i}[:, -1]",
+                    init=f"self.lstm{{i}} = torch.nn.LSTM({WIDTH}, {WIDTH}, batch_first=True)"),
+    "packed_lstm": Feature("packed{i} = pack_padded_sequence(h.unsqueeze(1).repeat(1, 3, 1), "
+                           "(y % 3 + 1).cpu(),\n"
+                           "                               batch_first=True, "
+                           "enforce_sorted=False)\n"
+                           "_, (hn{i}, _) = self.lstm{i}(packed{i})\nh = hn{i}[-1]",
+                           init=f"self.lstm{{i}} = torch.nn.LSTM({WIDTH}, {WIDTH}, "
+                                "batch_first=True)",
+                           imports=("from torch.nn.utils.rnn import pack_padded_sequence",),
+                           refusable=True),
+    # what the forward returns beside the loss
+    "metric": Feature(post="with torch.no_grad():\n    metric{i} = F.cross_entropy(out, y)",
+                      output="metric{i}"),
+    "accuracy": Feature(post="accuracy{i} = (out.argmax(1) == y).float().mean()",
+                        output="accuracy{i}"),
+}
+
+#: Features acting at a second stage (``Op.to``; "buffer_across": another one); the rest
+#: ignore ``to`` ("buffer" writes, then reads, at its own stage).
+TWO_STAGE = {"buffer_across", "tied", "shared_module"}
+#: Features that change l<s>'s weight into a computed one (edits then touch its bias).
+PARAMETRIZED = {"weight_norm", "spectral_norm", "parametrize"}
+
+_CE = "F.cross_entropy(out, y{})"
+LOSSES = {
+    "ce": "loss = " + _CE.format(""),
+    "ce_sum": "loss = " + _CE.format(", reduction=\"sum\""),
+    "nll": "loss = F.nll_loss(F.log_softmax(out, 1), y)",
+    "mse": f"loss = F.mse_loss(out, F.one_hot(y, {CLASSES}).to(out.dtype))",
+    "module_loss": "loss = torch.nn.CrossEntropyLoss(label_smoothing=0.1)(out, y)",
+    # arithmetic after a loss function
+    "ce_times": "loss = 2 * " + _CE.format(""),
+    "ce_div": "loss = " + _CE.format("") + " / 4",
+    "ce_none_mean": "loss = " + _CE.format(", reduction=\"none\"") + ".mean()",
+    "masked_mean": "per = " + _CE.format(", reduction=\"none\"") + "\nmask = (y > 0).float()\n"
+                   "loss = (per * mask).sum() / mask.sum().clamp(min=1)",
+    "ce_plus_l2": "loss = " + _CE.format("") + " + 0.5 * (self.head.weight ** 2).sum()",
+    # identity_loss, all reductions
+    "identity_mean": "loss = poptorch.identity_loss(" + _CE.format(", reduction=\"none\"")
+                     + ", reduction=\"mean\")",
+    "identity_sum": "loss = poptorch.identity_loss(" + _CE.format(", reduction=\"none\"")
+                    + ", reduction=\"sum\")",
+    "identity_none": "loss = poptorch.identity_loss(2 * " + _CE.format("")
+                     + ", reduction=\"none\")",
+    "identity_custom": "loss = poptorch.identity_loss((out - F.one_hot(y, 4).to(out.dtype))"
+                       ".pow(2).mean() + 0.1 * out.abs().mean(), reduction=\"mean\")",
+    "identity_none_vector": "loss = poptorch.identity_loss(" + _CE.format(", reduction=\"none\"")
+                            + ", reduction=\"none\")",
+    "identity_two": "loss = poptorch.identity_loss(" + _CE.format("") + " + F.mse_loss(out, "
+                    f"F.one_hot(y, {CLASSES}).to(out.dtype)), reduction=\"none\")",
+}
+
+# {p}: the edited stage's parameter; ``train`` is None on the plain PyTorch side.
+EDITS = {
+    "data_edit": "net.{p}.data.mul_(0.5)",
+    "inplace_edit": "with torch.no_grad():\n    net.{p}.mul_(0.5)",
+    "freeze": "net.{p}.requires_grad_(False)",
+    "unfreeze": "net.{p}.requires_grad_(True)",
+    "unfreeze_bias": "net.l{s}.bias.requires_grad_(True)",
+    "load_state_dict": "net.load_state_dict({{k: v * 0.9 if v.is_floating_point() else v\n"
+                       "                     for k, v in net.state_dict().items()}})",
+    "buffers_edit": "with torch.no_grad():\n    for b in net.buffers():\n"
+               "        b.mul_(0.5) if b.is_floating_point() else None",
+    "lr": "opt.param_groups[0][\"lr\"] *= 0.5",
+    "weight_decay": "opt.param_groups[0][\"weight_decay\"] = 0.01",
+    "set_optimizer": "opt.param_groups[0][\"lr\"] *= 0.5\nif train is not None:\n"
+                     "    train.setOptimizer(opt)",
+    "add_param_group": "opt.add_param_group({{\"params\": [net.head.bias], \"lr\": 0.02}})",
+    "scheduler": "sched.step()",
+    "anneal": "net.temperature = 2.0",
+    "replace_param": "net.{p} = torch.nn.Parameter(net.{p}.detach() * 0.5)",
+    "reset_parameters": "net.l{s}.reset_parameters()",
+    "momentum": "group = opt.param_groups[0]\nif \"momentum\" in group:\n"
+                "    group[\"momentum\"] = 0.5\nif \"betas\" in group:\n"
+                "    group[\"betas\"] = (0.5, 0.9)",
+    "optimizer_reload": "opt.load_state_dict(opt.state_dict())",
+    "detach_attach": "if train is not None and train.isAttachedToDevice():\n"
+                     "    train.detachFromDevice()",
+    "copy_weights": "if train is not None:\n    train.copyWeightsToHost()\n"
+                    "    train.copyWeightsToDevice()",
+    "host_step": "for p in net.parameters():\n    p.grad = torch.full_like(p, 0.5)\nopt.step()",
+    "host_grad": "for p in net.parameters():\n    p.grad = torch.full_like(p, 0.5)",
+    "host_forward": f"with torch.no_grad():\n    net(torch.ones(2, {WIDTH}), "
+                    "torch.zeros(2, dtype=torch.long))",
+}
+
+OPTIMIZERS = {
+    "sgd": "torch.optim.SGD({}, lr=0.1)",
+    "sgd_momentum": "torch.optim.SGD({}, lr=0.1, momentum=0.9)",
+    "adam": "torch.optim.Adam({}, lr=0.01)",
+    "adamw": "torch.optim.AdamW({}, lr=0.01)",
+    "rmsprop": "torch.optim.RMSprop({}, lr=0.01)",
+    "poptorch_sgd": "poptorch.optim.SGD({}, lr=0.1, momentum=0.9)",
+    "poptorch_adam": "poptorch.optim.Adam({}, lr=0.01)",
+    "poptorch_adamw": "poptorch.optim.AdamW({}, lr=0.01)",
+    "poptorch_rmsprop": "poptorch.optim.RMSprop({}, lr=0.01)",
+    "poptorch_lamb": "poptorch.optim.LAMB({}, lr=0.01)",
+    "loss_scaled": "poptorch.optim.SGD({}, lr=0.1, momentum=0.9, loss_scaling=128.0)",
+    "clipped": "poptorch.optim.SGD({}, lr=0.1, momentum=0.9, max_grad_norm=0.1)",
+}
+#: Edits for which a clean refusal (at the next call) is an acceptable outcome: the model's
+#: parameter is another object than the one the wrapper took.
+REFUSABLE_EDITS = {"replace_param"}
+_GROUPS = {
+    "one": "net.parameters()",
+    "two": "[{\"params\": [p for n, p in net.named_parameters() if not n.startswith(\"head\")]},\n"
+           "         {\"params\": net.head.parameters(), \"lr\": 0.05}]",
+    "partial": "[p for n, p in net.named_parameters() if n != \"head.bias\"]",
+}
+
+_SYMMETRIC = '''
+class Symmetric(torch.nn.Module):
+    def forward(self, w):
+        return (w + w.t()) / 2
+'''
+
+
+_SCHEDULER = '''def make_scheduler(opt):
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+
+'''
+
+
+def param_of(program: Program, stage: int) -> str:
+    """The parameter of ``stage`` that edits touch: l<s>'s weight, or its bias where the weight
+    is computed by a parametrization."""
+    kinds = {o.kind for o in program.ops if o.stage == stage}
+    return f"l{stage}.bias" if kinds & PARAMETRIZED else f"l{stage}.weight"
+
+
+def _fill(text: str, op: Op, i: int, program: Program) -> str:
+    return text.format(i=i, s=op.stage, t=op.to, p=param_of(program, op.stage))
+
+
+def _block(lines: list, indent: int) -> str:
+    return textwrap.indent("\n".join(lines), " " * indent)
+
+
+def source(program: Program) -> str:
+    """The program as the Python module a user would write: ``Net``, ``make_optimizer``,
+    ``make_scheduler`` and ``between_calls``."""
+    imports = {"import torch", "import torch.nn.functional as F",
+               "import poptorch_lite as poptorch"}
+    init = [f"self.l{s} = torch.nn.Linear({WIDTH}, {WIDTH})" for s in range(program.stages)]
+    init.append(f"self.head = torch.nn.Linear({WIDTH}, {CLASSES})")
+    body, head, post, outputs = [], [], [], []
+    for s in range(program.stages):
+        ipu = s % 2 if program.ipus == "loop" else s
+        body += [f"poptorch.Block.start(\"s{s}\", ipu_id={ipu})",
+                 f"h = torch.tanh(self.l{s}({'x' if s == 0 else 'h'}))"]
+        for i, op in enumerate(program.ops):
+            f = FEATURES[op.kind]
+            if op.stage == s and f.forward and op.kind != "input_inplace":
+                body += _fill(f.forward, op, i, program).split("\n")
+            if f.read and (op.to if op.kind in TWO_STAGE else op.stage) == s:
+                body += _fill(f.read, op, i, program).split("\n")
+    for i, op in enumerate(program.ops):
+        f = FEATURES[op.kind]
+        imports.update(f.imports)
+        if f.init:
+            init += _fill(f.init, op, i, program).split("\n")
+        if f.post:
+            post += _fill(f.post, op, i, program).split("\n")
+        if f.head:
+            head += _fill(f.head, op, i, program).split("\n")
+        if f.output:
+            outputs.append(_fill(f.output, op, i, program))
+    body += ["out = self.head(h)"] + head
+    body += LOSSES[program.loss].split("\n") + post
+    body.append("return " + ", ".join(["out", "loss"] + outputs))
+    if "input_inplace" in {o.kind for o in program.ops}:  # first thing: x is still unused
+        body.insert(1, FEATURES["input_inplace"].forward)
+    head = "\n".join(sorted(i for i in imports if i.startswith("import"))
+                     + sorted(i for i in imports if i.startswith("from")))
+    symmetric = _SYMMETRIC if "parametrize" in {o.kind for o in program.ops} else ""
+    edits = []
+    for call in sorted({e.call for e in program.edits}):
+        edits.append(f"if call == {call}:")
+        for e in program.edits:
+            if e.call == call:
+                edits += textwrap.indent(
+                    EDITS[e.kind].format(p=param_of(program, e.stage), s=e.stage),
+                    "    ").split("\n")
+    optimizer = OPTIMIZERS[program.optimizer].format(_GROUPS[program.groups])
+    scheduler = _SCHEDULER if "scheduler" in {e.kind for e in program.edits} else ""
+    return f'''{head}
+{symmetric}
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+{_block(init, 8)}
+
+    def forward(self, x, y):
+{_block(body, 8)}
+
+
+def make_optimizer(net):
+    return {optimizer}
+
+
+{scheduler}def between_calls(net, opt, sched, train, call):
+    """The user's edits after call ``call`` (``train``: the wrapper; None in plain PyTorch)."""
+{_block(edits or ["pass"], 4)}
+'''
+
+
+def build(program: Program) -> dict:
+    """Execute :func:`source`: the namespace holding ``Net``, ``make_optimizer``,
+    ``make_scheduler`` and ``between_calls``."""
+    text = source(program)
+    name = f"<fuzz program {zlib.crc32(text.encode()):08x}>"
+    linecache.cache[name] = (len(text), None, text.splitlines(True), name)  # for tracebacks
+    namespace = {"__name__": "fuzz_program"}
+    exec(compile(text, name, "exec"), namespace)  # noqa: S102: our own text
+    return namespace
+
+
+def writes_buffers(program: Program) -> bool:
+    """Whether forward changes a buffer (replicas then need ``broadcastBuffers(False)``)."""
+    return any(FEATURES[o.kind].writes_buffers for o in program.ops)
+
+
+def refusable(program: Program) -> set:
+    """The features of ``program`` for which a clean refusal is an acceptable outcome."""
+    return ({o.kind for o in program.ops if FEATURES[o.kind].refusable}
+            | {e.kind for e in program.edits if e.kind in REFUSABLE_EDITS})
