@@ -333,8 +333,17 @@ def _gradient_penalty(m, x):
     return x + (g.norm(dim=1, keepdim=True) - 1) ** 2
 
 
+def _clamped_weight(m, x):
+    """WGAN's clipping done in the forward: a weight written in place without history, before
+    the layer reads it (the trace must put it back: the call clamps it)."""
+    with torch.no_grad():
+        m.layers[2].bias.clamp_(-0.05, 0.05)
+    return x
+
+
 # What the third layer's input goes through, per kind: stops, own gradient code, hooks.
 GRAD_CODE = {
+    "clamped_weight": _clamped_weight,
     "gradient_penalty": _gradient_penalty,
     "detach": lambda m, x: x.detach(),
     "data": lambda m, x: x.data * 2,

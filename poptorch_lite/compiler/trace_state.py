@@ -1,10 +1,12 @@
-"""What a trace changes, put back: train/eval modes, buffers, inputs, random generators.
+"""What a trace changes, put back: train/eval modes, buffers, parameters, inputs, random generators.
 
 The trace really runs the forward once ([Note: partition] in ``partition``), so everything
 the forward changes as it runs is rolled back afterwards; the call's own run then changes it
 once, as plain PyTorch's forward does. The user's own ``torch.Generator``s, which the graph
 draws from at run time ([Note: a user's generator] in ``rng``), are found as the forward
-draws from them and put back too.
+draws from them and put back too, and so are the parameters the forward writes in place (a
+``clamp_`` under ``torch.no_grad()``, ``nn.Embedding(max_norm=...)``'s renormalisation):
+each is copied just before the trace's first write to it (:class:`WrittenParameters`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import types
 import weakref
 
 import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import get_proxy_slot
 
 from ..errors import TraceError
 from .trace_modes import _user_line
@@ -22,7 +26,7 @@ from .trace_modes import _user_line
 
 @contextlib.contextmanager
 def preserved_state(model: torch.nn.Module, modes: dict, inputs: list,
-                    generators: "UserGenerators"):
+                    generators: "UserGenerators", written: "WrittenParameters"):
     """Run the trace with the wrap-time train/eval modes; undo every change it makes.
 
     The trace really runs the forward once, so RNG draws (torch's generators and the
@@ -64,6 +68,8 @@ def preserved_state(model: torch.nn.Module, modes: dict, inputs: list,
                 _put_back(b, saved)
                 if b.grad_fn is not None and not b._is_view():
                     b.detach_()  # a write with gradients left the trace's history on it
+            for p, saved in written.saved.values():
+                p.copy_(saved)
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
@@ -85,6 +91,52 @@ def _put_back(t: torch.Tensor, saved: torch.Tensor) -> None:
         t.copy_(saved)
 
 
+
+
+class WrittenParameters:
+    """The parameters the forward writes in place while it is traced, each copied just
+    before the first op that writes it (its node is made before the op runs), so a trace
+    that writes none copies none; :func:`preserved_state` puts them back."""
+
+    def __init__(self):
+        self.saved: dict = {}  # id -> (the trace's tensor of a parameter, its value before)
+
+    def watch(self, tracer, params: list) -> None:
+        """Copy each of ``params`` (the trace's own tensors of them) before ``tracer`` records
+        an op that writes it, or a view of it."""
+        nodes = {}
+        for t in params:
+            proxy = get_proxy_slot(t, tracer, None)
+            if proxy is not None:
+                nodes[proxy.proxy.node] = t
+        create_node, saved = tracer.create_node, self.saved
+
+        def create(kind, target, *args, **kwargs):
+            if kind == "call_function":
+                for node in _written_bases(target, args[0] if args else ()):
+                    t = nodes.get(node)
+                    if t is not None and id(t) not in saved:
+                        saved[id(t)] = (t, t.detach().clone())
+            return create_node(kind, target, *args, **kwargs)
+        tracer.create_node = create
+
+
+def _written_bases(target, args: tuple) -> list:
+    """The nodes an op writes in place, each followed through its views to the tensor they
+    view."""
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return []
+    bases = []
+    for arg, given in zip(schema.arguments, args):
+        if arg.alias_info is not None and arg.alias_info.is_write and isinstance(given, fx.Node):
+            while given.op == "call_function" and given.args and isinstance(given.args[0], fx.Node):
+                returns = getattr(given.target, "_schema", None)
+                if returns is None or not returns.returns or returns.returns[0].alias_info is None:
+                    break
+                given = given.args[0]  # a view of its first argument
+            bases.append(given)
+    return bases
 
 
 def _reachable_generators(model: torch.nn.Module) -> list:

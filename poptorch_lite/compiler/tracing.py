@@ -61,7 +61,7 @@ from .casting import _ImplicitCasting
 from .markers import _current, trace_context
 from .running_stats import StatisticsWatch, same_values
 from .subgraphs import wrap_target
-from .trace_state import UserGenerators, preserved_state, version_of
+from .trace_state import UserGenerators, WrittenParameters, preserved_state, version_of
 from .trace_modes import PythonDraws, _InferenceSession, _TraceMode, user_file_test
 
 
@@ -300,9 +300,11 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
     tensor_pos = [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
     result: dict = {}
     module_blocks: dict = {}
+    written = WrittenParameters()  # the parameters the forward writes, put back after it
 
     def run(*flat):
         _keyword_safe(get_proxy_mode().tracer)
+        written.watch(get_proxy_mode().tracer, list(flat[:len(params)]))
         if training:  # [Note: gradients the forward shapes] in ``grad_semantics``
             markers.record_grad_mode(get_proxy_mode().tracer)
         values = dict(zip(names, flat[:len(names)]))
@@ -349,7 +351,7 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
         # _TraceMode would otherwise turn F.dropout into native_dropout before it could.
         # Mixed float16/float32 ops are resolved as PopTorch does ([Note: implicit casting]).
         given, generators = [leaves[k] for k in tensor_pos], UserGenerators()
-        with preserved_state(model, modes, given, generators) as before, \
+        with preserved_state(model, modes, given, generators, written) as before, \
                 PythonDraws(model.forward), trace_context() as state, _export_style(model), \
                 grad, _quiet_torch_trace_log(), grad_semantics.recording(training), \
                 _TraceMode(generators.saw), _ImplicitCasting(), session, \
