@@ -493,3 +493,53 @@ def test_a_sequence_packed_by_constant_lengths_trains_as_plain_pytorch(total_len
                     "moves the constant there (see the report of issue 45)")
     train_against_plain_pytorch(lambda: Packs(blocks, lengths="constant",
                                               total_length=total_length), blocks, G, device)
+
+
+class ClampsAfterUse(torch.nn.Module):
+    """WGAN's weight clipping done in forward, after the layer read the weight: each
+    micro-batch computes with the weight as the previous one left it, then clamps it."""
+
+    def __init__(self, blocks: int):
+        super().__init__()
+        self.l0, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+        self.blocks = blocks
+
+    def forward(self, x, y):
+        poptorch.Block.start("b0", ipu_id=0)
+        h = torch.tanh(self.l0(x))
+        with torch.no_grad():
+            self.l0.bias.clamp_(-0.05, 0.05)
+        if self.blocks == 2:
+            poptorch.Block.start("b1", ipu_id=1)
+        out = self.head(h)
+        return out, F.cross_entropy(out, y)
+
+
+@pytest.mark.parametrize("blocks,G,schedule", [(1, 2, "grouped"), (2, 3, "grouped"),
+                                               (2, 3, "interleaved")])
+def test_a_weight_the_forward_writes_is_put_back_after_the_trace(blocks, G, schedule, device):
+    """The trace runs the forward once: its clamp must not reach the weights the first call
+    starts from (plain PyTorch's first forward reads them unclamped)."""
+    torch.manual_seed(0)
+    model = ClampsAfterUse(blocks)
+    with torch.no_grad():
+        model.l0.bias.mul_(10)  # far outside the clamp
+    ref = twin(model, device)
+    opts = on_device(poptorch.Options().setExecutionStrategy(
+        poptorch.PipelinedExecution(schedule=schedule)), device)
+    opts.Training.gradientAccumulation(G)
+    opts.outputMode(poptorch.OutputMode.All)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    train = poptorch.trainingModel(model, opts, opt)
+    for call in range(2):
+        x, y = data(2 * G, seed=call)
+        out, loss = train(x, y)
+        ref_outs, ref_losses, ref_grads = reference_training(ref, ref_opt, x, y, 1, G, 1)
+        assert_close(out, torch.cat(ref_outs).cpu(), atol=ATOL, rtol=0)
+        assert_close(loss, torch.stack(ref_losses).cpu(), atol=ATOL, rtol=0)
+        for name, g in trained_grads(train).items():
+            assert_close(g, ref_grads[name].cpu(), atol=ATOL, rtol=0, msg=name)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert_close(p.detach(), q.detach().cpu(), atol=ATOL, rtol=0, msg=name)
+    train.destroy()
