@@ -57,7 +57,7 @@ def _bound(node: fx.Node):
     return schema, pairs
 
 
-def _aliased_input(node: fx.Node) -> Optional[fx.Node]:
+def aliased_input(node: fx.Node) -> Optional[fx.Node]:
     """The input whose memory ``node``'s result is (a view, an in-place result), or None."""
     if node.op != "call_function":
         return None
@@ -74,7 +74,7 @@ def _aliased_input(node: fx.Node) -> Optional[fx.Node]:
     return None
 
 
-def _written(node: fx.Node) -> list:
+def written(node: fx.Node) -> list:
     """The inputs that ``node`` writes in place (its schema marks them ``(a!)``)."""
     _, pairs = _bound(node)
     return [given for arg, given in pairs if isinstance(given, fx.Node)
@@ -105,12 +105,12 @@ def follow_state(gm: fx.GraphModule, runs: list, source_name: dict,
         if n.op == "placeholder" and source_name[n].startswith(("param:", "buffer:")):
             root[n] = n
         elif n in stage_of:
-            a = _aliased_input(n)
+            a = aliased_input(n)
             if a is not None and a in root:
                 root[n] = root[a]
     writes: dict = {}  # state -> the nodes that write it
     for n in stage_of:
-        for w in _written(n):
+        for w in written(n):
             if w in root:
                 writes.setdefault(root[w], []).append(n)
     shared = {}
@@ -120,18 +120,18 @@ def follow_state(gm: fx.GraphModule, runs: list, source_name: dict,
         family = [n for n in root if root[n] is p]
         if len({stage_of[u] for n in family for u in (n, *n.users) if u in stage_of}) > 1:
             _made_locally(gm, runs, stage_of, root, p)
-        written = writes.get(p, [])
+        writing = writes.get(p, [])  # the nodes that write it
         touch = sorted({stage_of[u] for n in root if root[n] is p for u in n.users
-                        if u in stage_of and (root.get(u) is not p or u in written)})
+                        if u in stage_of and (root.get(u) is not p or u in writing)})
         # A write no schema announces (native_batch_norm's statistics): every stage may write.
-        writers = sorted({stage_of[n] for n in written}) or touch
+        writers = sorted({stage_of[n] for n in writing}) or touch
         if not touch:
             continue
         if len(writers) == 1 and touch[0] >= writers[0]:
-            _snapshot(gm, runs, stage_of, root, p, source_name[p], writers[0], written)
+            _snapshot(gm, runs, stage_of, root, p, source_name[p], writers[0], writing)
         elif len(touch) > 1:
             shared[source_name[p]] = (tuple(writers), tuple(t for t in touch if t not in writers),
-                                      bool(written))
+                                      bool(writing))
     return shared
 
 
@@ -143,9 +143,9 @@ def _again(gm: fx.GraphModule, n: fx.Node, p: fx.Node, here: fx.Node, made: dict
     if n is p:
         return here
     if n not in made:
-        base = _aliased_input(n)
+        base = aliased_input(n)
         of = _again(gm, base, p, here, made, place)
-        if base in _written(n):  # an in-place result
+        if base in written(n):  # an in-place result
             made[n] = of
         else:
             made[n] = place(lambda: gm.graph.create_node(
@@ -180,7 +180,7 @@ def _made_locally(gm: fx.GraphModule, runs: list, stage_of: dict, root: dict,
                 here = made.setdefault(t, {m: m for m in family if stage_of.get(m) == t})
                 u.replace_input_with(n, _again(gm, n, p, p, here, at_start(t)))
     for n in reversed(list(gm.graph.nodes)):  # views that only fed other stages
-        if root.get(n) is p and n is not p and not n.users and not _written(n):
+        if root.get(n) is p and n is not p and not n.users and not written(n):
             runs[stage_of.pop(n)][1].remove(n)
             del root[n]
             gm.graph.erase_node(n)

@@ -17,10 +17,10 @@ import types
 import weakref
 
 import torch
-import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import get_proxy_slot
 
 from ..errors import TraceError
+from .state import aliased_input, written
 from .trace_modes import _user_line
 
 
@@ -112,31 +112,16 @@ class WrittenParameters:
         create_node, saved = tracer.create_node, self.saved
 
         def create(kind, target, *args, **kwargs):
+            node = create_node(kind, target, *args, **kwargs)  # made before the op runs
             if kind == "call_function":
-                for node in _written_bases(target, args[0] if args else ()):
-                    t = nodes.get(node)
+                for base in written(node):
+                    while aliased_input(base) is not None:  # through its views
+                        base = aliased_input(base)
+                    t = nodes.get(base)
                     if t is not None and id(t) not in saved:
                         saved[id(t)] = (t, t.detach().clone())
-            return create_node(kind, target, *args, **kwargs)
+            return node
         tracer.create_node = create
-
-
-def _written_bases(target, args: tuple) -> list:
-    """The nodes an op writes in place, each followed through its views to the tensor they
-    view."""
-    schema = getattr(target, "_schema", None)
-    if schema is None:
-        return []
-    bases = []
-    for arg, given in zip(schema.arguments, args):
-        if arg.alias_info is not None and arg.alias_info.is_write and isinstance(given, fx.Node):
-            while given.op == "call_function" and given.args and isinstance(given.args[0], fx.Node):
-                returns = getattr(given.target, "_schema", None)
-                if returns is None or not returns.returns or returns.returns[0].alias_info is None:
-                    break
-                given = given.args[0]  # a view of its first argument
-            bases.append(given)
-    return bases
 
 
 def _reachable_generators(model: torch.nn.Module) -> list:
