@@ -9,6 +9,7 @@ where one action runs at a time on one memory.
 """
 
 import copy
+import os
 import re
 
 import pytest
@@ -21,10 +22,11 @@ import poptorch_lite as poptorch
 from poptorch_lite.compiler.compiled_stages import CompiledGraph
 from poptorch_lite.compiler.partition import partition
 
-from conftest import DEVICE_MARKS
-from models import on_device, reference_training, trained_grads, twin
+from conftest import DEVICE_MARKS, DEVICES
+from models import on_device, pairwise, reference_training, trained_grads, twin
 
 ATOL = 1e-5
+FULL = os.environ.get("POPTORCH_LITE_FULL_MATRIX") == "1"
 SCHEDULES = ["sequential", "grouped", "interleaved", "gpipe", "zero_bubble"]
 G, D, B = 3, 2, 2  # 6 micro-batches a call, an optimizer step every 3
 
@@ -138,12 +140,21 @@ ROWS = [(kind, ipus) for kind in ("ema", "counter", "queue", "queue_view", "tied
         for ipus in ((0, 0, 1, 1), (0, 1, 1, 1))]
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("recompute", [False, True], ids=["", "recompute"])
-@pytest.mark.parametrize("kind,ipus", ROWS, ids=[f"{k}-ipus{''.join(map(str, i))}"
-                                                 for k, i in ROWS])
+MATRIX = [(kind, ipus, schedule, recompute) for kind, ipus in ROWS for schedule in SCHEDULES
+          for recompute in (False, True)]
+# The whole matrix on the CPU; on the other devices the rows that cover every pair of its
+# factors' values (models.pairwise), as the transparency matrix does, or the whole matrix
+# there too in the long run (POPTORCH_LITE_FULL_MATRIX=1).
+DEVICE_MATRIX = [pytest.param(d, *row, marks=DEVICE_MARKS.get(d, []),
+                              id=f"{d}-{row[0]}-ipus{''.join(map(str, row[1]))}-{row[2]}"
+                                 f"{'-recompute' if row[3] else ''}")
+                 for d in DEVICES
+                 for row in (MATRIX if d == "cpu" or FULL else pairwise(MATRIX))]
+
+
+@pytest.mark.parametrize("device,kind,ipus,schedule,recompute", DEVICE_MATRIX)
 def test_state_written_in_one_stage_and_read_in_a_later_one_matches_plain_pytorch(
-        kind, ipus, schedule, recompute, device):
+        device, kind, ipus, schedule, recompute):
     """Each micro-batch's later stages read the state as the writing stage left it for that
     micro-batch (its snapshot), not as other micro-batches' writes or another IPU's copy
     have it by then; the writer's parameter gets the head's gradient."""
