@@ -37,9 +37,10 @@ from hypothesis import HealthCheck, configuration, given, settings  # noqa: E402
 from hypothesis import seed as hypothesis_seed  # noqa: E402
 
 import fuzz_draw  # noqa: E402
-from fuzz_check import Finding, Invalid, check  # noqa: E402
+from fuzz_check import Finding, check  # noqa: E402
 from fuzz_config import Config  # noqa: E402
 from fuzz_grammar import Program  # noqa: E402
+from fuzz_plain import Invalid  # noqa: E402
 
 #: Factors whose values are sizes: left out of a signature (a bug at 2 stages is the same bug
 #: at 3).

@@ -100,6 +100,8 @@ FOUND = [
           Program(stages=2, ops=(Op("param_hook"), Op("shared_module", 0, 1))), Config(G=3)),
     Found("parameter_hook_without_gradient_compiled", "compiled=True&param_hook&stop",
           Program(ops=(Op("param_hook"), Op("stop"))), Config(compiled=True)),
-    Found("keras_replicated_batchnorm", "keras_replicated_buffers",
+    Found("keras_replicated_batchnorm", "keras_replicated_batchnorm",
           Program(ops=(Op("batchnorm"),)), KerasConfig(R=2)),
+    Found("keras_replicated_spectral_norm", "keras_replicated_buffers",
+          Program(ops=(Op("spectral_norm"),)), KerasConfig(R=2)),
 ]
