@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import logging
 import pathlib
 import sys
 import tempfile
@@ -167,6 +168,7 @@ def main() -> int:
                              "--minutes each, and shrink what it finds")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
+    logging.getLogger("poptorch_lite").setLevel(logging.ERROR)  # its notes, once per program
     storage = tempfile.TemporaryDirectory(prefix="hypothesis-")  # not ./.hypothesis
     configuration.set_hypothesis_home_dir(storage.name)
     torch.set_num_threads(1)  # a small model's ops gain nothing from more; the machine is shared
