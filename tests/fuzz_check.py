@@ -130,7 +130,13 @@ def _differences(what: str, got, want, tol: float) -> list:
                     f"{want.dtype}"]
         a, b = got.detach().cpu(), want.detach().cpu()
         if not a.is_floating_point():
-            return [] if torch.equal(a, b) else [f"{what}: {a.tolist()} != {b.tolist()}"]
+            if torch.equal(a, b):
+                return []
+            if a.numel() <= 8:
+                return [f"{what}: {a.tolist()} != {b.tolist()}"]
+            at = int((a != b).flatten().nonzero()[0])  # a random state: where it moved
+            return [f"{what}: {int((a != b).sum())} of {a.numel()} values differ (first at "
+                    f"{at}: {a.flatten()[at].item()} != {b.flatten()[at].item()})"]
         bad = ~((a - b).abs() <= tol + tol * b.abs()) & ~(a.isnan() & b.isnan())
         if bad.any():
             return [f"{what}: differs by {(a - b).abs().max().item():.3g} "
