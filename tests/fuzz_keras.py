@@ -7,8 +7,9 @@ parametrization; with module and parameter hooks, a frozen bias), a BatchNorm la
 Linear used again at another stage (tied weights), then the ``Linear(6, 4)`` head; the loss
 is Keras' sparse categorical cross-entropy from logits, the optimizer SGD with momentum
 (tests/test_keras.py's ``sgd``). :func:`check` runs ``model.fit`` (``shuffle=False``) and
-test_keras's plain loop (a step per G·R batches, gradients summed then divided by G·R) from
-the same weights, and compares every weight and buffer and the history's losses and
+test_keras's plain loop (a step per G·R batches, gradients summed then divided by G·R; with
+replicas, each keeps its own BatchNorm statistics, the host's being replica 0's) from the
+same weights, and compares every weight and buffer and the history's losses and
 accuracies: bit for bit where each step is one batch (G·R = 1, as test_keras holds), else
 within 1e-5, a small difference confirmed in float64 before it counts (fuzz_check's rule).
 """
