@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import logging
 import pathlib
 import sys
 import tempfile
@@ -37,9 +38,10 @@ from hypothesis import HealthCheck, configuration, given, settings  # noqa: E402
 from hypothesis import seed as hypothesis_seed  # noqa: E402
 
 import fuzz_draw  # noqa: E402
-from fuzz_check import Finding, Invalid, check  # noqa: E402
+from fuzz_check import Finding, check  # noqa: E402
 from fuzz_config import Config  # noqa: E402
 from fuzz_grammar import Program  # noqa: E402
+from fuzz_plain import Invalid  # noqa: E402
 
 #: Factors whose values are sizes: left out of a signature (a bug at 2 stages is the same bug
 #: at 3).
@@ -166,6 +168,7 @@ def main() -> int:
                              "--minutes each, and shrink what it finds")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
+    logging.getLogger("poptorch_lite").setLevel(logging.ERROR)  # its notes, once per program
     storage = tempfile.TemporaryDirectory(prefix="hypothesis-")  # not ./.hypothesis
     configuration.set_hypothesis_home_dir(storage.name)
     torch.set_num_threads(1)  # a small model's ops gain nothing from more; the machine is shared

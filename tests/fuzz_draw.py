@@ -19,53 +19,16 @@ from hypothesis import assume, strategies as st
 from fuzz_config import DEVICES, SCHEDULES, Config
 from fuzz_grammar import EDITS, FEATURES, LOSSES, OPTIMIZERS, TWO_STAGE, Edit, Op, Program
 
-def _on_separate_memories(names: str, what: str) -> dict:
-    """A finding on the devices whose stages hold their own copies (the IPU Model, the GPU)."""
-    return {f"{names}&device={d}": what for d in ("ipu_model", "gpu_twin")}
-
-
 PENDING = {
-    # issue 45's findings, found again by the fuzzer (tests/fuzz_found.py)
-    "ce_times": "arithmetic after a loss function is left out of the gradient (2 * ce)",
-    "ce_div": "arithmetic after a loss function is left out of the gradient (ce / 4)",
-    "ce_none_mean": "F.cross_entropy(..., reduction='none').mean() trains as its sum",
-    "masked_mean": "a masked mean of per-sample losses trains as their sum",
-    "ce_plus_l2": "a regularizer added to a loss function's output gets no gradient",
-    "penalty": "a gradient penalty (autograd.grad(create_graph=True) in forward) is dropped",
-    "saliency": "a gradient taken in forward (autograd.grad) is wrong",
-    **_on_separate_memories("data_edit", "a .data edit between calls is lost"),
-    **_on_separate_memories("freeze", "requires_grad_(False) between calls is ignored"),
-    **_on_separate_memories("unfreeze_bias", "requires_grad_(True) between calls, on a "
-                            "parameter frozen when wrapped, is ignored"),
-    "buffer_across": "a buffer written by one stage and read by another",
-    "packed_lstm": "a packed sequence through an LSTM fails while running",
-    "generator": "a user's torch.Generator in forward draws once, at the trace",
-    "python_random": "Python's random in forward is read once, at the trace",
-    "numpy_random": "numpy's random in forward is read once, at the trace",
-    "metric": "a metric computed with a loss function under no_grad counts as a second loss",
-    # found by the fuzzer beyond issue 45 (tests/fuzz_found.py)
+    # found by the fuzzer (tests/fuzz_found.py); fixes on their way
     "replace_param": "a parameter replaced by a new Parameter between calls is ignored: the "
                      "wrapper trains and computes with the old one",
-    "weight_clip": "a parameter edited in place in forward (under no_grad: clamp_) is not "
-                   "edited: plain PyTorch clamps it in every micro-batch",
     "python_counter": "a Python attribute the forward changes (self.steps += 1) is read once, "
                       "at the trace",
     "temperature&anneal": "a Python attribute the forward reads, changed between calls "
                           "(net.temperature = 2.0), is not seen",
-    **_on_separate_memories("host_forward&batchnorm", "BatchNorm statistics a forward on the "
-                            "host moves between calls are lost: torch's kernel does not bump "
-                            "their version, which is how host edits are found"),
-    **{k: v for edit in ("buffers_edit", "host_forward", "load_state_dict", "vary_batch=True")
-       for k, v in _on_separate_memories(
-           f"{edit}&broadcast_buffers=False", "with broadcastBuffers(False), a host edit of "
-           "a buffer (or a second program, for another batch size) resets the other replicas' "
-           "buffers to their values when wrapped: their homes are never refreshed from the "
-           "devices, and the push (the new program's copies) copies them over").items()},
     "batchnorm_cumulative": "BatchNorm1d(momentum=None) (a cumulative average) is refused as "
                             "a read of a tensor into Python, at the caller's line",
-    "optimizer=loss_scaled&param_hook": "loss scaling shows through gradient code the model "
-                                        "brings: a hook that clamps sees gradients times the "
-                                        "loss scale",
     "optimizer=clipped&groups=partial": "max_grad_norm's global norm counts the gradient of a "
                                         "parameter the optimizer does not hold",
     "param_hook&shared_module": "a hook on a parameter that two stages use runs on each "
@@ -75,8 +38,30 @@ PENDING = {
                                      "where no gradient reaches the parameter (plain PyTorch "
                                      "does not call it): the call fails",
     "lstm&compiled=True": "an LSTM in a compiled stage (aot_eager) fails while running",
-    "keras_replicated_buffers": "Keras' fit refuses replicas of a model that writes buffers "
-                                "(BatchNorm), naming an Options call Keras users cannot make",
+    # found since (tests/fuzz_found.py)
+    "weight_clip&recompute=True": "a recomputed stage that writes a parameter in place in "
+                                  "forward (clamp_ under no_grad) recomputes with the written "
+                                  "value: plain PyTorch's backward differentiates the forward "
+                                  "that read it before the write",
+    "compiled=True&stop&weight_clip": "in a compiled stage, a parameter the forward writes in "
+                                      "place gets a gradient (zeros) where none reaches it: "
+                                      "plain PyTorch leaves its .grad None, so the optimizer "
+                                      "makes state for it (and AdamW's decay moves it)",
+    **{f"{draw}&{trigger}": "a refusal after a successful trace (E-PART-10, E-PART-25/26, "
+                            "E-OPT-41) leaves Python's or numpy's random state advanced by the "
+                            "trace's draws: a refusal must change nothing"
+       for draw in ("python_random", "numpy_random") for trigger in ("R=2", "buffer_across")},
+    **{f"{state}&device=gpu_twin{size}": "a value made by stage s and read by stage s + 2 or "
+                                         "later (here a state snapshot) reads NaN on the GPU "
+                                         "twin: its reader waits for stage s + 1 only, which "
+                                         "orders it after stage s on CUDA (event waits are "
+                                         "transitive), but the twin's TwinStream.sees is not"
+       for state, size in (("buffer_across", "&stages=3"), ("buffer_across", "&stages=4"),
+                           ("weight_clip&shared_module", ""))},
+    "keras_replicated_buffers": "Keras' fit refuses replicas of a model that writes a buffer "
+                                "of its own (spectral_norm's u and v) with the PopTorch face's "
+                                "E-PART-10, whose fix (poptorch.Options.broadcastBuffers(False)) "
+                                "a Keras user cannot apply",
 }
 
 

@@ -100,6 +100,28 @@ FOUND = [
           Program(stages=2, ops=(Op("param_hook"), Op("shared_module", 0, 1))), Config(G=3)),
     Found("parameter_hook_without_gradient_compiled", "compiled=True&param_hook&stop",
           Program(ops=(Op("param_hook"), Op("stop"))), Config(compiled=True)),
-    Found("keras_replicated_batchnorm", "keras_replicated_buffers",
+    # -- found after issue 45's fixes and main's changes of design (state across stages,
+    #    replicas' statistics, Python's random drawn at the trace) ----------------------
+    Found("parameter_clamped_in_a_recomputed_stage", "weight_clip&recompute=True",
+          Program(ops=(Op("weight_clip"),)), Config(recompute=True)),
+    Found("parameter_clamped_without_gradient_compiled", "compiled=True&stop&weight_clip",
+          Program(ops=(Op("stop"), Op("weight_clip"))), Config(compiled=True)),
+    *(Found(f"{draw}_then_a_refusal_E_PART_10", f"{draw}&R=2",
+            Program(ops=(Op("buffer"), Op(draw))), Config(R=2))
+      for draw in ("python_random", "numpy_random")),
+    *(Found(f"{draw}_then_a_refusal_E_PART_25", f"{draw}&buffer_across",
+            Program(stages=2, ops=(Op("buffer_across", 1, 0), Op(draw))), Config(G=3))
+      for draw in ("python_random", "numpy_random")),
+    *(Found(f"state_snapshot_two_stages_on_{stages}_stages_gpu_twin",
+            f"buffer_across&device=gpu_twin&stages={stages}",
+            Program(stages=stages, ops=(Op("buffer_across", 0, 2),)),
+            Config(schedule="sequential", device="gpu_twin"))
+      for stages in (3, 4)),
+    Found("parameter_snapshot_two_stages_on_gpu_twin", "weight_clip&shared_module&device=gpu_twin",
+          Program(stages=3, ops=(Op("weight_clip"), Op("shared_module", 0, 2))),
+          Config(schedule="sequential", device="gpu_twin")),
+    Found("keras_replicated_batchnorm", "keras_replicated_batchnorm",
           Program(ops=(Op("batchnorm"),)), KerasConfig(R=2)),
+    Found("keras_replicated_spectral_norm", "keras_replicated_buffers",
+          Program(ops=(Op("spectral_norm"),)), KerasConfig(R=2)),
 ]

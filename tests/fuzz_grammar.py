@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import linecache
+import os
+import tempfile
 import textwrap
 import zlib
 from typing import NamedTuple
@@ -73,10 +75,14 @@ class Feature(NamedTuple):
     read: str = ""
     post: str = ""
     imports: tuple = ()
-    writes_buffers: bool = False   # replicas need broadcastBuffers(False) (E-PART-10)
-    refusable: bool = False        # a clean refusal is an acceptable outcome
-    output: str = ""               # an extra output forward returns
-    head: str = ""                 # lines right after ``out = self.head(h)``
+    buffers: str = ""      # "own": forward writes a buffer of its own (replicas need
+                           # broadcastBuffers(False): E-PART-10); "statistics": a
+                           # normalisation's running statistics (kept per replica)
+    refused: str = ""      # the docs/ERRORS.md id of the refusal it may meet (where:
+                           # fuzz_refusals); "pending": any clean refusal, until its fix lands
+    warned: str = ""       # the docs/ERRORS.md id of the warning it must give (W-LITE-13)
+    output: str = ""       # an extra output forward returns
+    head: str = ""         # lines right after ``out = self.head(h)``
 
 
 _STAT = f"self.register_buffer(\"stat{{i}}\", torch.zeros({WIDTH}))"
@@ -112,31 +118,33 @@ FEATURES = {
     "frozen": Feature(init="self.l{s}.bias.requires_grad_(False)"),
     "input_inplace": Feature("x.mul_(0.5)"),
     # second-order gradients: a gradient penalty, a gradient used as a value
-    "penalty": Feature("anchor{i} = h", refusable=True,
+    "penalty": Feature("anchor{i} = h",
                        post="g{i}, = torch.autograd.grad(out.sum(), anchor{i}, "
                             "create_graph=True)\nloss = loss + 0.1 * g{i}.pow(2).sum()"),
-    "saliency": Feature("anchor{i} = h", refusable=True,
+    "saliency": Feature("anchor{i} = h",
                         post="g{i}, = torch.autograd.grad(out.sum(), anchor{i}, "
                              "retain_graph=True)\nloss = loss + 0.1 * (g{i} * anchor{i}).sum()"),
     # buffers, tied weights, parametrizations
-    "batchnorm_cumulative": Feature("h = self.bn{i}(h)", writes_buffers=True,
+    "batchnorm_cumulative": Feature("h = self.bn{i}(h)", buffers="statistics",
                                     init=f"self.bn{{i}} = torch.nn.BatchNorm1d({WIDTH}, "
                                          "momentum=None)"),
     "shared_module": Feature(read="h = torch.tanh(self.l{s}(h))"),
-    "weight_clip": Feature("with torch.no_grad():\n    self.l{s}.bias.clamp_(-0.1, 0.1)"),
+    "weight_clip": Feature("with torch.no_grad():\n    self.l{s}.bias.clamp_(-0.1, 0.1)",
+                           refused="E-PART-25 E-PART-26"),
     "batchnorm": Feature("h = self.bn{i}(h)", init=f"self.bn{{i}} = torch.nn.BatchNorm1d({WIDTH})",
-                         writes_buffers=True),
-    "buffer": Feature(_WRITE, init=_STAT, read="h = h + self.stat{i}", writes_buffers=True),
-    "buffer_across": Feature(_WRITE, init=_STAT, read="h = h + self.stat{i}",
-                             writes_buffers=True),
+                         buffers="statistics"),
+    "buffer": Feature(_WRITE, init=_STAT, read="h = h + self.stat{i}", buffers="own"),
+    "buffer_across": Feature(_WRITE, init=_STAT, read="h = h + self.stat{i}", buffers="own",
+                             refused="E-PART-25 E-PART-26"),
     "counter": Feature("self.count{i} += 1\nh = h * (1 + 0.1 * self.count{i})",
                        init="self.register_buffer(\"count{i}\", torch.zeros(()))",
-                       writes_buffers=True),
+                       buffers="own"),
     "tied": Feature(read="h = h + 0.1 * F.linear(h, self.l{s}.weight)"),
     "weight_norm": Feature(init="self.l{s} = torch.nn.utils.parametrizations.weight_norm("
                                 "self.l{s})"),
     "spectral_norm": Feature(init="self.l{s} = torch.nn.utils.parametrizations.spectral_norm("
-                                  "self.l{s})", writes_buffers=True),
+                                  "self.l{s})", buffers="own",
+                           refused="E-PART-25 E-PART-26"),
     "parametrize": Feature(init="torch.nn.utils.parametrize.register_parametrization("
                                 "self.l{s}, \"weight\", Symmetric())",
                            imports=("import torch.nn.utils.parametrize",)),
@@ -144,17 +152,18 @@ FEATURES = {
     "dropout": Feature("h = F.dropout(h, 0.3, self.training)"),
     "rand_like": Feature("h = h + 0.1 * torch.rand_like(h)"),
     "generator": Feature("h = h + 0.1 * torch.randn(h.shape, generator=self.gen{i})",
-                         init="self.gen{i} = torch.Generator().manual_seed(5)", refusable=True),
+                         init="self.gen{i} = torch.Generator().manual_seed(5)",
+                         refused="E-OPT-41"),
     "python_random": Feature("h = h * (1 + random.random())", imports=("import random",),
-                             refusable=True),
+                             warned="W-LITE-13"),
     "numpy_random": Feature("h = h * float(1 + np.random.rand())",
-                            imports=("import numpy as np",), refusable=True),
+                            imports=("import numpy as np",), warned="W-LITE-13"),
     # Python values the forward reads: a tensor's, and attributes it keeps or the user sets
-    "item": Feature("h = h * float(h.mean())", refusable=True),
+    "item": Feature("h = h * float(h.mean())", refused="E-PART-11"),
     "python_counter": Feature("self.steps{i} += 1\nh = h * (1 + 0.1 * self.steps{i})",
-                              init="self.steps{i} = 0", refusable=True),
+                              init="self.steps{i} = 0", refused="pending"),
     "temperature": Feature("h = h / self.temperature", init="self.temperature = 1.0",
-                           refusable=True),
+                           refused="pending"),
     # sequences
     "embedding": Feature("h = h + self.emb{i}(y)", init=f"self.emb{{i}} = torch.nn.Embedding("
                          f"{CLASSES}, {WIDTH})",
@@ -170,7 +179,7 @@ FEATURES = {
                            init=f"self.lstm{{i}} = torch.nn.LSTM({WIDTH}, {WIDTH}, "
                                 "batch_first=True)",
                            imports=("from torch.nn.utils.rnn import pack_padded_sequence",),
-                           refusable=True),
+                           refused="E-PART-24"),
     # what the forward returns beside the loss
     "metric": Feature(post="with torch.no_grad():\n    metric{i} = F.cross_entropy(out, y)",
                       output="metric{i}"),
@@ -261,8 +270,9 @@ OPTIMIZERS = {
     "loss_scaled": "poptorch.optim.SGD({}, lr=0.1, momentum=0.9, loss_scaling=128.0)",
     "clipped": "poptorch.optim.SGD({}, lr=0.1, momentum=0.9, max_grad_norm=0.1)",
 }
-#: Edits for which a clean refusal (at the next call) is an acceptable outcome: the model's
-#: parameter is another object than the one the wrapper took.
+#: Edits for which a clean refusal (at the next call) is an acceptable outcome while their
+#: fix is pending (fuzz_draw.PENDING): the model's parameter is another object than the one
+#: the wrapper took.
 REFUSABLE_EDITS = {"replace_param"}
 _GROUPS = {
     "one": "net.parameters()",
@@ -369,23 +379,26 @@ def make_optimizer(net):
 '''
 
 
+#: Where :func:`build` writes each program: a real file, as a user's model is in one (a
+#: warning or a refusal names its line; generated code, ``<string>``, names none).
+_FILES = tempfile.TemporaryDirectory(prefix="fuzz-programs-")
+
+
 def build(program: Program) -> dict:
     """Execute :func:`source`: the namespace holding ``Net``, ``make_optimizer``,
     ``make_scheduler`` and ``between_calls``."""
     text = source(program)
-    name = f"<fuzz program {zlib.crc32(text.encode()):08x}>"
+    name = os.path.join(_FILES.name, f"fuzz_program_{zlib.crc32(text.encode()):08x}.py")
+    if not os.path.exists(name):
+        with open(name, "w", encoding="utf-8") as f:
+            f.write(text)
     linecache.cache[name] = (len(text), None, text.splitlines(True), name)  # for tracebacks
     namespace = {"__name__": "fuzz_program"}
     exec(compile(text, name, "exec"), namespace)  # noqa: S102: our own text
     return namespace
 
 
-def writes_buffers(program: Program) -> bool:
-    """Whether forward changes a buffer (replicas then need ``broadcastBuffers(False)``)."""
-    return any(FEATURES[o.kind].writes_buffers for o in program.ops)
-
-
-def refusable(program: Program) -> set:
-    """The features of ``program`` for which a clean refusal is an acceptable outcome."""
-    return ({o.kind for o in program.ops if FEATURES[o.kind].refusable}
-            | {e.kind for e in program.edits if e.kind in REFUSABLE_EDITS})
+def writes_buffers(program: Program, kind: str = "") -> bool:
+    """Whether forward changes a buffer (of ``kind``: "own" or "statistics"; any if empty)."""
+    return any(FEATURES[o.kind].buffers and kind in ("", FEATURES[o.kind].buffers)
+               for o in program.ops)

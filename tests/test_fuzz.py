@@ -16,9 +16,10 @@ import pytest
 from hypothesis import HealthCheck, configuration, event, given, reject, settings
 
 import fuzz_keras
-from fuzz_check import Finding, Invalid, check
+from fuzz_check import Finding, check
 from fuzz_draw import PENDING, atoms, examples
 from fuzz_found import FOUND
+from fuzz_plain import Invalid
 
 # Hypothesis caches what it reads of local modules under ./.hypothesis: here, under a folder
 # of this process's own that goes when it ends (tests write nowhere else).

@@ -1,0 +1,225 @@
+"""The fuzzer's reference: a program of the grammar run by plain PyTorch, a call at a time.
+
+:func:`plain` does the arithmetic the contract names ([Note: the fuzzer's oracle] in
+fuzz_check, which compares poptorch_lite's calls with what it yields): D optimizer steps per
+call, each the summed backward of G·R micro-batches, per-replica buffers, poptorch.optim's
+loss scaling, Python's random as the traces draw it. The helpers that both sides share
+(the data of a call, the model from one seed, the seeds of Python, numpy and torch, the
+state a call may change) are here too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import random
+from typing import Optional
+
+import numpy as np
+import torch
+
+from poptorch_lite.compiler import rng
+
+import fuzz_refusals
+from fuzz_config import Config
+from fuzz_grammar import Program, build, writes_buffers
+from models import microbatch_seeds
+
+
+class Invalid(Exception):
+    """Plain PyTorch cannot run the program's first call: not an example."""
+
+
+def batch_size(config: Config, call: int) -> int:
+    """The micro-batch size of call ``call`` (one more in the second with ``vary_batch``)."""
+    return config.B + (config.vary_batch and call == 1)
+
+
+def data(config: Config, call: int):
+    """Call ``call``'s inputs and labels (the same on both sides)."""
+    g = torch.Generator().manual_seed(1000 + call)
+    n = batch_size(config, call) * config.D * config.G * config.R
+    x = torch.randn(n, 6, generator=g).to(getattr(torch, config.dtype))
+    return x, torch.randint(0, 4, (n,), generator=g)
+
+
+def model(ns: dict, config: Config):
+    """The program's model, its optimizer and its scheduler, from one seed."""
+    torch.manual_seed(0)
+    net = ns["Net"]().to(getattr(torch, config.dtype))
+    opt = ns["make_optimizer"](net)
+    return net, opt, ns["make_scheduler"](opt) if "make_scheduler" in ns else None
+
+
+def _seeds(config: Config, own: Optional[torch.Generator], call: int) -> list:
+    m = config.G * config.R
+    if own is not None:
+        return [rng.microbatch_seed(b, i) for b in rng.draw_bases(config.D, own) for i in range(m)]
+    torch.manual_seed(100 + call)
+    return microbatch_seeds(config.D, m)
+
+
+def seed_host(call: int) -> None:
+    """Seed torch, Python and numpy as both sides do before call ``call`` (and its edits)."""
+    torch.manual_seed(100 + call)
+    random.seed(call)
+    np.random.seed(call)
+
+
+def _generators(net) -> dict:
+    return {n: g.get_state() for n, g in vars(net).items() if isinstance(g, torch.Generator)}
+
+
+def _clone(tree):
+    return torch.utils._pytree.tree_map(
+        lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else copy.deepcopy(t), tree)
+
+
+def state(net, opt, x) -> dict:
+    """Everything a call may change that the user sees (torch's generator aside: the plain
+    side seeds each micro-batch)."""
+    kind, keys, pos, *_ = np.random.get_state()
+    return {"model": _clone(dict(net.state_dict())), "optimizer": _clone(opt.state_dict()),
+            "input": x.clone(), "python random": torch.tensor(random.getstate()[1]),
+            "numpy random": torch.tensor([*keys.tolist(), pos]),
+            "generators": _clone(_generators(net))}
+
+
+def _plain_call(net, opt, x, y, config: Config, seeds: list, replicas: list,
+                draws: Optional["_TracedDraws"]) -> tuple:
+    """One call's D steps in plain PyTorch; returns (per-output values, last step's grads)."""
+    m = config.G * config.R
+    b = len(x) // (config.D * m)
+    scale = getattr(opt, "loss_scaling", 1.0)  # poptorch.optim's: the loss's, undone below
+    per_output = [[] for _ in range(10)]
+    buffers = dict(net.named_buffers())
+    for d in range(config.D):
+        opt.zero_grad(set_to_none=True)
+        for j in range(m):
+            k, r = d * m + j, j % config.R
+            if replicas:  # broadcastBuffers(False): replica r's own buffers
+                with torch.no_grad():
+                    for name, t in buffers.items():
+                        replicas[0][name] = t.clone()
+                        t.copy_(replicas[r][name])
+            torch.manual_seed(seeds[k])
+            xk, yk = x[k * b:(k + 1) * b], y[k * b:(k + 1) * b]
+            with draws.forward(b) if draws else contextlib.nullcontext():
+                result = net(xk, y=yk) if config.keyword else net(xk, yk)
+            loss = result[1]
+            loss.backward(torch.full_like(loss, scale))
+            for i, t in enumerate(result):
+                per_output[i].append(t.detach().clone())
+            if replicas:
+                with torch.no_grad():
+                    for name, t in buffers.items():
+                        replicas[r][name] = t.clone()
+                        t.copy_(replicas[0][name])
+        divisor = (m if config.reduction == "mean" else 1) * scale  # as the reduction divides
+        if divisor != 1:
+            for p in net.parameters():
+                if p.grad is not None:
+                    p.grad.div_(divisor)
+        clip = getattr(opt, "max_grad_norm", None)  # poptorch.optim's: the norm of what it steps
+        if clip is not None and math.isfinite(clip):
+            torch.nn.utils.clip_grad_norm_(
+                [p for g in opt.param_groups for p in g["params"] if p.grad is not None], clip)
+        opt.step()
+    outputs = [_merged(v, config) for v in per_output if v]
+    in_optimizer = {id(p) for g in opt.param_groups for p in g["params"]}
+    grads = {n: None if p.grad is None else p.grad.clone() for n, p in net.named_parameters()
+             if id(p) in in_optimizer}
+    return outputs, grads
+
+
+class _TracedDraws:
+    """Python's and numpy's random as the wrapped side's traces draw them (W-LITE-13): the
+    first forward of a program draws for real, as its trace does, and every later forward
+    of that program gets the same numbers. A program is what the wrapper keys one by: the
+    micro-batch size and the wrap-time parameters' requires_grad."""
+
+    def __init__(self, net):
+        self.params, self.drawn = tuple(net.parameters()), {}
+
+    @contextlib.contextmanager
+    def forward(self, batch: int):
+        key = (batch, tuple(p.requires_grad for p in self.params))
+        drawn = self.drawn.get(key)
+        if drawn is None:  # this program's trace: real draws, recorded
+            drawn = self.drawn[key] = []
+            replay = None
+        else:
+            replay = iter(drawn)
+        real = [(random, "random", random.random), (np.random, "rand", np.random.rand)]
+
+        def as_traced(draw):
+            def once(*args, **kwargs):
+                if replay is not None:
+                    return next(replay)
+                drawn.append(draw(*args, **kwargs))
+                return drawn[-1]
+            return once
+        for module, name, draw in real:
+            setattr(module, name, as_traced(draw))
+        try:
+            yield
+        finally:
+            for module, name, draw in real:
+                setattr(module, name, draw)
+
+
+#: Edits after which every replica holds the host's buffers: a copy to the device (a
+#: re-attach copies too) has one value to copy, the host's, as PopTorch's has.
+_TO_DEVICE = {"detach_attach", "copy_weights"}
+
+
+def _merged(values: list, config: Config) -> torch.Tensor:
+    """One output of a call's micro-batches as the call returns it (POPTORCH_REFERENCE §3):
+    All: every micro-batch; Final: each replica's last; Sum: each replica's sum. A scalar per
+    micro-batch becomes a vector of them (a 0-dim tensor when there is one), a batch of rows
+    their rows end to end. Micro-batch k is replica k % R's ([D, G, R, B] order)."""
+    if config.output_mode != "All":
+        R = config.R
+        mine = [values[r::R] for r in range(R)]
+        values = [v[-1] if config.output_mode == "Final" else sum(v[1:], v[0]) for v in mine]
+    if values[0].dim() == 0:
+        return torch.stack(values).reshape(-1 if len(values) > 1 else ())
+    return torch.cat(values)
+
+
+def plain(program: Program, config: Config):
+    """The plain PyTorch side, a call at a time: yields what each wrapped call must equal (see
+    the Note), the user's edits run before the next; stops where plain PyTorch cannot go on.
+
+    Raises:
+        Invalid: the first call fails: the program is wrong in plain PyTorch.
+    """
+    ns = build(program)
+    try:
+        net, opt, sched = model(ns, config)
+    except Exception as e:  # noqa: BLE001: plain PyTorch cannot build it
+        raise Invalid(f"{type(e).__name__}: {e}") from e
+    own = None if config.random_seed is None else torch.Generator().manual_seed(config.random_seed)
+    replicas = []  # normalisations' statistics are per replica whatever broadcastBuffers says
+    if config.R > 1 and writes_buffers(program):
+        replicas = [{n: b.clone() for n, b in net.named_buffers()} for _ in range(config.R)]
+    draws = _TracedDraws(net) if fuzz_refusals.warns(program) else None
+    for call in range(config.calls):
+        x, y = data(config, call)
+        seeds = _seeds(config, own, call)
+        seed_host(call)
+        try:
+            outputs, grads = _plain_call(net, opt, x, y, config, seeds, replicas, draws)
+        except Exception as e:  # the program itself is wrong in plain PyTorch
+            if call == 0:
+                raise Invalid(f"{type(e).__name__}: {e}") from e
+            return
+        yield dict(state(net, opt, x), outputs=outputs, grads=grads)
+        seed_host(1000 + call)
+        try:
+            ns["between_calls"](net, opt, sched, None, call)
+        except Exception:  # noqa: BLE001: an edit plain PyTorch refuses ends the example
+            return
+        if replicas and {e.kind for e in program.edits if e.call == call} & _TO_DEVICE:
+            replicas[:] = [{n: b.clone() for n, b in net.named_buffers()} for _ in replicas]
