@@ -24,8 +24,12 @@ state of Python, numpy and the model's own generators. Or it is a **refusal** (a
 ``poptorch_lite.Error``) that changed nothing of that (model, optimizer, input, random
 states), and one the program makes acceptable (:func:`fuzz_grammar.refusable`, or
 replicas of a model writing buffers without ``broadcastBuffers(False)``: E-PART-10).
-Anything else is a :class:`Finding`: a difference, an unexpected or unclean refusal, a
-crash (an exception that is not a ``poptorch_lite.Error``).
+Or it is **warned**: values that differ where the program has a feature that cannot be
+made exact and says so (:func:`fuzz_grammar.warned`: a Python attribute the forward
+changes, W-LITE-14), and the run issued that warning (each run warns afresh: the oracle
+clears ``warn_once``'s memory for it). Anything else is a :class:`Finding`: a difference,
+an unexpected or unclean refusal, a crash (an exception that is not a
+``poptorch_lite.Error``).
 
 Tolerance (:meth:`Config.tolerance`): 0, bit for bit, where the arithmetic is the same (one
 stage, one micro-batch per step, eager stages); elsewhere |got - want| <= 1e-5 + 1e-5 |want|
@@ -58,7 +62,7 @@ from poptorch_lite.compiler import compiled_stages, rng
 from poptorch_lite.runtime import gpu
 
 from fuzz_config import Config
-from fuzz_grammar import Program, build, refusable, source, writes_buffers
+from fuzz_grammar import Program, build, refusable, source, warned, writes_buffers
 from gpu_twin import TwinGpu
 from models import microbatch_seeds, trained_grads
 
@@ -86,18 +90,22 @@ def describe(program: Program, config: Config) -> str:
 
 @contextlib.contextmanager
 def _running(config: Config):
-    saved = compiled_stages.PAYS_FROM
+    """Run the wrapped side; yields the warnings it issues (each warned of afresh)."""
+    saved, once = compiled_stages.PAYS_FROM, set(errors._warned)
     compiled_stages.PAYS_FROM = 0  # tiny stages: compile them anyway (conftest's fixture)
+    errors._warned.clear()
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             if config.device == "gpu_twin":
                 with gpu.installed(TwinGpu()):
-                    yield
+                    yield caught
             else:
-                yield
+                yield caught
     finally:
         compiled_stages.PAYS_FROM = saved
+        errors._warned.clear()
+        errors._warned.update(once)
 
 
 def _batch(config: Config, call: int) -> int:
@@ -327,7 +335,7 @@ def check(program: Program, config: Config) -> str:
     a semantic difference does not.
 
     Returns:
-        "exact", "rounding" (float32 only) or "refused: <error class>".
+        "exact", "rounding" (float32 only), "refused: <error class>" or "warned: <features>".
 
     Raises:
         Invalid: plain PyTorch cannot run it.
@@ -350,8 +358,8 @@ def _run(program: Program, config: Config) -> tuple:
     """(outcome, what is wrong, whether it is only numbers that differ, by less than 1e-3)."""
     expected = plain(program, config)
     tol = config.tolerance(program)
-    outcome, found = "exact", []
-    with _running(config):
+    outcome, found, compared = "exact", [], False
+    with _running(config) as caught:
         want = next(expected)  # raises Invalid before anything is built or wrapped
         ns = build(program)
         net, opt, sched = _model(ns, config)
@@ -375,6 +383,7 @@ def _run(program: Program, config: Config) -> tuple:
                     outcome = f"refused: {type(e).__name__}"
                     break
                 found = _compare(call, train, net, opt, x, result, want, tol, host_grads)
+                compared = bool(found)
                 want = next(expected, None)
                 if found or want is None:
                     break
@@ -387,6 +396,10 @@ def _run(program: Program, config: Config) -> tuple:
         finally:
             if train is not None:
                 train.destroy()
+    told = [k for k, text in warned(program).items()
+            if any(text in str(w.message) for w in caught)]
+    if compared and told:  # differences a warning owns up to, as PopTorch's own are
+        outcome, found = f"warned: {', '.join(told)}", []
     sizes = [float(m.group(1)) for f in found for m in [re.search(r"differs by (\S+) ", f)] if m]
     return outcome, found, bool(found) and len(sizes) == len(found) and max(sizes) < 1e-3
 

@@ -48,8 +48,6 @@ PENDING = {
                      "wrapper trains and computes with the old one",
     "weight_clip": "a parameter edited in place in forward (under no_grad: clamp_) is not "
                    "edited: plain PyTorch clamps it in every micro-batch",
-    "python_counter": "a Python attribute the forward changes (self.steps += 1) is read once, "
-                      "at the trace",
     "temperature&anneal": "a Python attribute the forward reads, changed between calls "
                           "(net.temperature = 2.0), is not seen",
     **_on_separate_memories("host_forward&batchnorm", "BatchNorm statistics a forward on the "

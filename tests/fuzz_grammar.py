@@ -75,6 +75,7 @@ class Feature(NamedTuple):
     imports: tuple = ()
     writes_buffers: bool = False   # replicas need broadcastBuffers(False) (E-PART-10)
     refusable: bool = False        # a clean refusal is an acceptable outcome
+    warned: str = ""               # a difference is acceptable once a warning says this
     output: str = ""               # an extra output forward returns
     head: str = ""                 # lines right after ``out = self.head(h)``
 
@@ -152,7 +153,8 @@ FEATURES = {
     # Python values the forward reads: a tensor's, and attributes it keeps or the user sets
     "item": Feature("h = h * float(h.mean())", refusable=True),
     "python_counter": Feature("self.steps{i} += 1\nh = h * (1 + 0.1 * self.steps{i})",
-                              init="self.steps{i} = 0", refusable=True),
+                              init="self.steps{i} = 0", refusable=True,
+                              warned="the forward changes the Python attribute"),
     "temperature": Feature("h = h / self.temperature", init="self.temperature = 1.0",
                            refusable=True),
     # sequences
@@ -389,3 +391,9 @@ def refusable(program: Program) -> set:
     """The features of ``program`` for which a clean refusal is an acceptable outcome."""
     return ({o.kind for o in program.ops if FEATURES[o.kind].refusable}
             | {e.kind for e in program.edits if e.kind in REFUSABLE_EDITS})
+
+
+def warned(program: Program) -> dict:
+    """Feature -> the text of the warning that makes a difference an acceptable outcome (what
+    PopTorch does too, and cannot be made exact: W-LITE-14)."""
+    return {o.kind: FEATURES[o.kind].warned for o in program.ops if FEATURES[o.kind].warned}

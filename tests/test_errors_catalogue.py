@@ -118,6 +118,7 @@ class Two(torch.nn.Module):
         self.bn = torch.nn.BatchNorm1d(4) if bn else None
         self.ids, self.ipus, self.tail = ids, ipus, tail
         self.g = torch.Generator().manual_seed(0)
+        self.calls = 0
 
     def forward(self, x, y):
         with poptorch.Block(self.ids[0], ipu_id=self.ipus[0]):
@@ -128,6 +129,8 @@ class Two(torch.nn.Module):
                 h = h * h.sum().item()
             if self.tail == "python_random":
                 h = h * random.random()
+            if self.tail == "counter":  # a Python attribute the forward changes
+                self.calls += 1
             if self.tail == "packed":  # by lengths from the data
                 torch.nn.utils.rnn.pack_padded_sequence(
                     h.unsqueeze(1).repeat(1, 2, 1), (y[:, 0] > 0).long().cpu() + 1,
@@ -1153,6 +1156,8 @@ T = {
     "W-LITE-12": lambda: poptorch.trainingModel(Two(tail="none_mse"), opts())(
         torch.randn(2, 4), torch.randn(2, 4)),
     "W-LITE-13": lambda: poptorch.trainingModel(Two(tail="python_random"), opts())(
+        torch.randn(2, 4), torch.randn(2, 4)),
+    "W-LITE-14": lambda: poptorch.trainingModel(Two(tail="counter"), opts())(
         torch.randn(2, 4), torch.randn(2, 4)),
     "W-LITE-08": lambda: keras_model(spe=1).fit(torch.randn(10, 4), torch.randn(10, 2),
                                                batch_size=4, verbose=0, drop_remainder=True),

@@ -1,0 +1,142 @@
+"""The model's Python side between calls: attributes the forward reads or changes ([Note:
+Python attributes of the model] in compiler/python_attributes.py)."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+import poptorch_lite as poptorch
+
+from models import data, on_device, reference_training, trained_grads, twin
+
+ATOL = 1e-5
+ROWS = [(1, 2), (2, 3)]  # blocks, G: one stage, and a pipeline of two
+
+
+class Annealed(torch.nn.Module):
+    """Two Linear layers in 1 or 2 blocks: the input scaled by a buffer, the first layer's
+    output divided by ``temperature`` (a Python attribute a user anneals between calls) and,
+    with ``counts``, scaled by ``1 + 0.1 * steps``, a counter the forward itself increments."""
+
+    def __init__(self, blocks: int, counts: bool = False):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+        self.register_buffer("scale", torch.ones(8))
+        self.blocks, self.counts = blocks, counts
+        self.temperature, self.steps = 1.0, 0
+
+    def forward(self, x, y):
+        poptorch.Block.start("b0", ipu_id=0)
+        h = torch.relu(self.a(x * self.scale)) / self.temperature
+        if self.counts:
+            self.steps += 1
+        h = h * (1 + 0.1 * self.steps)
+        if self.blocks == 2:
+            poptorch.Block.start("b1", ipu_id=1)
+        out = self.b(h)
+        return out, F.cross_entropy(out, y)
+
+
+def options(blocks: int, G: int, device: str) -> poptorch.Options:
+    opts = on_device(poptorch.Options(), device)
+    if blocks == 2:
+        opts.setExecutionStrategy(poptorch.PipelinedExecution())
+    opts.Training.gradientAccumulation(G)
+    return opts.outputMode(poptorch.OutputMode.All)
+
+
+def sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def calls_like_plain_pytorch(model, ref, blocks: int, G: int, device: str, calls: int = 3,
+                             edit=lambda m, call: None):
+    """``calls`` calls of ``model`` wrapped beside plain PyTorch's loop on ``ref``, with
+    ``edit(m, call)`` applied to both after each: outputs, losses, the gradients the steps
+    used, weights, buffers and optimizer state agree. Returns the wrapper (not destroyed)."""
+    opt, ref_opt = sgd(model), sgd(ref)
+    train = poptorch.trainingModel(model, options(blocks, G, device), opt)
+    for call in range(calls):
+        x, y = data(2 * G, seed=call)
+        out, loss = train(x, y)
+        outs, losses, grads = reference_training(ref, ref_opt, x, y, 1, G, 1)
+        where = f"call {call}"
+        assert_close(out, torch.cat(outs), atol=ATOL, rtol=0, msg=where)
+        assert_close(loss, torch.stack(losses), atol=ATOL, rtol=0, msg=where)
+        for name, g in trained_grads(train).items():
+            assert_close(g, grads[name], atol=ATOL, rtol=0, msg=f"grad of {name}, {where}")
+        for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+            assert_close(a, b.cpu(), atol=ATOL, rtol=0, msg=f"{name}, {where}")
+        for a, b in zip(opt.state_dict()["state"].values(), ref_opt.state_dict()["state"].values()):
+            assert_close(a["momentum_buffer"], b["momentum_buffer"].cpu(), atol=ATOL, rtol=0)
+        edit(model, call)
+        edit(ref, call)
+    return train
+
+
+def _line(code: str) -> str:
+    lines = pathlib.Path(__file__).read_text().splitlines()
+    return f"{__file__}:{lines.index(code) + 1}: {code.strip()}"
+
+
+# -- an attribute the forward changes: warned of, put back --------------------------------
+
+@pytest.mark.parametrize("blocks, G", ROWS)
+def test_an_attribute_the_forward_changes_is_warned_of_at_its_line_and_put_back(blocks, G,
+                                                                                device):
+    """PopTorch's semantics: the counter's Python runs once, at the trace, so every
+    micro-batch and call computes with its value then (1), as plain PyTorch with the counter
+    fixed at 1 does; the warning names the attribute and its line, the attribute is as the
+    user left it (0), and it keys no program (three calls, one program)."""
+    torch.manual_seed(0)
+    model = Annealed(blocks, counts=True)
+    ref = twin(model, device)
+    ref.counts, ref.steps = False, 1
+    with pytest.warns(poptorch.PoptorchLiteWarning, match=re.escape(
+            "the forward changes the Python attribute model.steps (0 -> 1) at "
+            + _line("            self.steps += 1"))) as warned:
+        train = calls_like_plain_pytorch(model, ref, blocks, G, device)
+    assert "every micro-batch and every call computes with the value of the trace" in str(
+        warned[0].message)
+    assert model.steps == 0
+    assert len(train._programs) == 1
+    program = next(iter(train._programs.values()))
+    assert [a for a, _, _ in program.partition.reads.attributes()] == [
+        "model.blocks", "model.counts", "model.temperature"]
+    train.destroy()
+
+
+def test_a_refused_trace_puts_an_attribute_back_without_a_warning():
+    class Refused(Annealed):
+        def forward(self, x, y):
+            out, loss = super().forward(x, y)
+            return out * out.sum().item(), loss
+
+    model = Refused(1, counts=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", poptorch.PoptorchLiteWarning)
+        with pytest.raises(poptorch.TraceError, match="reads a tensor's value into Python"):
+            poptorch.trainingModel(model)(*data(2))
+    assert model.steps == 0
+
+
+def test_an_attribute_made_by_the_forward_is_removed_again():
+    class Makes(Annealed):
+        def forward(self, x, y):
+            self.seen = x.shape[0]
+            return super().forward(x, y)
+
+    model = Makes(1)
+    with pytest.warns(poptorch.PoptorchLiteWarning, match=re.escape(
+            "model.seen ((none) -> 2)")):
+        train = poptorch.trainingModel(model)
+        train(*data(2))
+    assert "seen" not in vars(model)
+    train.destroy()
