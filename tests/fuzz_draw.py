@@ -48,8 +48,6 @@ PENDING = {
                      "wrapper trains and computes with the old one",
     "weight_clip": "a parameter edited in place in forward (under no_grad: clamp_) is not "
                    "edited: plain PyTorch clamps it in every micro-batch",
-    "temperature&anneal": "a Python attribute the forward reads, changed between calls "
-                          "(net.temperature = 2.0), is not seen",
     **_on_separate_memories("host_forward&batchnorm", "BatchNorm statistics a forward on the "
                             "host moves between calls are lost: torch's kernel does not bump "
                             "their version, which is how host edits are found"),

@@ -1,8 +1,10 @@
 """The model's Python side between calls: attributes the forward reads or changes ([Note:
-Python attributes of the model] in compiler/python_attributes.py)."""
+Python attributes of the model] in compiler/python_attributes.py, [Note: attributes the
+forward reads] in runtime/compiled.py)."""
 
 from __future__ import annotations
 
+import logging
 import pathlib
 import re
 import warnings
@@ -139,4 +141,55 @@ def test_an_attribute_made_by_the_forward_is_removed_again():
         train = poptorch.trainingModel(model)
         train(*data(2))
     assert "seen" not in vars(model)
+    train.destroy()
+
+
+# -- an attribute the forward reads, changed between calls: traced again ------------------
+
+def _anneal(model, call):
+    model.temperature = [2.0, 1.0][call] if call < 2 else model.temperature
+
+
+@pytest.mark.parametrize("blocks, G", ROWS)
+def test_an_attribute_the_forward_reads_changed_between_calls_trains_as_plain_pytorch(
+        blocks, G, device, caplog):
+    """``model.temperature = 2.0`` between calls: the next call computes with 2.0, as plain
+    PyTorch does (traced again, logged); back to 1.0, the first program is used again."""
+    torch.manual_seed(0)
+    model = Annealed(blocks)
+    ref = twin(model, device)
+    caplog.set_level(logging.INFO, logger="poptorch_lite")
+    train = calls_like_plain_pytorch(model, ref, blocks, G, device, edit=_anneal)
+    assert "attributes the forward reads changed since it was traced (model.temperature: " \
+           "1.0 -> 2.0): compiles again for them and keeps the other program" in caplog.text
+    assert len(train._programs) == 2
+    assert caplog.text.count("trainingModel compiled") == 2
+    train.destroy()
+
+
+def test_an_attribute_changed_at_every_call_keeps_four_programs_and_is_warned_of():
+    """Each new value traces again; the programs of the last four values are kept (a
+    return to an older one traces again, exactly), and a warning suggests a buffer."""
+    torch.manual_seed(0)
+    model = Annealed(1)
+    ref = twin(model)
+    values = [2.0, 3.0, 4.0, 5.0, 6.0, 1.0]
+    with pytest.warns(poptorch.PoptorchLiteWarning, match=re.escape(
+            "model.temperature, which the forward reads, has had 5 values")):
+        train = calls_like_plain_pytorch(model, ref, 1, 2, "cpu", calls=7, edit=lambda m, c: (
+            setattr(m, "temperature", values[c]) if c < len(values) else None))
+    assert len(train._programs) == 4
+    train.destroy()
+
+
+def test_what_an_attribute_is_compared_by():
+    """By type and value: 1 is not 1.0 (a program each), NaN is itself (one program)."""
+    torch.manual_seed(0)
+    model = Annealed(1)
+    train = poptorch.trainingModel(model)
+    for t in (1.0, 1, 1.0, float("nan")):
+        model.temperature = t
+        train(*data(2))
+        train(*data(2))
+    assert len(train._programs) == 3
     train.destroy()

@@ -13,7 +13,8 @@ wrap-time modes instead, and the names ``nn.Module`` itself keeps (its hook tabl
 ``_compiled_call_impl``, ...) are its machinery, not the model's. A user's private names
 (``self._scale``) are read like any other. :class:`Reads` is what one trace read: a call
 compares those values (one C-level getter per module, by type and value: ``0.0`` and
-``-0.0`` are one value) and a changed one is to trace again. Values reached through other objects
+``-0.0`` are one value) and a changed one traces again ([Note: attributes the forward
+reads] in ``runtime/compiled``). Values reached through other objects
 (``self.config.scale``) and globals are not watched: they stay as traced.
 
 An attribute the forward itself changes (``self.steps += 1``) cannot be made exact: plain
