@@ -44,8 +44,6 @@ PENDING = {
     "numpy_random": "numpy's random in forward is read once, at the trace",
     "metric": "a metric computed with a loss function under no_grad counts as a second loss",
     # found by the fuzzer beyond issue 45 (tests/fuzz_found.py)
-    "replace_param": "a parameter replaced by a new Parameter between calls is ignored: the "
-                     "wrapper trains and computes with the old one",
     "weight_clip": "a parameter edited in place in forward (under no_grad: clamp_) is not "
                    "edited: plain PyTorch clamps it in every micro-batch",
     **_on_separate_memories("host_forward&batchnorm", "BatchNorm statistics a forward on the "

@@ -225,6 +225,20 @@ def opts(strategy=None, G=1, D=1, R=1):
     return o.setExecutionStrategy(strategy or poptorch.ShardedExecution())
 
 
+def replaced_parameter():
+    """A parameter replaced between calls: the next call is refused, changing nothing."""
+    model = Two()
+    train = poptorch.trainingModel(model, opts(), torch.optim.SGD(model.parameters(), lr=0.1))
+    try:
+        train(torch.randn(2, 4), torch.randn(2, 4))
+        model.l1.weight = torch.nn.Parameter(torch.zeros(4, 4))
+        x, y = torch.randn(2, 4), torch.randn(2, 4)
+        with weights_unchanged(model):
+            train(x, y)
+    finally:
+        train.destroy()
+
+
 def attribute_changed_every_call():
     """A Python attribute the forward reads, changed before each of six calls."""
     model = Two(tail="scaled")
@@ -916,6 +930,7 @@ T = {
     "E-WRAP-18": lambda: grouping(mode=poptorch.VariableRetrievalMode.AllReplicas),
     "E-WRAP-19": lambda: grouping(R=4, kind=poptorch.CommGroupType.Consecutive, size=3),
     "E-WRAP-20": lambda: grouping(R=2),
+    "E-WRAP-21": replaced_parameter,
     # batch sizes and inputs
     "E-TF-01": lambda: tf1_refuses(computational_stages=[]),
     "E-TF-02": lambda: tf1_refuses(computational_stages=[torch.nn.Linear(4, 4), 3]),

@@ -1,9 +1,11 @@
-"""The model's Python side between calls: attributes the forward reads or changes ([Note:
-Python attributes of the model] in compiler/python_attributes.py, [Note: attributes the
-forward reads] in runtime/compiled.py)."""
+"""The model's Python side between calls: attributes the forward reads or changes, and the
+objects the programs compile with ([Note: Python attributes of the model] in
+compiler/python_attributes.py, [Note: attributes the forward reads] in runtime/compiled.py,
+[Note: objects the programs compile with] in runtime/host_sync.py)."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import pathlib
 import re
@@ -192,4 +194,88 @@ def test_what_an_attribute_is_compared_by():
         train(*data(2))
         train(*data(2))
     assert len(train._programs) == 3
+    train.destroy()
+
+
+# -- the objects the programs compile with: a replaced one is refused ---------------------
+
+def _replace(model, what):
+    if what == "parameter":
+        model.a.weight = torch.nn.Parameter(model.a.weight.detach() * 0.5)
+    elif what == "buffer":
+        model.scale = torch.full((8,), 0.5)
+    elif what == "submodule":
+        model.a = torch.nn.Linear(8, 8)
+    else:  # a parameter loaded by assignment
+        model.load_state_dict({k: v * 0.5 for k, v in model.state_dict().items()}, assign=True)
+
+
+@pytest.mark.parametrize("what, named", [("parameter", "parameter 'a.weight'"),
+                                         ("buffer", "buffer 'scale'"),
+                                         ("submodule", "submodule 'a'"),
+                                         ("assigned", "parameter 'a.bias'")])
+@pytest.mark.parametrize("blocks, G", ROWS)
+def test_a_parameter_buffer_or_module_replaced_between_calls_is_refused_then_rewrapped(
+        what, named, blocks, G, device):
+    """Refused at the next call before anything changes, naming it and the fix; after
+    ``model.destroy()``, a new wrapper with an optimizer over the new parameters trains the
+    new objects as plain PyTorch does."""
+    torch.manual_seed(0)
+    model = Annealed(blocks)
+    opt = sgd(model)
+    train = poptorch.trainingModel(model, options(blocks, G, device), opt)
+    train(*data(2 * G))
+    _replace(model, what)
+    state, opt_state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    with pytest.raises(poptorch.WrapError, match=re.escape(named + " is another object")) as e:
+        train(*data(2 * G, seed=1))
+    assert "call model.destroy() (or destroy() on the wrapper) and wrap the model again" in str(
+        e.value)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    after = opt.state_dict()
+    assert after["param_groups"] == opt_state["param_groups"]
+    for k, s in opt_state["state"].items():
+        assert torch.equal(after["state"][k]["momentum_buffer"], s["momentum_buffer"])
+    with pytest.raises(poptorch.WrapError, match="is another object"):  # and again
+        train(*data(2 * G, seed=1))
+    model.destroy()
+    calls_like_plain_pytorch(model, twin(model, device), blocks, G, device, calls=2).destroy()
+
+
+def test_the_librarys_own_writes_and_the_same_object_put_back_are_not_refused():
+    """A new signature's trace (functional_call swaps tensors in the watched tables), a
+    second wrapper's trace, weight copies both ways, ``load_state_dict`` through the wrapper
+    and a parameter assigned to itself: calls go on."""
+    torch.manual_seed(0)
+    model = Annealed(1)
+    opts = on_device(poptorch.Options(), "ipu_model")
+    train = poptorch.trainingModel(model, opts, sgd(model))
+    train(*data(2))
+    train(*data(4))  # a new signature, traced while the model is watched
+    assert not train._weights.rebound
+    infer = poptorch.inferenceModel(model, on_device(poptorch.Options(), "ipu_model"))
+    infer(data(2)[0], data(2)[1])
+    train.copyWeightsToHost()
+    train.copyWeightsToDevice()
+    train.load_state_dict(model.state_dict())
+    model.a.weight = model.a.weight
+    assert train._weights.rebound  # a write: compared at the next call, and the same object
+    train(*data(2))
+    assert not train._weights.rebound
+    infer.destroy()
+    train.destroy()
+
+
+def test_a_replacement_while_detached_is_refused_at_attach():
+    torch.manual_seed(0)
+    model = Annealed(1)
+    train = poptorch.trainingModel(model, on_device(poptorch.Options(), "ipu_model"))
+    train(*data(2))
+    train.detachFromDevice()
+    model.b.bias = torch.nn.Parameter(torch.zeros(4))
+    with pytest.raises(poptorch.WrapError, match="parameter 'b.bias' is another object"):
+        train.attachToDevice()
+    with pytest.raises(poptorch.WrapError, match="parameter 'b.bias' is another object"):
+        train(*data(4))  # a new signature: refused before it traces
     train.destroy()

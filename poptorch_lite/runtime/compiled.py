@@ -68,7 +68,7 @@ from ..options.options import Options, batch_arithmetic, batch_factor
 from ..profiling.run_statistics import RunStatistics, run_statistics
 from .batch import MicroBatches, recompile_note
 from .compiling import compile_program
-from .host_sync import watch
+from .host_sync import check_unchanged, tables, watch
 from .merge import Outputs
 from .placement import Placement
 from .program import Program
@@ -101,6 +101,7 @@ class CompiledModel:
         # most recently used last; and (signature, flags) -> the program its last call ran
         self.programs: dict = {}
         self._ran: dict = {}
+        self.tables: Optional[dict] = None  # what the programs compile with (host_sync.tables)
         self._retraced: dict = {}  # attribute -> the programs its values have keyed
         # The parameters whose flags key a training program, and the flags the weights'
         # copies follow now ([Note: trainable parameters]).
@@ -135,6 +136,13 @@ class CompiledModel:
         trainable parameters) is new, attached: ``(micro-batches, program)``; what
         ``compile()`` does."""
         o = self.options  # the factor's arithmetic is spelled out only for a refusal
+        weights = self.weights
+        if weights is None:  # the parameters the first program compiles with
+            self.params = tuple(dict(self.model.named_parameters()).values()) \
+                if self.training else ()
+        elif weights.rebound or not self.attached:  # [Note: objects the programs compile with]
+            check_unchanged(self.model, self.tables)
+            weights.rebound = False
         mbs = MicroBatches(args, kwargs, batch_factor(o), functools.partial(batch_arithmetic, o),
                            o.synthetic_data_mode)
         key = (mbs.signature(), tuple(map(_REQUIRES_GRAD, self.params)))
@@ -182,6 +190,8 @@ class CompiledModel:
         program = compile_program(self.model, self.modes, self.options, self.training, mbs,
                                   self.replicas(), self.weights, self.placement, self.processes,
                                   self.replica_values)
+        if self.weights is None:  # [Note: objects the programs compile with]
+            self.tables = tables(self.model)
         self.weights, self.placement = program.executor.weights, program.executor.placement
         self.programs[(*key, program.partition.reads.key)] = program
         variants = [k for k in self.programs if k[:2] == key]
@@ -283,6 +293,7 @@ class CompiledModel:
         """Push the model's weights to the devices, and watch the model: reading it brings it
         up to date ([Note: weight sync] in ``host_sync``), as does this state being collected
         without ``detach``."""
+        check_unchanged(self.model, self.tables)  # [Note: objects the programs compile with]
         if self.processes is not None and self.training:  # every replica starts the same
             self.processes.broadcast_from_main(self.model, self.owner())
         self.attached = True
@@ -311,7 +322,7 @@ class CompiledModel:
             self.placement.close()
         self.programs.clear()
         self._ran.clear()
-        self.placement = self.weights = self.last_call = self.trainable = None
+        self.placement = self.weights = self.last_call = self.trainable = self.tables = None
         self.attached = False
 
     def owner(self):
