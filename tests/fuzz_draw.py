@@ -21,12 +21,6 @@ from fuzz_grammar import EDITS, FEATURES, LOSSES, OPTIMIZERS, TWO_STAGE, Edit, O
 
 PENDING = {
     # found by the fuzzer (tests/fuzz_found.py); fixes on their way
-    "replace_param": "a parameter replaced by a new Parameter between calls is ignored: the "
-                     "wrapper trains and computes with the old one",
-    "python_counter": "a Python attribute the forward changes (self.steps += 1) is read once, "
-                      "at the trace",
-    "temperature&anneal": "a Python attribute the forward reads, changed between calls "
-                          "(net.temperature = 2.0), is not seen",
     "batchnorm_cumulative": "BatchNorm1d(momentum=None) (a cumulative average) is refused as "
                             "a read of a tensor into Python, at the caller's line",
     "optimizer=clipped&groups=partial": "max_grad_norm's global norm counts the gradient of a "

@@ -80,7 +80,8 @@ class Feature(NamedTuple):
                            # normalisation's running statistics (kept per replica)
     refused: str = ""      # the docs/ERRORS.md id of the refusal it may meet (where:
                            # fuzz_refusals); "pending": any clean refusal, until its fix lands
-    warned: str = ""       # the docs/ERRORS.md id of the warning it must give (W-LITE-13)
+    warned: str = ""       # the docs/ERRORS.md id of the warning it must give (W-LITE-13,
+                           # W-LITE-14: where fuzz_refusals.DIFFERS says, values may differ)
     output: str = ""       # an extra output forward returns
     head: str = ""         # lines right after ``out = self.head(h)``
 
@@ -161,9 +162,8 @@ FEATURES = {
     # Python values the forward reads: a tensor's, and attributes it keeps or the user sets
     "item": Feature("h = h * float(h.mean())", refused="E-PART-11"),
     "python_counter": Feature("self.steps{i} += 1\nh = h * (1 + 0.1 * self.steps{i})",
-                              init="self.steps{i} = 0", refused="pending"),
-    "temperature": Feature("h = h / self.temperature", init="self.temperature = 1.0",
-                           refused="pending"),
+                              init="self.steps{i} = 0", warned="W-LITE-14"),
+    "temperature": Feature("h = h / self.temperature", init="self.temperature = 1.0"),
     # sequences
     "embedding": Feature("h = h + self.emb{i}(y)", init=f"self.emb{{i}} = torch.nn.Embedding("
                          f"{CLASSES}, {WIDTH})",
@@ -270,10 +270,9 @@ OPTIMIZERS = {
     "loss_scaled": "poptorch.optim.SGD({}, lr=0.1, momentum=0.9, loss_scaling=128.0)",
     "clipped": "poptorch.optim.SGD({}, lr=0.1, momentum=0.9, max_grad_norm=0.1)",
 }
-#: Edits for which a clean refusal (at the next call) is an acceptable outcome while their
-#: fix is pending (fuzz_draw.PENDING): the model's parameter is another object than the one
-#: the wrapper took.
-REFUSABLE_EDITS = {"replace_param"}
+#: Edits a documented refusal may meet at the next call: edit -> its docs/ERRORS.md id (a
+#: parameter replaced by another object than the one the wrapper took: E-WRAP-21).
+REFUSABLE_EDITS = {"replace_param": "E-WRAP-21"}
 _GROUPS = {
     "one": "net.parameters()",
     "two": "[{\"params\": [p for n, p in net.named_parameters() if not n.startswith(\"head\")]},\n"

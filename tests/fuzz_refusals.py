@@ -9,6 +9,8 @@ notes state, worked out here from the program and the configuration:
   (a normalisation's running statistics are not one: each replica keeps its own, [Note:
   running statistics on replicas] in poptorch_lite/compiler/running_stats.py);
 - E-PART-11 (``item``), E-PART-24 (``packed_lstm``): always, at the trace;
+- E-PART-27: a gradient hook on a parameter whose layer another stage uses again;
+- E-WRAP-21: a parameter replaced by another object between calls (``REFUSABLE_EDITS``);
 - E-OPT-41: a generator of the model's own with replicas or recomputation (each grammar
   generator is drawn from in one stage);
 - E-PART-25 / E-PART-26: state written in forward that a stage reads before its writer, or
@@ -19,7 +21,10 @@ notes state, worked out here from the program and the configuration:
 - "pending" features and edits (a fix on its way): any clean refusal.
 
 A program whose forward draws from Python's or numpy's random must warn W-LITE-13 at the
-line of the draw (:func:`missing_warnings`).
+line of the draw, one that changes a Python attribute W-LITE-14 at the line of the write
+(:func:`missing_warnings`). PopTorch computes such a forward once too, so the values may
+then differ from plain PyTorch's where the warning says so (``DIFFERS``: W-LITE-14, whose
+attribute keeps the trace's value); W-LITE-13's draws are replayed, so they may not.
 """
 
 from __future__ import annotations
@@ -93,8 +98,13 @@ def acceptable(program: Program, config: Config) -> dict:
             ok["E-PART-25"] = f"{state}: state across stages, overlapping micro-batches"
         elif config.device != "cpu" and len({ipu(s) for s in stages}) > 1:
             ok["E-PART-26"] = f"{state}: state across stages on separate memories"
+    hooked = {o.stage for o in program.ops if o.kind == "param_hook"}
+    if any(o.kind == "shared_module" and o.to != o.stage and o.stage in hooked
+           for o in program.ops):
+        ok["E-PART-27"] = "a gradient hook on a parameter that two stages use"
+    for edit in sorted({e.kind for e in program.edits} & set(REFUSABLE_EDITS)):
+        ok[REFUSABLE_EDITS[edit]] = edit
     pending = sorted(k for k in kinds if FEATURES[k].refused == "pending")
-    pending += sorted({e.kind for e in program.edits} & REFUSABLE_EDITS)
     if pending:
         ok["pending"] = ", ".join(pending)
     return ok
@@ -112,6 +122,12 @@ def accepted(error: Exception, ok: dict) -> Optional[str]:
     return None
 
 
+#: Warning id -> what the line it names must hold (the draw, the write).
+_AT = {"W-LITE-13": "random.", "W-LITE-14": "self.steps"}
+#: The warnings that own up to values that differ from plain PyTorch's.
+DIFFERS = {"W-LITE-14"}
+
+
 def warns(program: Program) -> set:
     """The warnings ``program``'s first trace must give (ids)."""
     return {FEATURES[o.kind].warned for o in program.ops if FEATURES[o.kind].warned}
@@ -124,7 +140,7 @@ def missing_warnings(program: Program, records: list) -> list:
     for key in sorted(warns(program)):
         cls, message = ROWS[key]
         if not any(issubclass(w.category, cls) and re.search(message, str(w.message), re.DOTALL)
-                   and "random." in linecache.getline(w.filename, w.lineno) for w in records):
-            missing.append(f"no {key} warning at the line of the draw (its {cls.__name__}: "
+                   and _AT[key] in linecache.getline(w.filename, w.lineno) for w in records):
+            missing.append(f"no {key} warning at the line of the {_AT[key]} (its {cls.__name__}: "
                            f"{message[:80]}...)")
     return missing

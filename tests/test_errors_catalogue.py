@@ -118,6 +118,7 @@ class Two(torch.nn.Module):
         self.bn = torch.nn.BatchNorm1d(4) if bn else None
         self.ids, self.ipus, self.tail = ids, ipus, tail
         self.g = torch.Generator().manual_seed(0)
+        self.calls, self.scale = 0, 1.0
 
     def forward(self, x, y):
         with poptorch.Block(self.ids[0], ipu_id=self.ipus[0]):
@@ -128,6 +129,10 @@ class Two(torch.nn.Module):
                 h = h * h.sum().item()
             if self.tail == "python_random":
                 h = h * random.random()
+            if self.tail == "counter":  # a Python attribute the forward changes
+                self.calls += 1
+            if self.tail == "scaled":  # a Python attribute the forward reads
+                h = h * self.scale
             if self.tail == "packed":  # by lengths from the data
                 torch.nn.utils.rnn.pack_padded_sequence(
                     h.unsqueeze(1).repeat(1, 2, 1), (y[:, 0] > 0).long().cpu() + 1,
@@ -218,6 +223,30 @@ def opts(strategy=None, G=1, D=1, R=1):
     o = poptorch.Options().deviceIterations(D).replicationFactor(R)
     o.Training.gradientAccumulation(G)
     return o.setExecutionStrategy(strategy or poptorch.ShardedExecution())
+
+
+def replaced_parameter():
+    """A parameter replaced between calls: the next call is refused, changing nothing."""
+    model = Two()
+    train = poptorch.trainingModel(model, opts(), torch.optim.SGD(model.parameters(), lr=0.1))
+    try:
+        train(torch.randn(2, 4), torch.randn(2, 4))
+        model.l1.weight = torch.nn.Parameter(torch.zeros(4, 4))
+        x, y = torch.randn(2, 4), torch.randn(2, 4)
+        with weights_unchanged(model):
+            train(x, y)
+    finally:
+        train.destroy()
+
+
+def attribute_changed_every_call():
+    """A Python attribute the forward reads, changed before each of six calls."""
+    model = Two(tail="scaled")
+    train = poptorch.trainingModel(model, opts())
+    for k in range(6):
+        model.scale = 1.0 + k
+        train(torch.randn(2, 4), torch.randn(2, 4))
+    train.destroy()
 
 
 def first_call(model, o, rows=None, training=True):
@@ -901,6 +930,7 @@ T = {
     "E-WRAP-18": lambda: grouping(mode=poptorch.VariableRetrievalMode.AllReplicas),
     "E-WRAP-19": lambda: grouping(R=4, kind=poptorch.CommGroupType.Consecutive, size=3),
     "E-WRAP-20": lambda: grouping(R=2),
+    "E-WRAP-21": replaced_parameter,
     # batch sizes and inputs
     "E-TF-01": lambda: tf1_refuses(computational_stages=[]),
     "E-TF-02": lambda: tf1_refuses(computational_stages=[torch.nn.Linear(4, 4), 3]),
@@ -1154,6 +1184,9 @@ T = {
         torch.randn(2, 4), torch.randn(2, 4)),
     "W-LITE-13": lambda: poptorch.trainingModel(Two(tail="python_random"), opts())(
         torch.randn(2, 4), torch.randn(2, 4)),
+    "W-LITE-14": lambda: poptorch.trainingModel(Two(tail="counter"), opts())(
+        torch.randn(2, 4), torch.randn(2, 4)),
+    "W-LITE-15": attribute_changed_every_call,
     "W-LITE-08": lambda: keras_model(spe=1).fit(torch.randn(10, 4), torch.randn(10, 2),
                                                batch_size=4, verbose=0, drop_remainder=True),
 }

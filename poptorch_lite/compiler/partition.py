@@ -114,6 +114,9 @@ class Partition:
         shared_state: the buffers and parameters that several stages write, or that a
             stage reads before its writer (``state.follow_state``; [Note: state across
             stages] in ``state``).
+        reads: the model's plain Python attributes the forward read, and their values
+            (``python_attributes.Reads``): what the program is kept for ([Note: Python
+            attributes of the model] in ``python_attributes``).
     """
 
     stages: list
@@ -127,6 +130,7 @@ class Partition:
     replica_values: dict = dataclasses.field(default_factory=dict)
     statistics: frozenset = frozenset()
     shared_state: dict = dataclasses.field(default_factory=dict)
+    reads: Any = None
 
     @property
     def num_stages(self) -> int:
@@ -340,7 +344,7 @@ def partition(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict,
         1
     """
     replica_values = dict(replica_values or {})
-    gm, pnames, bnames, spec, consts, layer_blocks, mutated, statistics = trace(
+    gm, pnames, bnames, spec, consts, layer_blocks, mutated, statistics, reads = trace(
         model, modes, args, kwargs, training, generic, frozenset(replica_values))
     params = dict(model.named_parameters())
     stages, loss, tensor_outputs, checkpoints, _, values, shared = split(
@@ -348,7 +352,7 @@ def partition(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict,
     it = iter(tensor_outputs)
     outputs = [next(it) if c is None else c for c in consts]
     return Partition(stages, loss, outputs, spec, mutated, checkpoints, layer_blocks, values,
-                     replica_values, statistics, shared)
+                     replica_values, statistics, shared, reads)
 
 
 def check_pipeline_minimums(num_stages: int, strategy: ExecutionStrategy, training: bool,

@@ -59,6 +59,7 @@ from ..errors import RAISED_IN_TRACE, Error, TraceError, hide_when_refused as __
 from . import backward_hooks, grad_semantics, losses, markers, structures
 from .casting import _ImplicitCasting
 from .markers import _current, trace_context
+from .python_attributes import AttributeWatch
 from .running_stats import StatisticsWatch, same_values
 from .subgraphs import wrap_target
 from .trace_state import UserGenerators, WrittenParameters, preserved_state, version_of
@@ -274,7 +275,7 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
 
     Returns:
         ``(graph_module, param_names, buffer_names, out_spec, const_outputs,
-        module_blocks, mutated_buffers, statistics)``; the graph takes params, buffers, then
+        module_blocks, mutated_buffers, statistics, reads)``; the graph takes params, buffers, then
         the tensor leaves of (args, kwargs), and returns the tensor leaves of the
         output. ``const_outputs`` has one entry per output leaf: None for a
         tensor, ``("const", value)`` for anything else (``None`` included).
@@ -283,7 +284,8 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
         announce every write: ``native_batch_norm`` updates its running
         statistics without bumping a version). ``statistics`` names those of them that
         only normalisations updated ([Note: running statistics on replicas] in
-        ``running_stats``).
+        ``running_stats``). ``reads``: the model's plain Python attributes the forward read
+        (``python_attributes.Reads``: [Note: Python attributes of the model]).
 
     Raises:
         TraceError: the forward deleted or reassigned a registered buffer, or did what
@@ -352,7 +354,8 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
         # Mixed float16/float32 ops are resolved as PopTorch does ([Note: implicit casting]).
         given, generators = [leaves[k] for k in tensor_pos], UserGenerators()
         with preserved_state(model, modes, given, generators, written) as before, \
-                PythonDraws(model.forward), trace_context() as state, _export_style(model), \
+                AttributeWatch(model) as attributes, PythonDraws(model.forward), \
+                trace_context() as state, _export_style(model), \
                 grad, _quiet_torch_trace_log(), grad_semantics.recording(training), \
                 _TraceMode(generators.saw), _ImplicitCasting(), session, \
                 StatisticsWatch(buffers, before) as watch:
@@ -387,7 +390,7 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
     layer_blocks = {name: module_blocks[m] for name, m in model.named_modules()
                     if m in module_blocks and name}
     return (gm, list(params), list(buffers), result["spec"], consts, layer_blocks, mutated,
-            statistics)
+            statistics, attributes.reads)
 
 
 @contextlib.contextmanager

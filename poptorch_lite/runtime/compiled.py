@@ -31,6 +31,24 @@ flags whenever the program changes (``Weights.follow_requires_grad``). Where hom
 shared, the stages compute with the user's parameters, whose flags autograd reads
 itself; the program's trace still changes. A step graph belongs to its program, so a
 freeze never replays a capture made before it ([Note: step graphs] in ``step_graph``).
+
+[Note: attributes the forward reads]
+A plain Python attribute the forward reads (``h / self.temperature``, a dropout's ``p``)
+is baked into the program with the value its trace read ([Note: Python attributes of the
+model] in ``python_attributes``), where plain PyTorch reads the value the user set last
+(``model.temperature = 2.0`` between calls). So a program is kept also under the values of
+the attributes its trace read (``Reads.key``), and each call compares them with the
+model's (``Reads.same``: only the attributes the programs' traces read, by value and
+type, one C-level getter per module that has them, some 0.2 us each; nothing for a
+model whose forward reads none). A changed value finds the kept program traced with the new values, or
+traces and compiles again (logged at INFO, naming the attributes) and keeps the other
+program for a return to the old values, as a freeze does. An attribute the forward
+writes itself is never part of the key. An attribute changed at every step would trace
+at every call: only the last ``_KEPT`` programs of a signature that differ in attributes
+alone are kept (the least recently used dropped, with its memory), and once one
+attribute has keyed more than that, a warning says so and suggests a buffer
+(``register_buffer``), which a program reads at every call. A step graph belongs to its
+program ([Note: step graphs] in ``step_graph``), so no replay bakes an old value either.
 """
 
 from __future__ import annotations
@@ -43,12 +61,14 @@ from typing import Optional
 import torch
 
 from . import anchors
-from ..errors import UnrecoverableError, hide_when_refused as __tracebackhide__
+from ..compiler.python_attributes import shown
+from ..errors import (PoptorchLiteWarning, UnrecoverableError,
+                      hide_when_refused as __tracebackhide__, warn_once)
 from ..options.options import Options, batch_arithmetic, batch_factor
 from ..profiling.run_statistics import RunStatistics, run_statistics
 from .batch import MicroBatches, recompile_note
 from .compiling import compile_program
-from .host_sync import watch
+from .host_sync import check_unchanged, tables, watch
 from .merge import Outputs
 from .placement import Placement
 from .program import Program
@@ -57,6 +77,7 @@ from .weights import Weights
 
 _LOG = logging.getLogger("poptorch_lite")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_KEPT = 4  # programs kept per signature and trainable flags, differing in attributes alone
 
 
 class CompiledModel:
@@ -76,7 +97,12 @@ class CompiledModel:
         self.processes = processes
         self.generator = generator  # [Note: micro-batch RNG]
         self.replica_values: dict = {}  # [Note: per-replica variables] in replica_groups
-        self.programs: dict = {}  # (input signature, trainable flags) -> Program
+        # (input signature, trainable flags, attributes read: Reads.key) -> Program, the
+        # most recently used last; and (signature, flags) -> the program its last call ran
+        self.programs: dict = {}
+        self._ran: dict = {}
+        self.tables: Optional[dict] = None  # what the programs compile with (host_sync.tables)
+        self._retraced: dict = {}  # attribute -> the programs its values have keyed
         # The parameters whose flags key a training program, and the flags the weights'
         # copies follow now ([Note: trainable parameters]).
         self.params = tuple(dict(model.named_parameters()).values()) if training else ()
@@ -110,13 +136,23 @@ class CompiledModel:
         trainable parameters) is new, attached: ``(micro-batches, program)``; what
         ``compile()`` does."""
         o = self.options  # the factor's arithmetic is spelled out only for a refusal
+        weights = self.weights
+        if weights is None:  # the parameters the first program compiles with
+            self.params = tuple(dict(self.model.named_parameters()).values()) \
+                if self.training else ()
+        elif weights.rebound or not self.attached:  # [Note: objects the programs compile with]
+            check_unchanged(self.model, self.tables)
+            weights.rebound = False
         mbs = MicroBatches(args, kwargs, batch_factor(o), functools.partial(batch_arithmetic, o),
                            o.synthetic_data_mode)
         key = (mbs.signature(), tuple(map(_REQUIRES_GRAD, self.params)))
-        program = self.programs.get(key)
-        if program is None:
-            program = self.compile(key, mbs, optimizer)
-            self.compiled_args = (args, kwargs)
+        program = self._ran.get(key)  # [Note: attributes the forward reads]
+        if program is None or not program.partition.reads.same():
+            program = self.find(key)
+            if program is None:
+                program = self.compile(key, mbs, optimizer)
+                self.compiled_args = (args, kwargs)
+            self._ran[key] = program
         if key[1] != self.trainable:  # [Note: trainable parameters]
             self.weights.follow_requires_grad()
             self.trainable = key[1]
@@ -124,10 +160,22 @@ class CompiledModel:
             self.attach()
         return mbs, program
 
+    def find(self, key: tuple) -> Optional[Program]:
+        """A kept program of ``key`` (signature, trainable flags) whose attributes have the
+        values it was traced with, made the most recently used; None if there is none."""
+        for k, program in self.programs.items():
+            if k[:2] == key and program.partition.reads.same():
+                self.programs[k] = self.programs.pop(k)
+                return program
+        return None
+
     def compile(self, key: tuple, mbs: MicroBatches, optimizer) -> Program:
-        """The program of ``mbs``'s signature ``key`` ([Note: the compile step] in
-        ``compiling``)."""
-        if any(k[0] == key[0] for k in self.programs):  # [Note: trainable parameters]
+        """The program of ``mbs``'s signature and the trainable flags, ``key`` ([Note: the
+        compile step] in ``compiling``), kept under ``key`` and the attributes its trace
+        read."""
+        if key in self._ran:  # [Note: attributes the forward reads]
+            self._attributes_changed(self._ran[key].partition.reads.changed())
+        elif any(k[0] == key[0] for k in self.programs):  # [Note: trainable parameters]
             _LOG.info("%s", _trainable_note(self.programs, key, self.weights.params))
         elif self.programs:  # [Note: a new signature compiles] in batch
             _LOG.warning("%s", recompile_note(self.training, next(reversed(self.programs))[0],
@@ -142,13 +190,39 @@ class CompiledModel:
         program = compile_program(self.model, self.modes, self.options, self.training, mbs,
                                   self.replicas(), self.weights, self.placement, self.processes,
                                   self.replica_values)
+        if self.weights is None:  # [Note: objects the programs compile with]
+            self.tables = tables(self.model)
         self.weights, self.placement = program.executor.weights, program.executor.placement
-        self.programs[key] = program
+        self.programs[(*key, program.partition.reads.key)] = program
+        variants = [k for k in self.programs if k[:2] == key]
+        for old in variants[:max(0, len(variants) - _KEPT)]:  # the least recently used
+            del self.programs[old]
         o = self.options
         _LOG.info("%s", program.describe(
             self.training, o.device_iterations, self.replicas(), o.Training.gradient_accumulation,
             next((t.shape[0] for t in mbs.tensors(0) if t.dim() > 0), 1)))
         return program
+
+    def _attributes_changed(self, changed: list) -> None:
+        """Log a program compiled again for new values of attributes its forward reads
+        (``changed``: ``Reads.changed``); warn once of an attribute whose values have keyed
+        more programs than are kept ([Note: attributes the forward reads])."""
+        _LOG.info("%s: attributes the forward reads changed since it was traced (%s): "
+                  "compiles again for them and keeps the other program",
+                  "trainingModel" if self.training else "inferenceModel",
+                  ", ".join(f"{n}: {shown(a)} -> {shown(b)}" for n, a, b in changed))
+        for name, _, _ in changed:
+            n = self._retraced[name] = self._retraced.get(name, 1) + 1
+            if n > _KEPT:
+                path, _, attr = name.rpartition(".")
+                warn_once(
+                    f"attributes.retrace:{name}",
+                    f"{name}, which the forward reads, has had {n} values, and each new one "
+                    f"traces and compiles the model again (the programs of the last {_KEPT} "
+                    f"are kept): keep a value that changes every step in a buffer "
+                    f"(self.register_buffer('{attr}', torch.tensor(value)), changed in place: "
+                    f"{path}.{attr}.fill_(new)), which every call reads without tracing again",
+                    PoptorchLiteWarning)
 
     def run(self, program: Program, mbs: MicroBatches, optimizer, loss_scale) -> list:
         """The call's runs (``Program.run``): the outputs per micro-batch.
@@ -219,6 +293,7 @@ class CompiledModel:
         """Push the model's weights to the devices, and watch the model: reading it brings it
         up to date ([Note: weight sync] in ``host_sync``), as does this state being collected
         without ``detach``."""
+        check_unchanged(self.model, self.tables)  # [Note: objects the programs compile with]
         if self.processes is not None and self.training:  # every replica starts the same
             self.processes.broadcast_from_main(self.model, self.owner())
         self.attached = True
@@ -246,7 +321,8 @@ class CompiledModel:
         if self.placement is not None:
             self.placement.close()
         self.programs.clear()
-        self.placement = self.weights = self.last_call = self.trainable = None
+        self._ran.clear()
+        self.placement = self.weights = self.last_call = self.trainable = self.tables = None
         self.attached = False
 
     def owner(self):

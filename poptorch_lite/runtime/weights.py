@@ -111,6 +111,7 @@ class Weights:
         self._versions: dict = {}
         self.host_stale = False       # the devices hold values the host copy lacks
         self.exposed = False          # the host copy was read or synced since the last push
+        self.rebound = False          # a module's table was written since the last check
         self.last_grads: dict = {}    # name -> the gradient the last step used, on its home
         self.placements = 0           # calls of place(): which tensors the stages use may change
         self._new_replica_buffers()

@@ -1,0 +1,281 @@
+"""The model's Python side between calls: attributes the forward reads or changes, and the
+objects the programs compile with ([Note: Python attributes of the model] in
+compiler/python_attributes.py, [Note: attributes the forward reads] in runtime/compiled.py,
+[Note: objects the programs compile with] in runtime/host_sync.py)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import pathlib
+import re
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+import poptorch_lite as poptorch
+
+from models import data, on_device, reference_training, trained_grads, twin
+
+ATOL = 1e-5
+ROWS = [(1, 2), (2, 3)]  # blocks, G: one stage, and a pipeline of two
+
+
+class Annealed(torch.nn.Module):
+    """Two Linear layers in 1 or 2 blocks: the input scaled by a buffer, the first layer's
+    output divided by ``temperature`` (a Python attribute a user anneals between calls) and,
+    with ``counts``, scaled by ``1 + 0.1 * steps``, a counter the forward itself increments."""
+
+    def __init__(self, blocks: int, counts: bool = False):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+        self.register_buffer("scale", torch.ones(8))
+        self.blocks, self.counts = blocks, counts
+        self.temperature, self.steps = 1.0, 0
+
+    def forward(self, x, y):
+        poptorch.Block.start("b0", ipu_id=0)
+        h = torch.relu(self.a(x * self.scale)) / self.temperature
+        if self.counts:
+            self.steps += 1
+        h = h * (1 + 0.1 * self.steps)
+        if self.blocks == 2:
+            poptorch.Block.start("b1", ipu_id=1)
+        out = self.b(h)
+        return out, F.cross_entropy(out, y)
+
+
+def options(blocks: int, G: int, device: str) -> poptorch.Options:
+    opts = on_device(poptorch.Options(), device)
+    if blocks == 2:
+        opts.setExecutionStrategy(poptorch.PipelinedExecution())
+    opts.Training.gradientAccumulation(G)
+    return opts.outputMode(poptorch.OutputMode.All)
+
+
+def sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def calls_like_plain_pytorch(model, ref, blocks: int, G: int, device: str, calls: int = 3,
+                             edit=lambda m, call: None):
+    """``calls`` calls of ``model`` wrapped beside plain PyTorch's loop on ``ref``, with
+    ``edit(m, call)`` applied to both after each: outputs, losses, the gradients the steps
+    used, weights, buffers and optimizer state agree. Returns the wrapper (not destroyed)."""
+    opt, ref_opt = sgd(model), sgd(ref)
+    train = poptorch.trainingModel(model, options(blocks, G, device), opt)
+    for call in range(calls):
+        x, y = data(2 * G, seed=call)
+        out, loss = train(x, y)
+        outs, losses, grads = reference_training(ref, ref_opt, x, y, 1, G, 1)
+        where = f"call {call}"
+        assert_close(out, torch.cat(outs), atol=ATOL, rtol=0, msg=where)
+        assert_close(loss, torch.stack(losses), atol=ATOL, rtol=0, msg=where)
+        for name, g in trained_grads(train).items():
+            assert_close(g, grads[name], atol=ATOL, rtol=0, msg=f"grad of {name}, {where}")
+        for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+            assert_close(a, b.cpu(), atol=ATOL, rtol=0, msg=f"{name}, {where}")
+        for a, b in zip(opt.state_dict()["state"].values(), ref_opt.state_dict()["state"].values()):
+            assert_close(a["momentum_buffer"], b["momentum_buffer"].cpu(), atol=ATOL, rtol=0)
+        edit(model, call)
+        edit(ref, call)
+    return train
+
+
+def _line(code: str) -> str:
+    lines = pathlib.Path(__file__).read_text().splitlines()
+    return f"{__file__}:{lines.index(code) + 1}: {code.strip()}"
+
+
+# -- an attribute the forward changes: warned of, put back --------------------------------
+
+@pytest.mark.parametrize("blocks, G", ROWS)
+def test_an_attribute_the_forward_changes_is_warned_of_at_its_line_and_put_back(blocks, G,
+                                                                                device):
+    """PopTorch's semantics: the counter's Python runs once, at the trace, so every
+    micro-batch and call computes with its value then (1), as plain PyTorch with the counter
+    fixed at 1 does; the warning names the attribute and its line, the attribute is as the
+    user left it (0), and it keys no program (three calls, one program)."""
+    torch.manual_seed(0)
+    model = Annealed(blocks, counts=True)
+    ref = twin(model, device)
+    ref.counts, ref.steps = False, 1
+    with pytest.warns(poptorch.PoptorchLiteWarning, match=re.escape(
+            "the forward changes the Python attribute model.steps (0 -> 1) at "
+            + _line("            self.steps += 1"))) as warned:
+        train = calls_like_plain_pytorch(model, ref, blocks, G, device)
+    assert "every micro-batch and every call computes with the value of the trace" in str(
+        warned[0].message)
+    assert model.steps == 0
+    assert len(train._programs) == 1
+    program = next(iter(train._programs.values()))
+    assert [a for a, _, _ in program.partition.reads.attributes()] == [
+        "model.blocks", "model.counts", "model.temperature"]
+    train.destroy()
+
+
+def test_a_refused_trace_puts_an_attribute_back_without_a_warning():
+    class Refused(Annealed):
+        def forward(self, x, y):
+            out, loss = super().forward(x, y)
+            return out * out.sum().item(), loss
+
+    model = Refused(1, counts=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", poptorch.PoptorchLiteWarning)
+        with pytest.raises(poptorch.TraceError, match="reads a tensor's value into Python"):
+            poptorch.trainingModel(model)(*data(2))
+    assert model.steps == 0
+
+
+def test_an_attribute_made_by_the_forward_is_removed_again():
+    class Makes(Annealed):
+        def forward(self, x, y):
+            self.seen = x.shape[0]
+            return super().forward(x, y)
+
+    model = Makes(1)
+    with pytest.warns(poptorch.PoptorchLiteWarning, match=re.escape(
+            "model.seen ((none) -> 2)")):
+        train = poptorch.trainingModel(model)
+        train(*data(2))
+    assert "seen" not in vars(model)
+    train.destroy()
+
+
+# -- an attribute the forward reads, changed between calls: traced again ------------------
+
+def _anneal(model, call):
+    model.temperature = [2.0, 1.0][call] if call < 2 else model.temperature
+
+
+@pytest.mark.parametrize("blocks, G", ROWS)
+def test_an_attribute_the_forward_reads_changed_between_calls_trains_as_plain_pytorch(
+        blocks, G, device, caplog):
+    """``model.temperature = 2.0`` between calls: the next call computes with 2.0, as plain
+    PyTorch does (traced again, logged); back to 1.0, the first program is used again."""
+    torch.manual_seed(0)
+    model = Annealed(blocks)
+    ref = twin(model, device)
+    caplog.set_level(logging.INFO, logger="poptorch_lite")
+    train = calls_like_plain_pytorch(model, ref, blocks, G, device, edit=_anneal)
+    assert "attributes the forward reads changed since it was traced (model.temperature: " \
+           "1.0 -> 2.0): compiles again for them and keeps the other program" in caplog.text
+    assert len(train._programs) == 2
+    assert caplog.text.count("trainingModel compiled") == 2
+    train.destroy()
+
+
+def test_an_attribute_changed_at_every_call_keeps_four_programs_and_is_warned_of():
+    """Each new value traces again; the programs of the last four values are kept (a
+    return to an older one traces again, exactly), and a warning suggests a buffer."""
+    torch.manual_seed(0)
+    model = Annealed(1)
+    ref = twin(model)
+    values = [2.0, 3.0, 4.0, 5.0, 6.0, 1.0]
+    with pytest.warns(poptorch.PoptorchLiteWarning, match=re.escape(
+            "model.temperature, which the forward reads, has had 5 values")):
+        train = calls_like_plain_pytorch(model, ref, 1, 2, "cpu", calls=7, edit=lambda m, c: (
+            setattr(m, "temperature", values[c]) if c < len(values) else None))
+    assert len(train._programs) == 4
+    train.destroy()
+
+
+def test_what_an_attribute_is_compared_by():
+    """By type and value: 1 is not 1.0 (a program each), NaN is itself (one program)."""
+    torch.manual_seed(0)
+    model = Annealed(1)
+    train = poptorch.trainingModel(model)
+    for t in (1.0, 1, 1.0, float("nan")):
+        model.temperature = t
+        train(*data(2))
+        train(*data(2))
+    assert len(train._programs) == 3
+    train.destroy()
+
+
+# -- the objects the programs compile with: a replaced one is refused ---------------------
+
+def _replace(model, what):
+    if what == "parameter":
+        model.a.weight = torch.nn.Parameter(model.a.weight.detach() * 0.5)
+    elif what == "buffer":
+        model.scale = torch.full((8,), 0.5)
+    elif what == "submodule":
+        model.a = torch.nn.Linear(8, 8)
+    else:  # a parameter loaded by assignment
+        model.load_state_dict({k: v * 0.5 for k, v in model.state_dict().items()}, assign=True)
+
+
+@pytest.mark.parametrize("what, named", [("parameter", "parameter 'a.weight'"),
+                                         ("buffer", "buffer 'scale'"),
+                                         ("submodule", "submodule 'a'"),
+                                         ("assigned", "parameter 'a.bias'")])
+@pytest.mark.parametrize("blocks, G", ROWS)
+def test_a_parameter_buffer_or_module_replaced_between_calls_is_refused_then_rewrapped(
+        what, named, blocks, G, device):
+    """Refused at the next call before anything changes, naming it and the fix; after
+    ``model.destroy()``, a new wrapper with an optimizer over the new parameters trains the
+    new objects as plain PyTorch does."""
+    torch.manual_seed(0)
+    model = Annealed(blocks)
+    opt = sgd(model)
+    train = poptorch.trainingModel(model, options(blocks, G, device), opt)
+    train(*data(2 * G))
+    _replace(model, what)
+    state, opt_state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    with pytest.raises(poptorch.WrapError, match=re.escape(named + " is another object")) as e:
+        train(*data(2 * G, seed=1))
+    assert "call model.destroy() (or destroy() on the wrapper) and wrap the model again" in str(
+        e.value)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    after = opt.state_dict()
+    assert after["param_groups"] == opt_state["param_groups"]
+    for k, s in opt_state["state"].items():
+        assert torch.equal(after["state"][k]["momentum_buffer"], s["momentum_buffer"])
+    with pytest.raises(poptorch.WrapError, match="is another object"):  # and again
+        train(*data(2 * G, seed=1))
+    model.destroy()
+    calls_like_plain_pytorch(model, twin(model, device), blocks, G, device, calls=2).destroy()
+
+
+def test_the_librarys_own_writes_and_the_same_object_put_back_are_not_refused():
+    """A new signature's trace (functional_call swaps tensors in the watched tables), a
+    second wrapper's trace, weight copies both ways, ``load_state_dict`` through the wrapper
+    and a parameter assigned to itself: calls go on."""
+    torch.manual_seed(0)
+    model = Annealed(1)
+    opts = on_device(poptorch.Options(), "ipu_model")
+    train = poptorch.trainingModel(model, opts, sgd(model))
+    train(*data(2))
+    train(*data(4))  # a new signature, traced while the model is watched
+    assert not train._weights.rebound
+    infer = poptorch.inferenceModel(model, on_device(poptorch.Options(), "ipu_model"))
+    infer(data(2)[0], data(2)[1])
+    train.copyWeightsToHost()
+    train.copyWeightsToDevice()
+    train.load_state_dict(model.state_dict())
+    model.a.weight = model.a.weight
+    assert train._weights.rebound  # a write: compared at the next call, and the same object
+    train(*data(2))
+    assert not train._weights.rebound
+    infer.destroy()
+    train.destroy()
+
+
+def test_a_replacement_while_detached_is_refused_at_attach():
+    torch.manual_seed(0)
+    model = Annealed(1)
+    train = poptorch.trainingModel(model, on_device(poptorch.Options(), "ipu_model"))
+    train(*data(2))
+    train.detachFromDevice()
+    model.b.bias = torch.nn.Parameter(torch.zeros(4))
+    with pytest.raises(poptorch.WrapError, match="parameter 'b.bias' is another object"):
+        train.attachToDevice()
+    with pytest.raises(poptorch.WrapError, match="parameter 'b.bias' is another object"):
+        train(*data(4))  # a new signature: refused before it traces
+    train.destroy()
