@@ -66,8 +66,6 @@ PENDING = {
     "optimizer=loss_scaled&param_hook": "loss scaling shows through gradient code the model "
                                         "brings: a hook that clamps sees gradients times the "
                                         "loss scale",
-    "optimizer=clipped&groups=partial": "max_grad_norm's global norm counts the gradient of a "
-                                        "parameter the optimizer does not hold",
     "param_hook&shared_module": "a hook on a parameter that two stages use runs on each "
                                 "stage's part of its gradient, not on their sum (a clamp of "
                                 "each part, not of the sum)",
