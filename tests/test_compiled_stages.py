@@ -21,7 +21,8 @@ from poptorch_lite.compiler import compiled_stages, split_graphs
 from poptorch_lite.errors import OptionsError
 
 from conftest import DEVICE_MARKS
-from models import BlockMLP, data, microbatch_seeds, on_device, reference_training, twin
+from models import (BlockMLP, data, microbatch_seeds, on_device, reference_training,
+                    trained_grads, twin)
 
 STEPS = 20
 
@@ -285,6 +286,81 @@ def test_a_weight_with_a_hook_runs_its_compiled_backward_whole_in_i(every_stage_
     for a, b in zip(weights[1], weights[0]):
         assert relative(a, b) < 1e-6
 
+
+
+class StoppedInside(torch.nn.Module):
+    """Two stages; in the first, the first layer's output is detached: no gradient reaches
+    that layer, and its hooked bias gets no gradient at all."""
+
+    def __init__(self):
+        super().__init__()
+        self.l0, self.l1 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x, y):
+        poptorch.Block.start("b0", ipu_id=0)
+        h = torch.tanh(self.l0(x)).detach()
+        h = torch.tanh(self.l1(h))
+        poptorch.Block.start("b1", ipu_id=1)
+        out = self.head(h)
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+def _hooked(model) -> dict:
+    """Clamping hooks on the unreached bias and on a reached weight; their calls, counted."""
+    calls = {"l0.bias": 0, "l1.weight": 0}
+
+    def hook(name):
+        def clamp(g):
+            calls[name] += 1
+            return g.clamp(-0.01, 0.01)
+        return clamp
+    for name in calls:
+        model.get_parameter(name).register_hook(hook(name))
+    return calls
+
+
+@pytest.mark.parametrize("device,backend,schedule", [
+    ("cpu", "inductor", "grouped"), ("cpu", "aot_eager", "grouped"),
+    ("cpu", "aot_eager", "zero_bubble"), ("ipu_model", "aot_eager", "grouped"),
+    ("gpu_twin", "aot_eager", "zero_bubble")])
+def test_a_hook_on_a_parameter_no_gradient_reaches_is_not_called(device, backend, schedule,
+                                                                 every_stage_compiles):
+    """A compiled stage is one autograd node whose backward gives None for an argument no
+    gradient reaches (a parameter before a ``detach``), and autograd calls that parameter's
+    hook with None; plain PyTorch's graph has no path to it and calls none. Compiled, the
+    stage is given such arguments detached: the hooks run as often as in plain PyTorch, and
+    outputs, losses, gradients, weights and the optimizer state are plain PyTorch's."""
+    torch.manual_seed(0)
+    model = StoppedInside()
+    ref = twin(model, device)
+    calls, ref_calls = _hooked(model), _hooked(ref)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opts = compiled_opts(schedule, 3, 1, backend=backend, device=device)
+    train = poptorch.trainingModel(model, opts.outputMode(poptorch.OutputMode.All), opt)
+    for call in range(2):
+        x, y = data(6, seed=call)
+        out, loss = train(x, y)
+        ref_outs, ref_losses, ref_grads = reference_training(ref, ref_opt, x, y, 1, 3, 1)
+        assert calls == ref_calls == {"l0.bias": 0, "l1.weight": 3 * (call + 1)}
+        assert relative(out, torch.cat(ref_outs)) < 1e-5
+        assert relative(loss, torch.stack(ref_losses)) < 1e-5
+        grads = trained_grads(train)
+        for name, p in model.named_parameters():
+            if ref_grads[name] is None:
+                assert grads[name] is None, name
+            else:
+                assert relative(grads[name], ref_grads[name]) < 1e-5, name
+            assert relative(p, ref.get_parameter(name)) < 1e-5, name
+        for p, q in zip(model.parameters(), ref.parameters()):
+            if q in ref_opt.state:
+                assert relative(opt.state[p]["momentum_buffer"],
+                                ref_opt.state[q]["momentum_buffer"]) < 1e-5
+            else:
+                assert p not in opt.state
+    assert set(program_of(train).compiled.summary().values()) <= {"compiled", "reused"}
+    train.destroy()
 
 # -- when a stage stays eager ---------------------------------------------------------------
 
