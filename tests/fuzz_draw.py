@@ -69,7 +69,6 @@ PENDING = {
     "param_hook&shared_module": "a hook on a parameter that two stages use runs on each "
                                 "stage's part of its gradient, not on their sum (a clamp of "
                                 "each part, not of the sum)",
-    "lstm&compiled=True": "an LSTM in a compiled stage (aot_eager) fails while running",
     "keras_replicated_buffers": "Keras' fit refuses replicas of a model that writes buffers "
                                 "(BatchNorm), naming an Options call Keras users cannot make",
 }

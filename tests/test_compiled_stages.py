@@ -362,6 +362,59 @@ def test_a_hook_on_a_parameter_no_gradient_reaches_is_not_called(device, backend
     assert set(program_of(train).compiled.summary().values()) <= {"compiled", "reused"}
     train.destroy()
 
+
+class Recurrent(torch.nn.Module):
+    """An LSTM over a short sequence made from each sample, in the first of two stages."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(6, 4)
+        self.lstm = torch.nn.LSTM(8, 6, batch_first=True)
+
+    def forward(self, x, y):
+        poptorch.Block.start("b0", ipu_id=0)
+        seq, _ = self.lstm(torch.tanh(self.embed(x)).unsqueeze(1).repeat(1, 3, 1))
+        poptorch.Block.start("b1", ipu_id=1)
+        out = self.head(seq[:, -1])
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+@pytest.mark.parametrize("device,backend,schedule", [
+    ("cpu", "inductor", "grouped"), ("cpu", "aot_eager", "zero_bubble"),
+    ("ipu_model", "aot_eager", "grouped"), ("gpu_twin", "aot_eager", "grouped")])
+def test_an_lstm_trains_compiled_as_its_composite_ops(device, backend, schedule,
+                                                     every_stage_compiles):
+    """A CPU trace records nn.LSTM as oneDNN's layer, whose compiled forward leaves the
+    workspace its backward reads undefined (it failed on the first call): a compiled
+    training model is traced again without CPU-only kernels, its LSTM as the composite
+    ops torch.compile trains it as, and compiles. On the GPU twin its stage runs eagerly
+    (the twin's device, ``cpu:0``, is not its CPU tensors' to FakeTensor); on a GPU an LSTM
+    is traced that way already ([Note: graphs on their devices])."""
+    torch.manual_seed(0)
+    model = Recurrent()
+    ref = twin(model, device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opts = compiled_opts(schedule, 3, 1, backend=backend, device=device)
+    train = poptorch.trainingModel(model, opts.outputMode(poptorch.OutputMode.All), opt)
+    for call in range(2):
+        x, y = data(6, seed=call)
+        out, loss = train(x, y)
+        ref_outs, ref_losses, ref_grads = reference_training(ref, ref_opt, x, y, 1, 3, 1)
+        assert relative(out, torch.cat(ref_outs)) < 1e-5
+        assert relative(loss, torch.stack(ref_losses)) < 1e-5
+        grads = trained_grads(train)
+        for name, p in model.named_parameters():
+            assert relative(grads[name], ref_grads[name]) < 1e-5, name
+            assert relative(p, ref.get_parameter(name)) < 1e-5, name
+            assert relative(opt.state[p]["momentum_buffer"],
+                            ref_opt.state[ref.get_parameter(name)]["momentum_buffer"]) < 1e-5
+    program = program_of(train)
+    assert all("mkldnn_rnn_layer" not in st.module.gm.code for st in program.executor.work.stages)
+    assert set(program.compiled.summary().values()) <= (
+        {"compiled", "reused"} if device != "gpu_twin" else {"compiled", "reused", "failed"})
+    train.destroy()
+
 # -- when a stage stays eager ---------------------------------------------------------------
 
 def test_a_stage_too_small_to_pay_stays_eager_and_the_log_says_why(caplog):

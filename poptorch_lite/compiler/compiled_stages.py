@@ -32,7 +32,10 @@ stash, recomputation and the schedules are unchanged.
 - **What cannot be compiled runs eagerly.** Compiling runs nothing (AOTAutograd traces on
   fake tensors) and compiles the backward with the forward, so a stage the backend refuses
   is caught before any of its ops ran, runs eagerly from then on, and the log names it and
-  the reason.
+  the reason. A training trace that recorded a CPU-only kernel AOTAutograd compiles but
+  cannot run (:func:`uncompilable`: oneDNN's LSTM layer) is traced again without them, as
+  for a GPU ([Note: graphs on their devices] in ``retarget``): torch.compile too trains an
+  LSTM as its composite ops.
 - **Zero bubble.** Under a schedule that splits backwards, each graph's backward is split
   once, when it compiles (:func:`split_backward`): an input half that I runs, and a weight
   half for W that starts from the output gradients I computed on the way, not the
@@ -62,6 +65,7 @@ from ..options.compile import BACKENDS  # noqa: F401 - the backends, read here t
 from . import rng, tracing
 from .lowered import Lowered
 from .split_graphs import SplitState, split_backward
+from .subgraphs import base_op
 from .work import work
 
 _LOG = logging.getLogger("poptorch_lite")
@@ -345,18 +349,28 @@ class CompiledGraph:
 
 
 def _cutting(fn, cut: tuple):
-    """``fn`` given the arguments at ``cut`` detached: no gradient of its backward reaches
-    them (a stop in the stage: ``h.detach()`` after a layer), and autograd's graph must not
-    lead to them either. A compiled function is one autograd node whose backward returns
-    None for such an argument, and autograd still calls a hook on it (a parameter's
-    ``register_hook``) with None, where plain PyTorch, whose graph has no path there, calls
-    none."""
+    """``fn`` given the arguments at ``cut``, which its backward gives no gradient (a
+    parameter before a ``detach``), detached: autograd would call a hook on one (its
+    ``register_hook``) with None, where plain PyTorch's graph has no path to it."""
     def call(*args):
         args = list(args)
         for k in cut:
             args[k] = args[k].detach()
         return fn(*args)
     return call
+
+
+# oneDNN's LSTM layer (a CPU trace's nn.LSTM), run without grad as a compiled forward runs,
+# leaves undefined the workspace its backward reads: "expected all tensors_saved_with_vc_check
+# to be Tensors" on the first call.
+_TRAINS_UNCOMPILED = (torch.ops.aten.mkldnn_rnn_layer.default,)
+
+
+def uncompilable(stages) -> list:
+    """The ops of a training trace's ``stages`` that compile but cannot run compiled: the
+    compile step traces again without CPU-only kernels (``tracing.trace``'s ``generic``)."""
+    return sorted({str(op) for st in stages for n in st.module.graph.nodes
+                   if n.op == "call_function" and (op := base_op(n.target)) in _TRAINS_UNCOMPILED})
 
 
 def _boxed(gm: fx.GraphModule):
