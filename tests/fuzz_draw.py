@@ -61,8 +61,6 @@ PENDING = {
            "a buffer (or a second program, for another batch size) resets the other replicas' "
            "buffers to their values when wrapped: their homes are never refreshed from the "
            "devices, and the push (the new program's copies) copies them over").items()},
-    "batchnorm_cumulative": "BatchNorm1d(momentum=None) (a cumulative average) is refused as "
-                            "a read of a tensor into Python, at the caller's line",
     "optimizer=loss_scaled&param_hook": "loss scaling shows through gradient code the model "
                                         "brings: a hook that clamps sees gradients times the "
                                         "loss scale",

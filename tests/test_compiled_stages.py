@@ -482,6 +482,36 @@ def test_a_stage_the_backend_refuses_runs_eagerly_and_the_log_names_it(
                                  "graph")
 
 
+
+def test_a_stage_with_a_cumulative_batchnorm_runs_eagerly_and_the_log_says_why(
+        caplog, every_stage_compiles):
+    """BatchNorm(momentum=None) reads its count on the host in every micro-batch ([Note:
+    cumulative averages] in compiler/running_stats), which a compiled graph cannot: its
+    stage runs eagerly, bit for bit the eager path, and the log names the reason."""
+    losses, states = [], []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = BlockMLP(2, batchnorm=True)
+        model.bn.momentum = None
+        opts = compiled_opts("grouped", 4, 2, backend="aot_eager").compileStages(
+            compiled, "aot_eager")
+        train = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+        with caplog.at_level(logging.INFO, logger="poptorch_lite"):
+            losses.append(torch.stack([train(*data(16, seed=k))[1] for k in range(2)]))
+        train.copyWeightsToHost()
+        states.append(model.state_dict())
+        if compiled:
+            assert program_of(train).compiled.summary() in ({0: "compiled", 1: "failed"},
+                                                            {0: "reused", 1: "failed"})
+        train.destroy()
+    assert torch.equal(losses[0], losses[1])
+    for name, value in states[0].items():
+        assert torch.equal(states[1][name], value), name
+    assert int(states[1]["bn.num_batches_tracked"]) == 2 * 2 * 4
+    assert ("compileStages: stage 1 runs eagerly: aot_eager could not compile its forward: "
+            "NotImplementedError: a BatchNorm with momentum=None reads its count "
+            "(num_batches_tracked) on the host in every micro-batch") in caplog.text
+
 # -- once -----------------------------------------------------------------------------------
 
 def counted_compiles(monkeypatch) -> list:

@@ -328,6 +328,47 @@ def test_replicas_keep_their_own_batchnorm_statistics_as_independent_copies(
     train.destroy()
 
 
+
+@pytest.mark.parametrize("blocks,G,R,schedule,recompute", [
+    (1, 2, 1, "grouped", False), (2, 3, 1, "interleaved", True), (2, 2, 2, "sequential", False)])
+def test_a_cumulative_batchnorm_counts_every_micro_batch_as_plain_pytorch(
+        blocks, G, R, schedule, recompute, device):
+    """BatchNorm(momentum=None) averages its statistics over every batch it has seen, with
+    ``1 / num_batches_tracked`` as the factor, a count torch reads into Python: traced with
+    the count kept a tensor ([Note: cumulative averages] in compiler/running_stats), each
+    micro-batch of each replica uses its own. Outputs, losses, gradients, weights, every
+    replica's statistics and the optimizer state are plain PyTorch's over 2 calls."""
+    torch.manual_seed(0)
+    D, B = 2, 4
+    model = BlockMLP(blocks, batchnorm=True)
+    model.bn.momentum = None
+    copies = [twin(model, device) for _ in range(R)]
+    opts = pipelined(schedule, recompute, G, device).deviceIterations(D).replicationFactor(R)
+    opts.outputMode(poptorch.OutputMode.All)
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    ref_opt = torch.optim.SGD(copies[0].parameters(), lr=0.02, momentum=0.9)
+    train = poptorch.trainingModel(model, opts, opt)
+    for call in range(2):
+        x, y = data(B * D * G * R, seed=call)
+        out, loss = train(x, y)
+        ref_outs, ref_losses, ref_grads = (
+            replicas_training(copies, ref_opt, x, y, D, G) if R > 1 else
+            reference_training(copies[0], ref_opt, x, y, D, G, 1))
+        where = f"call {call}, {schedule}, recompute={recompute}"
+        assert_close(out, torch.cat(ref_outs), atol=ATOL, rtol=0, msg=where)
+        assert_close(loss, torch.stack(ref_losses), atol=ATOL, rtol=0, msg=where)
+        for name, g in trained_grads(train).items():
+            assert_close(g, ref_grads[name], atol=ATOL, rtol=0, msg=f"grad of {name}, {where}")
+        for (name, a), b in zip(model.state_dict().items(), copies[0].state_dict().values()):
+            assert_close(a, b.cpu(), atol=ATOL, rtol=0, msg=f"{name}, {where}")
+        assert_same_state(opt, ref_opt)
+        for r in range(1, R):  # replica r's, on its IPU
+            for name, b in copies[r].named_buffers():
+                mine = train._weights.buffer(name, r, blocks - 1)
+                assert_close(mine.cpu(), b.cpu(), atol=ATOL, rtol=0, msg=f"replica {r}'s {name}")
+    assert int(model.bn.num_batches_tracked) == 2 * D * G  # replica 0's micro-batches
+    train.destroy()
+
 class FeatureQueue(torch.nn.Module):
     """CLIP's feature queue: a buffer written in forward with a tensor that carries gradients,
     read (as a value) by the next micro-batch. ``write_in`` picks the stage that writes."""
