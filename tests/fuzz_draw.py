@@ -64,9 +64,6 @@ PENDING = {
     "optimizer=loss_scaled&param_hook": "loss scaling shows through gradient code the model "
                                         "brings: a hook that clamps sees gradients times the "
                                         "loss scale",
-    "param_hook&shared_module": "a hook on a parameter that two stages use runs on each "
-                                "stage's part of its gradient, not on their sum (a clamp of "
-                                "each part, not of the sum)",
     "keras_replicated_buffers": "Keras' fit refuses replicas of a model that writes buffers "
                                 "(BatchNorm), naming an Options call Keras users cannot make",
 }

@@ -386,6 +386,9 @@ def writes_buffers(program: Program) -> bool:
 
 
 def refusable(program: Program) -> set:
-    """The features of ``program`` for which a clean refusal is an acceptable outcome."""
-    return ({o.kind for o in program.ops if FEATURES[o.kind].refusable}
+    """The features of ``program`` for which a clean refusal is an acceptable outcome (a
+    parameter's hook where another stage uses its layer again: E-PART-27)."""
+    shared = {o.stage for o in program.ops if o.kind == "shared_module" and o.to != o.stage}
+    return ({o.kind for o in program.ops if FEATURES[o.kind].refusable
+             or (o.kind == "param_hook" and o.stage in shared)}
             | {e.kind for e in program.edits if e.kind in REFUSABLE_EDITS})
