@@ -21,18 +21,6 @@ from fuzz_grammar import EDITS, FEATURES, LOSSES, OPTIMIZERS, TWO_STAGE, Edit, O
 
 PENDING = {
     # found by the fuzzer (tests/fuzz_found.py); fixes on their way
-    "batchnorm_cumulative": "BatchNorm1d(momentum=None) (a cumulative average) is refused as "
-                            "a read of a tensor into Python, at the caller's line",
-    "optimizer=clipped&groups=partial": "max_grad_norm's global norm counts the gradient of a "
-                                        "parameter the optimizer does not hold",
-    "param_hook&shared_module": "a hook on a parameter that two stages use runs on each "
-                                "stage's part of its gradient, not on their sum (a clamp of "
-                                "each part, not of the sum)",
-    "compiled=True&param_hook&stop": "in a compiled stage a parameter hook is called with None "
-                                     "where no gradient reaches the parameter (plain PyTorch "
-                                     "does not call it): the call fails",
-    "lstm&compiled=True": "an LSTM in a compiled stage (aot_eager) fails while running",
-    # found since (tests/fuzz_found.py)
     "weight_clip&recompute=True": "a recomputed stage that writes a parameter in place in "
                                   "forward (clamp_ under no_grad) recomputes with the written "
                                   "value: plain PyTorch's backward differentiates the forward "

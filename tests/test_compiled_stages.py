@@ -21,7 +21,8 @@ from poptorch_lite.compiler import compiled_stages, split_graphs
 from poptorch_lite.errors import OptionsError
 
 from conftest import DEVICE_MARKS
-from models import BlockMLP, data, microbatch_seeds, on_device, reference_training, twin
+from models import (BlockMLP, data, microbatch_seeds, on_device, reference_training,
+                    trained_grads, twin)
 
 STEPS = 20
 
@@ -286,6 +287,134 @@ def test_a_weight_with_a_hook_runs_its_compiled_backward_whole_in_i(every_stage_
         assert relative(a, b) < 1e-6
 
 
+
+class StoppedInside(torch.nn.Module):
+    """Two stages; in the first, the first layer's output is detached: no gradient reaches
+    that layer, and its hooked bias gets no gradient at all."""
+
+    def __init__(self):
+        super().__init__()
+        self.l0, self.l1 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x, y):
+        poptorch.Block.start("b0", ipu_id=0)
+        h = torch.tanh(self.l0(x)).detach()
+        h = torch.tanh(self.l1(h))
+        poptorch.Block.start("b1", ipu_id=1)
+        out = self.head(h)
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+def _hooked(model) -> dict:
+    """Clamping hooks on the unreached bias and on a reached weight; their calls, counted."""
+    calls = {"l0.bias": 0, "l1.weight": 0}
+
+    def hook(name):
+        def clamp(g):
+            calls[name] += 1
+            return g.clamp(-0.01, 0.01)
+        return clamp
+    for name in calls:
+        model.get_parameter(name).register_hook(hook(name))
+    return calls
+
+
+@pytest.mark.parametrize("device,backend,schedule", [
+    ("cpu", "inductor", "grouped"), ("cpu", "aot_eager", "grouped"),
+    ("cpu", "aot_eager", "zero_bubble"), ("ipu_model", "aot_eager", "grouped"),
+    ("gpu_twin", "aot_eager", "zero_bubble")])
+def test_a_hook_on_a_parameter_no_gradient_reaches_is_not_called(device, backend, schedule,
+                                                                 every_stage_compiles):
+    """A compiled stage is one autograd node whose backward gives None for an argument no
+    gradient reaches (a parameter before a ``detach``), and autograd calls that parameter's
+    hook with None; plain PyTorch's graph has no path to it and calls none. Compiled, the
+    stage is given such arguments detached: the hooks run as often as in plain PyTorch, and
+    outputs, losses, gradients, weights and the optimizer state are plain PyTorch's."""
+    torch.manual_seed(0)
+    model = StoppedInside()
+    ref = twin(model, device)
+    calls, ref_calls = _hooked(model), _hooked(ref)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opts = compiled_opts(schedule, 3, 1, backend=backend, device=device)
+    train = poptorch.trainingModel(model, opts.outputMode(poptorch.OutputMode.All), opt)
+    for call in range(2):
+        x, y = data(6, seed=call)
+        out, loss = train(x, y)
+        ref_outs, ref_losses, ref_grads = reference_training(ref, ref_opt, x, y, 1, 3, 1)
+        assert calls == ref_calls == {"l0.bias": 0, "l1.weight": 3 * (call + 1)}
+        assert relative(out, torch.cat(ref_outs)) < 1e-5
+        assert relative(loss, torch.stack(ref_losses)) < 1e-5
+        grads = trained_grads(train)
+        for name, p in model.named_parameters():
+            if ref_grads[name] is None:
+                assert grads[name] is None, name
+            else:
+                assert relative(grads[name], ref_grads[name]) < 1e-5, name
+            assert relative(p, ref.get_parameter(name)) < 1e-5, name
+        for p, q in zip(model.parameters(), ref.parameters()):
+            if q in ref_opt.state:
+                assert relative(opt.state[p]["momentum_buffer"],
+                                ref_opt.state[q]["momentum_buffer"]) < 1e-5
+            else:
+                assert p not in opt.state
+    assert set(program_of(train).compiled.summary().values()) <= {"compiled", "reused"}
+    train.destroy()
+
+
+class Recurrent(torch.nn.Module):
+    """An LSTM over a short sequence made from each sample, in the first of two stages."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(6, 4)
+        self.lstm = torch.nn.LSTM(8, 6, batch_first=True)
+
+    def forward(self, x, y):
+        poptorch.Block.start("b0", ipu_id=0)
+        seq, _ = self.lstm(torch.tanh(self.embed(x)).unsqueeze(1).repeat(1, 3, 1))
+        poptorch.Block.start("b1", ipu_id=1)
+        out = self.head(seq[:, -1])
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+@pytest.mark.parametrize("device,backend,schedule", [
+    ("cpu", "inductor", "grouped"), ("cpu", "aot_eager", "zero_bubble"),
+    ("ipu_model", "aot_eager", "grouped"), ("gpu_twin", "aot_eager", "grouped")])
+def test_an_lstm_trains_compiled_as_its_composite_ops(device, backend, schedule,
+                                                     every_stage_compiles):
+    """A CPU trace records nn.LSTM as oneDNN's layer, whose compiled forward leaves the
+    workspace its backward reads undefined (it failed on the first call): a compiled
+    training model is traced again without CPU-only kernels, its LSTM as the composite
+    ops torch.compile trains it as, and compiles. On the GPU twin its stage runs eagerly
+    (the twin's device, ``cpu:0``, is not its CPU tensors' to FakeTensor); on a GPU an LSTM
+    is traced that way already ([Note: graphs on their devices])."""
+    torch.manual_seed(0)
+    model = Recurrent()
+    ref = twin(model, device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opts = compiled_opts(schedule, 3, 1, backend=backend, device=device)
+    train = poptorch.trainingModel(model, opts.outputMode(poptorch.OutputMode.All), opt)
+    for call in range(2):
+        x, y = data(6, seed=call)
+        out, loss = train(x, y)
+        ref_outs, ref_losses, ref_grads = reference_training(ref, ref_opt, x, y, 1, 3, 1)
+        assert relative(out, torch.cat(ref_outs)) < 1e-5
+        assert relative(loss, torch.stack(ref_losses)) < 1e-5
+        grads = trained_grads(train)
+        for name, p in model.named_parameters():
+            assert relative(grads[name], ref_grads[name]) < 1e-5, name
+            assert relative(p, ref.get_parameter(name)) < 1e-5, name
+            assert relative(opt.state[p]["momentum_buffer"],
+                            ref_opt.state[ref.get_parameter(name)]["momentum_buffer"]) < 1e-5
+    program = program_of(train)
+    assert all("mkldnn_rnn_layer" not in st.module.gm.code for st in program.executor.work.stages)
+    assert set(program.compiled.summary().values()) <= (
+        {"compiled", "reused"} if device != "gpu_twin" else {"compiled", "reused", "failed"})
+    train.destroy()
+
 # -- when a stage stays eager ---------------------------------------------------------------
 
 def test_a_stage_too_small_to_pay_stays_eager_and_the_log_says_why(caplog):
@@ -352,6 +481,36 @@ def test_a_stage_the_backend_refuses_runs_eagerly_and_the_log_names_it(
                                  "compile its forward: NotImplementedError: no kernel for this "
                                  "graph")
 
+
+
+def test_a_stage_with_a_cumulative_batchnorm_runs_eagerly_and_the_log_says_why(
+        caplog, every_stage_compiles):
+    """BatchNorm(momentum=None) reads its count on the host in every micro-batch ([Note:
+    cumulative averages] in compiler/running_stats), which a compiled graph cannot: its
+    stage runs eagerly, bit for bit the eager path, and the log names the reason."""
+    losses, states = [], []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = BlockMLP(2, batchnorm=True)
+        model.bn.momentum = None
+        opts = compiled_opts("grouped", 4, 2, backend="aot_eager").compileStages(
+            compiled, "aot_eager")
+        train = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+        with caplog.at_level(logging.INFO, logger="poptorch_lite"):
+            losses.append(torch.stack([train(*data(16, seed=k))[1] for k in range(2)]))
+        train.copyWeightsToHost()
+        states.append(model.state_dict())
+        if compiled:
+            assert program_of(train).compiled.summary() in ({0: "compiled", 1: "failed"},
+                                                            {0: "reused", 1: "failed"})
+        train.destroy()
+    assert torch.equal(losses[0], losses[1])
+    for name, value in states[0].items():
+        assert torch.equal(states[1][name], value), name
+    assert int(states[1]["bn.num_batches_tracked"]) == 2 * 2 * 4
+    assert ("compileStages: stage 1 runs eagerly: aot_eager could not compile its forward: "
+            "NotImplementedError: a BatchNorm with momentum=None reads its count "
+            "(num_batches_tracked) on the host in every micro-batch") in caplog.text
 
 # -- once -----------------------------------------------------------------------------------
 

@@ -149,6 +149,8 @@ class Two(torch.nn.Module):
         if self.tail == "outside":
             return F.mse_loss(self.l2(h), y)  # after the Block scope closed
         with poptorch.Block(self.ids[1], ipu_id=self.ipus[1]):
+            if self.tail == "reuse_l1":  # l1 in both stages
+                h = self.l1(h)
             out = self.l2(h if self.bn is None else self.bn(h))
             if self.tail == "del_buffer":
                 del self.bn.running_mean
@@ -478,6 +480,12 @@ def hooked(model: "Two", full: bool = True) -> "Two":
         model.register_full_backward_hook(lambda m, gi, go: None)
     else:
         model.l1.register_backward_hook(lambda m, gi, go: None)
+    return model
+
+
+def hooked_bias(model: "Two") -> "Two":
+    """``model`` with a gradient hook on ``l1``'s bias."""
+    model.l1.bias.register_hook(lambda g: g.clamp(-0.01, 0.01))
     return model
 
 
@@ -900,6 +908,7 @@ T = {
     "E-PART-24": lambda: first_call(Two(tail="packed"), opts()),
     "E-PART-25": lambda: first_call(ReadBeforeWritten(), opts(poptorch.PipelinedExecution(), G=3)),
     "E-PART-26": lambda: first_call(ReadBeforeWritten(), opts().useIpuModel(True)),
+    "E-PART-27": lambda: first_call(hooked_bias(Two(tail="reuse_l1")), opts()),
     "E-PART-15": lambda: without_kernel("aten::addmm", lambda: first_call(
         Two(), opts(strategy=poptorch.PipelinedExecution("a", "b"), G=4))),
     # pipelining

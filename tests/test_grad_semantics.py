@@ -304,3 +304,117 @@ def test_module_backward_hooks_that_cannot_be_kept_are_refused():
     with pytest.raises(poptorch.TraceError, match=r"SplitInside has backward hooks .* its "
                                                   r"forward spans stages 0 and 1"):
         poptorch.trainingModel(model, opts)(x, y)
+
+
+class Reused(torch.nn.Module):
+    """The fuzzer's model: layer ``a`` in block 0 and again in block ``again`` (0: one stage),
+    a clamping hook on its bias (registered with ``hook``)."""
+
+    def __init__(self, again: int, hook: bool = True):
+        super().__init__()
+        self.a, self.b, self.head = (torch.nn.Linear(6, 6), torch.nn.Linear(6, 6),
+                                     torch.nn.Linear(6, 4))
+        self.again = again
+        if hook:
+            self.hook()
+
+    def hook(self):
+        return self.a.bias.register_hook(lambda g: g.clamp(-0.01, 0.01))
+
+    def forward(self, x, y):
+        poptorch.Block.start("b0", ipu_id=0)
+        h = torch.tanh(self.a(x))
+        if self.again:
+            poptorch.Block.start("b1", ipu_id=1)
+        h = torch.tanh(self.a(torch.tanh(self.b(h))))
+        out = self.head(h)
+        return out, F.cross_entropy(out, y)
+
+
+def _pipelined(device, G=3):
+    opts = on_device(poptorch.Options().setExecutionStrategy(PipelinedExecution()), device)
+    opts.Training.gradientAccumulation(G)
+    return opts.outputMode(poptorch.OutputMode.All)
+
+
+def _trains_as_plain_pytorch(train, model, ref, ref_opt, x, y, G=3):
+    """One call of ``train`` against plain PyTorch's G micro-batches and step: outputs,
+    losses, the gradients the step used and the weights."""
+    out, loss = train(x, y)
+    ref_outs, ref_losses = [], []
+    ref_opt.zero_grad()
+    b = len(x) // G
+    for k in range(G):
+        o, l = ref(x[b * k:b * (k + 1)].to(ref.a.weight.device),
+                   y[b * k:b * (k + 1)].to(ref.a.weight.device))
+        l.backward()  # the hook sees each micro-batch's gradient, then the mean is taken
+        ref_outs.append(o.detach().cpu())
+        ref_losses.append(l.detach().cpu())
+    for p in ref.parameters():
+        p.grad.div_(G)
+    ref_opt.step()
+    assert_close(out, torch.cat(ref_outs), atol=1e-6, rtol=0)
+    assert_close(loss, torch.stack(ref_losses), atol=1e-6, rtol=0)
+    for name, g in trained_grads(train).items():
+        assert_close(g, ref.get_parameter(name).grad.cpu(), atol=1e-6, rtol=0, msg=name)
+    for name, p in model.named_parameters():
+        assert_close(p.detach(), ref.get_parameter(name).detach().cpu(), atol=1e-6, rtol=0,
+                     msg=name)
+
+
+def test_a_parameter_hook_in_one_stage_sees_the_sum_of_its_uses(device):
+    """A parameter used twice in one stage: autograd sums its two parts before the hook, as
+    in plain PyTorch (once per micro-batch), so a clamp of the sum is plain PyTorch's."""
+    torch.manual_seed(0)
+    model = Reused(again=0, hook=False)
+    ref = twin(model, device)
+    model.hook(), ref.hook()  # a deep copy keeps no parameter hook
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    train = poptorch.trainingModel(model, _pipelined(device), opt)
+    for call in range(2):
+        _trains_as_plain_pytorch(train, model, ref, ref_opt, torch.randn(6, 6),
+                                 torch.randint(0, 4, (6,)))
+    train.destroy()
+
+
+def test_a_parameter_hook_where_two_stages_use_the_parameter_is_refused_before_any_state_changes(
+        device):
+    """Each stage's backward computes its own part of a parameter's gradient, so a hook on it
+    would run on each part, where plain PyTorch runs it once on their sum (a clamp of each
+    part, not of the sum): refused before anything runs, naming the parameter, the stages and
+    the fix, at a call after the hook was registered and at the first call of a model hooked
+    when wrapped (E-PART-27); without the hook the same model trains as plain PyTorch."""
+    torch.manual_seed(0)
+    model = Reused(again=1, hook=False)
+    ref = twin(model, device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    train = poptorch.trainingModel(model, _pipelined(device), opt)
+    for call in range(3):
+        x, y = torch.randn(6, 6), torch.randint(0, 4, (6,))
+        if call == 1:  # registered between calls: refused at the next one
+            handle = model.hook()
+            before = copy.deepcopy((model.state_dict(), opt.state_dict()))
+            with pytest.raises(poptorch.BlockError) as refused:
+                train(x, y)
+            assert str(refused.value) == (
+                "parameter 'a.bias' has a gradient hook (register_hook) and stages 0 (block "
+                "'b0') and 1 (block 'b1') use it: each stage's backward computes its own part "
+                "of the parameter's gradient, so the hook would run on each part (2 times a "
+                "micro-batch), where plain PyTorch runs it once on their sum. Put every use of "
+                "'a.bias' in one stage (one block), or remove the hook")
+            for k, v in before[0].items():
+                assert torch.equal(model.state_dict()[k], v), k
+            for k, s in before[1]["state"].items():
+                assert torch.equal(opt.state_dict()["state"][k]["momentum_buffer"],
+                                   s["momentum_buffer"])
+            handle.remove()
+        _trains_as_plain_pytorch(train, model, ref, ref_opt, x, y)
+    train.destroy()
+    fresh = Reused(again=1)  # hooked when wrapped: its first call is refused
+    wrapped = poptorch.trainingModel(fresh, _pipelined(device),
+                                     torch.optim.SGD(fresh.parameters(), lr=0.1))
+    with pytest.raises(poptorch.BlockError, match="parameter 'a.bias' has a gradient hook"):
+        wrapped(torch.randn(6, 6), torch.randint(0, 4, (6,)))
+    wrapped.destroy()

@@ -384,10 +384,14 @@ def test_which_steps_are_graph_safe():
     ("two_devices", "the stages run on 2 devices (cpu:0, cpu); one graph holds one GPU's"),
     ("ipu_model", "useIpuModel gives every IPU a memory of its own"),
     ("offloaded", "the optimizer's state is offloaded to host memory"),
+    ("cumulative_batchnorm", "a BatchNorm with momentum=None reads its count on the host"),
 ])
 def test_what_cannot_be_captured_runs_eagerly_and_says_why(twin_gpu_installed, case, why,
                                                           caplog):
-    model = BlockMLP(2, dropout=0.3 if case == "recomputed_dropout" else 0.0)
+    model = BlockMLP(2, dropout=0.3 if case == "recomputed_dropout" else 0.0,
+                     batchnorm=case == "cumulative_batchnorm")
+    if case == "cumulative_batchnorm":  # 1 / float(num_batches_tracked) in every forward
+        model.bn.momentum = None
     kw = dict(recompute=case == "recomputed_dropout", options={
         "stop_on_non_finite": lambda o: o.Training.stopOnNonFiniteLoss(True),
         "two_devices": lambda o: o.set_ipu_devices({0: "cpu:0", 1: "cpu"}),

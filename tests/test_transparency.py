@@ -328,6 +328,47 @@ def test_replicas_keep_their_own_batchnorm_statistics_as_independent_copies(
     train.destroy()
 
 
+
+@pytest.mark.parametrize("blocks,G,R,schedule,recompute", [
+    (1, 2, 1, "grouped", False), (2, 3, 1, "interleaved", True), (2, 2, 2, "sequential", False)])
+def test_a_cumulative_batchnorm_counts_every_micro_batch_as_plain_pytorch(
+        blocks, G, R, schedule, recompute, device):
+    """BatchNorm(momentum=None) averages its statistics over every batch it has seen, with
+    ``1 / num_batches_tracked`` as the factor, a count torch reads into Python: traced with
+    the count kept a tensor ([Note: cumulative averages] in compiler/running_stats), each
+    micro-batch of each replica uses its own. Outputs, losses, gradients, weights, every
+    replica's statistics and the optimizer state are plain PyTorch's over 2 calls."""
+    torch.manual_seed(0)
+    D, B = 2, 4
+    model = BlockMLP(blocks, batchnorm=True)
+    model.bn.momentum = None
+    copies = [twin(model, device) for _ in range(R)]
+    opts = pipelined(schedule, recompute, G, device).deviceIterations(D).replicationFactor(R)
+    opts.outputMode(poptorch.OutputMode.All)
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    ref_opt = torch.optim.SGD(copies[0].parameters(), lr=0.02, momentum=0.9)
+    train = poptorch.trainingModel(model, opts, opt)
+    for call in range(2):
+        x, y = data(B * D * G * R, seed=call)
+        out, loss = train(x, y)
+        ref_outs, ref_losses, ref_grads = (
+            replicas_training(copies, ref_opt, x, y, D, G) if R > 1 else
+            reference_training(copies[0], ref_opt, x, y, D, G, 1))
+        where = f"call {call}, {schedule}, recompute={recompute}"
+        assert_close(out, torch.cat(ref_outs), atol=ATOL, rtol=0, msg=where)
+        assert_close(loss, torch.stack(ref_losses), atol=ATOL, rtol=0, msg=where)
+        for name, g in trained_grads(train).items():
+            assert_close(g, ref_grads[name], atol=ATOL, rtol=0, msg=f"grad of {name}, {where}")
+        for (name, a), b in zip(model.state_dict().items(), copies[0].state_dict().values()):
+            assert_close(a, b.cpu(), atol=ATOL, rtol=0, msg=f"{name}, {where}")
+        assert_same_state(opt, ref_opt)
+        for r in range(1, R):  # replica r's, on its IPU
+            for name, b in copies[r].named_buffers():
+                mine = train._weights.buffer(name, r, blocks - 1)
+                assert_close(mine.cpu(), b.cpu(), atol=ATOL, rtol=0, msg=f"replica {r}'s {name}")
+    assert int(model.bn.num_batches_tracked) == 2 * D * G  # replica 0's micro-batches
+    train.destroy()
+
 class FeatureQueue(torch.nn.Module):
     """CLIP's feature queue: a buffer written in forward with a tensor that carries gradients,
     read (as a value) by the next micro-batch. ``write_in`` picks the stage that writes."""
@@ -556,3 +597,57 @@ def test_freezing_and_unfreezing_between_calls_match_plain_pytorch(device, block
     else:
         trains_with_edits_like_plain_pytorch(device, blocks, G, schedule, _unfreeze_then_freeze,
                                              "adam", before=lambda m: m.a.requires_grad_(False))
+
+
+
+class ClippedSteps:
+    """Plain PyTorch's clipping before each of ``optimizer``'s steps, of the gradients of
+    the parameters it holds (for :func:`reference_training`)."""
+
+    def __init__(self, optimizer, max_norm: float):
+        self.optimizer, self.max_norm = optimizer, max_norm
+        self.held = [p for g in optimizer.param_groups for p in g["params"]]
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self):
+        torch.nn.utils.clip_grad_norm_([p for p in self.held if p.grad is not None],
+                                       self.max_norm)
+        self.optimizer.step()
+
+
+@pytest.mark.parametrize("blocks,G,schedule", [(1, 2, "grouped"), (2, 3, "interleaved")])
+def test_clipping_is_to_the_norm_of_the_weights_the_optimizer_steps(device, blocks, G,
+                                                                    schedule):
+    """``max_grad_norm`` clips the global norm of the gradients of the parameters the
+    optimizer holds, as PopART clips the weights it updates (and as plain PyTorch's
+    ``clip_grad_norm_`` over them does): the head's bias, left out of the optimizer, has a
+    gradient that must not count."""
+    torch.manual_seed(0)
+    model = BlockMLP(blocks)
+    ref = twin(model, device)
+
+    def optimizer(net):
+        held = [p for n, p in net.named_parameters() if n != "head.bias"]
+        return poptorch.optim.SGD(held, lr=0.5, momentum=0.9, max_grad_norm=0.05)
+    opt, ref_opt = optimizer(model), optimizer(ref)
+    opts = pipelined(schedule, False, G, device).outputMode(poptorch.OutputMode.All)
+    train = poptorch.trainingModel(model, opts, opt)
+    for call in range(2):
+        x, y = data(2 * G, seed=call)
+        out, loss = train(x, y)
+        ref_outs, ref_losses, ref_grads = reference_training(
+            ref, ClippedSteps(ref_opt, 0.05), x, y, 1, G, 1)
+        where = f"call {call}"
+        assert_close(out, torch.cat(ref_outs), atol=ATOL, rtol=0, msg=where)
+        assert_close(loss, torch.stack(ref_losses), atol=ATOL, rtol=0, msg=where)
+        grads = trained_grads(train)
+        for name, p in model.named_parameters():
+            if name != "head.bias":  # plain PyTorch's zero_grad leaves it to accumulate
+                assert_close(grads[name], ref_grads[name], atol=ATOL, rtol=0,
+                             msg=f"{name}, {where}")
+            assert_close(p.detach(), dict(ref.named_parameters())[name].detach().cpu(),
+                         atol=ATOL, rtol=0, msg=f"{name}, {where}")
+        assert_same_state(opt, ref_opt)
+    train.destroy()

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, track_tensor_tree
 
-from ..errors import TraceError
+from ..errors import BlockError, TraceError
 from . import markers
 
 
@@ -49,6 +49,43 @@ def refuse_legacy_backward_hooks(model: torch.nn.Module) -> None:
                 f"the last op of the module's forward, not the module's, and a traced graph "
                 f"keeps no such op boundary. Use register_full_backward_hook (or "
                 f"register_full_backward_pre_hook), which poptorch_lite keeps")
+
+
+def stages_sharing(stages) -> dict:
+    """Parameter name -> the stages that use it, for those several stages use."""
+    users: dict = {}
+    for st in stages:
+        for name in st.param_names:
+            users.setdefault(name, []).append(st)
+    return {name: sts for name, sts in users.items() if len(sts) > 1}
+
+
+def refuse_hooks_on_shared_parameters(shared: dict, params: dict) -> None:
+    """Refuse a gradient hook on a parameter that several stages use (``shared``:
+    :func:`stages_sharing`). Each stage's backward computes its part of the parameter's
+    gradient, at its own time and on its own copy where memories are separate, so the hook
+    would run on each part, where plain PyTorch runs it once per backward on their sum: the
+    same for a hook that scales, not for one that clamps. Checked at every training call
+    (a hook may be registered between calls), before anything runs.
+
+    Raises:
+        BlockError: naming the parameter, its hooks, the stages and the fix.
+    """
+    for name, sts in shared.items():
+        p = params.get(name)
+        kinds = [] if p is None else [k for k, hooks in (
+            ("register_hook", p._backward_hooks),
+            ("register_post_accumulate_grad_hook",
+             getattr(p, "_post_accumulate_grad_hooks", None))) if hooks]
+        if kinds:
+            where = " and ".join(f"{st.index} (block{'s' if len(st.blocks) > 1 else ''} "
+                                 f"{', '.join(map(repr, st.blocks))})" for st in sts)
+            raise BlockError(
+                f"parameter '{name}' has a gradient hook ({' and '.join(kinds)}) and stages "
+                f"{where} use it: each stage's backward computes its own part of the "
+                f"parameter's gradient, so the hook would run on each part ({len(sts)} times a "
+                f"micro-batch), where plain PyTorch runs it once on their sum. Put every use "
+                f"of '{name}' in one stage (one block), or remove the hook")
 
 
 _module_calls = itertools.count()  # tells a module call's input hook from another's

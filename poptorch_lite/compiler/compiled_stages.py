@@ -32,7 +32,10 @@ stash, recomputation and the schedules are unchanged.
 - **What cannot be compiled runs eagerly.** Compiling runs nothing (AOTAutograd traces on
   fake tensors) and compiles the backward with the forward, so a stage the backend refuses
   is caught before any of its ops ran, runs eagerly from then on, and the log names it and
-  the reason.
+  the reason. A training trace that recorded a CPU-only kernel AOTAutograd compiles but
+  cannot run (:func:`uncompilable`: oneDNN's LSTM layer) is traced again without them, as
+  for a GPU ([Note: graphs on their devices] in ``retarget``): torch.compile too trains an
+  LSTM as its composite ops.
 - **Zero bubble.** Under a schedule that splits backwards, each graph's backward is split
   once, when it compiles (:func:`split_backward`): an input half that I runs, and a weight
   half for W that starts from the output gradients I computed on the way, not the
@@ -62,6 +65,7 @@ from ..options.compile import BACKENDS  # noqa: F401 - the backends, read here t
 from . import rng, tracing
 from .lowered import Lowered
 from .split_graphs import SplitState, split_backward
+from .subgraphs import base_op
 from .work import work
 
 _LOG = logging.getLogger("poptorch_lite")
@@ -212,12 +216,12 @@ class CompiledGraph:
                 if made is None:
                     tracing.forget_sources(keys)
                     return self.gm(*args)
-                fn, split, reused, key, plain = made
+                fn, split, reused, key, plain, cut = made
                 if reused:
                     tracing.forget_sources(keys)
                 else:  # ``plain`` kept too: what its key names by identity stays alive
                     with _cache_lock:
-                        _cache[key] = (fn, split, keys, plain)
+                        _cache[key] = (fn, split, keys, plain, cut)
                         while len(_cache) > _CACHE_SIZE:
                             tracing.forget_sources(_cache.popitem(last=False)[1][2])
                 if self.fns:  # compiled before, for the other grad mode
@@ -226,15 +230,16 @@ class CompiledGraph:
                     info.state = "reused" if reused else "compiled"
                 elif info.state == "reused" and not reused:
                     info.state = "compiled"
-                self.fns[grad] = fn
+                self.fns[grad] = _cutting(fn, cut) if cut else fn
                 if split is not None:
                     self.split = split
                 info.seconds += time.perf_counter() - started
         return self(*args)
 
     def _made(self, args: tuple, grad: bool) -> Optional[tuple]:
-        """``(function, SplitState or None, reused, cache key, graph)`` for ``args`` in grad mode
-        ``grad``: another wrapper's, or compiled now; None where the stage runs eagerly."""
+        """``(function, SplitState or None, reused, cache key, graph, cut)`` for ``args`` in
+        grad mode ``grad``: another wrapper's, or compiled now; None where the stage runs
+        eagerly. ``cut``: the positions of the arguments no gradient reaches (:func:`_cutting`)."""
         plain = _without_seeding(self.gm)
         d = self.decision
         if d.compile is None:
@@ -247,21 +252,29 @@ class CompiledGraph:
         with _cache_lock:
             cached = _cache.get(key)
         if cached is not None:
-            return cached[0], cached[1], True, key, cached[3]
+            return cached[0], cached[1], True, key, cached[3], cached[4]
         try:  # Compiling may draw random numbers (Inductor benchmarks its choices on random
             # inputs): from generators put back after, not from the run's (the next bases).
             with torch.random.fork_rng(devices=_cuda_devices(args)):
-                fn, split = self._compile(plain, args)
+                fn, split, cut = self._compile(plain, args)
         except Exception as exc:  # noqa: BLE001 - any refusal: run eagerly
             self._refused(exc)
             return None
-        return fn, split, False, key, plain
+        return fn, split, False, key, plain, cut
 
     def _compile(self, plain: fx.GraphModule, args: tuple) -> tuple:
-        """``(function, SplitState or None)``: ``plain`` compiled for ``args``, forward and
-        backward, nothing run (AOTAutograd traces it on fake tensors)."""
+        """``(function, SplitState or None, cut)``: ``plain`` compiled for ``args``, forward
+        and backward, nothing run (AOTAutograd traces it on fake tensors); ``cut``: the
+        positions of the arguments that require grad and get none from its backward."""
         split = SplitState() if self.weights and torch.is_grad_enabled() else None
         positions = self.weights
+        cut: list = []
+
+        def unreached(bw: fx.GraphModule) -> None:  # its outputs: one per forward argument
+            outs = bw.graph.output_node().args[0]
+            if len(outs) == len(args):
+                cut.extend(k for k, (o, a) in enumerate(zip(outs, args)) if o is None
+                           and isinstance(a, torch.Tensor) and a.requires_grad)
 
         # The backward compiles now too, not at its first call: its time is counted, and a
         # refusal comes before anything ran. A split backward's saved values are not the
@@ -275,6 +288,8 @@ class CompiledGraph:
                 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
                 def inner(gm, example_inputs, **kw):
+                    if kw.get("is_backward"):
+                        unreached(gm)
                     if kw.get("is_backward") and split is not None:
                         def one(g, ex, first):
                             more = dict(kw) if first else {**kw, "static_input_idxs": ()}
@@ -287,13 +302,14 @@ class CompiledGraph:
                 from torch._functorch.aot_autograd import aot_module_simplified
 
                 def backward(gm, example_inputs):
+                    unreached(gm)
                     if split is not None:
                         return split_backward(gm, example_inputs, positions,
                                               lambda g, ex, first: _boxed(g), split)
                     return _boxed(gm)
                 fn = aot_module_simplified(plain, list(args), fw_compiler=lambda g, _: _boxed(g),
                                            bw_compiler=backward)
-        return fn, split
+        return fn, split, tuple(cut)
 
     def _pays(self, plain: fx.GraphModule, args: tuple) -> bool:
         info = self.decision.info
@@ -330,6 +346,31 @@ class CompiledGraph:
             "compiles once per grad mode (a training and an inference wrapper of one model)",
             info.stage, self.part, "took another wrapper's graph" if reused else "recompiled",
             torch.is_grad_enabled(), info.recompiles)
+
+
+def _cutting(fn, cut: tuple):
+    """``fn`` given the arguments at ``cut``, which its backward gives no gradient (a
+    parameter before a ``detach``), detached: autograd would call a hook on one (its
+    ``register_hook``) with None, where plain PyTorch's graph has no path to it."""
+    def call(*args):
+        args = list(args)
+        for k in cut:
+            args[k] = args[k].detach()
+        return fn(*args)
+    return call
+
+
+# oneDNN's LSTM layer (a CPU trace's nn.LSTM), run without grad as a compiled forward runs,
+# leaves undefined the workspace its backward reads: "expected all tensors_saved_with_vc_check
+# to be Tensors" on the first call.
+_TRAINS_UNCOMPILED = (torch.ops.aten.mkldnn_rnn_layer.default,)
+
+
+def uncompilable(stages) -> list:
+    """The ops of a training trace's ``stages`` that compile but cannot run compiled: the
+    compile step traces again without CPU-only kernels (``tracing.trace``'s ``generic``)."""
+    return sorted({str(op) for st in stages for n in st.module.graph.nodes
+                   if n.op == "call_function" and (op := base_op(n.target)) in _TRAINS_UNCOMPILED})
 
 
 def _boxed(gm: fx.GraphModule):
@@ -403,6 +444,6 @@ def _target_key(target):
 def clear_cache() -> None:
     """Forget every compiled graph of this process (the next compile starts afresh)."""
     with _cache_lock:
-        for _, _, keys, _ in _cache.values():
+        for _, _, keys, *_ in _cache.values():
             tracing.forget_sources(keys)
         _cache.clear()

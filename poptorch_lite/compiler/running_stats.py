@@ -49,20 +49,38 @@ other processes keep theirs in their own process (``distributed``), and the main
 are its replica 0's. ``copyWeightsToDevice`` (and so loading a state dict or a
 checkpoint) gives every replica the host's buffers; an edit of the host copy between calls
 reaches replica 0, whose copy it is ([Note: weight homes] in ``runtime/weights``).
+
+[Note: cumulative averages]
+A training BatchNorm with ``momentum=None`` keeps a cumulative moving average: torch's
+forward counts the batch (``num_batches_tracked += 1``) and reads the count into Python
+as the kernel's momentum, ``1.0 / float(num_batches_tracked)``, which a trace would fix
+at the first micro-batch's count ([Note: values read while tracing] in ``trace_modes``).
+While tracing, :func:`cumulative_averages` gives such a layer (torch's own forward) one
+whose count is traced as an op and whose kernel call is one node of the graph,
+:func:`cumulative_batch_norm`, that reads the count when it runs: every micro-batch, and
+every replica with its own buffers, normalises and updates its statistics with its own
+count, through the very kernel plain PyTorch's forward calls, so to the bit. Its
+statistics are written inside the layer's forward, so :class:`StatisticsWatch` counts
+them as its updates. The read is a host sync on a GPU, as in plain PyTorch: a step graph
+is not captured around one, and a compiled stage that holds one runs eagerly (both say why).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
-from torch.nn.modules.batchnorm import _NormBase
+from torch._subclasses.fake_tensor import is_fake
+from torch.fx.experimental.proxy_tensor import (disable_proxy_modes_tracing, get_proxy_mode,
+                                                track_tensor_tree)
+from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.nn.modules.module import (register_module_forward_hook,
                                      register_module_forward_pre_hook)
 from torch.overrides import TorchFunctionMode
 
+from . import markers
 from .trace_state import version_of
 
 _LAYER_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
@@ -77,6 +95,58 @@ def tracks_statistics(model: torch.nn.Module) -> bool:
         (True, False)
     """
     return any(isinstance(m, _NormBase) and m.track_running_stats for m in model.modules())
+
+
+@contextlib.contextmanager
+def cumulative_averages(model: torch.nn.Module):
+    """While inside, ``model``'s BatchNorm layers with ``momentum=None`` (torch's own forward)
+    record their cumulative averages' kernel call as :func:`cumulative_batch_norm`
+    ([Note: cumulative averages])."""
+    layers = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.momentum is None
+              and type(m).forward is _BatchNorm.forward and "forward" not in vars(m)]
+    for m in layers:
+        m.forward = _cumulative_forward.__get__(m)
+    try:
+        yield
+    finally:
+        for m in layers:
+            del m.forward
+
+
+def cumulative_batch_norm(input, weight, bias, running_mean, running_var, count, eps: float):
+    """A training ``F.batch_norm`` whose momentum is ``1 / count`` read now, as torch's
+    BatchNorm with ``momentum=None`` reads it ([Note: cumulative averages])."""
+    if is_fake(count):  # a compile (AOTAutograd's trace) has no count to read: it refuses
+        raise NotImplementedError("a BatchNorm with momentum=None reads its count "
+                                  "(num_batches_tracked) on the host in every micro-batch")
+    return F.batch_norm(input, running_mean, running_var, weight, bias, True,
+                        1.0 / float(count), eps)
+
+
+def reads_count(graphs) -> bool:
+    """Whether any of ``graphs`` calls :func:`cumulative_batch_norm` (a read on the host)."""
+    return any(n.target is cumulative_batch_norm for gm in graphs for n in gm.graph.nodes)
+
+
+def _cumulative_forward(self: _BatchNorm, input: torch.Tensor) -> torch.Tensor:
+    """``_BatchNorm.forward``, its ``float(num_batches_tracked)`` read in the graph's node."""
+    mode = get_proxy_mode()
+    if mode is None or not (self.training and self.track_running_stats
+                            and self.num_batches_tracked is not None):
+        return _BatchNorm.forward(self, input)  # reads no count
+    self._check_input_dim(input)
+    self.num_batches_tracked.add_(1)
+    args = (input, self.weight, self.bias, self.running_mean, self.running_var,
+            self.num_batches_tracked)
+    with disable_proxy_modes_tracing():
+        out = cumulative_batch_norm(*args, self.eps)
+    proxy = mode.tracer.create_proxy("call_function", cumulative_batch_norm, tuple(
+        mode.tracer.unwrap_proxy(a) if isinstance(a, torch.Tensor) else a for a in args)
+        + (self.eps,), {})
+    with disable_proxy_modes_tracing():
+        track_tensor_tree(out, proxy, constant=None, tracer=mode.tracer)
+    markers.record_requires_grad(out)
+    return out
 
 
 class StatisticsWatch(TorchFunctionMode):

@@ -60,7 +60,7 @@ from . import backward_hooks, grad_semantics, losses, markers, structures
 from .casting import _ImplicitCasting
 from .markers import _current, trace_context
 from .python_attributes import AttributeWatch
-from .running_stats import StatisticsWatch, same_values
+from .running_stats import StatisticsWatch, cumulative_averages, same_values
 from .subgraphs import wrap_target
 from .trace_state import UserGenerators, WrittenParameters, preserved_state, version_of
 from .trace_modes import PythonDraws, _InferenceSession, _TraceMode, user_file_test
@@ -358,7 +358,7 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
                 trace_context() as state, _export_style(model), \
                 grad, _quiet_torch_trace_log(), grad_semantics.recording(training), \
                 _TraceMode(generators.saw), _ImplicitCasting(), session, \
-                StatisticsWatch(buffers, before) as watch:
+                StatisticsWatch(buffers, before) as watch, cumulative_averages(model):
             state.on_loss = on_loss
             versions = {n: version_of(b) for n, b in buffers.items()}
             # A table of its own (empty) keeps detach an op: make_fx's default turns it

@@ -225,10 +225,11 @@ class Channels:
                                    shape)
 
     def clip_grad_norm_(self, params: dict, max_norm: float) -> None:
-        """``torch.nn.utils.clip_grad_norm_`` over the whole model's gradients, which the
-        pipeline's processes hold between them: each adds the squared norms of the gradients
-        it counts (a weight used in several processes counts in the first), one sum over the
-        processes gives the norm, and each scales its own gradients."""
+        """``torch.nn.utils.clip_grad_norm_`` over the gradients of ``params`` (name ->
+        parameter: those the optimizer holds), which the pipeline's processes hold between
+        them: each adds the squared norms of the gradients it counts (a weight used in
+        several processes counts in the first), one sum over the processes gives the norm,
+        and each scales its own gradients."""
         by_device: dict = {}  # one host copy per device, not per gradient
         for n in self.counted:
             if n in params and params[n].grad is not None:

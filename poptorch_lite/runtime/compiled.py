@@ -61,6 +61,7 @@ from typing import Optional
 import torch
 
 from . import anchors
+from ..compiler import backward_hooks
 from ..compiler.python_attributes import shown
 from ..errors import (PoptorchLiteWarning, UnrecoverableError,
                       hide_when_refused as __tracebackhide__, warn_once)
@@ -231,6 +232,8 @@ class CompiledModel:
         completed step; ``allOrNothingCalls`` also undoes the steps of a failed call.
         """
         opts, weights, training = self.options, self.weights, self.training
+        if training and program.shared:  # a hook registered since the last call too
+            backward_hooks.refuse_hooks_on_shared_parameters(program.shared, weights.params)
         if weights.edits():  # host edits reach the devices ([Note: weight sync] in host_sync)
             weights.to_device(everything=False)
         ex = program.executor

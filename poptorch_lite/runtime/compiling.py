@@ -115,8 +115,12 @@ def _compiled(model, modes, options, training, mbs, weights, placement, replicas
             placement.close()
         placement = Placement(sorted(ipus), o.ipu_devices)
     # [Note: graphs on their devices]: a kernel a stage's device lacks asks for a trace
-    # without CPU-only kernels; then every graph is rewritten for its device.
-    if retarget.lacking(mine, placement.devices):
+    # without CPU-only kernels, as does a training kernel that cannot run compiled
+    # ([Note: compiled stages] in compiler/compiled_stages); then every graph is rewritten
+    # for its device.
+    compiles = o.compile_stages and o.compile_backend != "eager"
+    if retarget.lacking(mine, placement.devices) or (
+            compiles and training and compiled_stages.uncompilable(mine)):
         part = partition(model, modes, a, kw, o.execution_strategy, training, generic=True,
                          replica_values=replica_values)
         mine = [part.stages[st.index] for st in mine]
@@ -127,7 +131,7 @@ def _compiled(model, modes, options, training, mbs, weights, placement, replicas
     channels = Channels(part, processes, {ipu: placement.device(ipu) for ipu in ipus}, training,
                         any(st.random for st in part.stages)) if spans else None
     lowered, report = lower(part, recompute), None
-    if o.compile_stages and o.compile_backend != "eager":  # [Note: compiled stages]
+    if compiles:  # [Note: compiled stages]
         lowered, report = compiled_stages.compile_lowered(
             lowered, {st.ipu: placement.device(st.ipu) for st in mine}, o.compile_backend,
             split=training and o.execution_strategy.schedule is PipelineSchedule.ZeroBubble)

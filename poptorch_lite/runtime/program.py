@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from ..compiler import rng
+from ..compiler import backward_hooks, rng
 from ..compiler.partition import Partition
 from ..enums import ReductionType
 from ..optim.accepted import accum_dtype, max_grad_norm
@@ -45,6 +45,8 @@ class Program:
         self.graph = graph
         # The model's own generators its stages draw from ([Note: a user's generator]).
         self.generators = tuple(g for g, _, _ in rng.user_generators(partition.stages).values())
+        # The parameters several stages use, whose gradient hooks a call refuses.
+        self.shared = backward_hooks.stages_sharing(partition.stages)
         self._schedules: dict = {}
 
     def schedule(self, m: int, training: bool):

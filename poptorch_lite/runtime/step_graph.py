@@ -39,7 +39,9 @@ back to it), into one graph; that run and every later one is then a replay:
   one device, or not on a GPU; stages or replicas in other processes; ``useIpuModel``;
   offloaded optimizer state; ``stopOnNonFiniteLoss`` (a host read per micro-batch); a
   recomputed stage with random ops (its recompute restarts a generator mid-stream);
-  gradient hooks on parameters (their Python would run at the capture only). A capture
+  gradient hooks on parameters (their Python would run at the capture only); a BatchNorm
+  with ``momentum=None`` (a host read per micro-batch: [Note: cumulative averages] in
+  ``compiler/running_stats``). A capture
   that raises leaves the program eager (its streams are
   joined back, so the capture ends); one that cannot be ended stops the call
   (``ExecutionError``): torch's CUDA state is then unknown.
@@ -65,6 +67,7 @@ import torch
 
 from ..compiler import rng
 from ..compiler.compiled_stages import CompiledGraph
+from ..compiler.running_stats import reads_count
 from ..errors import ExecutionError
 from .gpu import CaptureFailed, joinable
 from .run import Run, RunStats
@@ -419,7 +422,10 @@ def for_program(executor, options) -> Optional[StepGraph]:
         "a recomputed stage has random ops" if any(
             st.recompute and st.random for st in ex.work.stages) else
         "a stage draws from a torch.Generator of the model's own, whose draws on the host a "
-        "graph would not replay" if rng.user_generators(ex.partition.stages) else None)
+        "graph would not replay" if rng.user_generators(ex.partition.stages) else
+        "a BatchNorm with momentum=None reads its count on the host in every micro-batch"
+        if reads_count(gm for st in ex.partition.stages
+                       for gm in (st.module, *(seg.module for seg in st.segments))) else None)
     return StepGraph(ex, on_gpu[0], refused)
 
 

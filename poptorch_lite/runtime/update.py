@@ -12,11 +12,11 @@ replicas of a group share one input, so each micro-batch run stands for g of
 them: Mean divides by ``G·R/g`` and Sum by ``1/g``. With several processes the
 update first sums a weight used by stages in several processes over them, then
 all-reduces each gradient over the P data-parallel replicas of its stage (Mean:
-/P; ``distributed``). It then clips to ``max_grad_norm`` if finite (the norm of
-the whole model, over a pipeline's processes), then calls ``optimizer.step()`` on the
-parameters' homes ([Note: weight homes] in ``weights``). After a training
-call the host parameters' ``.grad`` are the user's again; the gradient each
-last step used stays on its home ([Note: host gradients] in ``weights``).
+/P; ``distributed``). It then clips to ``max_grad_norm`` if finite (the norm of the
+parameters the optimizer holds, over a pipeline's processes), then calls
+``optimizer.step()`` on the parameters' homes ([Note: weight homes] in ``weights``).
+After a training call the host parameters' ``.grad`` are the user's again; the
+gradient each last step used stays on its home ([Note: host gradients] in ``weights``).
 
 [Note: commit point]
 Parameters and optimizer state change only in the update action (``U``), the
@@ -148,10 +148,16 @@ class Updates:
                     self.steps_applied += 1  # a skipped step counts as taken
                     return
             if math.isfinite(step.max_grad_norm):
+                # The norm of what the optimizer steps (PopART clips the weights it updates):
+                # a parameter outside its groups keeps its gradient and adds nothing.
+                held = {id(p) for g in step.optimizer.param_groups for p in g["params"]}
                 if spread:  # the global norm, over the pipeline's processes
-                    self.channels.clip_grad_norm_(weights.params, step.max_grad_norm)
+                    self.channels.clip_grad_norm_(
+                        {n: p for n, p in weights.params.items() if id(p) in held},
+                        step.max_grad_norm)
                 else:
-                    torch.nn.utils.clip_grad_norm_(params, step.max_grad_norm)
+                    torch.nn.utils.clip_grad_norm_([p for p in params if id(p) in held],
+                                                   step.max_grad_norm)
             try:  # [Note: commit point]: from here parameters and optimizer state change
                 step.optimizer.step()
             except Exception as exc:
