@@ -10,7 +10,6 @@ where one action runs at a time on one memory.
 
 import copy
 import os
-import re
 
 import pytest
 import torch
