@@ -241,6 +241,44 @@ def test_a_refused_trace_puts_pythons_and_numpys_random_back():
     assert np.array_equal(np.random.get_state()[1], before[1][1])
 
 
+class DrawsThenRefused(DrawsInPython):
+    """Draws in Python and then meets a refusal after its trace: a buffer of its own written
+    under replicas (E-PART-10), or a hook on a parameter both stages use (E-PART-27)."""
+
+    def __init__(self, why: str):
+        super().__init__(2, "random")
+        self.why = why
+        self.register_buffer("count", torch.zeros(()))
+        if why == "hook":
+            self.a.bias.register_hook(lambda g: g.clamp(-0.01, 0.01))
+
+    def forward(self, x, y):
+        out, loss = super().forward(x, y)
+        if self.why == "buffer":
+            with torch.no_grad():
+                self.count.add_(1)
+        else:
+            out = out + self.a(x).sum(1, keepdim=True)  # self.a again, in block b1
+        return out, loss
+
+
+@pytest.mark.parametrize("why, error, R", [("buffer", poptorch.OptionsError, 2),
+                                           ("hook", poptorch.BlockError, 1)])
+def test_a_compile_refused_after_its_trace_puts_pythons_and_numpys_random_back(why, error, R):
+    random.seed(0)
+    np.random.seed(0)
+    before = random.getstate(), np.random.get_state()
+    opts = poptorch.Options().replicationFactor(R)
+    opts.setExecutionStrategy(poptorch.PipelinedExecution())
+    opts.Training.gradientAccumulation(3)
+    x, y = torch.randn(3 * R * 2, 8), torch.randint(0, 4, (3 * R * 2,))
+    with warnings.catch_warnings(), pytest.raises(error):
+        warnings.simplefilter("ignore", poptorch.PoptorchLiteWarning)  # the draw's, once
+        poptorch.trainingModel(DrawsThenRefused(why), opts)(x, y)
+    assert random.getstate() == before[0]
+    assert np.array_equal(np.random.get_state()[1], before[1][1])
+
+
 # -- a generator of the model's own ([Note: a user's generator] in compiler/rng.py) -------------
 
 class OwnGenerator(torch.nn.Module):

@@ -63,7 +63,10 @@ module-level function of ``random`` or ``numpy.random`` on the tracing thread (w
 while it traces), or the forward's own where the draw went another way (``from random
 import random``, a ``random.Random`` of the model's own is not watched). A successful
 trace leaves the states advanced by its draws, as PopTorch's does; one that fails puts
-them back, as it puts back everything else. torch's random ops are not of this kind:
+them back, as it puts back everything else, and so does a compile refused after its trace
+(``host_random``: E-PART-10, 25, 26, E-OPT-41 change nothing). A second trace of the same
+compile (for a device's kernels, [Note: graphs on their devices]) starts from the states
+the first started from, so the graph keeps the numbers the first drew. torch's random ops are not of this kind:
 they are ops of the graph and draw per micro-batch ([Note: micro-batch RNG] in ``rng``).
 """
 
@@ -350,6 +353,18 @@ def _watched(module, name: str, draw):
     return watched
 
 
+def host_random() -> tuple:
+    """The states of Python's ``random`` and numpy's global random, for
+    :func:`set_host_random` ([Note: Python's random while tracing])."""
+    return random.getstate(), np.random.get_state()
+
+
+def set_host_random(states: tuple) -> None:
+    """Put back the states :func:`host_random` read."""
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+
+
 class PythonDraws:
     """Context manager around a trace: warns of a draw from Python's ``random`` or numpy's
     global random state, naming its line; puts the states back if the trace fails ([Note:
@@ -362,7 +377,7 @@ class PythonDraws:
         self.first = None  # (module name, function name, user frame) of the first draw seen
 
     def __enter__(self):
-        self.states = random.getstate(), np.random.get_state()
+        self.states = host_random()
         with _watching["lock"]:
             if _watching["traces"] == 0:
                 _watching["saved"] = [(m, n, getattr(m, n)) for m, g in (
@@ -383,8 +398,7 @@ class PythonDraws:
                     setattr(module, name, draw)
         python, numpy = self.states
         if kind is not None:
-            random.setstate(python)
-            np.random.set_state(numpy)
+            set_host_random(self.states)
             return
         now = np.random.get_state()
         moved = [what for what, changed in (

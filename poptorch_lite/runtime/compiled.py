@@ -61,7 +61,7 @@ from typing import Optional
 import torch
 
 from . import anchors
-from ..compiler import backward_hooks
+from ..compiler import backward_hooks, trace_modes
 from ..compiler.python_attributes import shown
 from ..errors import (PoptorchLiteWarning, UnrecoverableError,
                       hide_when_refused as __tracebackhide__, warn_once)
@@ -135,7 +135,16 @@ class CompiledModel:
     def prepare(self, args: tuple, kwargs: dict, optimizer) -> tuple:
         """Split the call's inputs and compile them if their signature (or the set of
         trainable parameters) is new, attached: ``(micro-batches, program)``; what
-        ``compile()`` does."""
+        ``compile()`` does. A refusal puts back Python's and numpy's random states, which
+        a trace advances by the forward's draws ([Note: Python's random while tracing])."""
+        drawn = trace_modes.host_random()
+        try:
+            return self._prepare(args, kwargs, optimizer)
+        except BaseException:
+            trace_modes.set_host_random(drawn)
+            raise
+
+    def _prepare(self, args: tuple, kwargs: dict, optimizer) -> tuple:
         o = self.options  # the factor's arithmetic is spelled out only for a refusal
         weights = self.weights
         if weights is None:  # the parameters the first program compiles with
@@ -154,6 +163,8 @@ class CompiledModel:
                 program = self.compile(key, mbs, optimizer)
                 self.compiled_args = (args, kwargs)
             self._ran[key] = program
+        if self.training and program.shared:  # a hook registered since the last call too
+            backward_hooks.refuse_hooks_on_shared_parameters(program.shared, self.weights.params)
         if key[1] != self.trainable:  # [Note: trainable parameters]
             self.weights.follow_requires_grad()
             self.trainable = key[1]
@@ -232,8 +243,6 @@ class CompiledModel:
         completed step; ``allOrNothingCalls`` also undoes the steps of a failed call.
         """
         opts, weights, training = self.options, self.weights, self.training
-        if training and program.shared:  # a hook registered since the last call too
-            backward_hooks.refuse_hooks_on_shared_parameters(program.shared, weights.params)
         if weights.edits():  # host edits reach the devices ([Note: weight sync] in host_sync)
             weights.to_device(everything=False)
         ex = program.executor

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from ..compiler import compiled_stages, retarget, rng, tracing
+from ..compiler import compiled_stages, retarget, rng, trace_modes, tracing
 from ..compiler.lowered import lower
 from ..compiler.partition import Partition, check_pipeline_minimums, partition
 from ..compiler.running_stats import tracks_statistics
@@ -62,10 +62,11 @@ def compile_program(model: torch.nn.Module, modes: dict, options: Options, train
             before any state changes.
     """
     keys: list = []  # the generated graphs' sources torch.fx keeps, forgotten with them
+    drawn = trace_modes.host_random()  # what a second trace starts from
     try:
         with tracing.generated_sources(keys):
             made = _compiled(model, modes, options, training, mbs, weights, placement, replicas,
-                             processes, replica_values)
+                             processes, replica_values, drawn)
     except BaseException:
         tracing.forget_sources(keys)
         raise
@@ -74,7 +75,7 @@ def compile_program(model: torch.nn.Module, modes: dict, options: Options, train
 
 
 def _compiled(model, modes, options, training, mbs, weights, placement, replicas, processes,
-              replica_values):
+              replica_values, drawn):
     o = options
     a, kw = mbs.args_kwargs(0)
     part = partition(model, modes, a, kw, o.execution_strategy, training,
@@ -121,6 +122,7 @@ def _compiled(model, modes, options, training, mbs, weights, placement, replicas
     compiles = o.compile_stages and o.compile_backend != "eager"
     if retarget.lacking(mine, placement.devices) or (
             compiles and training and compiled_stages.uncompilable(mine)):
+        trace_modes.set_host_random(drawn)  # the same Python draws as the first trace's
         part = partition(model, modes, a, kw, o.execution_strategy, training, generic=True,
                          replica_values=replica_values)
         mine = [part.stages[st.index] for st in mine]
