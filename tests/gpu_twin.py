@@ -39,14 +39,23 @@ class TwinStream:
         self.device = device
         self.pending = []    # (sequence number, work) launched and not yet run
         self.launched = 0    # work launched so far
-        self.waited = {}     # other stream -> how far this one waited for it (its work up to)
+        self.ops = 0         # launches, waits and event records so far (their order)
+        self.waits = []      # (op of the wait, other stream, its work up to, its op up to)
+        self.waited = {}     # other stream -> how far this one waited for it itself
         self.synced = 0      # how far the host waited for this stream
         self.lock = threading.RLock()
 
     def launch(self, work) -> None:
         with self.lock:
             self.launched += 1
+            self.ops += 1
             self.pending.append((self.launched, work))
+
+    def _waited(self, other, mark: int, op: int) -> None:
+        with self.lock:
+            self.ops += 1
+            self.waits.append((self.ops, other, mark, op))
+            self.waited[other] = max(self.waited.get(other, 0), mark)
 
     def run_until(self, mark: int) -> None:
         """Run the work launched up to ``mark``, in order (what a wait on an event needs)."""
@@ -62,13 +71,13 @@ class TwinStream:
     def wait_event(self, event) -> None:
         if event.stream is not None:  # the device waits: the host learns nothing
             event.stream.run_until(event.mark)
-            self.waited[event.stream] = max(self.waited.get(event.stream, 0), event.mark)
+            self._waited(event.stream, event.mark, event.op)
             _joins(self, event.stream)
 
     def wait_stream(self, other) -> None:
-        mark = other.launched
+        mark, op = other.launched, other.ops
         other.synchronize(host=False)
-        self.waited[other] = max(self.waited.get(other, 0), mark)
+        self._waited(other, mark, op)
         _joins(self, other)
 
     def synchronize(self, host: bool = True) -> None:
@@ -79,19 +88,35 @@ class TwinStream:
         self.synced = max(self.synced, mark)
 
     def sees(self, other, mark: int) -> bool:
-        """Whether work launched on ``other`` up to ``mark`` is visible to this stream's work."""
-        return other is self or max(self.waited.get(other, 0), other.synced) >= mark
+        """Whether work launched on ``other`` up to ``mark`` is visible to this stream's work
+        now: the host waited for it, or this stream waited for it, directly or through
+        streams that had waited for it before the point this one waited for (CUDA's waits
+        are transitive: a wait orders what follows it after all the waited stream's work
+        before the event, its own waits included)."""
+        if other is self or other.synced >= mark:
+            return True
+        ops, work, todo = {self: self.ops}, {}, [self]
+        while todo:  # how far each stream's work and waits are ordered before this one's
+            s = todo.pop()
+            for op, o, m, o_op in list(s.waits):
+                if op <= ops[s]:
+                    work[o] = max(work.get(o, 0), m)
+                    if o_op > ops.get(o, 0):
+                        ops[o] = o_op
+                        todo.append(o)
+        return work.get(other, 0) >= mark
 
 
 class TwinEvent:
     """A stand-in CUDA event: marks a stream's work so far, with the host time it was recorded."""
 
     def __init__(self, enable_timing: bool = False):
-        self.stream, self.mark, self.time = None, 0, None
+        self.stream, self.mark, self.op, self.time = None, 0, 0, None
 
     def record(self, stream=None) -> None:
-        self.stream = stream
-        self.mark = stream.launched
+        with stream.lock:
+            stream.ops += 1
+            self.stream, self.mark, self.op = stream, stream.launched, stream.ops
         self.time = time.perf_counter()
 
     def synchronize(self) -> None:

@@ -30,7 +30,7 @@ from poptorch_lite.runtime.placement import Placement
 from poptorch_lite.runtime.streams import CpuStream, StreamFailed, arrive
 from poptorch_lite.runtime.weights import Weights
 
-from gpu_twin import TwinGpu
+from gpu_twin import TWIN, TwinGpu
 from models import (BlockMLP, data, microbatch_seeds, on_device, reference_training, twin,
                     workers)
 
@@ -143,6 +143,28 @@ def test_a_cpu_stream_waits_on_the_host_for_the_gpu_work_it_depends_on():
     events = [FakeEvent(log), FakeEvent(log)]
     CpuStream("t").wait(events)
     assert log == events
+
+
+def test_the_twins_waits_are_transitive_as_cudas_are():
+    """Stream c waits for b's event recorded after b waited for a's: c sees a's work up to
+    a's event, not a's work launched after it; d waits for an event b recorded before its
+    wait, and sees nothing of a (CUDA orders a stream's work after every wait before it)."""
+    twin = TwinGpu()
+    a, b, c, d = (twin.Stream(TWIN) for _ in range(4))
+    a.launch(lambda: None)
+    early = twin.Event()
+    early.record(a)
+    a.launch(lambda: None)  # after the event b waits for
+    b.launch(lambda: None)
+    before = twin.Event()
+    before.record(b)
+    b.wait_event(early)
+    after = twin.Event()
+    after.record(b)
+    d.wait_event(before)
+    assert d.sees(b, before.mark) and not d.sees(a, early.mark)
+    c.wait_event(after)
+    assert c.sees(b, after.mark) and c.sees(a, early.mark) and not c.sees(a, a.launched)
 
 
 def test_a_tensor_already_where_it_is_read_arrives_as_itself():
