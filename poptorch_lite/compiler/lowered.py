@@ -52,7 +52,7 @@ class LoweredStage:
         param_names: the parameters it reads; exclusive: those no other stage reads (their
             gradient may go to an accumulator).
         written: the buffers it writes in place; written_state: those and the call's
-            arguments it writes, what a recompute starts afresh from.
+            arguments and the parameters it writes, what a recompute starts afresh from.
         crossing: its outputs that a stage on another IPU reads.
         loss_at: where the loss is among its outputs (None: elsewhere).
         cuts: the values that cross a checkpoint cut inside it (what a recompute keeps).
@@ -140,7 +140,7 @@ def _lowered(st: Stage, partition: Partition, recompute: bool,
         param_names=tuple(st.param_names),
         exclusive=tuple(n for n in st.param_names if users[n] == 1),
         written=frozenset(written),
-        written_state=tuple(written + [n for n in st.inputs if n.startswith("input:")
+        written_state=tuple(written + [n for n in st.inputs if n.startswith(("input:", "param:"))
                                        and n in st.written_inputs]),
         crossing=frozenset(n for n in st.outputs if any(
             n in t.inputs and t.ipu != st.ipu for t in partition.stages)),

@@ -70,7 +70,8 @@ class Stage:
             this stage writes in place (``nn.ReLU(inplace=True)`` opening a stage,
             ``x += 1`` on an argument); the executor gives the stage a copy of them
             (and copies a call's edited argument back: [Note: edited arguments] in
-            ``runtime/stage_work``).
+            ``runtime/stage_work``); and the parameters it writes in place (a
+            ``clamp_`` under ``no_grad``), which a recompute reads as they were.
         segments: the stage cut after each ``recomputationCheckpoint`` value,
             for recomputation (one segment when it has none).
         random: whether it has random ops ([Note: micro-batch RNG]).

@@ -14,13 +14,14 @@ from . import markers
 
 
 def written_in_place(value: fx.Node) -> bool:
-    """Whether an op writes ``value`` in place, directly or through a view of it."""
+    """Whether an op writes ``value`` in place, directly or through a view of it (a wrapped
+    op too: ``clamp_`` under ``no_grad``)."""
     stack, seen = [value], set()
     while stack:
         v = stack.pop()
         seen.add(v)
         for user in v.users:
-            schema = getattr(user.target, "_schema", None)
+            schema = getattr(base_op(user.target), "_schema", None)
             if schema is None:
                 continue
             for arg, given in zip(schema.arguments, user.args):
@@ -120,7 +121,7 @@ def subgraphs(root: fx.GraphModule, groups: list, value_name, exported: set) -> 
             n in exported or any(group_of.get(u, k) > k for u in n.users))]
         g.output(tuple(env[n] for n in outputs))
         written = frozenset(value_name(n) for n in env
-                            if value_name(n).startswith(("node:", "input:"))
+                            if value_name(n).startswith(("node:", "input:", "param:"))
                             and env[n].op == "placeholder" and written_in_place(env[n]))
         result.append((fx.GraphModule(root, g), tuple(inputs),
                        tuple(value_name(n) for n in outputs), written))

@@ -54,7 +54,10 @@ A recomputed stage's forward runs without keeping activations (a saved-tensor
 hook drops them). Its recompute action, in the backward slot, re-runs each
 segment between checkpoints from the kept values with gradients on, replaying
 the micro-batch's random state (same dropout masks) on copies of the written
-buffers (BatchNorm statistics move once). Each segment starts from leaves, so
+buffers (BatchNorm statistics move once) and of the written parameters (a ``clamp_``
+under ``no_grad``: the recompute reads the value the forward read, as plain PyTorch's
+backward differentiates the forward that read it; the copy passes its gradient on to
+the parameter, :class:`_AsBefore`). Each segment starts from leaves, so
 the backward runs segment by segment, last first, and hands each segment's
 input gradients to the one before; without recomputation the stage is one
 segment.
@@ -272,8 +275,9 @@ class StageWork:
         entry = self._head(a, run)
         env = {}
         for name, v in zip(st.inputs, entry.args):
-            if name in entry.buffers:
-                v = entry.buffers[name].clone()  # writes land in a copy: statistics move once
+            if name in entry.buffers:  # writes land in a copy: statistics move once
+                before = entry.buffers[name]
+                v = _AsBefore.apply(v, before) if v.requires_grad else before.clone()
             elif name in entry.boundary:
                 v = entry.boundary[name]
                 if name in st.written_inputs:
@@ -424,6 +428,19 @@ class StageWork:
             g = p.grad.to(dtype)
             run.accum[name] = (p, g if held is None else held[1].add_(g))
             p.grad = None
+
+
+class _AsBefore(torch.autograd.Function):
+    """A copy of ``before`` (a parameter's value before the forward wrote it) whose gradient
+    is the parameter's ([Note: recomputation])."""
+
+    @staticmethod
+    def forward(ctx, param, before):
+        return before.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 def _identity(t):
