@@ -65,7 +65,7 @@ from ..options.compile import BACKENDS  # noqa: F401 - the backends, read here t
 from . import rng, tracing
 from .lowered import Lowered
 from .split_graphs import SplitState, split_backward
-from .subgraphs import base_op
+from .subgraphs import base_op, written_in_place
 from .work import work
 
 _LOG = logging.getLogger("poptorch_lite")
@@ -270,11 +270,15 @@ class CompiledGraph:
         positions = self.weights
         cut: list = []
 
+        written = {k for k, ph in enumerate(n for n in plain.graph.nodes if n.op == "placeholder")
+                   if written_in_place(ph)}
+
         def unreached(bw: fx.GraphModule) -> None:  # its outputs: one per forward argument
             outs = bw.graph.output_node().args[0]
             if len(outs) == len(args):
-                cut.extend(k for k, (o, a) in enumerate(zip(outs, args)) if o is None
-                           and isinstance(a, torch.Tensor) and a.requires_grad)
+                cut.extend(k for k, (o, a) in enumerate(zip(outs, args))
+                           if isinstance(a, torch.Tensor) and a.requires_grad and (
+                               o is None or k in written and _tangent(o)))
 
         # The backward compiles now too, not at its first call: its time is counted, and a
         # refusal comes before anything ran. A split backward's saved values are not the
@@ -346,6 +350,16 @@ class CompiledGraph:
             "compiles once per grad mode (a training and an inference wrapper of one model)",
             info.stage, self.part, "took another wrapper's graph" if reused else "recompiled",
             torch.is_grad_enabled(), info.recompiles)
+
+
+def _tangent(value) -> bool:
+    """Whether a backward graph's output is one of its incoming gradients, passed on as it
+    came: for an argument the forward writes in place, the gradient of the written value,
+    an output of AOTAutograd's forward that nothing reads with a gradient (the runtime
+    copies it into the argument), so autograd gives zeros where plain PyTorch's graph has no
+    path to the argument."""
+    return isinstance(value, fx.Node) and value.op == "placeholder" and \
+        value.name.startswith("tangents")
 
 
 def _cutting(fn, cut: tuple):
