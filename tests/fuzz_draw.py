@@ -21,29 +21,6 @@ from fuzz_grammar import EDITS, FEATURES, LOSSES, OPTIMIZERS, TWO_STAGE, Edit, O
 
 PENDING = {
     # found by the fuzzer (tests/fuzz_found.py); fixes on their way
-    "weight_clip&recompute=True": "a recomputed stage that writes a parameter in place in "
-                                  "forward (clamp_ under no_grad) recomputes with the written "
-                                  "value: plain PyTorch's backward differentiates the forward "
-                                  "that read it before the write",
-    "compiled=True&stop&weight_clip": "in a compiled stage, a parameter the forward writes in "
-                                      "place gets a gradient (zeros) where none reaches it: "
-                                      "plain PyTorch leaves its .grad None, so the optimizer "
-                                      "makes state for it (and AdamW's decay moves it)",
-    **{f"{draw}&{trigger}": "a refusal after a successful trace (E-PART-10, E-PART-25/26, "
-                            "E-OPT-41) leaves Python's or numpy's random state advanced by the "
-                            "trace's draws: a refusal must change nothing"
-       for draw in ("python_random", "numpy_random") for trigger in ("R=2", "buffer_across")},
-    **{f"{state}&device=gpu_twin{size}": "a value made by stage s and read by stage s + 2 or "
-                                         "later (here a state snapshot) reads NaN on the GPU "
-                                         "twin: its reader waits for stage s + 1 only, which "
-                                         "orders it after stage s on CUDA (event waits are "
-                                         "transitive), but the twin's TwinStream.sees is not"
-       for state, size in (("buffer_across", "&stages=3"), ("buffer_across", "&stages=4"),
-                           ("weight_clip&shared_module", ""))},
-    "keras_replicated_buffers": "Keras' fit refuses replicas of a model that writes a buffer "
-                                "of its own (spectral_norm's u and v) with the PopTorch face's "
-                                "E-PART-10, whose fix (poptorch.Options.broadcastBuffers(False)) "
-                                "a Keras user cannot apply",
 }
 
 

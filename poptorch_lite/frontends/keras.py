@@ -10,6 +10,9 @@ PopTorch face and nothing else. ``fit`` wraps the module and its loss with
                          = steps_per_execution / replicas         (inference)
     gradientAccumulation = G   (gradient_accumulation_steps_per_replica)
     replicationFactor    = auto_select_ipus / stages              (IPUStrategy scope)
+    broadcastBuffers     = False with replicas: each replica keeps its own buffers,
+                           as each IPU keeps its own copy of TF's non-trainable
+                           variables (the host reads replica 0's)
     outputMode           = All (every batch's loss and predictions, for the logs)
     strategy             = PipelinedExecution(schedule=pipeline_schedule)
 

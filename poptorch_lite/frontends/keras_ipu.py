@@ -255,6 +255,8 @@ class IpuSettings:
         """
         G = self.G if kind == "train" else 1
         opts = Options().deviceIterations(spe // (G * R)).replicationFactor(R)
+        if R > 1:  # [Note: Keras face]: each replica's own buffers, as TF's variables
+            opts.broadcastBuffers(False)
         opts.Training.gradientAccumulation(G)
         opts.outputMode(OutputMode.All)
         opts.setExecutionStrategy(PipelinedExecution(schedule=self.schedule))
