@@ -78,8 +78,7 @@ def refuse_hooks_on_shared_parameters(shared: dict, params: dict) -> None:
             ("register_post_accumulate_grad_hook",
              getattr(p, "_post_accumulate_grad_hooks", None))) if hooks]
         if kinds:
-            where = " and ".join(f"{st.index} (block{'s' if len(st.blocks) > 1 else ''} "
-                                 f"{', '.join(map(repr, st.blocks))})" for st in sts)
+            where = " and ".join(f"{st.index} ({st.named_blocks})" for st in sts)
             raise BlockError(
                 f"parameter '{name}' has a gradient hook ({' and '.join(kinds)}) and stages "
                 f"{where} use it: each stage's backward computes its own part of the "

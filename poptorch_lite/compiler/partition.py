@@ -91,6 +91,11 @@ class Stage:
     def param_names(self) -> list:
         return [v.split(":", 1)[1] for v in self.inputs if v.startswith("param:")]
 
+    @property
+    def named_blocks(self) -> str:
+        """Its blocks as messages name them: ``block 'b0'``, ``blocks 'b0', 'b1'``."""
+        return f"block{'s' if len(self.blocks) > 1 else ''} {', '.join(map(repr, self.blocks))}"
+
 
 @dataclasses.dataclass
 class Partition:

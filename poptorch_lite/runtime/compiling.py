@@ -155,8 +155,7 @@ def check_mapped(part: Partition, mapping) -> None:
         return
     missing = [st for st in part.stages if st.ipu not in mapping]
     if missing:
-        blocks = "; ".join(f"IPU {st.ipu} (block{'s' if len(st.blocks) > 1 else ''} "
-                           f"{', '.join(map(repr, st.blocks))})" for st in missing)
+        blocks = "; ".join(f"IPU {st.ipu} ({st.named_blocks})" for st in missing)
         raise OptionsError(
             f"Options.set_ipu_devices maps IPUs {sorted(mapping)} only, but the model places "
             f"blocks on {blocks}; give every IPU a device, e.g. opts.set_ipu_devices("
