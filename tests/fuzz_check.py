@@ -94,11 +94,12 @@ def describe(program: Program, config: Config) -> str:
 
 @contextlib.contextmanager
 def _running(config: Config):
-    """The wrapped side's surroundings; yields the warnings it gives (W-LITE-13's once-per-line
-    record forgotten, so that every example's first trace warns)."""
+    """The wrapped side's surroundings; yields the warnings it gives (W-LITE-13's and
+    W-LITE-14's once-per-line records forgotten, so that every example's first trace warns)."""
     saved, warned = compiled_stages.PAYS_FROM, set(errors._warned)
     compiled_stages.PAYS_FROM = 0  # tiny stages: compile them anyway (conftest's fixture)
-    errors._warned.difference_update({k for k in warned if k.startswith("trace.python_random")})
+    errors._warned.difference_update({k for k in warned if k.startswith(
+        ("trace.python_random", "trace.python_attribute"))})
     try:
         with warnings.catch_warnings(record=True) as records:
             warnings.simplefilter("always")

@@ -120,6 +120,12 @@ FOUND = [
     Found("parameter_snapshot_two_stages_on_gpu_twin", "weight_clip&shared_module&device=gpu_twin",
           Program(stages=3, ops=(Op("weight_clip"), Op("shared_module", 0, 2))),
           Config(schedule="sequential", device="gpu_twin")),
+    # -- found by the 30-minute profile of 2026-11-28 ------------------------------------
+    *(Found(f"parameter_clamped_in_forward_offloaded_{device}", f"weight_clip&offload=True&device={device}",
+            Program(ops=(Op("weight_clip"),)), Config(device=device, offload=True))
+      for device in ("ipu_model", "gpu_twin")),
+    Found("python_counter_warned_in_every_example", "python_counter&again",
+          Program(ops=(Op("python_counter"),)), Config(calls=1)),
     Found("keras_replicated_batchnorm", "keras_replicated_batchnorm",
           Program(ops=(Op("batchnorm"),)), KerasConfig(R=2)),
     Found("keras_replicated_spectral_norm", "keras_replicated_buffers",

@@ -128,6 +128,8 @@ def _compiled(model, modes, options, training, mbs, weights, placement, replicas
         mine = [part.stages[st.index] for st in mine]
     retarget.place(mine, placement.devices)
     weights.place(placement.devices, [(st.ipu, st.param_names) for st in mine])
+    weights.written.update({n.split(":", 1)[1]: st.ipu for st in mine for n in st.written_inputs
+                            if n.startswith("param:")})
     weights.place_buffers([(st.ipu, [n.split(":", 1)[1] for n in st.inputs
                                      if n.startswith("buffer:")]) for st in mine])
     channels = Channels(part, processes, {ipu: placement.device(ipu) for ipu in ipus}, training,

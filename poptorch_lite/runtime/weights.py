@@ -108,6 +108,7 @@ class Weights:
         self._replica_buffers: list = []
         self._separate_homes: list = []  # (host parameter, home) pairs that are not the same
         self._others: dict = {}       # name -> its users' tensors besides the stepped one
+        self.written: dict = {}       # name -> the IPU whose stage writes it in forward
         self._versions: dict = {}
         self.host_stale = False       # the devices hold values the host copy lacks
         self.exposed = False          # the host copy was read or synced since the last push
@@ -257,9 +258,22 @@ class Weights:
         to the homes, on their devices. Offloaded weights, and parameters that are
         their own homes, need no binding (a context without a generator: once per step).
         """
-        if self.offload or not self._separate_homes:
+        if self.offload:
+            self._written_to_host()
+            return _Exit(self._record_step)
+        if not self._separate_homes:
             return _Exit(self._record_step)
         return self._bound_homes()
+
+    def _written_to_host(self) -> None:
+        """Offloaded: the values the forward wrote into a stage's copy (a ``clamp_`` under
+        ``no_grad``) become the host parameter's, which the optimizer steps, as plain
+        PyTorch steps the written weight (without offloading the writer's copy is its home)."""
+        with torch.no_grad():
+            for name, ipu in self.written.items():
+                p, c = self.params[name], self._use.get((name, ipu))
+                if c is not None and c is not p:
+                    p.copy_(arrive(c, p.device))
 
     def _record_step(self, *exc) -> None:
         """The step wrote the host parameters: not a host edit."""
