@@ -124,6 +124,8 @@ FOUND = [
     *(Found(f"parameter_clamped_in_forward_offloaded_{device}", f"weight_clip&offload=True&device={device}",
             Program(ops=(Op("weight_clip"),)), Config(device=device, offload=True))
       for device in ("ipu_model", "gpu_twin")),
+    Found("gradient_penalty_through_a_checkpoint", "checkpoint&penalty",
+          Program(ops=(Op("penalty"), Op("checkpoint"))), Config()),
     Found("python_counter_warned_in_every_example", "python_counter&again",
           Program(ops=(Op("python_counter"),)), Config(calls=1)),
     Found("keras_replicated_batchnorm", "keras_replicated_batchnorm",

@@ -22,8 +22,10 @@ training trace keeps them, and the stages replay them as plain PyTorch ran them:
   output for the backward, and when a backward the forward runs itself unpacks it, it
   records ``aten.detach`` too, but the value it unpacks is the op's output again, with its
   history. So a detach that only detaches read (an output autograd saved) and the
-  detaches of it (its unpackings) replay as aliases (:func:`autograd_detaches_pass`; the
-  model's own, :func:`traced_detach` and ``.data``, never count): a gradient penalty
+  detaches of it (its unpackings) replay as aliases, with grad (a saved-tensor hook, as
+  ``torch.utils.checkpoint``'s recomputation sets, packs under no grad;
+  :func:`autograd_detaches_pass`; the model's own, :func:`traced_detach` and ``.data``,
+  never count): a gradient penalty
   (``torch.autograd.grad(..., create_graph=True)`` in the forward, as in WGAN-GP) is then
   differentiated through the activations its inner backward read, as plain PyTorch does.
 - **Custom Functions.** ``Function.apply`` is one node of the graph that calls the
@@ -232,6 +234,7 @@ def autograd_detaches_pass(gm: fx.GraphModule) -> None:
     for n in saved:
         for unpacked in (n, *n.users):
             unpacked.target = torch.ops.aten.alias.default
+            unpacked.meta["grad_enabled"] = True  # a saved-tensor hook packs without grad
     if saved:
         gm.recompile()
 
