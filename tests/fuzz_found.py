@@ -126,6 +126,8 @@ FOUND = [
       for device in ("ipu_model", "gpu_twin")),
     Found("gradient_penalty_through_a_checkpoint", "checkpoint&penalty",
           Program(ops=(Op("penalty"), Op("checkpoint"))), Config()),
+    Found("gradient_penalty_two_stages_before_the_loss_on_gpu_twin", "penalty&device=gpu_twin",
+          Program(stages=3, ops=(Op("penalty"),)), Config(G=5, device="gpu_twin")),
     Found("python_counter_warned_in_every_example", "python_counter&again",
           Program(ops=(Op("python_counter"),)), Config(calls=1)),
     Found("keras_replicated_batchnorm", "keras_replicated_batchnorm",

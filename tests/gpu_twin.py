@@ -184,7 +184,10 @@ class TwinGpu:
         stream = self.current_stream(device)
         stream.launch(lambda: None)  # the action's kernels: its end event comes after them
         for t in tensors:
-            if isinstance(t, torch.Tensor) and t.numel():
+            # A view of a leaf (``weight.t()`` of a parameter, a buffer, an input) is memory no
+            # kernel of the action wrote: nothing to wait for.
+            if isinstance(t, torch.Tensor) and t.numel() and not (
+                    t._base is not None and t._base.is_leaf):
                 self._made[t.data_ptr()] = (weakref.ref(t), stream, stream.launched)
 
     def arrive(self, t: torch.Tensor, device) -> torch.Tensor:
