@@ -186,7 +186,8 @@ def _refusal(program: Program, config: Config, error: Exception, call: int, befo
     return found
 
 
-_TORCH_TWIN = {"poptorch_sgd": "sgd_momentum", "poptorch_adam": "adam"}
+_TORCH_TWIN = {"poptorch_sgd": "sgd_momentum", "poptorch_adam": "adam", "poptorch_adamw": "adamw",
+               "poptorch_rmsprop": "rmsprop"}
 
 
 def check(program: Program, config: Config) -> str:
