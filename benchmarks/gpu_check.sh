@@ -12,7 +12,7 @@
 # from $MNIST_DATA, else ./shared/data, ../shared/data or ./mnist_data (the raw files
 # under MNIST/raw); it is never downloaded. Where ../shared does not travel with the
 # checkout, copy it in first (git ignores ./mnist_data): cp -r ../shared/data mnist_data.
-# Every step has a time limit and writes its log to $OUT (at most 8 files);
+# Every step has a time limit and writes its log to $OUT (at most 9 files);
 # $OUT/summary.txt has one line per step: its exit status, its seconds and the lines that
 # matter (accuracy, ratios, the test counts).
 set -uo pipefail
@@ -50,14 +50,23 @@ print(f"torch {torch.__version__}; CUDA available: {torch.cuda.is_available()}; 
 EOF
 [ -n "$DATA" ] || note "no MNIST found (set MNIST_DATA): the example steps will fail"
 
-# 1. Correctness, all at once (nothing here is timed): the CUDA tests on 6 workers, and the
-#    MNIST examples on the GPU beside them. The pipelined example trains its full 3 epochs.
+# 1. Correctness, all at once (nothing here is timed): the CUDA tests on 6 workers, the
+#    fuzzer's short profile on CUDA and the MNIST examples on the GPU beside them. The pipelined example trains its full 3 epochs.
 step tests 150 "passed|failed|error|FAILED|ERROR" \
     $PY -m pytest -q -m cuda -n 6 -p no:cacheprovider tests &
 step mnist 120 "Accuracy|Error|error" \
     $PY examples/mnist.py --data-dir "$DATA" --epochs 1 --limit 16000 &
 step mnist_pipelined 150 "Accuracy|effective|Error|error" \
     $PY examples/mnist_pipelined.py --data-dir "$DATA" &
+# The differential fuzzer's short profile with every drawn configuration on the GPU, plain
+# PyTorch on the GPU beside it (tests/fuzz_config.py). It needs Hypothesis, which the GPU
+# image lacks: carry its wheels in an ignored wheels/ (pip download hypothesis -d wheels).
+if ! $PY -c "import hypothesis" 2>/dev/null && [ -d wheels ]; then
+    $PY -m pip install -q --no-index --find-links wheels --target /tmp/gpu_check_pylib \
+        hypothesis > /dev/null 2>&1 && export PYTHONPATH="$PYTHONPATH:/tmp/gpu_check_pylib"
+fi
+step fuzz_cuda 150 "passed|failed|Finding|rror" env POPTORCH_LITE_FUZZ_DEVICE=cuda \
+    $PY -m pytest -q -p no:cacheprovider tests/test_fuzz.py -k drawn_models_match &
 wait
 # The same pipeline trained by plain PyTorch on the GPU, step for step (its numbers against
 # poptorch_lite's, within float tolerance), over the first 200 steps.

@@ -7,11 +7,16 @@ first, so that Hypothesis shrinks towards it (tests/fuzz_draw.py draws valid one
 :meth:`Config.code` is the Options as Python, which is what :meth:`Config.options` runs and
 what a finding prints; :meth:`Config.tolerance` is the fuzzer's tolerance rule ([Note: the
 fuzzer's oracle] in fuzz_check).
+
+With ``POPTORCH_LITE_FUZZ_DEVICE=cuda`` (the GPU check, benchmarks/gpu_check.sh) every drawn
+configuration runs on the GPU, and so does the plain side (fuzz_plain): the same kernels and
+the same CUDA generator on both sides.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional
 
 import poptorch_lite as poptorch
@@ -20,7 +25,8 @@ import models
 from fuzz_grammar import Program
 
 SCHEDULES = ("grouped", "sequential", "interleaved", "gpipe", "zero_bubble", "sharded")
-DEVICES = ("cpu", "ipu_model", "gpu_twin")
+DEVICES = ("cuda",) if os.environ.get("POPTORCH_LITE_FUZZ_DEVICE") == "cuda" else (
+    "cpu", "ipu_model", "gpu_twin")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,10 +94,12 @@ class Config:
         A gradient the forward takes through ``torch.utils.checkpoint`` is not bit for bit
         either: the trace's inner backward reads the recomputed values, so the second-order
         gradient reaches their inputs through the recomputation's ops rather than the
-        forward's, and autograd sums it in another order (the values are the same)."""
+        forward's, and autograd sums it in another order (the values are the same). On CUDA
+        the plain side computes on the GPU too, held to the float32 rule (not yet checked
+        to the bit on a GPU)."""
         kinds = {o.kind for o in program.ops}
         through_checkpoint = "checkpoint" in kinds and kinds & {"penalty", "saliency"}
         if program.stages == 1 and self.G * self.R == 1 and not self.compiled \
-                and not through_checkpoint:
+                and not through_checkpoint and self.device != "cuda":
             return 0.0
         return 1e-5 if self.dtype == "float32" else 1e-7

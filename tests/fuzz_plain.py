@@ -205,8 +205,15 @@ def plain(program: Program, config: Config):
     if config.R > 1 and writes_buffers(program):
         replicas = [{n: b.clone() for n, b in net.named_buffers()} for _ in range(config.R)]
     draws = _TracedDraws(net) if fuzz_refusals.warns(program) else None
+    on_gpu = config.device == "cuda"  # the GPU check: plain PyTorch on the GPU too
+    if on_gpu:
+        net.cuda()
+        for b in replicas:
+            b.update({n: t.cuda() for n, t in b.items()})
     for call in range(config.calls):
         x, y = data(config, call)
+        if on_gpu:
+            x, y = x.cuda(), y.cuda()
         seeds = _seeds(config, own, call)
         seed_host(call)
         try:
