@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 import poptorch_lite as poptorch
-from poptorch_lite.compiler import compiled_stages, split_graphs
+from poptorch_lite.compiler import compile_cache, compiled_stages, split_graphs
 from poptorch_lite.errors import OptionsError
 
 from conftest import DEVICE_MARKS
@@ -252,7 +252,7 @@ def test_a_compile_that_draws_random_numbers_leaves_the_random_state_alone(
         torch.rand(1000)
         return real(self, plain, args)
     monkeypatch.setattr(compiled_stages.CompiledGraph, "_compile", drawing)
-    compiled_stages.clear_cache()
+    compile_cache.clear()
     losses, states = [], []
     for compiled in (False, True):
         torch.manual_seed(0)
@@ -523,7 +523,7 @@ def counted_compiles(monkeypatch) -> list:
         compiles.append(torch.is_grad_enabled())
         return real(self, plain, args)
     monkeypatch.setattr(compiled_stages.CompiledGraph, "_compile", counting)
-    compiled_stages.clear_cache()
+    compile_cache.clear()
     return compiles
 
 
@@ -576,7 +576,7 @@ def test_a_graph_called_in_the_other_grad_mode_recompiles_once_and_says_so(
 
 def test_the_first_call_logs_what_it_compiled_and_later_calls_nothing(caplog,
                                                                       every_stage_compiles):
-    compiled_stages.clear_cache()
+    compile_cache.clear()
     torch.manual_seed(0)
     model = BlockMLP(2)
     train = poptorch.trainingModel(model, compiled_opts("grouped", 4, 2, backend="aot_eager"),

@@ -49,9 +49,7 @@ The first call of a wrapper logs what it compiled and how long it took
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import hashlib
 import logging
 import os
 import threading
@@ -62,7 +60,7 @@ import torch
 import torch.fx as fx
 
 from ..options.compile import BACKENDS  # noqa: F401 - the backends, read here too
-from . import rng, tracing
+from . import compile_cache, rng, tracing
 from .lowered import Lowered
 from .split_graphs import SplitState, split_backward
 from .subgraphs import base_op, written_in_place
@@ -76,10 +74,6 @@ _LOG = logging.getLogger("poptorch_lite")
 #: CPU core: 62 µs compiled against 38 µs eager; [Note: compiled stages]).
 #: ``POPTORCH_LITE_PAYS_FROM`` sets it (0: compile every stage, as the test sweeps do).
 PAYS_FROM = int(os.environ.get("POPTORCH_LITE_PAYS_FROM", 50_000))
-_CACHE_SIZE = 64
-
-_cache: "collections.OrderedDict" = collections.OrderedDict()  # key -> compiled function
-_cache_lock = threading.Lock()
 _compile_lock = threading.Lock()
 
 
@@ -220,10 +214,7 @@ class CompiledGraph:
                 if reused:
                     tracing.forget_sources(keys)
                 else:  # ``plain`` kept too: what its key names by identity stays alive
-                    with _cache_lock:
-                        _cache[key] = (fn, split, keys, plain, cut)
-                        while len(_cache) > _CACHE_SIZE:
-                            tracing.forget_sources(_cache.popitem(last=False)[1][2])
+                    compile_cache.put(key, (fn, split, keys, plain, cut))
                 if self.fns:  # compiled before, for the other grad mode
                     self._recompiled(reused)
                 elif info.state == "waiting":
@@ -247,10 +238,9 @@ class CompiledGraph:
         if not d.compile:
             self.eager = True
             return None
-        key = (_key(plain, self.backend, self.device, self.random), _signature(args), grad,
-               self.weights)
-        with _cache_lock:
-            cached = _cache.get(key)
+        key = compile_cache.key(plain, self.backend, self.device, self.random, args, grad,
+                                self.weights)
+        cached = compile_cache.get(key)
         if cached is not None:
             return cached[0], cached[1], True, key, cached[3], cached[4]
         try:  # Compiling may draw random numbers (Inductor benchmarks its choices on random
@@ -395,11 +385,6 @@ def _boxed(gm: fx.GraphModule):
     return call
 
 
-def _signature(args: tuple) -> tuple:
-    return tuple((tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad)
-                 if isinstance(a, torch.Tensor) else repr(a) for a in args)
-
-
 def _cuda_devices(tensors) -> list:
     return sorted({t.device.index or 0 for t in tensors
                    if isinstance(t, torch.Tensor) and t.is_cuda})
@@ -421,43 +406,3 @@ def _strip(target):
         return target
     inner = _strip(target.wrapped_op)
     return inner if target.rewrap is rng.seeded else target.rewrap(inner)
-
-
-def _key(gm: fx.GraphModule, backend: str, device: torch.device, random: bool) -> tuple:
-    """What makes two graphs one compiled graph: the code, what each name in it calls (a
-    target not one of torch's ops by its identity: two classes of one name read alike), the
-    constants, the backend and the device."""
-    digest = hashlib.sha256(gm.code.encode())
-    for node in gm.graph.nodes:
-        if node.op == "call_function":
-            digest.update(repr(_target_key(node.target)).encode())
-        elif node.op == "call_module":
-            digest.update(repr(("module", id(gm.get_submodule(node.target)))).encode())
-        elif node.op == "get_attr":
-            value = getattr(gm, node.target)
-            digest.update(node.target.encode())
-            if isinstance(value, torch.Tensor):
-                digest.update(repr((value.dtype, tuple(value.shape))).encode())
-                digest.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8)
-                              .numpy().tobytes())
-            else:
-                digest.update(repr(("object", id(value))).encode())
-    return digest.hexdigest(), backend, str(device), random
-
-
-def _target_key(target):
-    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return str(target)
-    if hasattr(target, "wrapped_op"):  # a wrapper of ``subgraphs``: its kind, and its op
-        return getattr(target, "rewrap", None).__qualname__, _target_key(target.wrapped_op)
-    if getattr(target, "__module__", None) in ("_operator", "operator", "builtins", "math"):
-        return target.__module__, target.__qualname__
-    return "object", id(target)  # alive while the cache holds the graph that calls it
-
-
-def clear_cache() -> None:
-    """Forget every compiled graph of this process (the next compile starts afresh)."""
-    with _cache_lock:
-        for _, _, keys, *_ in _cache.values():
-            tracing.forget_sources(keys)
-        _cache.clear()

@@ -45,7 +45,7 @@ class LoweredStage:
             (``partition.Stage``).
         module: the forward graph, called with the values named by ``inputs``.
         segments: the graphs between its recomputation checkpoints (``partition.Segment``).
-        recompute: whether it is recomputed ([Note: recomputation] in ``runtime/stage_work``).
+        recompute: whether it is recomputed ([Note: recomputation] in ``runtime/recompute``).
         sources: per argument, ``(name, kind, key)``.
         varying: ``(position, name, kind, key, written in place)`` of every argument but
             the parameters (their tensors never change once placed).

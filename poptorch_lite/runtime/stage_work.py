@@ -1,7 +1,8 @@
 """Stage work: one stage's forward, recompute and backward of one micro-batch.
 
 The executor dispatches a schedule's F, R and B actions here; this module owns the
-autograd boundary between stages, the activation stash and recomputation.
+autograd boundary between stages and the activation stash; a recompute rebuilds with
+``recompute``.
 
 [Note: autograd boundary]
 A stage's inputs that another stage computed arrive detached and, when the
@@ -49,18 +50,7 @@ would fail an earlier micro-batch's backward in a pipeline); the executor copies
 back into the caller's tensor after the run, from whichever memory the stage ran in. A
 recompute starts from the value before the write, as for a written buffer.
 
-[Note: recomputation]
-A recomputed stage's forward runs without keeping activations (a saved-tensor
-hook drops them). Its recompute action, in the backward slot, re-runs each
-segment between checkpoints from the kept values with gradients on, replaying
-the micro-batch's random state (same dropout masks) on copies of the written
-buffers (BatchNorm statistics move once) and of the written parameters (a ``clamp_``
-under ``no_grad``: the recompute reads the value the forward read, as plain PyTorch's
-backward differentiates the forward that read it; the copy passes its gradient on to
-the parameter, :class:`_AsBefore`). Each segment starts from leaves, so
-the backward runs segment by segment, last first, and hands each segment's
-input gradients to the one before; without recomputation the stage is one
-segment.
+Recomputation: [Note: recomputation] in ``recompute``.
 """
 
 from __future__ import annotations
@@ -74,6 +64,7 @@ from ..compiler import rng
 from ..compiler.compiled_stages import CompiledGraph
 from ..compiler.lowered import Lowered
 from ..errors import Error
+from . import recompute
 from .placement import Placement
 from .run import Entry, Run
 from .schedule import Action
@@ -81,15 +72,6 @@ from .split_backward import backward_input, backward_weight, compiled_input, run
 from .update import check_loss
 from .streams import arrive
 from .weights import Weights
-
-
-def _drop(t: torch.Tensor) -> None:
-    return None
-
-
-def _gone(_) -> torch.Tensor:
-    raise Error("a recomputed stage's forward activations were dropped; its backward must "
-                "follow its recompute action (a schedule error)")
 
 
 class StageWork:
@@ -193,7 +175,7 @@ class StageWork:
             entry.buffers = {n: args[st.inputs.index(n)].detach().clone()
                              for n in st.written_state}
             env = dict(zip(st.inputs, args))
-            with rng.use(stream), torch.autograd.graph.saved_tensors_hooks(_drop, _gone):
+            with rng.use(stream), recompute.dropping():
                 for seg in st.segments:
                     env.update(zip(seg.outputs, seg.module(*[env[n] for n in seg.inputs])))
             entry.kept = {n: (env[n].detach(), env[n].requires_grad) for n in st.cuts}
@@ -269,21 +251,10 @@ class StageWork:
         return entry
 
     def recompute_action(self, a: Action, run: Run, step) -> None:
-        """``sRi``: rebuild the stash head's graph from what it kept ([Note: recomputation])."""
-        # [Note: recomputation] re-run each segment from the kept values, gradients on.
+        """``sRi``: rebuild the stash head's graph from what it kept ([Note: recomputation]
+        in ``recompute``), counting the bytes it holds the first time."""
         st = self.stages[a.stage]
         entry = self._head(a, run)
-        env = {}
-        for name, v in zip(st.inputs, entry.args):
-            if name in entry.buffers:  # writes land in a copy: statistics move once
-                before = entry.buffers[name]
-                v = _AsBefore.apply(v, before) if v.requires_grad else before.clone()
-            elif name in entry.boundary:
-                v = entry.boundary[name]
-                if name in st.written_inputs:
-                    v = v.clone()
-            env[name] = v
-        segments = []
         measure = a.stage not in self._rebuilt_bytes  # once, as for the forward's entry
         counted: dict = {}
         if measure:  # what the entry already counts is not counted again
@@ -293,22 +264,10 @@ class StageWork:
             def pack(t: torch.Tensor, count=StageWork._count, excluded=run.excluded | held):
                 count(t, counted, excluded)
                 return t.detach()  # as in forward(): no cycle through a saved output
-        with rng.use(entry.rng.snapshot() if entry.rng is not None else None), \
-                (torch.autograd.graph.saved_tensors_hooks(pack, _identity) if measure
-                 else contextlib.nullcontext()):
-            for seg in st.segments:
-                leaves, args = {}, []
-                for name in seg.inputs:
-                    if name in entry.kept:
-                        value, requires_grad = entry.kept[name]
-                        v = value.detach().requires_grad_(requires_grad)
-                        if requires_grad:
-                            leaves[name] = v
-                        args.append(v.clone() if requires_grad and name in seg.written else v)
-                    else:
-                        args.append(env[name])
-                segments.append((seg.module(*args), seg.outputs, leaves))
-        entry.segments, entry.args, entry.kept, entry.buffers = segments, None, None, None
+        with (torch.autograd.graph.saved_tensors_hooks(pack, _identity) if measure
+              else contextlib.nullcontext()):
+            entry.segments = recompute.rebuild(st, entry)
+        entry.args, entry.kept, entry.buffers = None, None, None
         if measure:
             self._rebuilt_bytes[a.stage] = sum(counted.values())
 
@@ -428,19 +387,6 @@ class StageWork:
             g = p.grad.to(dtype)
             run.accum[name] = (p, g if held is None else held[1].add_(g))
             p.grad = None
-
-
-class _AsBefore(torch.autograd.Function):
-    """A copy of ``before`` (a parameter's value before the forward wrote it) whose gradient
-    is the parameter's ([Note: recomputation])."""
-
-    @staticmethod
-    def forward(ctx, param, before):
-        return before.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
 
 
 def _identity(t):

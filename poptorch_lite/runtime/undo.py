@@ -63,7 +63,7 @@ def capture(weights: Weights, optimizer: Optional[torch.optim.Optimizer],
         generators: the generators of the model's own that its stages draw from ([Note: a
             user's generator] in ``rng``), captured whatever ``rng`` says.
     """
-    restore_weights = weights.snapshot(params=params)
+    restore_weights = _weights_snapshot(weights, params)
     restore_optimizer = _optimizer_snapshot(optimizer) if optimizer is not None else None
     # Only automatic loss scaling changes the scale (once per step: a copy, no __init__).
     scale = copy.copy(loss_scale) if loss_scale is not None and loss_scale.automatic else None
@@ -140,3 +140,29 @@ def undo_note(applied: int, steps: int, partial: bool = False) -> str:
     return (f"poptorch_lite: the call was undone to its last completed optimizer step: "
             f"{applied} of its {steps} steps were applied, and parameters, optimizer state, "
             f"buffers, loss scale and random state are as right after step {applied}")
+
+
+def _weights_snapshot(weights: Weights, params: bool) -> Callable[[], None]:
+    """What a call changes outside the update; the returned function puts it back.
+
+    Buffers, replica buffers and their copies always (BatchNorm statistics move in
+    forwards); with ``params`` also every parameter and home (for all-or-nothing calls
+    over several optimizer steps). Tensors keep their identity: values are copied back in
+    place, and count as synced with the host again.
+    """
+    tensors = weights.tensors(params)
+    if tensors:
+        with torch.no_grad():
+            saved = [(t, t.detach().clone()) for t in tensors]
+    else:  # nothing to copy (every run of a model without buffers)
+        saved = []
+    stale = weights.host_stale
+
+    def restore() -> None:
+        with torch.no_grad():
+            for t, value in saved:
+                t.copy_(value)
+        weights.zero_grads(host=False)  # the host's are the user's ([Note: host gradients])
+        weights.host_stale = stale
+        weights.remember_versions(t for t, _ in saved)
+    return restore

@@ -413,40 +413,16 @@ class Weights:
 
     # -- what a step does not commit --------------------------------------------------------
 
+    def tensors(self, params: bool = True) -> tuple:
+        """Every tensor the weights keep: the buffers, their copies and the replicas' own,
+        and with ``params`` the parameters and their copies (what an undo captures)."""
+        return (*((*self.params.values(), *self._copies.values()) if params else ()),
+                *self.buffers.values(), *self._buffer_copies.values(),
+                *(b for bufs in self._replica_buffers for b in bufs.values()))
+
     def storages(self) -> set:
         """The storages of every parameter and buffer and their copies (not activations)."""
-        tensors = (*self.params.values(), *self.buffers.values(), *self._copies.values(),
-                   *self._buffer_copies.values(),
-                   *(b for bufs in self._replica_buffers for b in bufs.values()))
-        return {t.untyped_storage().data_ptr() for t in tensors}
-
-    def snapshot(self, params: bool = False) -> Callable[[], None]:
-        """Capture what a call changes outside the update; the returned function puts it back.
-
-        Buffers, replica buffers and their copies always (BatchNorm statistics
-        move in forwards); with ``params`` also every parameter and home (for
-        all-or-nothing calls over several optimizer steps). Tensors keep their
-        identity: values are copied back in place.
-        """
-        tensors = (*((*self.params.values(), *self._copies.values()) if params else ()),
-                   *self.buffers.values(), *self._buffer_copies.values(),
-                   *(b for bufs in self._replica_buffers for b in bufs.values()))
-        if tensors:
-            with torch.no_grad():
-                saved = [(t, t.detach().clone()) for t in tensors]
-        else:  # nothing to copy (every run of a model without buffers)
-            saved = []
-        stale = self.host_stale
-
-        def restore() -> None:
-            with torch.no_grad():
-                for t, value in saved:
-                    t.copy_(value)
-            self.zero_grads(host=False)  # the host's are the user's ([Note: host gradients])
-            self.host_stale = stale
-            self._versions.update({id(t): t._version for t, _ in saved
-                                   if id(t) in self._versions})
-        return restore
+        return {t.untyped_storage().data_ptr() for t in self.tensors()}
 
 
 class _Exit:
