@@ -131,6 +131,8 @@ FOUND = [
     Found("rmsprop_over_a_cumulative_batchnorm_rounds_alike_in_float64", "rmsprop&rounding",
           Program(stages=3, ops=(Op("batchnorm_cumulative"), Op("tied", 0, 1)),
                   optimizer="poptorch_rmsprop"), Config(G=5, D=2)),
+    Found("gradient_penalty_through_a_batchnorm_a_stage_before", "batchnorm&penalty&stages=2",
+          Program(stages=2, ops=(Op("penalty"), Op("batchnorm"))), Config(G=3)),
     Found("python_counter_warned_in_every_example", "python_counter&again",
           Program(ops=(Op("python_counter"),)), Config(calls=1)),
     Found("keras_replicated_batchnorm", "keras_replicated_batchnorm",

@@ -71,6 +71,7 @@ import contextlib
 from typing import Optional
 
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.proxy_tensor import (disable_proxy_modes_tracing, get_proxy_mode,
@@ -85,6 +86,21 @@ from .trace_state import version_of
 
 _LAYER_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
 _UPDATING = (F.batch_norm, F.instance_norm)  # both take running_mean, running_var at 1, 2
+
+
+def unread_by_training_backwards(gm: fx.GraphModule) -> None:
+    """A batch norm's backward that the forward runs itself (a gradient penalty through a
+    BatchNorm) is given the running statistics, which its training kernel never reads (it
+    reads the batch's saved mean and inverse deviation): drop them from its arguments, so
+    that the stage running it does not read statistics another stage writes ([Note: state
+    across stages] in ``state``)."""
+    changed = False
+    for n in gm.graph.nodes:
+        if n.target is torch.ops.aten.native_batch_norm_backward.default and n.args[7] is True:
+            n.args = (*n.args[:3], None, None, *n.args[5:])
+            changed = True
+    if changed:
+        gm.recompile()
 
 
 def tracks_statistics(model: torch.nn.Module) -> bool:

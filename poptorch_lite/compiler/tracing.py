@@ -60,7 +60,8 @@ from . import backward_hooks, grad_semantics, losses, markers, structures
 from .casting import _ImplicitCasting
 from .markers import _current, trace_context
 from .python_attributes import AttributeWatch
-from .running_stats import StatisticsWatch, cumulative_averages, same_values
+from .running_stats import (StatisticsWatch, cumulative_averages, same_values,
+                            unread_by_training_backwards)
 from .subgraphs import wrap_target
 from .trace_state import UserGenerators, WrittenParameters, preserved_state, version_of
 from .trace_modes import PythonDraws, _InferenceSession, _TraceMode, user_file_test
@@ -385,6 +386,7 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
     _drop_unused_getitems(gm)
     if training:  # [Note: gradients the forward shapes] in ``grad_semantics``
         grad_semantics.autograd_detaches_pass(gm)
+        unread_by_training_backwards(gm)
     consts = _constant_outputs(gm, [None if isinstance(v, torch.Tensor) else ("const", v)
                                     for v in result["leaves"]])
     layer_blocks = {name: module_blocks[m] for name, m in model.named_modules()
