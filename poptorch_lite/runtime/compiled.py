@@ -104,6 +104,7 @@ class CompiledModel:
         self._ran: dict = {}
         self.tables: Optional[dict] = None  # what the programs compile with (host_sync.tables)
         self._retraced: dict = {}  # attribute -> the programs its values have keyed
+        self._drawn = None  # Python's and numpy's random states when a compile began
         # The parameters whose flags key a training program, and the flags the weights'
         # copies follow now ([Note: trainable parameters]).
         self.params = tuple(dict(model.named_parameters()).values()) if training else ()
@@ -136,12 +137,14 @@ class CompiledModel:
         """Split the call's inputs and compile them if their signature (or the set of
         trainable parameters) is new, attached: ``(micro-batches, program)``; what
         ``compile()`` does. A refusal puts back Python's and numpy's random states, which
-        a trace advances by the forward's draws ([Note: Python's random while tracing])."""
-        drawn = trace_modes.host_random()
+        a trace advances by the forward's draws ([Note: Python's random while tracing]):
+        read when a compile starts (a call that compiles nothing draws nothing)."""
+        self._drawn = None
         try:
             return self._prepare(args, kwargs, optimizer)
         except BaseException:
-            trace_modes.set_host_random(drawn)
+            if self._drawn is not None:
+                trace_modes.set_host_random(self._drawn)
             raise
 
     def _prepare(self, args: tuple, kwargs: dict, optimizer) -> tuple:
@@ -192,6 +195,7 @@ class CompiledModel:
         elif self.programs:  # [Note: a new signature compiles] in batch
             _LOG.warning("%s", recompile_note(self.training, next(reversed(self.programs))[0],
                                               key[0]))
+        self._drawn = trace_modes.host_random()  # put back if the call is refused
         if self.processes is not None:  # first compile: join the group, compare options
             self.processes.join(self.model, optimizer)
         if not self.programs:  # the names, as first compiled (a gradient frozen since: None)
