@@ -133,6 +133,8 @@ FOUND = [
                   optimizer="poptorch_rmsprop"), Config(G=5, D=2)),
     Found("gradient_penalty_through_a_batchnorm_a_stage_before", "batchnorm&penalty&stages=2",
           Program(stages=2, ops=(Op("penalty"), Op("batchnorm"))), Config(G=3)),
+    Found("gradient_penalty_through_a_cumulative_batchnorm", "batchnorm_cumulative&penalty",
+          Program(ops=(Op("penalty"), Op("batchnorm_cumulative"))), Config()),
     Found("python_counter_warned_in_every_example", "python_counter&again",
           Program(ops=(Op("python_counter"),)), Config(calls=1)),
     Found("keras_replicated_batchnorm", "keras_replicated_batchnorm",

@@ -56,10 +56,13 @@ forward counts the batch (``num_batches_tracked += 1``) and reads the count into
 as the kernel's momentum, ``1.0 / float(num_batches_tracked)``, which a trace would fix
 at the first micro-batch's count ([Note: values read while tracing] in ``trace_modes``).
 While tracing, :func:`cumulative_averages` gives such a layer (torch's own forward) one
-whose count is traced as an op and whose kernel call is one node of the graph,
+whose count is traced as an op and whose statistics are updated by one node of the graph,
 :func:`cumulative_batch_norm`, that reads the count when it runs: every micro-batch, and
-every replica with its own buffers, normalises and updates its statistics with its own
-count, through the very kernel plain PyTorch's forward calls, so to the bit. Its
+every replica with its own buffers, updates its statistics with its own count, through the
+very kernel plain PyTorch's forward calls, so to the bit. The output the model reads is a
+training batch norm without statistics, traced as ops (the same numbers: in training the
+kernel normalises by the batch's own), so that a gradient the forward takes through the
+layer (a gradient penalty) differentiates the graph, not values fixed at the trace. Its
 statistics are written inside the layer's forward, so :class:`StatisticsWatch` counts
 them as its updates. The read is a host sync on a GPU, as in plain PyTorch: a step graph
 is not captured around one, and a compiled stage that holds one runs eagerly (both say why).
@@ -81,7 +84,6 @@ from torch.nn.modules.module import (register_module_forward_hook,
                                      register_module_forward_pre_hook)
 from torch.overrides import TorchFunctionMode
 
-from . import markers
 from .trace_state import version_of
 
 _LAYER_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
@@ -130,13 +132,15 @@ def cumulative_averages(model: torch.nn.Module):
 
 
 def cumulative_batch_norm(input, weight, bias, running_mean, running_var, count, eps: float):
-    """A training ``F.batch_norm`` whose momentum is ``1 / count`` read now, as torch's
-    BatchNorm with ``momentum=None`` reads it ([Note: cumulative averages])."""
+    """The statistics' update of a training ``F.batch_norm`` whose momentum is ``1 / count``
+    read now, as torch's BatchNorm with ``momentum=None`` reads it ([Note: cumulative
+    averages]); its output, which nothing reads, carries no gradient."""
     if is_fake(count):  # a compile (AOTAutograd's trace) has no count to read: it refuses
         raise NotImplementedError("a BatchNorm with momentum=None reads its count "
                                   "(num_batches_tracked) on the host in every micro-batch")
-    return F.batch_norm(input, running_mean, running_var, weight, bias, True,
-                        1.0 / float(count), eps)
+    with torch.no_grad():
+        return F.batch_norm(input, running_mean, running_var, weight, bias, True,
+                            1.0 / float(count), eps)
 
 
 def reads_count(graphs) -> bool:
@@ -155,14 +159,13 @@ def _cumulative_forward(self: _BatchNorm, input: torch.Tensor) -> torch.Tensor:
     args = (input, self.weight, self.bias, self.running_mean, self.running_var,
             self.num_batches_tracked)
     with disable_proxy_modes_tracing():
-        out = cumulative_batch_norm(*args, self.eps)
+        updated = cumulative_batch_norm(*args, self.eps)
     proxy = mode.tracer.create_proxy("call_function", cumulative_batch_norm, tuple(
         mode.tracer.unwrap_proxy(a) if isinstance(a, torch.Tensor) else a for a in args)
         + (self.eps,), {})
     with disable_proxy_modes_tracing():
-        track_tensor_tree(out, proxy, constant=None, tracer=mode.tracer)
-    markers.record_requires_grad(out)
-    return out
+        track_tensor_tree(updated, proxy, constant=None, tracer=mode.tracer)
+    return F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
 
 
 class StatisticsWatch(TorchFunctionMode):
