@@ -20,6 +20,14 @@ from models import exited, workers
 
 pytest_plugins = ["hygiene"]  # every test leaves the process as it found it (tests/hygiene.py)
 
+# pytest-xdist's workers share the machine's cores: each takes its share of intra-op threads,
+# as a stage's worker takes its share of a run's (runtime/placement). torch's default (a
+# thread per core in every worker) oversubscribes the cores, and OpenMP's waiting threads
+# then spin against each other: a pipelined test ran 9x slower beside another worker.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 # "ipu_model": every IPU on the CPU with a memory of its own (Options.useIpuModel(True)), the
 # path that separate GPUs take, so that it runs on machines without one. "gpu_twin": every
 # IPU on the GPU twin (gpu_twin.py): the GPU's branches, streams, events and asynchronous
