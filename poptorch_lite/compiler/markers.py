@@ -128,26 +128,25 @@ _training = threading.local()  # this thread's training trace: .active, .grad_mo
 
 
 @contextlib.contextmanager
-def training_records():
-    """Mark this thread as recording a training trace (``grad_semantics.recording``)."""
-    previous = getattr(_training, "active", False)
-    _training.active = True
+def _this_thread(attribute: str, value):
+    """``_training.<attribute>`` set to ``value`` while inside, then what it was."""
+    outer = getattr(_training, attribute, None)
+    setattr(_training, attribute, value)
     try:
         yield
     finally:
-        _training.active = previous
+        setattr(_training, attribute, outer)
 
 
-@contextlib.contextmanager
+def training_records():
+    """Mark this thread as recording a training trace (``grad_semantics.recording``)."""
+    return _this_thread("active", True)
+
+
 def grad_mode_recorded(enabled: bool):
     """Record the ops run inside as run with grad mode ``enabled`` (autograd runs a custom
     op's Function without grad; the op replays in its caller's grad mode)."""
-    outer = getattr(_training, "grad_mode", None)
-    _training.grad_mode = enabled
-    try:
-        yield
-    finally:
-        _training.grad_mode = outer
+    return _this_thread("grad_mode", enabled)
 
 
 def training_tracer():
