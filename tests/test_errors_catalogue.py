@@ -16,10 +16,8 @@ import os
 import pathlib
 import random
 import re
-import signal
 import tempfile
 import threading
-import time
 import warnings
 from unittest import mock
 
@@ -39,6 +37,7 @@ from poptorch_lite.runtime.schedule_kinds import build
 from poptorch_lite.profiling.timeline import Span, Timeline
 
 from models import CallsAModule
+from patience import WATCHDOG_S, hung, interrupt_caller, limit
 from processes import free_port, start
 
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "ERRORS.md"
@@ -643,17 +642,19 @@ def loader_position(state, mode=poptorch.DataLoaderMode.Sync, dataset=None):
         loader.terminate()
 
 
-STALL = {"seconds": 0.0, "interrupt": False}
+STALL = {"hold": None, "interrupt": False}
 
 
 @torch.library.custom_op("poptorch_lite_catalogue::stall", mutates_args=())
 def stall(x: torch.Tensor) -> torch.Tensor:
-    """Sleeps ``STALL["seconds"]`` while the action runs (a stuck op for the watchdog), or
-    sends the caller's thread a SIGINT (Ctrl-C) and waits for it to arrive."""
+    """Holds the action until ``STALL["hold"]`` (an Event) is set (a stuck op for the
+    watchdog), or sends the caller's thread a SIGINT (Ctrl-C) and returns once the caller
+    reported it (tests/patience.py)."""
     if STALL["interrupt"]:
-        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
-        time.sleep(0.3)
-    time.sleep(STALL["seconds"])
+        interrupt_caller()
+    hold = STALL["hold"]
+    if hold is not None and not hold.wait(limit(120)):
+        raise AssertionError(hung("the test's release of the stalled action", 120))
     return x.clone()
 
 
@@ -680,14 +681,15 @@ class Stalling(torch.nn.Module):
 def watchdog_fires():
     # a pipelined schedule: streams run on their own threads, which the watchdog watches
     wrapped = poptorch.inferenceModel(
-        Stalling(), opts(poptorch.PipelinedExecution(), D=2).watchdogTimeout(0.2))
+        Stalling(), opts(poptorch.PipelinedExecution(), D=2).watchdogTimeout(WATCHDOG_S))
     x = torch.randn(4, 4)
     wrapped(x)
-    STALL["seconds"] = 0.6
+    STALL["hold"] = threading.Event()
     try:
         wrapped(x)
     finally:
-        STALL["seconds"] = 0.0
+        STALL["hold"].set()
+        STALL["hold"] = None
         wrapped.destroy()
 
 

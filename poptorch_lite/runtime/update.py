@@ -178,16 +178,23 @@ class CtrlC:
     last completed one. Installed once per call (two ``signal.signal`` calls, about 1 µs),
     not per step; only over Python's own handler (a user's stays in force), and only on the
     main thread (a worker's update is never interrupted: the caller stops the workers before
-    their next action)."""
+    their next action).
+
+    A KeyboardInterrupt raised where Python swallows exceptions (a finalizer or weakref
+    callback that a freed tensor ran, reported as "Exception ignored in ...") would let the
+    call run on as if no Ctrl-C came: a call that ends normally after one was raised raises
+    it again at its end, with a note, the model as after the call's last step."""
 
     def __init__(self):
         self.in_step = False
         self.held = False
+        self.raised = False
 
     def __call__(self, signum, frame) -> None:
         if self.in_step:
             self.held = True
             return
+        self.raised = True
         raise KeyboardInterrupt
 
     def raise_held(self) -> None:
@@ -211,6 +218,12 @@ class CtrlC:
             yield guard
         finally:
             _signal.signal(_SIGINT, signal.default_int_handler)
+        if guard.raised:  # the call ended normally: its KeyboardInterrupt was swallowed
+            exc = KeyboardInterrupt()
+            exc.add_note("poptorch_lite: a Ctrl-C during the call was swallowed where it "
+                         "landed (a finalizer or callback that ignores exceptions), so the call "
+                         "ran to its end; raised here, with the model as after the call")
+            raise exc
 
 
 def graph_refusal(step: StepArithmetic) -> Optional[str]:
