@@ -28,6 +28,8 @@ import time
 import pytest
 import torch
 
+from patience import limit
+
 # What libraries set up once per process, on first use, and keep by design: not a leak of the
 # test that happened to use them first.
 LONG_LIVED_THREADS = (
@@ -40,7 +42,9 @@ SET_ONCE_ENV = (
 SET_ONCE_HANDLERS = (
     "_set_SIGCHLD_handler.<locals>.handler",  # torch's DataLoader, at its first worker process
 )
-SETTLE_S = 5.0  # how long leftover threads get to exit after a garbage collection
+# How long leftover threads get to exit after a garbage collection (tests/patience.py): only
+# a leak waits that long, a thread that is ending is seen gone at once.
+SETTLE_S = limit(30.0)
 
 
 def _threads() -> dict:

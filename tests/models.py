@@ -13,6 +13,8 @@ import torch.nn.functional as F
 import poptorch_lite as poptorch
 from poptorch_lite.compiler import rng
 
+from patience import limit
+
 
 class BlockMLP(torch.nn.Module):
     """Four Linear layers split into 1, 2 or 4 blocks on IPUs 0.. (or on ``ipus``, one per
@@ -144,9 +146,10 @@ def workers() -> list:
     return [t for t in threading.enumerate() if t.name.startswith("poptorch_lite-ipu")]
 
 
-def exited(timeout: float = 5.0) -> bool:
-    """Whether every worker has exited; after garbage collection they exit on their own."""
-    deadline = time.monotonic() + timeout
+def exited(timeout: float = 60.0) -> bool:
+    """Whether every worker has exited, waiting up to ``limit(timeout)`` for it
+    (tests/patience.py); after garbage collection they exit on their own."""
+    deadline = time.monotonic() + limit(timeout)
     while workers() and time.monotonic() < deadline:
         time.sleep(0.01)
     return workers() == []

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from patience import limit
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -17,12 +19,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def collective_s(seconds: int = 60) -> int:
+    """The processes' collective timeout for ``seconds`` at patience 1 (tests/patience.py):
+    a process that waits this long for a message calls its peer gone."""
+    return round(limit(seconds))
+
+
 def start(script, args, W: int, timeout: float = 240, timeout_s: int = 60) -> list:
     """Run ``script args`` in W processes (ranks 0..W-1, one intra-op thread each);
-    ``[(return code, stdout, stderr)]`` by rank. A run past ``timeout`` fails the test.
+    ``[(return code, stdout, stderr)]`` by rank. A run past ``limit(timeout)`` fails the test.
 
-    ``timeout_s`` is the processes' collective timeout (``POPTORCH_LITE_DIST_TIMEOUT``).
+    ``collective_s(timeout_s)`` is the processes' collective timeout
+    (``POPTORCH_LITE_DIST_TIMEOUT``).
     """
+    timeout, timeout_s = limit(timeout), collective_s(timeout_s)
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "WORLD_SIZE": str(W), "LOCAL_WORLD_SIZE": str(W),
            "POPTORCH_LITE_DIST_TIMEOUT": str(timeout_s), "OMP_NUM_THREADS": "1",
@@ -39,6 +49,6 @@ def start(script, args, W: int, timeout: float = 240, timeout_s: int = 60) -> li
             for q in procs:
                 q.kill()
             pytest.fail(f"{pathlib.Path(script).name} {' '.join(map(str, args))}: the processes "
-                        f"hung for {timeout} s")
+                        f"hung for {timeout:.0f} s")
         results.append((p.returncode, stdout, stderr))
     return results

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import textwrap
 
+from patience import limit
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # A PopTorch-style script, as written for IPUs: nothing in it names poptorch_lite.
@@ -46,7 +48,7 @@ SCRIPT = textwrap.dedent('''
 
 def run_cli(*args, cwd):
     return subprocess.run([sys.executable, "-W", "ignore", "-m", "poptorch_lite", *args],
-                          capture_output=True, text=True, timeout=300, cwd=cwd,
+                          capture_output=True, text=True, timeout=limit(300), cwd=cwd,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
@@ -61,7 +63,7 @@ def test_run_resolves_import_poptorch_and_passes_the_arguments(tmp_path):
 def test_the_script_alone_has_no_poptorch(tmp_path):
     (tmp_path / "train.py").write_text(SCRIPT)
     result = subprocess.run([sys.executable, "train.py", "--steps", "1"], capture_output=True,
-                            text=True, timeout=300, cwd=tmp_path,
+                            text=True, timeout=limit(300), cwd=tmp_path,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 1 and "No module named 'poptorch'" in result.stderr
 
@@ -151,7 +153,7 @@ CHILDREN = textwrap.dedent('''
         queue = spawn.Queue()
         p = spawn.Process(target=child, args=(queue,))
         p.start()
-        print("spawned:", queue.get(timeout=60))
+        print("spawned:", queue.get())  # the test's own limit guards a hang
         p.join()
         out = subprocess.run([sys.executable, "-c", "import poptorch, poptorch.optim; "
                               "print('subprocess:', poptorch.__name__, poptorch.optim.__name__)"],

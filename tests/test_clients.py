@@ -21,6 +21,7 @@ from poptorch_lite import _impl, errors, side_modules
 from poptorch_lite import optim
 
 from models import data, reference_training, twin
+from patience import limit
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -29,7 +30,7 @@ def run_script(tmp_path, source: str) -> str:
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(source))
     done = subprocess.run([sys.executable, "-m", "poptorch_lite", "run", str(script)],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=limit(120), cwd=tmp_path,
                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr
     return done.stdout

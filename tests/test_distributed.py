@@ -26,6 +26,7 @@ import poptorch_lite as poptorch
 from _distributed_worker import (B, BN, CALLS, CONFIGS, NCCL_CONFIGS, bn_call_data, call_data,
                                  optimizer, resumable)
 from models import BlockMLP
+from patience import limit
 from processes import free_port, start
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -321,7 +322,7 @@ def test_mnist_distributed_example_runs_under_torchrun():
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(P),
          "--master_port", str(free_port()), str(ROOT / "examples" / "mnist_distributed.py"),
          "--data-dir", str(DATA), "--limit", "640", "--device-iterations", "2"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        capture_output=True, text=True, timeout=limit(300), cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.strip().splitlines()  # rank 0 alone prints

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from patience import limit
 from processes import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -31,7 +32,7 @@ def run_example(name, *args):
     result = subprocess.run(
         [sys.executable, "-W", "ignore", str(ROOT / "examples" / name), "--data-dir", str(DATA),
          "--epochs", "1", *args],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        capture_output=True, text=True, timeout=limit(600), cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout.strip().splitlines()
@@ -77,7 +78,7 @@ def test_mnist_pipelined_runs_its_stages_in_two_processes_under_torchrun():
         [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nproc_per_node", "2",
          "--master_port", str(free_port()), str(ROOT / "examples" / "mnist_pipelined.py"),
          "--data-dir", str(DATA), "--epochs", "1", "--limit", "1280", "--device-iterations",
-         "2"], capture_output=True, text=True, timeout=600, cwd=ROOT,
+         "2"], capture_output=True, text=True, timeout=limit(600), cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.strip().splitlines()
@@ -270,7 +271,7 @@ def test_help_shows_every_default_and_where_mnist_comes_from(name, monkeypatch):
 
 def test_mnist_poptorch_without_the_alias_says_how_to_run_it():
     result = subprocess.run([sys.executable, str(ROOT / "examples" / "mnist_poptorch.py"), "--help"],
-                            capture_output=True, text=True, timeout=600, cwd=ROOT,
+                            capture_output=True, text=True, timeout=limit(600), cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert (result.returncode, result.stdout) == (1, "")
     assert result.stderr == ("No module named 'poptorch': without an IPU, run this script with "
@@ -285,7 +286,7 @@ def test_mnist_poptorch_runs_unmodified_through_the_alias():
         [sys.executable, "-W", "ignore", "-m", "poptorch_lite", "run",
          str(ROOT / "examples" / "mnist_poptorch.py"), "--data-dir", str(DATA), "--epochs", "1",
          "--limit", "1000"],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        capture_output=True, text=True, timeout=limit(600), cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.strip().splitlines()
@@ -302,7 +303,7 @@ def test_gpt2_pipelined_trains_transformers_gpt2_on_the_standard_library():
     result = subprocess.run(
         [sys.executable, "-W", "ignore", str(ROOT / "examples" / "gpt2_pipelined.py"),
          "--limit", "64", "--stages", "4", "--recompute", "--corpus-bytes", "300000"],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        capture_output=True, text=True, timeout=limit(600), cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line for line in result.stdout.strip().splitlines()

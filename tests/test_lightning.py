@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+from patience import limit
+
 pytest.importorskip("pytorch_lightning", reason="pytorch-lightning is not installed")
 pytest.importorskip("lightning_utilities", reason="lightning-graphcore is not installed")
 if importlib.util.find_spec("lightning_graphcore") is None:  # importing it needs `poptorch`
@@ -30,7 +32,7 @@ def test_ipu_strategy_fits_validates_tests_and_predicts_like_plain_pytorch(stage
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-m", "poptorch_lite", "run",
                            str(ROOT / "tests" / "lightning_script.py"), str(stages), flavour,
-                           str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                           str(out)], capture_output=True, text=True, timeout=limit(600), cwd=tmp_path,
                           env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(out.read_text())

@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+from patience import limit
+
 try:  # not imported here: `import optimum.graphcore` needs `poptorch`, the alias gives it
     importlib.metadata.version("optimum-graphcore")
 except importlib.metadata.PackageNotFoundError:
@@ -30,7 +32,7 @@ def test_ipu_trainer_trains_and_evaluates_like_plain_pytorch(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-m", "poptorch_lite", "run",
                            str(ROOT / "tests" / "optimum_graphcore_script.py"), str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+                          capture_output=True, text=True, timeout=limit(600), cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(out.read_text())
     # 64 samples / (2 per micro-batch x 4 accumulated x 2 device iterations) = 4 calls an epoch

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import textwrap
 
+from patience import limit
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 SCRIPT = textwrap.dedent('''
@@ -78,7 +80,7 @@ def test_tutorial_script_runs_with_only_the_import_changed(tmp_path):
     script = tmp_path / "walkthrough.py"
     script.write_text(SCRIPT)
     result = subprocess.run([sys.executable, "-W", "ignore", str(script)], capture_output=True,
-                            text=True, timeout=300, cwd=tmp_path,
+                            text=True, timeout=limit(300), cwd=tmp_path,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stderr[-3000:]
     # 640 samples / (16 x 5) = 8 calls per epoch, 2 epochs; 640 / (16 x 4) = 10 calls of 64

@@ -19,7 +19,7 @@ from torch.testing import assert_close
 import poptorch_lite as poptorch
 
 import _pipeline_worker as worker
-from processes import start
+from processes import collective_s, start
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "_pipeline_worker.py"
@@ -206,7 +206,7 @@ def test_a_process_that_exits_ends_the_others_call_naming_it_and_later_calls_ref
         "micro-batch 0 of device iteration 0: ChannelError: receiving the gradient of "
         "node:probe of micro-batch 0 (stage 1) from process 1 failed: ")
     assert ("Process 1 failed or exited (see its own error), or did not answer within the "
-            "collective timeout of 60 s (POPTORCH_LITE_DIST_TIMEOUT)") in text
+            f"collective timeout of {collective_s()} s (POPTORCH_LITE_DIST_TIMEOUT)") in text
     assert notes == ["poptorch_lite: the call was undone: parameters, buffers, optimizer state, "
                      "loss scale and random state are as they were before it"]
     kind, text, notes, cause = rank0["broken"]
@@ -227,7 +227,7 @@ def test_a_process_missing_at_the_end_of_a_run_ends_the_others_call_naming_it(tm
         "the run of schedule 'grouped' failed: ChannelError: exchanging the run's outcome and "
         "outputs with process 1 failed: ")
     assert ("Process 1 failed or exited (see its own error), or did not answer within the "
-            "collective timeout of 60 s (POPTORCH_LITE_DIST_TIMEOUT)") in text
+            f"collective timeout of {collective_s()} s (POPTORCH_LITE_DIST_TIMEOUT)") in text
     assert rank0["broken"][1] == (
         "this model's processes went out of step in an earlier call (the end of the run: "
         "ChannelError): messages between them may be half delivered, so no further call can "

@@ -33,6 +33,7 @@ from poptorch_lite.runtime.weights import Weights
 from gpu_twin import TWIN, TwinGpu
 from models import (BlockMLP, data, microbatch_seeds, on_device, reference_training, twin,
                     workers)
+from patience import WATCHDOG_S, limit
 
 ATOL = 1e-5
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -201,9 +202,9 @@ def test_the_watchdog_synchronizes_the_streams_that_are_not_stuck(counted):
 
     def call(a):
         if a == "b":
-            release.wait(10)
+            release.wait(limit(120))
     with pytest.raises(placement_module.ActionStuck):
-        placement.run_lists({0: ["a"], 1: ["b"]}, lambda a: [], call, watchdog=0.3)
+        placement.run_lists({0: ["a"], 1: ["b"]}, lambda a: [], call, watchdog=WATCHDOG_S)
     assert counted == ["poptorch_lite-ipu0"]
     release.set()
     placement.close()

@@ -16,6 +16,7 @@ import poptorch_lite as poptorch
 from poptorch_lite.compiler import rng, trace_modes
 from poptorch_lite.compiler.partition import partition as poptorch_partition
 from models import reference_training, twin
+from patience import limit
 
 
 class ReadsValues(torch.nn.Module):
@@ -340,7 +341,7 @@ def test_a_trace_error_under_pytest_shows_the_users_lines_and_no_log(tmp_path):
     root = pathlib.Path(__file__).resolve().parents[1]
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        capture_output=True, text=True, timeout=limit(300), cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": str(root)})
     sections = {}  # test name -> the places its failure shows, in order
     for ln in result.stdout.splitlines():
