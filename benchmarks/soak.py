@@ -12,10 +12,12 @@ Phases, each through the public API only:
   with and without replication;
 - ``loaders``: a Sync and an Async ``poptorch.DataLoader`` (two worker processes each), 50
   epochs each;
-- ``interrupts``: Ctrl-C (a SIGINT to the main thread) at a random moment of a training loop,
-  once per schedule and again per schedule: in the loader, between calls or inside a call. The
-  loop stops at once, the model is as after its last completed optimizer step, and once the
-  script's own clean-up ran (``destroy``, ``terminate``) no thread or worker is left;
+- ``interrupts``: Ctrl-C (a SIGINT to the main thread) in a training loop, twice per schedule:
+  at a random moment (in the loader, between calls or inside a call); in ``--short``, which the
+  suite runs, from code points instead (an optimizer step, the loader loading a row), so that
+  no verdict depends on the machine's speed. The loop stops (within 5 s in the full soak), the
+  model is as after its last completed optimizer step, and once the script's own clean-up ran
+  (``destroy``, ``terminate``) no thread or worker is left;
 - ``processes``: 20 pipelines whose two stages run in two processes, started with torchrun;
   each process reports its own figures, and the run must end with status 0.
 
@@ -47,6 +49,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import poptorch_lite as poptorch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+from patience import limit  # noqa: E402  (the suite's one setting for limits against a hang)
 
 SCHEDULES = ["sequential", "grouped", "interleaved", "gpipe", "zero_bubble"]
 FULL = {"tiny": 20000, "wrappers": 200, "epochs": 50, "interrupts": 2, "pipelines": 20}
@@ -208,22 +213,36 @@ def same(a: tuple, b: tuple) -> bool:
 
 
 class Slow(torch.utils.data.Dataset):
-    """Rows that take ``delay`` seconds each to load: the training loop waits on its loader."""
+    """Rows that take ``delay`` seconds each to load: the training loop waits on its loader.
+    With ``ctrl_c`` (a ``multiprocessing.Event``) set to row ``at``, loading that row sends
+    the training process a SIGINT (Ctrl-C) from the loader's worker process, after setting
+    the event."""
 
-    def __init__(self, data, delay):
-        self.data, self.delay = data, delay
+    def __init__(self, data, delay, at=None, ctrl_c=None):
+        self.data, self.delay, self.at, self.ctrl_c = data, delay, at, ctrl_c
 
     def __len__(self):
         return len(self.data)
 
     def __getitem__(self, i):
         time.sleep(self.delay)
+        if self.ctrl_c is not None and i == self.at and not self.ctrl_c.is_set():
+            self.ctrl_c.set()
+            os.kill(os.getppid(), signal.SIGINT)
         return self.data[i]
 
 
-def interrupted_once(schedule: str, rng: random.Random, slow: bool) -> str:
-    """Train from an Async loader (``slow``: slower than the model) until a SIGINT at a random
-    moment; check what the issue asks; returns where it landed."""
+def interrupted_once(schedule: str, rng: random.Random, slow: bool, moment: str) -> str:
+    """Train from an Async loader (``slow``: slower than the model) until a SIGINT; check
+    what the issue asks; returns where it landed.
+
+    ``moment``: "random" (the full soak), a timer at a random moment, which lands in the
+    loader, between calls or inside a call as the machine's speed has it; "step" or "row"
+    (the short soak, which the suite runs: no verdict of its depends on the machine's speed),
+    sent from a code point: the optimizer's step of a random call (on whichever thread steps
+    it), or the loader's worker process loading a random row. A Ctrl-C the loop ran past is
+    told by a state: a call that starts after the one it was sent in (a step), or the third
+    call after it was sent (a row: the loader's worker runs ahead of the loop)."""
     torch.manual_seed(0)
     model = Blocks()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -233,35 +252,59 @@ def interrupted_once(schedule: str, rng: random.Random, slow: bool) -> str:
     wrapped = poptorch.trainingModel(model, opts, optimizer)
     n = 2 * opts.device_iterations * opts.Training.gradient_accumulation
     data = torch.utils.data.TensorDataset(torch.randn(40 * n, 16), torch.randint(0, 4, (40 * n,)))
-    loader = poptorch.DataLoader(opts, Slow(data, 0.002 if slow else 0.0), batch_size=2,
-                                 num_workers=1, mode=poptorch.DataLoaderMode.Async)
-    wrapped(*next(iter(loader)))  # traced: the interrupt lands in training, not in the trace
-    where = ["loader"]
     main = threading.main_thread().ident
-    delay = rng.uniform(0.0, 0.3)
-    timer = threading.Timer(delay, signal.pthread_kill, (main, signal.SIGINT))
-    lost = []  # a Ctrl-C the loop ran past: a second one, 5 s later, ends it and says so
-    again = threading.Timer(delay + 5.0, lambda: lost.append(where[0]) or signal.pthread_kill(
-        main, signal.SIGINT))
+    row = multiprocessing.Event() if moment == "row" else None
+    loader = poptorch.DataLoader(opts, Slow(data, 0.002 if slow else 0.0,
+                                            rng.randrange(4 * n, 6 * n), row),
+                                 batch_size=2, num_workers=1, mode=poptorch.DataLoaderMode.Async)
+    wrapped(*next(iter(loader)))  # traced: the interrupt lands in training, not in the trace
+    where, calls, sent = ["loader"], [0], []
+    lost = []  # a Ctrl-C the loop ran past: a second one ends it and says so
+    if moment == "step":
+        at = rng.randint(1, 3)  # the call whose step sends it: one of the first three
+
+        def in_step(*_):
+            if calls[0] == at and not sent:
+                sent.append(at)
+                signal.pthread_kill(main, signal.SIGINT)
+        hook = optimizer.register_step_post_hook(in_step)
+
+    def begin_call() -> None:
+        calls[0] += 1
+        if moment == "row" and row.is_set():
+            sent.append(calls[0])  # the calls begun since the row sent it
+        ran_past = calls[0] > sent[0] if moment == "step" and sent else len(sent) > 2
+        if ran_past and not lost:
+            lost.append(where[0])
+            signal.pthread_kill(main, signal.SIGINT)
+    if moment == "random":
+        delay = rng.uniform(0.0, 0.3)
+        timer = threading.Timer(delay, signal.pthread_kill, (main, signal.SIGINT))
+        again = threading.Timer(delay + 5.0, lambda: lost.append(where[0]) or signal.pthread_kill(
+            main, signal.SIGINT))
+        timer.start(), again.start()
     start = time.monotonic()
     try:
-        timer.start(), again.start()
         while True:  # epochs until Ctrl-C
             for x, y in loader:
                 where[0] = "call"
+                begin_call()
                 wrapped(x, y)
                 where[0] = "loader"
     except KeyboardInterrupt as exc:
         stopped = time.monotonic() - start
         interrupt = exc
     finally:
-        timer.join()
-        again.cancel()
+        if moment == "random":
+            timer.join()
+            again.cancel()
+        if moment == "step":
+            hook.remove()
     handle.remove()
     if lost:
         raise SystemExit(f"{schedule}: the loop ran past a Ctrl-C ({lost[0]}); a second one "
                          f"stopped it")
-    if stopped > 5:
+    if moment == "random" and stopped > 5:
         raise SystemExit(f"{schedule}: the interrupt took {stopped:.1f} s to stop the loop")
     if not same(state(model, optimizer), steps[-1]):
         import traceback
@@ -274,14 +317,16 @@ def interrupted_once(schedule: str, rng: random.Random, slow: bool) -> str:
     return where[0]
 
 
-def interrupts(rounds: int) -> dict:
+def interrupts(rounds: int, short: bool) -> dict:
+    """Per schedule, a Ctrl-C with a fast loader and one with a slow loader: at random moments,
+    or (``short``) from the optimizer's step and from the loader."""
     rng, landed = random.Random(0), {}
     for _ in range(rounds):
         for schedule in SCHEDULES:
-            where = interrupted_once(schedule, rng, slow=False)
-            landed[where] = landed.get(where, 0) + 1
-            where = interrupted_once(schedule, rng, slow=True)
-            landed[where] = landed.get(where, 0) + 1
+            for slow, moment in ((False, "step" if short else "random"),
+                                 (True, "row" if short else "random")):
+                where = interrupted_once(schedule, rng, slow, moment)
+                landed[where] = landed.get(where, 0) + 1
     return landed
 
 
@@ -292,7 +337,8 @@ def processes(pipelines: int, short: bool) -> list[dict]:
                                           os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node", "2", __file__, "--process-worker", str(pipelines)]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+    result = subprocess.run(command, capture_output=True, text=True, env=env,
+                            timeout=limit(300) if short else 900)
     if result.returncode != 0:
         raise SystemExit(f"torchrun ended with status {result.returncode}:\n"
                          f"{result.stderr[-3000:]}")
@@ -300,9 +346,12 @@ def processes(pipelines: int, short: bool) -> list[dict]:
             if line.startswith("FIGURES ")]
 
 
-def process_interrupt(rng: random.Random) -> float:
+def process_interrupt(rng: random.Random, short: bool) -> float:
     """Ctrl-C in a terminal running torchrun (SIGINT to its process group) while its two
-    processes train a pipeline for ever: every process ends within 30 s; the seconds taken."""
+    processes train a pipeline for ever: every process ends within 30 s, 10 s more for
+    torchrun's workers (the short soak, which the suite runs: within generous limits against
+    a hang, scaled by POPTORCH_LITE_TEST_PATIENCE, tests/patience.py); the seconds taken."""
+    ends, workers_end = (limit(120), limit(60)) if short else (30, 10)
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(pathlib.Path(__file__).resolve().parents[1]),
                                           os.environ.get("PYTHONPATH", "")])}
@@ -317,16 +366,17 @@ def process_interrupt(rng: random.Random) -> float:
         time.sleep(rng.uniform(0.0, 1.0))
         start = time.monotonic()
         os.killpg(run.pid, signal.SIGINT)
-        run.communicate(timeout=30)
+        run.communicate(timeout=ends)
         seconds = time.monotonic() - start
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + workers_end
         while time.monotonic() < deadline:  # torchrun's workers end with it, or soon after
             try:
                 os.killpg(run.pid, 0)
             except ProcessLookupError:
                 return seconds
             time.sleep(0.1)
-        raise SystemExit("processes of the interrupted torchrun are still alive after 10 s")
+        raise SystemExit(f"processes of the interrupted torchrun are still alive after "
+                         f"{workers_end:.0f} s")
     finally:
         try:
             os.killpg(run.pid, signal.SIGKILL)
@@ -374,14 +424,15 @@ def main() -> int:
     counts = SHORT if args.short else FULL
     torch.set_num_threads(1)
     rows = [("start", resources())]
-    tiny(3), wrappers(len(configs())), loaders(1), interrupted_once("grouped", random.Random(2), True)
+    tiny(3), wrappers(len(configs())), loaders(1)
+    interrupted_once("grouped", random.Random(2), True, "row" if args.short else "random")
     gc.collect()
     rows.append(("warm-up", resources()))
     timings = {}
     for name, run in (("tiny", lambda: tiny(counts["tiny"])),
                       ("wrappers", lambda: wrappers(counts["wrappers"])),
                       ("loaders", lambda: loaders(counts["epochs"])),
-                      ("interrupts", lambda: interrupts(counts["interrupts"]))):
+                      ("interrupts", lambda: interrupts(counts["interrupts"], args.short))):
         start = time.perf_counter()
         out = run()
         timings[name] = (time.perf_counter() - start, out)
@@ -391,7 +442,7 @@ def main() -> int:
     workers = processes(counts["pipelines"], args.short)
     timings["processes"] = (time.perf_counter() - start, None)
     rng = random.Random(1)
-    stops = [process_interrupt(rng) for _ in range(counts["interrupts"])]
+    stops = [process_interrupt(rng, args.short) for _ in range(counts["interrupts"])]
     timings["process interrupts"] = (sum(stops), f"stopped in {[round(t, 1) for t in stops]} s")
     gc.collect()
     rows.append(("end", resources()))

@@ -288,7 +288,7 @@ def compiled_table(args, cases) -> None:
     ratio to each of the others (median over the pairs, and its spread)."""
     sides = ("plain", "plain-compiled", "lite", "lite-compiled")
     print(f"{'case':8} {'thr':>3} {'plain':>8} {'plain-c':>8} {'lite':>8} {'lite-c':>8}   "
-          f"{'lite-c/plain':>18} {'lite-c/plain-c':>18} {'lite-c/lite':>18}   (ms per step)")
+          f"{'lite-c/plain':>20} {'lite-c/plain-c':>20} {'lite-c/lite':>20}   (ms per step)")
     for case in cases:
         for threads in args.threads:
             ms = {side: [] for side in sides}
@@ -300,11 +300,11 @@ def compiled_table(args, cases) -> None:
                     ms[side].append(statistics.median(b["step_ms"] for b in got[side]))
                 for other in ratios:
                     ratios[other].append(_ratio(got, "lite-compiled", other))
-            cells = [f"{statistics.median(r):.3f} ({min(r):.2f}-{max(r):.2f})"
+            cells = [f"{statistics.median(r):.3f} ({min(r):.3f}-{max(r):.3f})"
                      for r in ratios.values()]
             print(f"{case:8} {got['plain'][0]['threads']:>3} "
                   + " ".join(f"{statistics.median(ms[side]):8.3f}" for side in sides)
-                  + "   " + " ".join(f"{c:>18}" for c in cells), flush=True)
+                  + "   " + " ".join(f"{c:>20}" for c in cells), flush=True)
 
 
 if __name__ == "__main__":
