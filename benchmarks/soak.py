@@ -422,6 +422,8 @@ def main() -> int:
         process_worker(args.process_worker)
         return 0
     counts = SHORT if args.short else FULL
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started as a background job: the
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # soak's Ctrl-Cs must land
     torch.set_num_threads(1)
     rows = [("start", resources())]
     tiny(3), wrappers(len(configs())), loaders(1)

@@ -2,6 +2,7 @@
 
 import gc
 import os
+import signal
 
 # Inductor compiles in the test's own thread: no pool of compile threads or processes, which
 # would outlive the test that compiled first (tests/hygiene.py) and crowd a 2-core machine.
@@ -27,6 +28,16 @@ pytest_plugins = ["hygiene"]  # every test leaves the process as it found it (te
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
+# Ctrl-C reaches the suite whichever way it was started. A shell starts a background job
+# ("cmd &" in a script, nohup-like launchers, some CI runners) with SIGINT ignored, and Python
+# then keeps it ignored instead of installing its KeyboardInterrupt handler: every test that
+# sends a Ctrl-C (and each child process, which inherits the ignored signal) then saw nothing,
+# the 7 "busy machine" failures of issue 46 that were not about speed. The suite's processes
+# get Python's own handler, as a script started in a terminal has; a child gets the default
+# action back when it starts, and Python's handler with it.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # "ipu_model": every IPU on the CPU with a memory of its own (Options.useIpuModel(True)), the
 # path that separate GPUs take, so that it runs on machines without one. "gpu_twin": every

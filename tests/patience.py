@@ -79,7 +79,8 @@ def interrupt_caller() -> None:
     main = threading.main_thread()
     if threading.current_thread() is main:
         signal.pthread_kill(main.ident, signal.SIGINT)  # raises before it returns
-        raise AssertionError("SIGINT on the main thread did not raise KeyboardInterrupt")
+        raise AssertionError(f"SIGINT on the main thread did not raise KeyboardInterrupt (its "
+                             f"handler: {signal.getsignal(signal.SIGINT)!r})")
     stopped = _CallerStopped()
     logger = logging.getLogger("poptorch_lite")
     logger.addHandler(stopped)

@@ -5,6 +5,7 @@ import contextlib
 import copy
 import itertools
 import json
+import os
 import pathlib
 import random
 import re
@@ -295,6 +296,24 @@ def test_ctrl_c_inside_the_optimizers_step_is_held_until_the_step_is_counted():
     assert_same_state(state(net, opt), steps[0])
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     model(x, y)
+
+
+def test_the_ctrl_c_tests_pass_when_the_suite_starts_with_sigint_ignored():
+    # A background job of a shell ("cmd &" in a script) starts with SIGINT ignored, which
+    # Python keeps: the conftest gives the suite Python's own handler back (issue 46).
+    launcher = ("import signal, subprocess, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                "sys.exit(subprocess.call(sys.argv[1:]))")
+    here = pathlib.Path(__file__).resolve()
+    result = subprocess.run(
+        [sys.executable, "-c", launcher, sys.executable, "-m", "pytest", "-q", "-p",
+         "no:cacheprovider", "-p", "no:randomly",
+         f"{here}::test_ctrl_c_inside_the_optimizers_step_is_held_until_the_step_is_counted",
+         f"{here.parent}/test_dataloader.py::test_ctrl_c_beside_an_async_loader_stops_the_"
+         "script_cleanly"],
+        capture_output=True, text=True, timeout=limit(300), cwd=here.parents[1],
+        env={k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")})
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert result.stdout.splitlines()[-1].startswith("3 passed")
 
 
 def test_no_automatic_garbage_collection_runs_inside_a_call():
