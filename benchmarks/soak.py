@@ -214,21 +214,26 @@ def same(a: tuple, b: tuple) -> bool:
 
 class Slow(torch.utils.data.Dataset):
     """Rows that take ``delay`` seconds each to load: the training loop waits on its loader.
-    With ``ctrl_c`` (a ``multiprocessing.Event``) set to row ``at``, loading that row sends
-    the training process a SIGINT (Ctrl-C) from the loader's worker process, after setting
-    the event."""
+    With ``armed`` and ``ctrl_c`` (``multiprocessing.Event``s), the ``at``-th row loaded
+    after the training loop armed it sends the training process a SIGINT (Ctrl-C) from the
+    loader's worker process, after setting ``ctrl_c``. Armed, not by row number: the loader
+    works ahead of the loop, and on a slow machine a row number could be reached while the
+    first call still traces."""
 
-    def __init__(self, data, delay, at=None, ctrl_c=None):
-        self.data, self.delay, self.at, self.ctrl_c = data, delay, at, ctrl_c
+    def __init__(self, data, delay, at=0, armed=None, ctrl_c=None):
+        self.data, self.delay, self.at, self.armed, self.ctrl_c = data, delay, at, armed, ctrl_c
+        self.loaded = 0  # rows loaded since armed, in the worker process
 
     def __len__(self):
         return len(self.data)
 
     def __getitem__(self, i):
         time.sleep(self.delay)
-        if self.ctrl_c is not None and i == self.at and not self.ctrl_c.is_set():
-            self.ctrl_c.set()
-            os.kill(os.getppid(), signal.SIGINT)
+        if self.armed is not None and self.armed.is_set() and not self.ctrl_c.is_set():
+            self.loaded += 1
+            if self.loaded == self.at:
+                self.ctrl_c.set()
+                os.kill(os.getppid(), signal.SIGINT)
         return self.data[i]
 
 
@@ -253,11 +258,14 @@ def interrupted_once(schedule: str, rng: random.Random, slow: bool, moment: str)
     n = 2 * opts.device_iterations * opts.Training.gradient_accumulation
     data = torch.utils.data.TensorDataset(torch.randn(40 * n, 16), torch.randint(0, 4, (40 * n,)))
     main = threading.main_thread().ident
-    row = multiprocessing.Event() if moment == "row" else None
+    armed, row = ((multiprocessing.Event(), multiprocessing.Event()) if moment == "row"
+                  else (None, None))
     loader = poptorch.DataLoader(opts, Slow(data, 0.002 if slow else 0.0,
-                                            rng.randrange(4 * n, 6 * n), row),
+                                            rng.randrange(n, 3 * n), armed, row),
                                  batch_size=2, num_workers=1, mode=poptorch.DataLoaderMode.Async)
     wrapped(*next(iter(loader)))  # traced: the interrupt lands in training, not in the trace
+    if armed is not None:
+        armed.set()
     where, calls, sent = ["loader"], [0], []
     lost = []  # a Ctrl-C the loop ran past: a second one ends it and says so
     if moment == "step":
