@@ -82,8 +82,8 @@ def main():
     if args.timers:  # before any wrapper exists: the executors bind the handlers
         for owner, name in ((program.Program, "run"), (executor.Executor, "run_call"),
                             (executor.Executor, "_run_here"), (stage_work.StageWork, "forward"),
-                            (stage_work.StageWork, "backward"), (update.Updates, "_reduce"),
-                            (update.Updates, "_step")):
+                            (stage_work.StageWork, "backward"), (update.Update, "reduce"),
+                            (update.Update, "step")):
             timed(owner, name, name)
     for name in ["tiny", "conv"] if args.model == "all" else [args.model]:
         measure(name, args.rounds, args.timers)

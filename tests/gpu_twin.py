@@ -144,6 +144,7 @@ class TwinGpu:
         self._made = {}                  # data_ptr -> (the value, its stream, its work's mark)
         self.captures = []               # the TwinGraphs captured, in order
         self.drawing = []                # the graph generators random ops draw from now
+        self.warm = set()                # (thread, stream): its cuBLAS/cuDNN state is made
 
     def is_gpu(self, device) -> bool:
         return device.type == "cpu" and device.index is not None
@@ -166,8 +167,14 @@ class TwinGpu:
         streams = self._local.__dict__.setdefault("streams", {})
         before = streams.get(stream.device)
         streams[stream.device] = stream
+        key = (threading.get_ident(), stream)
+        # Outside a capture, until this thread's first cuBLAS or cuDNN call on the stream:
+        # watch for it ([Note: library state on first use]).
+        warming = _Warming(self, key) if key not in self.warm and _CAPTURE.get(
+            "thread") != key[0] else contextlib.nullcontext()
         try:
-            yield
+            with warming:
+                yield
         finally:
             if before is None:
                 del streams[stream.device]
@@ -227,13 +234,17 @@ class TwinGpu:
         waiting for a stream or an event meanwhile is refused."""
         recording = _Recording(graph, self)
         self.captures.append(graph)
-        _CAPTURE["streams"] = {stream}
+        _CAPTURE.update(streams={stream}, thread=threading.get_ident(), invalid=None)
         try:
             with self.stream(stream), recording:
                 yield
         finally:  # ending the capture, also after the body raised
-            joined = _CAPTURE.pop("streams")
+            joined, invalid = _CAPTURE.pop("streams"), _CAPTURE.pop("invalid")
+            del _CAPTURE["thread"]
             recording.finish()
+            if invalid is not None:
+                raise CaptureFailed(f"AcceleratorError: CUDA error: operation failed due to a "
+                                    f"previous error during capture (the twin: {invalid})")
             unjoined = [s for s in joined
                         if s is not stream and stream.waited.get(s, 0) < s.launched]
             if unjoined:
@@ -287,7 +298,35 @@ def _poisoned(t: torch.Tensor) -> torch.Tensor:
 
 # -- CUDA graphs: a capture records, a replay runs ([Note: step graphs] in step_graph) ------
 
-_CAPTURE: dict = {}  # "streams": the streams in the capture under way
+_CAPTURE: dict = {}  # "streams": the streams in the capture under way; "thread": its thread;
+# "invalid": why an error inside it invalidated it (ending it then fails), or None
+
+# [Note: library state on first use]
+# cuBLAS and cuDNN keep a handle per thread and GPU (torch's ``DeviceThreadHandlePool``), and
+# torch gives each cuBLAS handle a workspace per stream, all made on first use: a thread whose
+# first call on a stream comes inside a capture fails there ("CUBLAS_STATUS_NOT_INITIALIZED
+# when calling cublasCreate(handle)") and invalidates the capture, so ending it fails too. So
+# a capture must come after eager runs of the same launches: the same thread, the same
+# streams (``make_graphed_callables`` warms up so). The twin keeps these ops' first use per
+# (thread, stream) and refuses the first one inside a capture.
+_LIBRARY_OPS = frozenset(f"aten::{name}" for name in (
+    "mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "_addmm_activation",
+    "convolution", "convolution_backward", "native_batch_norm", "native_batch_norm_backward",
+    "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
+    "_native_batch_norm_legit_functional"))
+
+
+class _Warming(torch.utils._python_dispatch.TorchDispatchMode):
+    """Marks ``key`` (thread, stream) warm at its first cuBLAS or cuDNN op outside a capture."""
+
+    def __init__(self, twin, key):
+        super().__init__()
+        self.twin, self.key = twin, key
+
+    def __torch_dispatch__(self, op, types, args=(), kwargs=None):
+        if op._schema.name in _LIBRARY_OPS:
+            self.twin.warm.add(self.key)
+        return op(*args, **(kwargs or {}))
 
 
 def _joins(stream, other) -> None:
@@ -338,6 +377,11 @@ class TwinGraph:
         self.replays += 1
 
 
+def _device(args) -> torch.device:
+    """The twin GPU an op runs on: its first tensor argument's (TWIN if none is on one)."""
+    return next((t.device for t in _leaves(args) if t.device.index is not None), TWIN)
+
+
 def _leaves(x) -> list:
     return [t for t in torch.utils._pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
 
@@ -362,6 +406,19 @@ class _Recording(torch.utils._python_dispatch.TorchDispatchMode):
         if op is torch.ops.aten._local_scalar_dense.default:
             raise RuntimeError("CUDA error: operation not permitted when stream is capturing "
                                "(the twin: a host read of a tensor inside a capture)")
+        if op._schema.name in _LIBRARY_OPS:  # [Note: library state on first use]
+            stream = self.twin.current_stream(_device(args))
+            if (threading.get_ident(), stream) not in self.twin.warm:
+                why = (f"{op._schema.name} was the first cuBLAS/cuDNN call of thread "
+                       f"{threading.current_thread().name} on its stream, inside the capture")
+                _CAPTURE["invalid"] = _CAPTURE.get("invalid") or why
+                raise RuntimeError(f"CUDA error: CUBLAS_STATUS_NOT_INITIALIZED when calling "
+                                   f"`cublasCreate(handle)` (the twin: {why})")
+        if torch.Tag.nondeterministic_seeded in op.tags and (
+                self.twin.current_stream(_device(args)) not in _CAPTURE["streams"]):
+            raise RuntimeError("Offset increment outside graph capture encountered "
+                               "unexpectedly. (the twin: a random op launched on a stream "
+                               "outside the capture while it is under way)")
         schema = op._schema
         written = []
         for at, arg in enumerate(schema.arguments):

@@ -12,6 +12,7 @@ bit; on CUDA (``benchmarks/gpu_check.sh``) the same tests run on the GPU.
 import contextlib
 import copy
 import logging
+import threading
 
 import pytest
 import torch
@@ -19,9 +20,8 @@ import torch
 import poptorch_lite as poptorch
 from poptorch_lite.errors import ExecutionError, OptionsError
 from poptorch_lite.optim.loss_scale import LossScale
-from poptorch_lite.runtime import step_graph
 from poptorch_lite.runtime.gpu import CaptureFailed
-from poptorch_lite.runtime.update import StepArithmetic, Updates, graph_refusal
+from poptorch_lite.runtime.update import StepArithmetic, Update, graph_refusal
 
 from conftest import DEVICE_MARKS
 import gpu_twin
@@ -103,7 +103,7 @@ def test_replayed_steps_equal_the_eager_path_bit_for_bit(device, schedule, dropo
     assert_same(eager, graphed)
     program = graphed[3]
     assert counts(program) == (1, 0, 6, 2)
-    assert program.executor.steps_applied == 8  # replays count their steps
+    assert program.executor.update.steps_applied == 8  # replays count their steps
     assert program.graph.report.parts == (
         "every stage action of 4 micro-batches", "the reduction", "the optimizer's step")
     assert eager[3].graph is None  # cuda_graph=False: nothing captured
@@ -430,14 +430,14 @@ def test_an_action_that_raises_while_capturing_leaves_the_program_eager(twin_gpu
                                                                        monkeypatch):
     """The optimizer's step raises inside the capture: the streams forked into it are joined
     back, the capture ends, nothing of it ran, and the run and the rest go eagerly."""
-    commit = Updates._commit
+    commit = Update._commit
 
     def refusing(self, step):
         if "streams" in gpu_twin._CAPTURE:
             raise RuntimeError("not while capturing")
         return commit(self, step)
 
-    monkeypatch.setattr(Updates, "_commit", refusing)
+    monkeypatch.setattr(Update, "_commit", refusing)
     model = BlockMLP(2)
     eager = train(model, "gpu_twin", graph=False)
     graphed = train(model, "gpu_twin", graph=True)
@@ -488,7 +488,7 @@ def test_a_capture_that_cannot_be_ended_stops_the_call(twin_gpu_installed, monke
     program = next(iter(wrapper._state.programs.values()))
     assert program.graph.report.refused == (
         "its capture could not be ended: RuntimeError: the capture was invalidated")
-    assert program.executor.steps_applied == 2  # the two eager runs before it
+    assert program.executor.update.steps_applied == 2  # the two eager runs before it
     wrapper.destroy()
 
 
@@ -532,3 +532,48 @@ def test_the_twin_captures_without_running_and_replays_on_the_same_memory():
             side.wait_stream(stream)  # forked, and never joined back
             with twin.stream(side):
                 twin.made([x * 3], TWIN)
+
+
+def test_the_twin_refuses_a_threads_first_cublas_call_on_a_stream_inside_a_capture():
+    """cuBLAS and cuDNN state is made per thread and stream on first use, which a capture
+    forbids ([Note: library state on first use] in gpu_twin.py): only the same thread's eager
+    use of the same stream before the capture lets it record a matrix product."""
+    twin = TwinGpu()
+    a, b = torch.ones(2, 2), torch.ones(2, 2)
+    stream = twin.Stream(TWIN)
+    worker = threading.Thread(target=_multiply_on, args=(twin, stream, a, b))
+    worker.start()
+    worker.join()  # another thread warmed the stream up: this one has no handle of its own
+    _multiply_on(twin, twin.Stream(TWIN), a, b)  # this thread, another stream
+    for _ in range(2):  # the error is raised where the call is, and the end fails too
+        with pytest.raises(CaptureFailed, match="previous error during capture .the twin: "
+                           "aten::mm was the first cuBLAS/cuDNN call of thread MainThread"):
+            with twin.capture(TwinGraph(), stream):
+                with pytest.raises(RuntimeError, match="CUBLAS_STATUS_NOT_INITIALIZED"):
+                    a @ b
+    _multiply_on(twin, stream, a, b)  # warmed up where it is captured
+    graph = TwinGraph()
+    with twin.capture(graph, stream):
+        c = a @ b
+    twin.replay(graph, stream)
+    stream.synchronize()
+    assert torch.equal(c, torch.full((2, 2), 2.0))
+
+
+def test_the_twin_refuses_a_random_op_launched_outside_the_capture_under_way():
+    """A registered generator's offset moves inside the capture only: a random op launched on a
+    stream that did not join the capture fails as CUDA's "Offset increment outside graph
+    capture" does."""
+    twin = TwinGpu()
+    stream, outside = twin.Stream(TWIN), twin.Stream(TWIN)
+    with pytest.raises(RuntimeError, match="Offset increment outside graph capture"):
+        with twin.capture(TwinGraph(), stream):
+            with twin.stream(outside):
+                torch.rand(3)
+    with twin.capture(TwinGraph(), stream):  # on the capture's stream it is recorded
+        torch.rand(3)
+
+
+def _multiply_on(twin, stream, a, b):
+    with twin.stream(stream):
+        return a @ b

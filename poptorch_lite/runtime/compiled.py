@@ -254,7 +254,7 @@ class CompiledModel:
         restore = capture(weights, optimizer, loss_scale, True, generator=self.generator,
                           generators=program.generators) if full else None
         ex.undoable = full
-        applied = ex.steps_applied
+        applied = ex.update.steps_applied
         if training:
             weights.optimizer_state_to_homes(optimizer)
         try:
@@ -262,7 +262,7 @@ class CompiledModel:
                 mbs, opts, training, self.replicas(), optimizer, loss_scale, weights,
                 self.outputs().kept, not full, self.generator)
         except BaseException as exc:
-            applied = ex.steps_applied - applied
+            applied = ex.update.steps_applied - applied
             if restore is not None:
                 restore()
                 applied = 0

@@ -31,11 +31,11 @@ from .schedule import Action, Kind, Schedule
 from .run import Run
 from .stage_work import StageWork
 from .streams import ActionFailed, ActionStuck, StreamFailed, on_caller
-from .update import PartialUpdate, StepArithmetic, Updates
+from .update import PartialUpdate, StepArithmetic, Update
 from .weights import Weights
 
 
-class Executor(Updates):
+class Executor:
     """Runs schedules over the stages of one partition.
 
     Args:
@@ -87,17 +87,19 @@ class Executor(Updates):
                                      weights.separate_memories)
         # The parameters this process steps (all of them unless stages run elsewhere).
         here = {n for st in partition.stages if self.local[st.index] for n in st.param_names}
-        self._stepped = {n: p for n, p in weights.params.items() if n in here}
+        stepped = {n: p for n, p in weights.params.items() if n in here}
         self._failure_lock = threading.Lock()
-        self.steps_applied = 0  # updates completed ([Note: commit point])
-        self.ctrl_c = None  # the call's update.CtrlC on the main thread, else None
+        # The reduction and the update ([Note: gradient arithmetic], [Note: commit point]).
+        self.update = Update(weights, self.owned, stepped, channels, processes, self._describe,
+                             self._result)
         self.undoable = False   # the caller snapshots whole calls (allOrNothingCalls)
         self.handlers = {Kind.FORWARD: self.work.forward, Kind.BACKWARD: self.work.backward,
                          Kind.BACKWARD_INPUT: self.work.backward_input,
                          Kind.BACKWARD_WEIGHT: self.work.backward_weight,
-                         Kind.RECOMPUTE: self.work.recompute_action, Kind.REDUCE: self._reduce,
-                         Kind.STEP: self._step}
+                         Kind.RECOMPUTE: self.work.recompute_action, Kind.REDUCE: self.update.reduce,
+                         Kind.STEP: self.update.step}
         self._plans: dict = {}
+        self._launched = False  # the caller's thread launches every GPU action (``launched``)
         self.names = [o for o in partition.outputs if isinstance(o, str)]  # returned values
         self.made_on_gpu = frozenset(name for st in partition.stages
                                      if self.local[st.index] and st.ipu in self.gpu_ipus
@@ -155,27 +157,91 @@ class Executor(Updates):
                  replica_of: Callable, run_index: int = 0, keep: Optional[Sequence[bool]] = None,
                  base: Optional[int] = None) -> tuple:
         """One run of ``call``'s schedule (:meth:`run`'s arguments and result)."""
-        p, plan, step, recorder = self.partition, call.plan, call.step, call.recorder
-        schedule = plan.schedule
         streams = None
         if self.random:  # [Note: micro-batch RNG]
             base = rng.draw_base() if base is None else base
             streams = [rng.Stream(rng.microbatch_seed(base, i)) for i in range(len(microbatches))]
-        lists, waits, rows = plan.lists, plan.waits, plan.rows
-        run = Run(p, microbatches, replica_of, streams, run_index, schedule.training,
-                  [i for i in range(len(microbatches)) if keep is None or keep[i]], plan.ahead)
         begun = self.placement.begin() if self.gpu_ipus else None  # before the inputs' copies
-        self.inputs.place(run)
+        run = self.start_run(call, microbatches, replica_of, streams, run_index, keep)
+        spans = self._launch(call, run, begun)
+        for a, span in spans.items() if call.recorder is not None else ():  # [Note: GPU timeline]
+            call.recorder.add_gpu(self._ipu(a), a.stage, a.microbatch, a.kind.value, *span,
+                                  run_index)
+        if self.channels is not None:  # weights returned, values of data-dependent shape
+            self.channels.share_outputs(run, self.names, self._result, self.weights)
+        return self.outputs(run), run.stats
+
+    def start_run(self, call: Call, microbatches: Sequence[Sequence[torch.Tensor]],
+                  replica_of: Callable, streams: Optional[list], run_index: int = 0,
+                  keep: Optional[Sequence[bool]] = None, placed: Optional[dict] = None) -> Run:
+        """The state of a run of ``call``'s schedule, ready to launch: its inputs placed
+        (``placed``: where a captured step reads them, instead of copies of them), the
+        gradients cleared.
+
+        Args:
+            streams: per micro-batch, its random stream (None: the stages draw nothing);
+                the other arguments are :meth:`run`'s.
+        """
+        schedule = call.plan.schedule
+        run = Run(self.partition, microbatches, replica_of, streams, run_index,
+                  schedule.training,
+                  [i for i in range(len(microbatches)) if keep is None or keep[i]],
+                  call.plan.ahead)
+        if placed is None:
+            self.inputs.place(run)
+        else:
+            run.placed.update(placed)
         if schedule.training:
             self.weights.zero_grads()
             if self.work.measures():  # only the stash's byte count reads it: skip the storages
                 run.excluded = self.weights.storages() | {
                     t.untyped_storage().data_ptr() for t in (
                         *(t for mb in microbatches for t in mb), *run.placed.values())}
+        return run
+
+    def capture_run(self, call: Call, run: Run, into, step_in_graph: bool) -> None:
+        """Record ``run``'s actions into the CUDA graph being captured on the stream ``into``,
+        with the launch loop that ran the program's warm-up runs (``Placement.run_in_order``),
+        the optimizer's step among them where ``step_in_graph``; nothing runs, so no step is
+        counted ([Note: step graphs] in ``step_graph``).
+
+        Raises:
+            Exception: what an action raised while being captured, with a note of the action.
+        """
+        plan = call.plan
+        pairs = [(ipu, a) for ipu, a in plan.ordered if step_in_graph or a.kind is not Kind.STEP]
+        update = self.update
+        applied = update.steps_applied
+        try:
+            self.placement.run_in_order(pairs, plan.waits.__getitem__,
+                                        self._actor(run, call.step, None), into=into)
+        except ActionFailed as failure:
+            failure.exc.add_note(f"poptorch_lite: raised by action {failure.action} while its "
+                                 f"step was captured")
+            raise failure.exc from None
+        finally:
+            update.steps_applied = applied  # nothing ran: a replay counts its step
+
+    def replayed(self, call: Call, run: Run, step_in_graph: bool) -> list:
+        """After a replay of ``run``'s captured actions: count its step (applied in the graph,
+        or taken now, eagerly), and the outputs as :meth:`run` returns them."""
+        if call.step is not None:
+            if step_in_graph:
+                self.update.steps_applied += 1
+                self.weights.stepped_on_device()
+            else:
+                stepped = next(a for a in call.plan.rows if a.kind is Kind.STEP)
+                self.update.step(stepped, run, call.step)
+        return self.outputs(run)
+
+    def _launch(self, call: Call, run: Run, begun: Optional[dict]) -> dict:
+        """Run ``run``'s actions as ``call``'s plan says (:meth:`run`'s spans and errors)."""
+        plan, step, recorder = call.plan, call.step, call.recorder
+        schedule, lists, waits, rows = plan.schedule, plan.lists, plan.waits, plan.rows
         channels = self.channels
+        spans: dict = {}
         try:
             if plan.here is not None:  # the caller's thread runs it all
-                spans = {}
                 self._run_here(call, run)
             elif plan.launch is not None:  # the caller's thread launches it all on the GPU
                 spans = self.placement.run_in_order(plan.launch, waits.__getitem__,
@@ -186,7 +252,7 @@ class Executor(Updates):
                                                  self._actor(run, step, recorder),
                                                  call.watchdog, plan.in_order, begun)
             if channels is not None:
-                self._settle(schedule, run, rows, run_index)
+                self._settle(schedule, run, rows, run.index)
         except StreamFailed as failed:
             ipu = failed.ipu
             raise ExecutionError(
@@ -203,7 +269,7 @@ class Executor(Updates):
             if not isinstance(failure.exc, Exception):  # KeyboardInterrupt, SystemExit
                 failure.exc.add_note(f"poptorch_lite: raised by action {failure.action}")
                 raise failure.exc from None
-            self._fail(schedule, rows[failure.action], failure.action, failure.exc, run_index)
+            self._fail(schedule, rows[failure.action], failure.action, failure.exc, run.index)
         except ActionStuck as stuck:
             if channels is not None:
                 self.broken = "the watchdog fired"
@@ -211,13 +277,8 @@ class Executor(Updates):
             self._fail(schedule, rows.get(a), a, TimeoutError(
                 f"no action finished for {stuck.seconds} s (Options.watchdogTimeout); "
                 f"still running: {', '.join(str(x) for x in stuck.running.values()) or 'none'}"),
-                run_index)
-        for a, span in spans.items() if recorder is not None else ():  # [Note: GPU timeline]
-            recorder.add_gpu(self._ipu(a), a.stage, a.microbatch, a.kind.value, *span, run_index)
-        names = self.names
-        if channels is not None:  # weights returned, values of data-dependent shape
-            channels.share_outputs(run, names, self._result, self.weights)
-        return self._outputs(run), run.stats
+                run.index)
+        return spans
 
     def _run_here(self, call: Call, run: Run) -> None:
         """Run the plan's actions in order on the caller's thread ([Note: streams] in
@@ -324,12 +385,20 @@ class Executor(Updates):
                 f"{self.processes.rank} stopped with it: {text}. No process applied this run's "
                 f"step", location=f"process {rank}")
 
+    def launched(self) -> None:
+        """From now on the caller's thread launches every action on the GPU streams, in row
+        order, where workers would run the streams' lists: a program whose steps are captured
+        runs its warm-up runs with the launches it captures ([Note: step graphs] in
+        ``step_graph``)."""
+        self._launched = True
+        self._plans.clear()
+
     def _plan(self, schedule: Schedule) -> Plan:
         """How this process runs ``schedule`` (``plan.make_plan``, cached per schedule)."""
         plan = self._plans.get(id(schedule))
         if plan is None or plan.schedule is not schedule:
             plan = self._plans[id(schedule)] = make_plan(
-                schedule, self.placement, self._ipu, self._here, self.channels)
+                schedule, self.placement, self._ipu, self._here, self.channels, self._launched)
         return plan
 
     def _ipu(self, a: Action) -> int:
@@ -342,7 +411,7 @@ class Executor(Updates):
 
     # -- results and failures -------------------------------------------------------------
 
-    def _outputs(self, run: Run) -> list:
+    def outputs(self, run: Run) -> list:
         """Per micro-batch, its returned values on the host (None where not kept); a small
         value a GPU computed in one copy for all the kept micro-batches (``gpu.copy_out_all``)."""
         kept, results = run.kept, run.results

@@ -20,10 +20,16 @@ bug of the GPU path that has a shape on the CPU (a copy read by the wrong
 micro-batch, a read that does not wait for its copy, a stage that does not wait
 for the stage before it) fails the CPU suite, which CI runs without a GPU. A
 CUDA graph's twin records a capture op by op and replays it on the same memory
-([Note: step graphs] in ``step_graph``). Not twinned: ``record_stream``, the
+([Note: step graphs] in ``step_graph``), and keeps CUDA's rules for it: no host wait or
+read inside a capture, every stream forked into it joined back, a thread's first cuBLAS or
+cuDNN call on a stream not inside it, no random op launched outside it while it is under way.
+Not twinned: ``record_stream``, the
 optimizer step's reads of parameter gradients made on other streams (a tied
-weight's included), copies between two GPUs, and GPU arithmetic itself (the CUDA
-tests and ``benchmarks/gpu_check.sh`` run those on a real GPU).
+weight's included), copies between two GPUs, a generator left in capture mode by a
+capture that could not be ended (torch's ``capture_end`` raises before its generators'
+epilogue, so their every later draw fails; the program stops the call and asks for a
+restart), and GPU arithmetic itself (the CUDA tests and ``benchmarks/gpu_check.sh`` run those
+on a real GPU).
 """
 
 from __future__ import annotations

@@ -234,21 +234,25 @@ class Placement:
                 for a in actions}
 
     def run_in_order(self, pairs: list, waits: Callable, call: Callable,
-                     threads: Optional[int] = None, begun: Optional[dict] = None) -> dict:
+                     threads: Optional[int] = None, begun: Optional[dict] = None,
+                     into=None) -> dict:
         """Run ``(ipu, action)`` pairs in this order on the caller's thread ([Note: streams]).
 
         An action of a CUDA stream is launched as that stream's worker would launch it:
         inside the stream's context, after the caller's work so far and the events of the
         actions it depends on; the streams used are synchronized before this returns or
-        raises ([Note: values crossing streams] in ``streams``).
+        raises ([Note: values crossing streams] in ``streams``). With ``into``, a stream
+        being captured ([Note: step graphs] in ``step_graph``), the same launches are
+        recorded: each stream forks from ``into`` before its first action and joins it back
+        at the end, also when an action raises, and nothing is timed or synchronized.
 
         Args:
             pairs: ``(ipu, action)`` in the order to run them; waits, call and begun: as
                 :meth:`run_lists`'s; threads: the intra-op threads to run them with (None:
-                the caller's own).
+                the caller's own); into: the capture's stream (None: run them).
 
         Returns:
-            :meth:`run_lists`'s spans.
+            :meth:`run_lists`'s spans (none inside a capture).
 
         Raises:
             ActionFailed, StreamFailed, KeyboardInterrupt: as :meth:`run_lists`.
@@ -258,9 +262,14 @@ class Placement:
         if not gpus:
             self._run_here(pairs, call, threads)
             return {}
-        refs = self.begin() if begun is None else begun
-        start = [event for event, _ in refs.values()]
-        events, spans = {}, {}
+        timed = into is None
+        if timed:
+            refs = self.begin() if begun is None else begun
+            start = [event for event, _ in refs.values()]
+        else:
+            start = [self.gpu.Event()]
+            start[0].record(into)
+        events, spans, used = {}, {}, []
         last = {}  # stream -> the event after its latest action, while nothing was enqueued since
         current = context = a = ipu = None
         try:
@@ -273,24 +282,27 @@ class Placement:
                     if stream not in last:  # its first action: after the caller's work
                         stream.wait(start)
                         last[stream] = None
+                        used.append(stream)
                 needs = waits(a)  # actions of other streams
                 if needs:
                     stream.wait([events[d] for d in needs if d in events])
                     last[stream] = None
                 on_gpu = ipu in gpus
                 # [Note: GPU timeline]: back to back, an action starts where the last one ended
-                first = None if not on_gpu else (
+                first = None if not (on_gpu and timed) else (
                     last[stream] if last[stream] is not None else stream.record())
                 call(a)
                 if on_gpu:
                     stream.join()
-                    events[a] = last[stream] = stream.record()
-                    spans[a] = (*refs[self.devices[ipu]], first, events[a])
+                    events[a] = last[stream] = stream.record(timed)
+                    if timed:
+                        spans[a] = (*refs[self.devices[ipu]], first, events[a])
         except BaseException as exc:
             if context is not None:
                 context.close()
                 context = None
-            self._drain(gpus)  # what was launched lands before the caller moves on
+            if timed:
+                self._drain(gpus)  # what was launched lands before the caller moves on
             raised = on_caller(a, ipu, exc)
             if raised is exc:
                 raise
@@ -298,6 +310,11 @@ class Placement:
         finally:
             if context is not None:
                 context.close()
+            if not timed:  # every stream forked into the capture is joined back: it can end
+                for stream in used:
+                    into.wait_stream(stream.stream)
+        if not timed:
+            return spans
         failed = self._drain(gpus)
         if failed is not None:
             raise failed

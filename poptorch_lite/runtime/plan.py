@@ -40,22 +40,24 @@ class Plan:
             else None.
         launch: when the caller's thread runs every action itself and some are on CUDA
             streams, ``(ipu, action)`` in order (``Placement.run_in_order``); else None.
+        ordered: this process's ``(ipu, action)`` in row order, an order that launches every
+            action after those it depends on (what a captured step launches).
         threads: the intra-op threads for ``here`` (None: the caller's).
     """
 
     __slots__ = ("schedule", "lists", "waits", "rows", "in_order", "ahead", "threads", "here",
-                 "launch")
+                 "launch", "ordered")
 
     def __init__(self, schedule: Schedule, lists: dict, waits: dict, rows: dict,
                  in_order: Optional[list], ahead: dict, threads: Optional[int],
-                 here: Optional[list], launch: Optional[list] = None):
+                 here: Optional[list], launch: Optional[list], ordered: list):
         self.schedule, self.lists, self.waits, self.rows = schedule, lists, waits, rows
         self.in_order, self.ahead, self.threads, self.here = in_order, ahead, threads, here
-        self.launch = launch
+        self.launch, self.ordered = launch, ordered
 
 
 def make_plan(schedule: Schedule, placement, ipu_of: Callable, runs_here: Callable,
-              channels=None) -> Plan:
+              channels=None, launched: bool = False) -> Plan:
     """The plan of ``schedule`` for an executor.
 
     Args:
@@ -63,6 +65,10 @@ def make_plan(schedule: Schedule, placement, ipu_of: Callable, runs_here: Callab
         ipu_of: action -> the IPU (stream) that runs it; runs_here: action -> whether this
             process runs it ([Note: stages in other processes] in ``distributed``).
         channels: the messages to other processes' stages (None: every stage runs here).
+        launched: the caller's thread launches every action on the GPU streams in row order,
+            even where workers could run the streams' lists: a program whose steps are
+            captured warms up with the launches it captures ([Note: step graphs] in
+            ``step_graph``).
     """
     # This process's actions: every one unless stages run in other processes, where
     # a dependency is a message instead.
@@ -76,7 +82,8 @@ def make_plan(schedule: Schedule, placement, ipu_of: Callable, runs_here: Callab
     waits = {a: [d for d in schedule.dependencies(a) if runs_here(d) and ipu_of(d) != ipu_of(a)]
              for a in rows}
     total_order = all(sum(a is not None for a in row) <= 1 for row in schedule.rows)
-    in_order = [(ipu_of(a), a) for row in mine for a in row] if total_order else None
+    ordered = [(ipu_of(a), a) for row in mine for a in row]
+    in_order = ordered if total_order else None
     ahead = {}  # per action, the next one of its stream that receives messages
     for actions in lists.values() if channels is not None else ():
         following = None
@@ -89,9 +96,12 @@ def make_plan(schedule: Schedule, placement, ipu_of: Callable, runs_here: Callab
     if here is not None and any(isinstance(placement.streams[ipu], CudaStream)
                                 for ipu, _ in here):
         here, launch = None, here  # launched on their CUDA streams, with the GPU's waits
+    elif here is None and launched and channels is None and all(
+            isinstance(placement.streams[ipu], CudaStream) for ipu, _ in ordered):
+        launch = ordered
     return Plan(schedule, lists, waits, rows, in_order, ahead, threads,
                 None if here is None else [(a, (ipu, a.stage, a.microbatch, a.kind.value))
-                                           for ipu, a in here], launch)
+                                           for ipu, a in here], launch, ordered)
 
 
 class Call:

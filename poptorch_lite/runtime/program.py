@@ -107,25 +107,24 @@ class Program:
             return j % R
 
         keep = [k in kept for k in range(len(tensors))]
-        graph = self.graph
+        # One interface, two implementations: the executor's eager run, or the step graph's
+        # replay, which warms up with and captures that same run ([Note: step graphs]).
+        run_call = (self.graph if self.graph is not None else ex).run_call
         grads = weights.host_grads_kept() if training else contextlib.nullcontext()
         if training:  # a hook registered on a parameter since the last call reaches its copies
             weights.share_hooks()
         with grads, ex.open_call(schedule, step, recorder, options.watchdog_timeout) as call, \
-                collection_paused(), CtrlC.installed() as ex.ctrl_c:
+                collection_paused(), CtrlC.installed() as ex.update.ctrl_c:
             for d, ks in enumerate(runs):
                 undo = capture(weights, None, loss_scale, False, rng=False,
                                generators=self.generators) if per_run else None
-                before = ex.steps_applied
+                before = ex.update.steps_applied
                 weights.buffers_move()
                 try:
                     inputs, kept_here = tensors[ks.start:ks.stop], keep[ks.start:ks.stop]
-                    done = None if graph is None else graph.run(
-                        call, inputs, replica_of, d, kept_here, bases[d], step)
-                    out, run_stats = done if done is not None else ex.run_call(
-                        call, inputs, replica_of, d, kept_here, bases[d])
+                    out, run_stats = run_call(call, inputs, replica_of, d, kept_here, bases[d])
                 except BaseException:
-                    committed = ex.steps_applied != before
+                    committed = ex.update.steps_applied != before
                     if undo is not None and not committed:
                         undo()
                     if rewind is not None:

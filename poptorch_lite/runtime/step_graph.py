@@ -8,7 +8,17 @@ the same with a CUDA graph. Its first ``WARM_RUNS`` runs are eager (the stages c
 the optimizer makes its state, cuBLAS and the autograd engine start). The next run is
 captured: every action of the schedule, in the order of its rows, launched by the
 caller's thread on the stages' own streams (forked from a capture stream and joined
-back to it), into one graph; that run and every later one is then a replay:
+back to it), into one graph; that run and every later one is then a replay. The capture
+wraps the launch loop that ran the warm-ups (``Placement.run_in_order``, given the capture's
+stream): a program that may be captured has its caller's thread launch every action in row
+order from its first run on (``Executor.launched``), never the streams' workers, so whatever
+a launch makes on first use for its thread and stream (a cuBLAS or cuDNN handle and
+workspace, which CUDA refuses to make inside a capture) exists before the capture. When
+workers ran a pipeline's warm-ups, the caller's first cuBLAS call came inside the capture
+and the capture could not be ended (an H200, torch 2.11, 2026-11-28: every multi-stream
+step); the GPU twin now refuses that ([Note: library state on first use] in
+``tests/gpu_twin.py``). The executor's run and the step graph's replay are the one
+interface a program calls (``run_call``):
 
 - **Inputs** are read from static slots in GPU memory made at the capture; before each
   replay the run's micro-batches are copied into them on the capture stream (one
@@ -70,8 +80,7 @@ from ..compiler.compiled_stages import CompiledGraph
 from ..compiler.running_stats import reads_count
 from ..errors import ExecutionError
 from .gpu import CaptureFailed, joinable
-from .run import Run, RunStats
-from .schedule import Kind
+from .run import RunStats
 from .update import graph_refusal
 
 _LOG = logging.getLogger("poptorch_lite")
@@ -108,6 +117,8 @@ class StepGraph:
         self.ex, self.device = executor, device
         self.report = GraphReport(refused)
         self.stream = executor.gpu.Stream(device) if refused is None else None
+        if refused is None:  # the warm-up runs launch what the capture launches
+            executor.launched()
         self.captured: Optional[_Captured] = None
         self.warm = 0
         self.step_out: Optional[str] = None  # why the optimizer's step left the graph
@@ -116,12 +127,12 @@ class StepGraph:
             _LOG.info("compileStages: the steps on %s are not captured as a CUDA graph: %s",
                       device, refused)
 
-    def run(self, call, microbatches: list, replica_of, index: int, keep, base: Optional[int],
-            step):
-        """One run as a replay of the captured step (captured first if need be):
-        ``Executor.run_call``'s ``(outputs, stats)``; None where the run is eager (a warm-up
-        run, or a program that is not captured)."""
-        report = self.report
+    def run_call(self, call, microbatches: list, replica_of, index: int = 0, keep=None,
+                 base: Optional[int] = None) -> tuple:
+        """One run of ``call``'s schedule, ``Executor.run_call``'s arguments and result: a
+        replay of the captured step (captured first if need be), or, while the program warms
+        up or where it is not captured, the executor's eager run."""
+        report, step = self.report, call.step
         if report.refused is None:
             why = self._refusal(step)
             if why is not None:
@@ -129,7 +140,7 @@ class StepGraph:
         if report.refused is not None or self.warm < WARM_RUNS:
             self.warm += 1
             report.eager_runs += 1
-            return None
+            return self.ex.run_call(call, microbatches, replica_of, index, keep, base)
         in_graph = self._step_in_graph(step)
         key = self._key(step, in_graph)
         cap = self.captured
@@ -140,8 +151,8 @@ class StepGraph:
         how = "replayed"
         if cap is None:
             try:
-                cap = self.captured = self._capture(call, microbatches, replica_of, step,
-                                                    in_graph, key)
+                cap = self.captured = self._capture(call, microbatches, replica_of, in_graph,
+                                                    key)
             except CaptureFailed as exc:  # the GPU's state is unknown: nothing more runs
                 self._refuse(f"its capture could not be ended: {exc}")
                 raise ExecutionError(
@@ -152,9 +163,9 @@ class StepGraph:
             except Exception as exc:  # nothing ran: the run goes eagerly, and the rest
                 self._refuse(f"its capture failed: {type(exc).__name__}: {exc}")
                 report.eager_runs += 1
-                return None
+                return self.ex.run_call(call, microbatches, replica_of, index, keep, base)
             how = "captured"
-        return self._replay(cap, call, microbatches, index, keep, base, step, how)
+        return self._replay(cap, call, microbatches, index, keep, base, how)
 
     # -- what may be captured -------------------------------------------------------------
 
@@ -223,8 +234,8 @@ class StepGraph:
 
     # -- capture --------------------------------------------------------------------------
 
-    def _capture(self, call, microbatches: list, replica_of, step, in_graph: bool, key: tuple):
-        ex, gpu, device = self.ex, self.ex.gpu, self.device
+    def _capture(self, call, microbatches: list, replica_of, in_graph: bool, key: tuple):
+        ex, gpu, device, step = self.ex, self.ex.gpu, self.device, call.step
         unrecorded = [m.backend for st in ex.work.stages for m in (st.module, *(
             seg.module for seg in st.segments)) if isinstance(m, CompiledGraph) and m.fns
             and not gpu.records(m.backend)]
@@ -233,35 +244,22 @@ class StepGraph:
         plan = call.plan
         training, M = plan.schedule.training, len(microbatches)
         streams = [rng.Stream(i) for i in range(M)] if ex.random else None
-        run = Run(ex.partition, microbatches, replica_of, streams, 0, training, list(range(M)),
-                  plan.ahead)
-        slots = self._slots(run)
+        slots, placed = self._slots(microbatches)
+        run = ex.start_run(call, microbatches, replica_of, streams, 0, None, placed)
         self._fill(slots, microbatches)  # what the capture computes on, where it computes
         self.stream.synchronize()
         graph = gpu.graph()
         with gpu.device(device):  # the generators' state on their GPU
             generators = [gpu.graph_generator(graph, device) for _ in range(M)] if (
                 ex.random) else []
-        if ex.work.measures():
-            run.excluded = ex.weights.storages() | {
-                t.untyped_storage().data_ptr() for t in run.placed.values()}
-        if training:
-            ex.weights.zero_grads()
-        pairs = [(ex._ipu(a), a) for row in plan.schedule.rows for a in row
-                 if a is not None and ex._here(a) and (in_graph or a.kind is not Kind.STEP)]
-        handlers, applied, started = ex.handlers, ex.steps_applied, time.perf_counter()
+        started = time.perf_counter()
         self.stream.wait_stream(gpu.current_stream(device))  # the caller's work so far
         draws = rng.capturing(rng.GraphDraws(gpu, device, streams, generators)) if ex.random else (
             contextlib.nullcontext())
-        try:
-            with torch.set_grad_enabled(training), draws, gpu.device(device), gpu.capture(
-                    graph, self.stream):
-                self._launch(pairs, plan.waits, lambda a: handlers[a.kind](a, run, step))
-        finally:
-            ex.steps_applied = applied  # nothing ran: the replay counts the step
-        stepped = next((a for row in plan.schedule.rows for a in row
-                        if a is not None and a.kind is Kind.STEP), None)
-        cap = _Captured(graph, run, slots, generators, key, in_graph, plan, stepped,
+        with torch.set_grad_enabled(training), draws, gpu.device(device), gpu.capture(
+                graph, self.stream):
+            ex.capture_run(call, run, self.stream, in_graph)
+        cap = _Captured(graph, run, slots, generators, key, in_graph, plan,
                         [(t, t.grad) for t in ex.weights.param_tensors()])
         if in_graph:  # what the key names by identity stays alive while the graph does
             cap.held = list(_state_tensors(step.optimizer))
@@ -278,14 +276,15 @@ class StepGraph:
                       for part, why in report.eager.items()))
         return cap
 
-    def _slots(self, run: Run) -> list:
-        """Static memory for the run's inputs on the device, which the stages read
-        (``run.placed``): ``(target, input, micro-batch or None for all)``, what
-        :meth:`_replay` copies each run's inputs into."""
+    def _slots(self, microbatches: list) -> tuple:
+        """Static memory on the device for the run's inputs, which the stages read: ``(slots,
+        placed)``, where a slot is ``(target, input, micro-batch or None for all)``, what
+        :meth:`_fill` copies each run's inputs into, and ``placed`` is ``Run.placed``'s
+        ``(ipu, micro-batch, input) -> view of a slot``."""
         ex, device = self.ex, self.device
-        slots = []
+        slots, placed = [], {}
         for k in sorted({k for keys in ex.inputs.keys.values() for k in keys}):
-            sources = [mb[k] for mb in run.inputs]
+            sources = [mb[k] for mb in microbatches]
             if joinable(sources):
                 joined = torch.empty((sum(len(t) for t in sources), *sources[0].shape[1:]),
                                      dtype=sources[0].dtype, device=device)
@@ -297,8 +296,8 @@ class StepGraph:
             for ipu, keys in ex.inputs.keys.items():
                 if k in keys:
                     for i, v in enumerate(views):
-                        run.placed[ipu, i, k] = v
-        return slots
+                        placed[ipu, i, k] = v
+        return slots, placed
 
     def _fill(self, slots: list, microbatches: list) -> None:  # on the capture stream
         gpu = self.ex.gpu
@@ -307,41 +306,9 @@ class StepGraph:
                 gpu.copy_rows_into(target, [mb[k] for mb in microbatches] if i is None
                                    else [microbatches[i][k]], self.device)
 
-    def _launch(self, pairs: list, waits: dict, act) -> None:
-        """Launch ``(ipu, action)`` pairs in order on their streams, inside the capture: a
-        stream forks from the capture stream before its first action and joins it at the end;
-        an action waits for those it depends on ([Note: values crossing streams])."""
-        gpu, streams, capture = self.ex.gpu, self.ex.placement.streams, self.stream
-        events, forked = {}, []
-        current = context = None
-        try:  # every stream forked is joined back, also when an action raises: the capture
-            # can then end, and nothing of it is left half-begun
-            for ipu, a in pairs:
-                s = streams[ipu]
-                if ipu != current:
-                    if context is not None:
-                        context.close()
-                    context, current = s.context(), ipu
-                if s not in forked:
-                    forked.append(s)
-                    for st in (s.stream, *s.side):
-                        st.wait_stream(capture)
-                needs = waits[a]
-                if needs:
-                    s.wait([events[d] for d in needs if d in events])
-                act(a)
-                s.join()
-                events[a] = event = gpu.Event()
-                event.record(s.stream)
-        finally:
-            if context is not None:
-                context.close()
-            for s in forked:
-                capture.wait_stream(s.stream)
-
     # -- replay ---------------------------------------------------------------------------
 
-    def _replay(self, cap, call, microbatches: list, index: int, keep, base: Optional[int], step,
+    def _replay(self, cap, call, microbatches: list, index: int, keep, base: Optional[int],
                 how: str):
         ex, gpu, stream = self.ex, self.ex.gpu, self.stream
         run = cap.run
@@ -369,20 +336,14 @@ class StepGraph:
                                  location=str(self.device)) from exc
         for t, grad in cap.grads:  # a call hands the host's gradients back to the user
             t.grad = grad
-        if step is not None:
-            if cap.step_in_graph:
-                ex.steps_applied += 1
-                ex.weights.stepped_on_device()
-            else:
-                ex.handlers[Kind.STEP](cap.stepped, run, step)
+        held = {r.untyped_storage().data_ptr() for rs in run.results for r in rs.values()}
+        outputs = [None if out is None else [  # none may be the graph's memory: copies
+            o.clone() if o.untyped_storage().data_ptr() in held else o for o in out]
+            for out in ex.replayed(call, run, cap.step_in_graph)]
         self.report.replays += 1
         if call.recorder is not None:  # one span: the whole run, measured on the GPU
             call.recorder.add_gpu(ex.step_ipu, None, None, "C", begun, launched, begun, ended,
                                   index)
-        held = {r.untyped_storage().data_ptr() for rs in run.results for r in rs.values()}
-        outputs = [None if out is None else [  # none may be the graph's memory: copies
-            o.clone() if o.untyped_storage().data_ptr() in held else o for o in out]
-            for out in ex._outputs(run)]
         stats = cap.run.stats
         return outputs, RunStats(list(stats.peak_stash_depth), list(stats.peak_stash_bytes), how)
 
@@ -392,12 +353,12 @@ class _Captured:
     key, the parameters' gradients it left."""
 
     __slots__ = ("graph", "run", "slots", "generators", "key", "step_in_graph", "plan",
-                 "stepped", "grads", "held")
+                 "grads", "held")
 
-    def __init__(self, graph, run, slots, generators, key, step_in_graph, plan, stepped, grads):
+    def __init__(self, graph, run, slots, generators, key, step_in_graph, plan, grads):
         self.graph, self.run, self.slots, self.generators = graph, run, slots, generators
         self.key, self.step_in_graph, self.plan = key, step_in_graph, plan
-        self.stepped, self.grads, self.held = stepped, grads, ()
+        self.grads, self.held = grads, ()
 
 
 def for_program(executor, options) -> Optional[StepGraph]:

@@ -122,8 +122,9 @@ class CpuStream:
     def join(self) -> None:
         """After an action: fold the work it launched on other GPUs into this stream (CUDA)."""
 
-    def record(self):
-        """An event marking the end of the work launched so far (CUDA), else None."""
+    def record(self, timing: bool = True):
+        """An event marking the end of the work launched so far (CUDA; timed: for the
+        timeline), else None."""
         return None
 
     def synchronize(self) -> None:
@@ -193,8 +194,9 @@ class CudaStream(CpuStream):
         for side in self.side:
             self.stream.wait_stream(side)
 
-    def record(self):
-        event = self.gpu.Event(enable_timing=True)
+    def record(self, timing: bool = True):
+        """An event after the work launched on this stream so far (timed: for the timeline)."""
+        event = self.gpu.Event(enable_timing=timing)
         event.record(self.stream)
         return event
 

@@ -21,7 +21,7 @@ gradient each last step used stays on its home ([Note: host gradients] in ``weig
 [Note: commit point]
 Parameters and optimizer state change only in the update action (``U``), the
 last action of a run. A run that fails before it changes neither; the
-executor counts the updates that completed (``steps_applied``), so the wrapper
+update counts the updates that completed (``steps_applied``), so the wrapper
 knows how far a failed call got. An optimizer step that raises part-way
 leaves parameters or optimizer state half-updated: that is an
 ``UnrecoverableError`` (reload a checkpoint), unless the wrapper took a full
@@ -87,13 +87,32 @@ class PartialUpdate(Exception):
         self.exc = exc
 
 
-class Updates:
-    """The ``sG`` (reduce) and ``U`` (update) actions of an :class:`~poptorch_lite.runtime.
-    executor.Executor`, which supplies ``weights``, ``owned`` (the parameters each stage
-    reduces), ``channels``, ``processes``, the parameters it steps, ``steps_applied`` and
-    ``ctrl_c`` (the call's :class:`CtrlC`, or None)."""
+class Update:
+    """The ``sG`` (reduce) and ``U`` (update) actions of one executor's runs, and the count of
+    the updates that completed ([Note: commit point]).
 
-    def _reduce(self, a: Action, run: Run, step: StepArithmetic) -> None:
+    Args:
+        weights: the tensors the stages compute with; owned: per stage, the parameters it
+            reduces; stepped: name -> the parameters this process steps.
+        channels, processes: the executor's (None: every stage and replica runs here).
+        describe: run -> what failed in this process that run, or None; result: the
+            executor's value of ``(run, micro-batch, name)`` (both for other processes).
+
+    Attributes:
+        steps_applied: the updates completed; ctrl_c: the call's :class:`CtrlC` on the main
+            thread, else None.
+    """
+
+    def __init__(self, weights, owned: list, stepped: dict, channels, processes, describe,
+                 result):
+        self.weights, self.owned, self._stepped = weights, owned, stepped
+        self.channels, self.processes = channels, processes
+        self._describe, self._result = describe, result
+        self.steps_applied = 0
+        self.ctrl_c: Optional[CtrlC] = None
+
+    def reduce(self, a: Action, run: Run, step: StepArithmetic) -> None:
+        """``sG``: stage ``a.stage``'s gradients, summed over the micro-batches, reduced."""
         # [Note: gradient arithmetic] sum over micro-batches -> mean (or sum), unscaled.
         divisor = step.loss_scaling * step.divisor
         if divisor == 1 and not run.accum and not self.weights.shared():
@@ -109,8 +128,9 @@ class Updates:
             if grad is not None and divisor != 1:
                 grad.div_(divisor)
 
-    def _step(self, a: Action, run: Run, step: StepArithmetic) -> None:
-        weights = self.weights
+    def step(self, a: Action, run: Run, step: StepArithmetic) -> None:
+        """``U``: the optimizer's step, whole or not begun (with other processes: all of
+        them, or none)."""
         if self.channels is not None:  # [Note: stages in other processes]: all step, or none
             run.remote_failure = self.channels.settle(run, self._describe(run), self._result)
             if run.failed is not None or run.remote_failure is not None:
