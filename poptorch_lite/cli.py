@@ -90,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _backends() -> tuple:
-    return importlib.import_module("poptorch_lite.options.compile").BACKENDS
+    return importlib.import_module("poptorch_lite.options.options").BACKENDS
 
 
 def compile_by_default(backend: Optional[str]) -> Optional[str]:

@@ -1,4 +1,4 @@
-"""PopTorch's saved executables: ``save``, ``compileAndExport``, ``loadExecutable``, ``load``.
+"""PopTorch's saved executables: the file ``save`` writes and ``loadExecutable`` and ``load`` read.
 
 [Note: saved executables]
 PopTorch compiles a model into an executable that it can save beside the pickled model,
@@ -19,13 +19,13 @@ import os
 
 import torch
 
-from .errors import CheckpointError, DeviceError
+from .errors import CheckpointError
 
 _LOG = logging.getLogger("poptorch_lite")
 FORMAT, VERSION = "poptorch_lite executable", 1
 
 
-def _path(filename) -> str:
+def target_path(filename) -> str:
     """``filename``, or ``<dir>/model.poptorch`` when it is a folder (as PopTorch saves)."""
     filename = os.fspath(filename)
     if os.path.isdir(filename):
@@ -53,45 +53,3 @@ def read(filename) -> dict:
         raise CheckpointError(f"Invalid file {os.fspath(filename)!r}: not a poptorch_lite "
                               f"executable; load a file written by save() or compileAndExport()")
     return data
-
-
-class Executables:
-    """The ``save``/``compileAndExport``/``loadExecutable`` methods of ``PoplarExecutor``
-    ([Note: saved executables])."""
-
-    def save(self, filename, export_model: bool = True, save_rng_state: bool = True) -> None:
-        """Save what the compiled model needs to run again: its options and compiling
-        arguments, and with ``export_model`` the model and optimizer.
-
-        Raises:
-            DeviceError: the model has not been compiled.
-        """
-        if not self._compiled or self._executable_inputs is None:
-            raise DeviceError("Model has not been compiled or has been destroyed: call "
-                              "compile(*args) or the model before save()")
-        inputs = self._executable_inputs
-        data = {"format": FORMAT, "version": VERSION, "training": self._training,
-                "options": self._options.clone(), "args": list(inputs.args),
-                "kwargs": dict(inputs.kwargs), "model": None, "optimizer": None, "rng": None}
-        if export_model:
-            self._weights.to_host()  # [Note: weight sync]
-            data["model"], data["optimizer"] = self._user_model, self._optimizer
-        if save_rng_state and self._random is not None:
-            data["rng"] = self._random.get_state()
-        torch.save(data, _path(filename))
-
-    def compileAndExport(self, filename, *args, export_model: bool = True, **kwargs) -> None:
-        """Compile for ``args`` and ``kwargs`` (the model's own arguments), then ``save``."""
-        self.compile(*args, **kwargs)
-        self.save(filename, export_model)
-
-    def loadExecutable(self, filename) -> None:
-        """Compile this wrapper for the arguments a saved file was compiled for.
-
-        Raises:
-            CheckpointError: the file is not one ``save`` wrote.
-        """
-        data = read(filename)
-        self.compile(*data["args"], **data["kwargs"])
-        if data["rng"] is not None and self._random is not None:
-            self._random.set_state(data["rng"])

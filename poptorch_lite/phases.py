@@ -1,5 +1,7 @@
-"""The phased execution strategies as data: ``Phase``, ``SerialPhasedExecution``,
-``ParallelPhasedExecution`` (POPTORCH_REFERENCE.md §5.2).
+"""The phased execution strategies as data.
+
+``Phase``, ``SerialPhasedExecution`` and ``ParallelPhasedExecution``
+(POPTORCH_REFERENCE.md §5.2).
 
 A phased strategy is a list of phases, each a list of stages; poptorch_lite runs the
 phases one after another (the Sequential schedule), so their placement and liveness

@@ -10,6 +10,7 @@ the user's model see while it is wrapped: [Note: weight sync] in ``runtime/host_
 
 from __future__ import annotations
 
+import types
 import warnings
 from typing import Optional
 
@@ -20,7 +21,8 @@ from .annotations import module_repr
 from .compiler.rng import model_generator
 from .distributed.processes import Processes
 from .enums import ConnectionType
-from .executables import Executables
+from . import executables
+from .executables import target_path
 from .errors import (DeviceError, OfflineDeviceError, OptionsError, PoptorchLiteWarning,
                      WrapError, hide_when_refused as __tracebackhide__, warn_once)
 from .optim.loss_scale import LossScale
@@ -32,10 +34,10 @@ from .runtime import anchors
 from .runtime.compiled import CompiledModel
 from .trainers import (refuse_second_trainer, register_trainer,
                        training_wrapper as _training_wrapper, unregister_trainer)
-from .wrapper_private import CompiledInputs, PrivateAttributes, check_private
+from .wrapper_private import CompiledInputs, check_private
 
 
-class PoplarExecutor(perf_counters.Latencies, PrivateAttributes, Executables):
+class PoplarExecutor(perf_counters.Latencies):
     """A model wrapped by ``trainingModel`` or ``inferenceModel``.
 
     Call it like the model with a combined batch. Attributes that the wrapper
@@ -310,6 +312,61 @@ class PoplarExecutor(perf_counters.Latencies, PrivateAttributes, Executables):
     _placement = property(lambda self: self._state.placement)
     _last_run = property(lambda self: self._state.last_run)
     _replica_values = property(lambda self: self._state.replica_values)
+
+    # -- saved executables ([Note: saved executables] in ``executables``) ------------------
+
+    def save(self, filename, export_model: bool = True, save_rng_state: bool = True) -> None:
+        """Save what the compiled model needs to run again ([Note: saved executables] in
+        ``executables``): its options and compiling
+        arguments, and with ``export_model`` the model and optimizer.
+
+        Raises:
+            DeviceError: the model has not been compiled.
+        """
+        if not self._compiled or self._executable_inputs is None:
+            raise DeviceError("Model has not been compiled or has been destroyed: call "
+                              "compile(*args) or the model before save()")
+        inputs = self._executable_inputs
+        data = {"format": executables.FORMAT, "version": executables.VERSION, "training": self._training,
+                "options": self._options.clone(), "args": list(inputs.args),
+                "kwargs": dict(inputs.kwargs), "model": None, "optimizer": None, "rng": None}
+        if export_model:
+            self._weights.to_host()  # [Note: weight sync]
+            data["model"], data["optimizer"] = self._user_model, self._optimizer
+        if save_rng_state and self._random is not None:
+            data["rng"] = self._random.get_state()
+        torch.save(data, target_path(filename))
+
+    def compileAndExport(self, filename, *args, export_model: bool = True, **kwargs) -> None:
+        """Compile for ``args`` and ``kwargs`` (the model's own arguments), then ``save``."""
+        self.compile(*args, **kwargs)
+        self.save(filename, export_model)
+
+    def loadExecutable(self, filename) -> None:
+        """Compile this wrapper for the arguments a saved file was compiled for.
+
+        Raises:
+            CheckpointError: the file is not one ``save`` wrote.
+        """
+        data = executables.read(filename)
+        self.compile(*data["args"], **data["kwargs"])
+        if data["rng"] is not None and self._random is not None:
+            self._random.set_state(data["rng"])
+
+    # -- PopTorch's private attributes that its clients read ([Note: private attributes] in
+    # ``wrapper_private``) ---------------------------------------------------------------
+
+    @property
+    def _executable(self) -> Optional[types.MappingProxyType]:
+        return types.MappingProxyType(self._programs) if self._compiled else None
+
+    @property
+    def _model(self):
+        return self._user_model
+
+    @property
+    def _is_attached(self) -> bool:
+        return self._attached
 
     @property
     def _executable_inputs(self) -> Optional[CompiledInputs]:

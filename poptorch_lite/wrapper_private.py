@@ -42,8 +42,6 @@ dunder names are not.
 from __future__ import annotations
 
 import inspect
-import types
-from typing import Optional
 
 from .errors import UnknownAttributeError
 
@@ -115,25 +113,6 @@ class CompiledInputs:
             else:
                 self.args.append(value)
                 self.arg_names.append(name)
-
-
-class PrivateAttributes:
-    """The private names of PopTorch's ``PoplarExecutor`` that its clients read ([Note:
-    private attributes]); a base class of ``wrapper.PoplarExecutor``."""
-
-    _executable_inputs: Optional[CompiledInputs] = None  # set by each compile
-
-    @property
-    def _executable(self) -> Optional[types.MappingProxyType]:
-        return types.MappingProxyType(self._programs) if self._compiled else None
-
-    @property
-    def _model(self):
-        return self._user_model
-
-    @property
-    def _is_attached(self) -> bool:
-        return self._attached
 
 
 def check_private(attributes: dict, name: str) -> None:

@@ -59,7 +59,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ..options.compile import BACKENDS  # noqa: F401 - the backends, read here too
+from ..options.options import BACKENDS  # noqa: F401 - the backends, read here too
 from . import compile_cache, rng, tracing
 from .lowered import Lowered
 from .split_graphs import SplitState, split_backward

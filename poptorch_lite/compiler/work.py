@@ -1,5 +1,7 @@
-"""The work one forward of a graph does, counted without running it: what decides whether
-compiling a stage pays ([Note: compiled stages] in ``compiled_stages``)."""
+"""The work one forward of a graph does, counted without running it.
+
+It decides whether compiling a stage pays ([Note: compiled stages] in ``compiled_stages``).
+"""
 
 from __future__ import annotations
 

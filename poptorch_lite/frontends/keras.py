@@ -44,22 +44,28 @@ import logging
 from typing import Optional, Sequence
 
 import torch
+from tqdm import tqdm
 
 from ..annotations import removeBlocks
-from ..errors import InputError, OptimizerError, OptionsError, warn_once
+from ..errors import (BlockError, InputError, OptimizerError, OptionsError, PoptorchLiteWarning,
+                      WrapError, warn_once)
 from ..options.base import check_positive_int
-from .keras_callbacks import CallbackList, History, format_logs
+from ..options.options import Options
+from ..strategies import ShardedExecution
+from ..wrap import inferenceModel, trainingModel
+from .dry_run import module_calls
+from .keras_callbacks import CallbackList, History, RunningLogs, format_logs
 from .keras_data import Data
-from .keras_engine import Executions, _TrainStep, _pair
 from .keras_ipu import IPU_ONLY_KEYWORDS, IpuSettings, PipelineSchedule, current_ipus
 from .keras_losses import resolve_loss, resolve_metrics, resolve_optimizer
-from .keras_stages import StageTooling
+from .splits import _last_program, assign_stages, num_stages
+from .keras_stages import PipelineStageAssignment, layer_stages, table
 
 _LOG = logging.getLogger("poptorch_lite")
 _HINTED: set = set()
 
 
-class Model(StageTooling, Executions):
+class Model:
     """A torch module with Keras' ``compile``/``fit``/``evaluate``/``predict`` ([Note: Keras face]).
 
     Args:
@@ -357,6 +363,274 @@ class Model(StageTooling, Executions):
     # -- internals ---------------------------------------------------------------------
 
 
+    # -- stage assignment ([Note: Keras layer order] in ``keras_stages``) ------------------
+
+    def _order(self) -> Optional[list]:
+        """``(name, child)`` in call order, or None while no batch has been seen."""
+        children = list(self.module.named_children())
+        if isinstance(self.module, torch.nn.Sequential):
+            return children
+        if self._example is None:
+            return None
+        if self._call_order is None:
+            _, calls = module_calls(self.module, self._example)
+            position = {id(m): k for k, (m, _) in enumerate(calls)}
+            self._call_order = sorted(children, key=lambda nc: position.get(id(nc[1]),
+                                                                            len(calls)))
+        return self._call_order
+
+    def _apply_assignment(self) -> None:
+        """Put the blocks of a kept assignment on the layers once their order is known."""
+        order = self._order()
+        if self._assignment is not None and order is not None and not self._applied:
+            assign_stages(self.module, [m for _, m in order], self._assignment)
+            self._applied = True
+
+    def set_pipeline_stage_assignment(self, assignment: Sequence) -> None:
+        """Put the k-th layer in call order on stage (IPU) ``assignment[k]``.
+
+        ``assignment`` holds ints, or the objects of ``get_pipeline_stage_assignment()``
+        with their ``pipeline_stage`` set. For a functional model whose call order is
+        not known yet, the assignment is applied to the first batch ([Note: Keras layer
+        order]).
+
+        Raises:
+            BlockError: the list's length differs from the number of layers, a stage
+                is not an int >= 0, or the stages decrease.
+
+        Example:
+            >>> from poptorch_lite.frontends.keras import Sequential
+            >>> model = Sequential([torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)])
+            >>> model.set_pipeline_stage_assignment([0, 1])
+        """
+        stages = [a.pipeline_stage if isinstance(a, PipelineStageAssignment) else a
+                  for a in assignment]
+        n = len(list(self.module.children()))
+        if len(stages) != n:
+            raise BlockError(f"the assignment has {len(stages)} entries for {n} layers; give "
+                             f"one stage per layer")
+        order = self._order()
+        if order is not None:
+            assign_stages(self.module, [m for _, m in order], stages)
+        else:  # checked and applied at the first batch, in call order
+            for k, s in enumerate(stages):
+                if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+                    raise BlockError(f"assignment[{k}] is {s!r}; stages are non-negative ints")
+        self._release()
+        self._assignment, self._applied, self._stages = list(stages), order is not None, None
+        self._layer_stages = None
+
+    def reset_pipeline_stage_assignment(self) -> None:
+        """Drop the stage assignment: the model is no longer pipelined by it.
+
+        Example:
+            >>> from poptorch_lite.frontends.keras import Sequential
+            >>> Sequential([torch.nn.Linear(4, 2)]).reset_pipeline_stage_assignment()
+        """
+        from ..annotations import removeBlocks
+        removeBlocks(self.module)
+        self._release()
+        self._assignment, self._applied, self._stages, self._layer_stages = None, False, None, None
+
+    def get_pipeline_stage_assignment(self) -> list:
+        """The layers in post order (the order they run) with their pipeline stages.
+
+        Each item has ``.layer`` and ``.pipeline_stage`` (None where no stage is set:
+        no assignment and no ``PipelineStage`` scope seen in a trace).
+
+        Raises:
+            InputError: a functional model that has not run yet (its order is unknown).
+
+        Example:
+            >>> from poptorch_lite.frontends.keras import Sequential
+            >>> model = Sequential([torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)])
+            >>> model.set_pipeline_stage_assignment([0, 1])
+            >>> [a.pipeline_stage for a in model.get_pipeline_stage_assignment()]
+            [0, 1]
+        """
+        order = self._order()
+        if order is None:
+            raise InputError(f"{self.name} is not an nn.Sequential, so the order in which it "
+                             f"calls its layers is read off one run: call the model once on a "
+                             f"batch (model(x)), or fit/evaluate/predict, first")
+        stages = self._stage_list(order)
+        return [PipelineStageAssignment(m, s, name) for (name, m), s in zip(order, stages)]
+
+    def _stage_list(self, order: list) -> list:
+        if self._assignment is not None:
+            return list(self._assignment)
+        known = self._layer_stages or {}
+        return [known.get(name) for name, _ in order]
+
+    def print_pipeline_stage_assignment_summary(self, line_length=None, print_fn=None) -> None:
+        """Print each layer (in the order they run), its type, stage and parameter count.
+
+        The stages are the assignment's, or for a model with ``PipelineStage`` scopes
+        the ones its trace found ("-" until the model has run).
+
+        Example:
+            >>> from poptorch_lite.frontends.keras import Sequential
+            >>> Sequential([torch.nn.Linear(4, 2)]).print_pipeline_stage_assignment_summary()
+            layer | type   | stage | parameters
+            ------+--------+-------+-----------
+            0     | Linear | 0     | 10
+        """
+        order = self._order() or list(self.module.named_children())
+        if self._assignment is None and self._layer_stages is None and self._example is not None:
+            self._trace_stages()
+        stages = self._stage_list(order)
+        if self._assignment is None and self._layer_stages is None:
+            stages = [0 if isinstance(self.module, torch.nn.Sequential) else None] * len(order)
+        rows = [(name, type(m).__name__, "-" if s is None else str(s),
+                 f"{sum(p.numel() for p in m.parameters()):,}")
+                for (name, m), s in zip(order, stages)]
+        for line in table(("layer", "type", "stage", "parameters"), rows).splitlines():
+            (print_fn or print)(line)
+
+    def summary(self, line_length=None, print_fn=None) -> None:
+        """Print the layers and their parameter counts, then the totals.
+
+        Example:
+            >>> from poptorch_lite.frontends.keras import Sequential
+            >>> Sequential([torch.nn.Linear(4, 2)]).summary()
+            Model: "Sequential"
+            layer | type   | parameters
+            ------+--------+-----------
+            0     | Linear | 10
+            Total params: 10
+            Trainable params: 10
+            Non-trainable params: 0
+        """
+        rows = [(name, type(m).__name__, f"{sum(p.numel() for p in m.parameters()):,}")
+                for name, m in self.module.named_children()]
+        trainable = sum(p.numel() for p in self.module.parameters() if p.requires_grad)
+        frozen = sum(p.numel() for p in self.module.parameters() if not p.requires_grad) + sum(
+            b.numel() for b in self.module.buffers() if b.is_floating_point())
+        out = print_fn or print
+        out(f'Model: "{self.name}"')
+        for line in table(("layer", "type", "parameters"), rows).splitlines():
+            out(line)
+        out(f"Total params: {trainable + frozen:,}\nTrainable params: {trainable:,}\n"
+            f"Non-trainable params: {frozen:,}")
+
+    # -- a pass over data as executions of PopTorch wrappers: the checks made before anything
+    # runs ([Note: Keras steps]), the one trace that finds the stages, a PopTorch wrapper per
+    # kind and steps per execution, and the loop that runs a pass steps_per_execution steps
+    # per call and keeps the running logs ([Note: Keras batch hooks]) -----------------------
+
+    def _prepare(self, method: str, x, y, batch_size, steps, drop_remainder: bool,
+                 steps_name: str = "steps", sample_weight=None) -> tuple:
+        """The checks every method makes first: ``(data, replicas, steps per pass,
+        steps per execution)``."""
+        self._require_compiled(method != "predict")
+        data = Data(x, y, _batch_size(batch_size), method != "predict", method, sample_weight)
+        data.require_steps(steps, steps_name)
+        if self._example is None:
+            self._example = data.first(data.batch_size)[0]
+        self._apply_assignment()
+        R = self._ipu.replicas(self._num_stages(data))
+        count, spe = self._plan(data, method, R, steps, drop_remainder, steps_name)
+        return data, R, count, spe
+
+    def _plan(self, data: Data, method: str, R: int, steps, drop_remainder: bool,
+              steps_name: str) -> tuple:
+        """Steps of one pass and the steps per execution for it ([Note: Keras steps])."""
+        count = data.batches(R, steps, drop_remainder, steps_name)
+        spe = self._spe
+        if spe > count:  # to the steps of the pass, kept a multiple of G x replicas if it can
+            unit = R * (self._ipu.G if method == "fit" else 1)
+            cut = count - count % unit if count >= unit else count
+            warn_once(f"keras.truncate.{data.what}.{spe}.{cut}",
+                      f"{data.what}: steps_per_execution ({spe}) is larger than the {count} "
+                      f"steps of this pass over the data; truncating it to {cut} for this "
+                      f"call, as Keras does", PoptorchLiteWarning)
+            spe = cut
+        self._ipu.check(self._stages, spe, R, method == "fit")
+        data.check_executions(count, spe, steps_name)
+        return count, spe
+
+    def _require_compiled(self, needs_loss: bool) -> None:
+        if not self._compiled or (needs_loss and self._step.loss_fn is None):
+            raise WrapError("You must compile your model with a loss before training/testing: "
+                            "call model.compile(optimizer, loss=...)")
+
+    def _num_stages(self, data: Data) -> int:
+        """The stages of the model, from one trace of its first batch (once per assignment)."""
+        if self._stages is None:
+            x, y, w = data.first(data.batch_size)
+            probe = inferenceModel(self._step if y is not None else self.module,
+                                   Options().setExecutionStrategy(ShardedExecution()))
+            probe.compile(*((x,) if y is None else (x, y) if w is None else (x, y, w)))
+            self._stages = num_stages(probe)
+            self._layer_stages = layer_stages(_last_program(probe).partition,
+                                              "" if y is None else "net.", self.module)
+            probe.destroy()
+        return self._stages
+
+    def _trace_stages(self) -> None:
+        """The stages of the layers of a model with ``PipelineStage`` scopes, from one trace
+        of the first batch it saw."""
+        probe = inferenceModel(self.module, Options().setExecutionStrategy(ShardedExecution()))
+        probe.compile(self._example)
+        self._layer_stages = layer_stages(_last_program(probe).partition, "", self.module)
+        probe.destroy()
+
+    def _wrapper(self, kind: str, R: int, spe: int):
+        """The PopTorch model for ``kind`` (train, evaluate, predict), wrapped once per
+        steps per execution (see :meth:`_plan`)."""
+        if (kind, spe) not in self._wrappers:
+            module = self.module if kind == "predict" else self._step
+            modes = {m: m.training for m in self.module.modules()}
+            self.module.train(kind == "train")  # Keras' training flag; traced with these modes
+            opts = self._ipu.options(kind, spe, R)
+            try:
+                self._wrappers[(kind, spe)] = (
+                    trainingModel(module, opts, self.optimizer) if kind == "train"
+                    else inferenceModel(module, opts))
+            finally:
+                for m, flag in modes.items():
+                    m.training = flag
+        return self._wrappers[(kind, spe)]
+
+    def _release(self) -> None:
+        """Destroy the PopTorch models; the next call wraps again ([Note: Keras face])."""
+        for wrapper in self._wrappers.values():
+            wrapper.destroy()
+        self._wrappers.clear()
+
+    def _run(self, wrapper, data: Data, order, count: int, spe: int, begin, end, verbose: int,
+             desc: str, outputs: Optional[list] = None) -> dict:
+        """Run ``count`` steps, ``spe`` per call; return the running logs."""
+        b = data.batch_size
+        running = RunningLogs(self._metrics or [] if outputs is None else [], outputs is None)
+        bar = tqdm(total=count, desc=desc, unit="batch", disable=verbose != 1)
+        for e, (xb, yb, wb) in enumerate(data.executions(order, spe, b, count)):
+            first = e * spe
+            if begin is not None and not self._async:
+                begin(first)
+            if outputs is not None:
+                result = wrapper(xb)
+                outputs.append(result)
+            else:
+                result = wrapper(xb, yb) if wb is None else wrapper(xb, yb, wb)
+                y_pred, losses = result[0], result[1].reshape(-1)
+            for j in range(spe):
+                if outputs is None:
+                    rows = slice(j * b, (j + 1) * b)
+                    running.add(losses[j], y_pred[rows], yb[rows])
+                if begin is not None and self._async:
+                    begin(first + j)
+                    end(first + j, running.logs())
+            if begin is not None and not self._async:
+                end(first + spe - 1, running.logs())
+            bar.update(spe)
+            bar.set_postfix_str(format_logs(running.logs()), refresh=False)
+            if self.stop_training:
+                break
+        bar.close()
+        return running.logs()
+
+
 class Sequential(Model):
     """``keras.Sequential([layer, ...])`` of torch layers (an ``nn.Sequential`` inside).
 
@@ -418,3 +692,27 @@ def _ipu_only(method: str, keywords: dict) -> None:
         if value is not None:
             warn_once(f"keras.{name}", f"{method}({name}=...) only tunes IPU memory or Poplar "
                       f"and has no effect in poptorch_lite; ignored")
+
+
+class _TrainStep(torch.nn.Module):
+    """The user's module followed by the compiled loss: ``forward(x, y) -> (y_pred, loss)``."""
+
+    def __init__(self, net: torch.nn.Module):
+        super().__init__()
+        self.net = net
+        self.loss_fn, self.loss_weight = None, None
+
+    def forward(self, x, y, weight=None):
+        y_pred = self.net(x)
+        return y_pred, self.loss_fn(y_pred, y, weight, self.loss_weight)
+
+
+def _batch_size(batch_size) -> int:
+    return 32 if batch_size is None else check_positive_int(batch_size, "batch_size",
+                                                             "fit(..., batch_size=32)")
+
+
+def _pair(validation_data) -> tuple:
+    if isinstance(validation_data, (tuple, list)) and len(validation_data) == 2:
+        return tuple(validation_data)
+    return validation_data, None

@@ -2,10 +2,21 @@
 
 ``Options`` keeps PopTorch's setter names (camelCase, chaining) and reads back
 as snake_case attributes (POPTORCH_REFERENCE.md §4). The core options here
-change what a call computes; the IPU-only ones live in ``options/device.py`` and
-``options/ipu.py`` (stored and ignored with one warning each). The machinery
+change what a call computes; the IPU-only ones are stored and ignored with one warning
+each ([Note: IPU-only options]; the groups' in ``options/ipu.py``). The machinery
 (attribute access, freezing) is ``options/base.py``; see [Note: frozen options].
 :func:`combined_batch_size` is the one place that computes the combined batch.
+
+[Note: IPU-only options]
+PopTorch's ``Options`` has a row of setters that only steer the IPU device,
+the Poplar compiler or its logs (POPTORCH_REFERENCE.md §4: ``useIpuModel``,
+``connectionType``, ``enableProfiling``, ...). Each validates as PopTorch does, stores its
+value (read back as the snake_case attribute listed in ``device.DEVICE_DEFAULTS``) and
+warns once per process (``errors.warn_once``) that it has no effect. Two have
+a consequence here and say so: ``connectionType(ConnectionType.Never)`` (and
+``useOfflineIpuTarget``) make a wrapped model refuse to run, and
+``enableSyntheticData`` replaces the inputs by synthetic data as PopART does
+([Note: synthetic data] in ``runtime/batch.py``).
 
 Example:
     >>> opts = Options().deviceIterations(2).replicationFactor(2)
@@ -25,14 +36,17 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 
 from .. import errors
-from ..enums import CommGroupType, OutputMode
+from ..enums import CommGroupType, ConnectionType, OutputMode, SyncPattern, SyntheticDataMode
 from ..strategies import ExecutionStrategy, PipelinedExecution
 from . import config
-from .base import OptionGroup, check_bool, check_positive_int, coerce_enum, setter, via_setter
-from .compile import CompileOptions
-from .device import DEVICE_ATTRIBUTES, DEVICE_DEFAULTS, DeviceOptions, IpuDeviceMap, _device
+from .base import (OptionGroup, check_bool, check_positive_int, coerce_enum, setter, via_setter,
+                   warn_ipu_only)
+from .device import DEVICE_ATTRIBUTES, DEVICE_DEFAULTS, IpuDeviceMap, _device
 from .groups import _DistributedOptions, _TrainingOptions
 from .ipu import _JitOptions, _PopartOptions, _PrecisionOptions, _TensorLocationOptions
+
+#: The backends ``Options.compileStages`` takes (``torch.compile``'s names).
+BACKENDS = ("inductor", "aot_eager", "eager")
 
 DeviceLike = Union[str, torch.device]
 
@@ -64,7 +78,7 @@ def _options_attributes() -> dict:
     return attributes
 
 
-class Options(DeviceOptions, CompileOptions, OptionGroup):
+class Options(OptionGroup):
     """Everything that controls how a wrapped model runs (PopTorch's ``poptorch.Options``).
 
     Every setter returns ``self``; values read back as snake_case attributes;
@@ -362,6 +376,363 @@ class Options(DeviceOptions, CompileOptions, OptionGroup):
             2
         """
         config.apply_json(self, string)
+
+    @setter
+    def compileStages(self, enabled: bool = True, backend: Optional[str] = None,
+                      cuda_graph: bool = True):
+        """Compile each stage's graphs once, as PopTorch compiles its program (poptorch_lite's
+        own; off by default).
+
+        Off, every op runs eagerly and a call is bit-exact to plain PyTorch. On, each
+        stage's forward and backward (and a recomputed stage's segments) are compiled by
+        ``backend`` on the stage's first call: fused kernels, the numbers within float
+        reassociation of plain PyTorch (1e-4 relative over 20 steps), dropout masks still
+        plain PyTorch's (docs/TUTORIAL.md, section 9). A stage too small for compiling to
+        pay, or one the backend cannot compile, runs eagerly, and the log says which and
+        why ([Note: compiled stages] in ``compiler/compiled_stages``). On a GPU, once the
+        program is warm, each optimizer step (every micro-batch's stage actions, the
+        reduction and, where it is graph-safe, the optimizer's step) is also captured as
+        one CUDA graph and replayed ([Note: step graphs] in ``runtime/step_graph``).
+
+        Args:
+            enabled: compile the stages.
+            backend: ``"inductor"`` (fused kernels), ``"aot_eager"`` (AOTAutograd's
+                forward and backward graphs, run by eager kernels: quick to compile, for
+                checking) or ``"eager"`` (no compiler: the stages' own kernels, so a
+                captured step replays exactly what the eager path runs); None: the
+                default of each stage's device, ``"inductor"`` on CPUs and GPUs.
+            cuda_graph: on a GPU, capture each step as one CUDA graph (False: the
+                compiled stages run op by op, launched from Python).
+
+        Raises:
+            OptionsError: a backend not among those, or a flag that is not a bool.
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> opts = Options().compileStages(True, backend="aot_eager")
+            >>> opts.compile_stages, opts.compile_backend, opts.compile_cuda_graph
+            (True, 'aot_eager', True)
+        """
+        if backend is not None and backend not in BACKENDS:
+            raise errors.OptionsError(
+                f"compileStages: backend {backend!r} is not one of {list(BACKENDS)}; pass one "
+                f"of those, or None for the default of each stage's device (inductor)")
+        if not isinstance(cuda_graph, bool):
+            raise errors.OptionsError(
+                f"compileStages: cuda_graph needs a bool, got {cuda_graph!r} "
+                f"({type(cuda_graph).__name__}); pass cuda_graph=True or cuda_graph=False")
+        self._store(compile_stages=check_bool(enabled, "compileStages"), compile_backend=backend,
+                    compile_cuda_graph=cuda_graph)
+
+    # -- the IPU-only setters: stored, ignored, warned once ([Note: IPU-only options]) ----
+
+    def _ipu_only(self, name: str, detail: str = "", **values: Any) -> None:
+        self._store(**values)
+        warn_ipu_only(f"Options.{name}", detail)
+
+    @setter
+    def autoRoundNumIPUs(self, auto_round_num_ipus: bool = True):
+        """Round the IPU count up to a power of 2 (any count works here).
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().autoRoundNumIPUs().auto_round_num_ipus
+            True
+        """
+        self._ipu_only("autoRoundNumIPUs", auto_round_num_ipus=auto_round_num_ipus)
+
+    @setter
+    def useIpuModel(self, use_model: bool):
+        """Give every IPU id a memory of its own, even on one device (PopTorch's IPU Model).
+
+        PopTorch's IPU Model simulates the hardware on the host. Here every IPU
+        keeps its own copies of its parameters, gradients, optimizer state and
+        buffers, and values crossing stages are copied, even where several IPUs
+        map to the same CPU ([Note: weight homes] in ``weights``): the path that
+        separate GPUs take runs, and is tested, on a machine without one. The
+        numbers are the same; the host model is brought up to date as on a GPU
+        ([Note: weight sync] in ``runtime/host_sync.py``).
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().useIpuModel(True).use_model
+            True
+        """
+        self._store(use_model=check_bool(use_model, "useIpuModel"))
+
+    @setter
+    def enableExecutableCaching(self, path: Optional[str]):
+        """Cache compiled executables in ``path`` (None disables).
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().enableExecutableCaching('/tmp/cache').executable_cache_dir
+            '/tmp/cache'
+        """
+        self._ipu_only("enableExecutableCaching", executable_cache_dir=path)
+
+    @setter
+    def connectionType(self, connection_type: ConnectionType):
+        """When to attach to the IPU; ``Never`` = compile only (calls are refused).
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().connectionType(ConnectionType.OnDemand).connection_type
+            <ConnectionType.OnDemand: 1>
+        """
+        ct = coerce_enum(connection_type, ConnectionType, "connectionType")
+        self._ipu_only("connectionType", "With ConnectionType.Never a wrapped model "
+                       "compiles but refuses to run, as in PopTorch", connection_type=ct)
+
+    @setter
+    def useIpuId(self, ipu_id: int):
+        """Use the IPU device with this ``gc-info`` id.
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().useIpuId(1).ipu_id
+            1
+        """
+        if isinstance(ipu_id, bool) or not isinstance(ipu_id, int) or ipu_id < 0:
+            raise errors.OptionsError(
+                f"useIpuId needs a non-negative int, got {ipu_id!r}; call e.g. "
+                f"opts.useIpuId(0)")
+        self._ipu_only("useIpuId", ipu_id=ipu_id)
+
+    @setter
+    def useOfflineIpuTarget(self, ipu_version: int = 2):
+        """Compile for an offline IPU target; sets ``connectionType(Never)``.
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().useOfflineIpuTarget().connection_type
+            <ConnectionType.Never: 2>
+        """
+        self._ipu_only("useOfflineIpuTarget", "It sets connectionType(Never): a "
+                       "wrapped model compiles but refuses to run",
+                       ipu_version=ipu_version, connection_type=ConnectionType.Never)
+
+    @setter
+    def syncPattern(self, sync_pattern: SyncPattern):
+        """IPU synchronisation pattern.
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().syncPattern(SyncPattern.SinglePipeline).sync_pattern
+            <SyncPattern.SinglePipeline: 1>
+        """
+        sp = coerce_enum(sync_pattern, SyncPattern, "syncPattern")
+        self._ipu_only("syncPattern", sync_pattern=sp)
+
+    @setter
+    def logCycleCount(self, log_cycle_count: bool):
+        """Log IPU cycle counts.
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().logCycleCount(True).log_cycle_count
+            True
+        """
+        self._ipu_only("logCycleCount", log_cycle_count=log_cycle_count)
+
+    @setter
+    def enableProfiling(self, profile_dir: Optional[str] = None):
+        """Write Poplar profiling reports to ``profile_dir`` (default ``.``).
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().enableProfiling('prof').profile_dir
+            'prof'
+        """
+        self._ipu_only("enableProfiling", profile_dir=profile_dir or ".")
+
+    @setter
+    def logDir(self, log_dir: str):
+        """Directory for PopTorch's log files.
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().logDir('logs').log_dir
+            'logs'
+        """
+        self._ipu_only("logDir", log_dir=log_dir)
+
+    @setter
+    def maxRepeatLogs(self, number_repeats: int):
+        """Cap on repeats of a repeated log message.
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().maxRepeatLogs(2).max_repeat_logs
+            2
+        """
+        self._ipu_only("maxRepeatLogs", max_repeat_logs=number_repeats)
+
+    @setter
+    def modelName(self, name: str):
+        """Model name used for profile sub-directories.
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().modelName('mnist').model_name
+            'mnist'
+        """
+        self._ipu_only("modelName", model_name=name)
+
+    @setter
+    def enableStableNorm(self, enabled: bool):
+        """Use the slower, more stable IPU norm kernels.
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().enableStableNorm(True).stable_norm
+            True
+        """
+        self._ipu_only("enableStableNorm", stable_norm=enabled)
+
+    @setter
+    def showCompilationProgressBar(self, show: bool = True):
+        """Show the Poplar compilation progress bar.
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().showCompilationProgressBar(False).show_compilation_progress_bar
+            False
+        """
+        self._ipu_only("showCompilationProgressBar", show_compilation_progress_bar=show)
+
+    @setter
+    def relaxOptimizerAttributesChecks(self, relax: bool = True):
+        """Turn PopTorch's unexpected-optimizer-attribute warnings into debug logs.
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().relaxOptimizerAttributesChecks().relax_optimizer_attributes_checks
+            True
+        """
+        self._ipu_only("relaxOptimizerAttributesChecks",
+                       relax_optimizer_attributes_checks=relax)
+
+    @setter
+    def sourceLocationExcludes(self, excludes: list):
+        """Replace the frames skipped in IR source locations.
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().sourceLocationExcludes(['lib/']).source_location_excludes
+            ['lib/']
+        """
+        self._ipu_only("sourceLocationExcludes", source_location_excludes=list(excludes))
+
+    @setter
+    def appendToLocationExcludes(self, *excludes: str):
+        """Add frames skipped in IR source locations.
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().appendToLocationExcludes('lib/').source_location_excludes[-1]
+            'lib/'
+        """
+        self._ipu_only("appendToLocationExcludes", source_location_excludes=[
+            *self.source_location_excludes, *excludes])
+
+    @setter
+    def disableModuleNamescope(self):
+        """Drop module names from PopART op names.
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().disableModuleNamescope().module_namescope_enabled
+            False
+        """
+        self._ipu_only("disableModuleNamescope", module_namescope_enabled=False)
+
+    @setter
+    def updatableNamedBuffers(self, buffers: list):
+        """Buffers that ``copyNamedBuffersToDevice`` may update (checked against the model's
+        buffers when it compiles).
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().updatableNamedBuffers(['bn.running_mean']).updatable_named_buffers
+            ['bn.running_mean']
+        """
+        self._store(updatable_named_buffers=list(buffers))
+
+    @setter
+    def enableSyntheticData(self, enabled: bool):
+        """Run on synthetic data instead of the host's inputs, as PopTorch does.
+
+        PopTorch sets PopART's ``syntheticDataMode`` to 2 (RandomNormal) when
+        ``enabled`` is true, else 0 (Off); ``_Popart.set("syntheticDataMode", 1)``
+        asks for zeros ([Note: synthetic data] in ``runtime/batch.py``). Warns once
+        that the numbers then differ from the inputs'.
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().enableSyntheticData(False).synthetic_data_mode
+            <SyntheticDataMode.Off: 0>
+        """
+        self._store(synthetic_data=enabled)
+        self._Popart.set("syntheticDataMode", 2 if enabled else 0)
+
+    @property
+    def synthetic_data_mode(self) -> SyntheticDataMode:
+        """What the model sees instead of the inputs (PopART's ``syntheticDataMode``)."""
+        return SyntheticDataMode(self._Popart.options.get("syntheticDataMode", 0))
+
+    @setter
+    def setAvailableMemoryProportion(self, available_memory_proportion: dict):
+        """Temporary memory per IPU, e.g. ``{"IPU0": 0.5}``.
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().setAvailableMemoryProportion({'IPU0': 0.5}).available_memory_proportion
+            {0: 0.5}
+        """
+        if not isinstance(available_memory_proportion, dict):
+            raise errors.OptionsError(
+                f"setAvailableMemoryProportion needs a dict such as {{'IPU0': 0.5}}, "
+                f"got {available_memory_proportion!r}")
+        memory = {}
+        for key, proportion in available_memory_proportion.items():
+            if not (isinstance(key, str) and key.startswith("IPU") and key[3:].isdigit()):
+                raise errors.OptionsError(
+                    f"Available memory proportions are expected to be in a "
+                    f"dictionary of {{\"IPU0\": 0.5}} where the 0 in IPU is the "
+                    f"index of the IPU. Invalid key: {key!r}; use keys 'IPU0', 'IPU1', ...")
+            if isinstance(proportion, bool) or not isinstance(proportion, (int, float)):
+                raise errors.OptionsError(
+                    f"setAvailableMemoryProportion: the proportion for {key!r} must "
+                    f"be a number between 0 and 1, got {proportion!r}")
+            memory[int(key[3:])] = float(proportion)
+        self._ipu_only("setAvailableMemoryProportion", available_memory_proportion=memory)
+
+    @setter
+    def anchorTensor(self, short_name: str, long_name: str,
+                     output_mode: Optional[OutputMode] = None,
+                     output_return_period: Optional[int] = 1):
+        """Anchor the tensor ``long_name`` of the model, read after a call with
+        ``PoplarExecutor.getAnchoredTensor(short_name)`` ([Note: anchored tensors] in
+        ``anchors``: the names are checked against ``getTensorNames()`` on the first call).
+
+        Raises:
+            OptionsError: a name is not a string, or the mode not an ``OutputMode``.
+
+        Example:
+            >>> from poptorch_lite.options import Options
+            >>> Options().anchorTensor('grad', 'Gradient___fc.bias').anchored_tensors
+            {'grad': ['Gradient___fc.bias', None, 1]}
+        """
+        if not isinstance(short_name, str) or not isinstance(long_name, str) or not (
+                output_mode is None or isinstance(output_mode, OutputMode)):
+            raise errors.OptionsError(
+                f"anchorTensor({short_name!r}, {long_name!r}, {output_mode!r}): the names must "
+                f"be strings and the mode a poptorch.OutputMode, e.g. anchorTensor('grad', "
+                f"'Gradient___fc.bias', poptorch.OutputMode.Final)")
+        anchors = dict(self.anchored_tensors)
+        anchors[short_name] = [long_name, output_mode, output_return_period]
+        self._store(anchored_tensors=anchors)
 
     def clone(self) -> Options:
         """An unfrozen deep copy.

@@ -1,5 +1,6 @@
-"""Micro-batch splitting: a call's combined batch into its micro-batches (``merge``: the
-other end).
+"""Micro-batch splitting: a call's combined batch into its micro-batches.
+
+``merge`` is the other end.
 
 [Note: batch layout]
 One call's combined batch holds ``F = D·(R/g)·G`` micro-batches laid out as

@@ -1,5 +1,7 @@
-"""Merging: a call's outputs, from one list of output leaves per micro-batch to what the call
-returns, per the output mode ([Note: batch layout] in ``batch``: micro-batch ``k``'s place).
+"""Merging: a call's outputs, from its micro-batches' to what the call returns.
+
+From one list of output leaves per micro-batch to what the call returns, per the output
+mode ([Note: batch layout] in ``batch``: micro-batch ``k``'s place).
 
 The other end of a call from ``batch``'s split: the runs return each kept micro-batch's
 outputs on the host, and :class:`Outputs` picks, combines and rebuilds them into the

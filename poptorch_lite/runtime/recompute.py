@@ -1,5 +1,7 @@
-"""Recomputation: a recomputed stage's forward keeps no activations, and its recompute
-action rebuilds them from what the forward kept (``stage_work`` runs both).
+"""Recomputation: a recomputed stage's activations, rebuilt from what its forward kept.
+
+A recomputed stage's forward keeps no activations, and its recompute action rebuilds them
+from what the forward kept (``stage_work`` runs both).
 
 [Note: recomputation]
 A recomputed stage's forward runs without keeping activations (a saved-tensor
