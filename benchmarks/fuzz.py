@@ -5,8 +5,8 @@
     python benchmarks/fuzz.py --seed 3 --report /tmp/fuzz.txt
     python benchmarks/fuzz.py --prove --minutes 3  # the proof of power: each PENDING finding
 
-Draws (program, config) pairs from tests/fuzz_draw.py and checks each against plain PyTorch
-(tests/fuzz_check.py, [Note: the fuzzer's oracle] there). A finding is shrunk by Hypothesis to
+Draws (program, config) pairs from tests/support/fuzz_draw.py and checks each against plain
+PyTorch (tests/support/fuzz_check.py, [Note: the fuzzer's oracle] there). A finding is shrunk by Hypothesis to
 its minimal model and configuration and printed as Python; its *signature* (the grammar's
 names and the configuration's categorical factors of the minimal example that differ from the
 simplest) is then known, and later examples whose names hold a known signature count as that
@@ -30,7 +30,7 @@ import time
 import warnings
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402

@@ -59,7 +59,7 @@ step mnist 120 "Accuracy|Error|error" \
 step mnist_pipelined 150 "Accuracy|effective|Error|error" \
     $PY examples/mnist_pipelined.py --data-dir "$DATA" &
 # The differential fuzzer's short profile with every drawn configuration on the GPU, plain
-# PyTorch on the GPU beside it (tests/fuzz_config.py). It needs Hypothesis, which the GPU
+# PyTorch on the GPU beside it (tests/support/fuzz_config.py). It needs Hypothesis, which the GPU
 # image lacks: carry its wheels in an ignored wheels/ (pip download hypothesis -d wheels).
 if ! $PY -c "import hypothesis" 2>/dev/null && [ -d wheels ]; then
     $PY -m pip install -q --no-index --find-links wheels --target /tmp/gpu_check_pylib \
@@ -77,8 +77,8 @@ step mnist_match 45 "same numbers|FAILED|Error|error" \
 #    GPU (with their timelines' overlap), eager and with compileStages (the "+c" rows:
 #    Inductor's stages, each step one CUDA graph; "+g": the eager kernels in one CUDA graph),
 #    then GPT-2 small's shape, eager and compiled. The CUDA tests of step 1 include the
-#    compiled column (tests/test_compiled_stages.py) and the step graphs
-#    (tests/test_step_graph.py) on cuda.
+#    compiled column (tests/compiler/test_compiled_stages.py) and the step graphs
+#    (tests/runtime/test_step_graph.py) on cuda.
 step gpu_bench 240 "x |ratio|overlap|peak|mlp|conv|pipe|Error|error" \
     $PY benchmarks/gpu.py --case mlp conv pipe1 --pairs 2 --calls 30 --compiled
 # Where a one-stage step's host time goes (torch.profiler: host ops, CUDA runtime calls).

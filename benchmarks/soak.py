@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 import poptorch_lite as poptorch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "support"))
 from patience import limit  # noqa: E402  (the suite's one setting for limits against a hang)
 
 SCHEDULES = ["sequential", "grouped", "interleaved", "gpipe", "zero_bubble"]
@@ -358,7 +358,7 @@ def process_interrupt(rng: random.Random, short: bool) -> float:
     """Ctrl-C in a terminal running torchrun (SIGINT to its process group) while its two
     processes train a pipeline for ever: every process ends within 30 s, 10 s more for
     torchrun's workers (the short soak, which the suite runs: within generous limits against
-    a hang, scaled by POPTORCH_LITE_TEST_PATIENCE, tests/patience.py); the seconds taken."""
+    a hang, scaled by POPTORCH_LITE_TEST_PATIENCE, tests/support/patience.py); the seconds taken."""
     ends, workers_end = (limit(120), limit(60)) if short else (30, 10)
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(pathlib.Path(__file__).resolve().parents[1]),

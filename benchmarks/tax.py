@@ -34,7 +34,7 @@ poptorch_lite eager, and poptorch_lite with ``Options().compileStages(True)``
 other three (the compiled processes warm up, and so compile, before the timed blocks).
 
 With ``--twin`` the poptorch_lite side puts every IPU on the GPU twin of the test suite
-(``tests/gpu_twin.py``: the GPU's branches, streams, events and input copies, with CPU
+(``tests/support/gpu_twin.py``: the GPU's branches, streams, events and input copies, with CPU
 tensors), so what the GPU path does on the host besides the kernels (hand-offs between
 threads, copies in, events) is measured on a machine without a GPU. The twin's stand-in
 streams cost host time of their own, so it tells which way a change to that path goes, not
@@ -76,7 +76,7 @@ parser.add_argument("--side", choices=["plain", "lite", "plain-compiled", "lite-
 parser.add_argument("--compiled", action="store_true",
                     help="four sides: plain, plain torch.compile, lite, lite compileStages")
 parser.add_argument("--twin", action="store_true",
-                    help="poptorch_lite's IPUs on the GPU twin (tests/gpu_twin.py)")
+                    help="poptorch_lite's IPUs on the GPU twin (tests/support/gpu_twin.py)")
 parser.add_argument("--serve", action="store_true",
                     help="with --side: time a block of calls per line read from stdin")
 
@@ -182,7 +182,7 @@ def one_side(args):
         if args.side == "lite-compiled":
             opts.compileStages(True)
         if args.twin:  # in force for the whole process: placements are made on first call
-            sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+            sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "support"))
             from gpu_twin import TWIN, TwinGpu
             from poptorch_lite.runtime import gpu
             IN_FORCE.enter_context(gpu.installed(TwinGpu()))

@@ -1,11 +1,21 @@
-"""Shared fixtures: the devices the transparency tests run on, warning and probe resets."""
+"""Shared fixtures: the devices the transparency tests run on, warning and probe resets.
+
+The tests are laid out as the package is (``tests/runtime/`` tests ``poptorch_lite/runtime/``;
+``tests/programs/`` runs programs nobody here wrote); what they share (the GPU twin, the
+hygiene plugin, the models, the processes, the fuzzer) is in ``tests/support/``, which this
+file puts on ``sys.path``.
+"""
 
 import gc
 import os
+import pathlib
 import signal
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "support"))
 
 # Inductor compiles in the test's own thread: no pool of compile threads or processes, which
-# would outlive the test that compiled first (tests/hygiene.py) and crowd a 2-core machine.
+# would outlive the test that compiled first (tests/support/hygiene.py) and crowd a 2-core machine.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import pytest  # noqa: E402
@@ -19,7 +29,7 @@ from gpu_twin import TwinGpu
 import probes
 from models import exited, workers
 
-pytest_plugins = ["hygiene"]  # every test leaves the process as it found it (tests/hygiene.py)
+pytest_plugins = ["hygiene"]  # every test leaves the process as it found it (support/hygiene.py)
 
 # pytest-xdist's workers share the machine's cores: each takes its share of intra-op threads,
 # as a stage's worker takes its share of a run's (runtime/placement). torch's default (a

@@ -369,11 +369,12 @@ _SPAWNED: dict = {}
 
 
 def spawned(scenario, rank, what):
-    """Raise what process ``rank`` of tests/_pipeline_worker.py's ``scenario`` raised, as it
+    """Raise what process ``rank`` of tests/support/_pipeline_worker.py's ``scenario`` raised, as it
     recorded it (class, message, notes): the scenario runs once, in its own processes."""
     if scenario not in _SPAWNED:
         out = pathlib.Path(tempfile.mkdtemp())
-        runs = start(pathlib.Path(__file__).parent / "_pipeline_worker.py", [scenario, out], 2)
+        worker = pathlib.Path(__file__).parent / "support" / "_pipeline_worker.py"
+        runs = start(worker, [scenario, out], 2)
         assert runs[0][0] == 0, runs[0][2][-3000:]
         _SPAWNED[scenario] = [torch.load(out / f"{scenario}-rank{r}.pt", weights_only=False)
                               for r in range(2) if (out / f"{scenario}-rank{r}.pt").exists()]
@@ -649,7 +650,7 @@ STALL = {"hold": None, "interrupt": False}
 def stall(x: torch.Tensor) -> torch.Tensor:
     """Holds the action until ``STALL["hold"]`` (an Event) is set (a stuck op for the
     watchdog), or sends the caller's thread a SIGINT (Ctrl-C) and returns once the caller
-    reported it (tests/patience.py)."""
+    reported it (tests/support/patience.py)."""
     if STALL["interrupt"]:
         interrupt_caller()
     hold = STALL["hold"]

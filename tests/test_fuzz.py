@@ -1,10 +1,10 @@
 """The differential fuzzer's short profile: what it found, then a fixed budget of new models.
 
 The fuzzer draws small models from a grammar of what changes autograd's or the data's
-semantics (tests/fuzz_grammar.py), runs each under a drawn configuration (fuzz_draw.py) and
+semantics (tests/support/fuzz_grammar.py), runs each under a drawn configuration (fuzz_draw.py) and
 compares poptorch_lite with plain PyTorch call by call ([Note: the fuzzer's oracle] in
 fuzz_check.py). Here it is deterministic (``derandomize``, no example database): every
-found example of tests/fuzz_found.py (a strict xfail while its fix is pending, so that the
+found example of tests/support/fuzz_found.py (a strict xfail while its fix is pending, so that the
 fix landing fails it: then delete its entry of ``fuzz_draw.PENDING``), then a fixed number of
 new examples with the pending names left out. A failure prints the minimal model as Python
 and its Options. The long profile, for 30 minutes and more: ``python benchmarks/fuzz.py``.

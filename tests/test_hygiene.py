@@ -1,5 +1,6 @@
-"""The hygiene plugin (``tests/hygiene.py``) names what a test left behind, and forgives only
-what a library sets up once per process."""
+"""The hygiene plugin (``tests/support/hygiene.py``) names what a test left behind.
+
+It forgives only what a library sets up once per process."""
 
 import copy
 

@@ -1,6 +1,7 @@
 """PopTorch's private PoplarExecutor attributes that integrations read ([Note: private
 attributes] in wrapper_private), and Lightning's IPUStrategy making its calls on them in its
-order, without Lightning (tests/test_lightning.py runs the real one where it is installed)."""
+order, without Lightning (tests/programs/test_lightning.py runs the real one where it is
+installed)."""
 
 import copy
 

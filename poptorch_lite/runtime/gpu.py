@@ -7,7 +7,7 @@ a call's inputs into GPU memory) goes through a :class:`Gpu`, never through
 ``torch.cuda`` directly. A :class:`~poptorch_lite.runtime.placement.Placement`
 takes the one in force when it is made (:func:`current`), and the executor,
 its stage work and its streams ask that placement's. CUDA's is the only one the
-package has. The test suite installs a twin (``tests/gpu_twin.py``) that takes
+package has. The test suite installs a twin (``tests/support/gpu_twin.py``) that takes
 the same branches with CPU tensors (:func:`copy_out_all`, the outputs' way back, is plain
 torch that it runs as it is): its "GPU" is ``torch.device("cpu", 0)``
 (distinct from the host's ``cpu``, so inputs are copied into it and weights get

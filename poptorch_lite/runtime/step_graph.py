@@ -17,7 +17,7 @@ workspace, which CUDA refuses to make inside a capture) exists before the captur
 workers ran a pipeline's warm-ups, the caller's first cuBLAS call came inside the capture
 and the capture could not be ended (an H200, torch 2.11, 2026-11-28: every multi-stream
 step); the GPU twin now refuses that ([Note: library state on first use] in
-``tests/gpu_twin.py``). The executor's run and the step graph's replay are the one
+``tests/support/gpu_twin.py``). The executor's run and the step graph's replay are the one
 interface a program calls (``run_call``):
 
 - **Inputs** are read from static slots in GPU memory made at the capture; before each
@@ -62,7 +62,7 @@ interface a program calls (``run_call``):
   GPU) in place of its actions', and the watchdog does not watch it.
 
 The GPU twin records a capture op by op and replays it on the same tensors, running
-nothing while capturing (``tests/gpu_twin.py``), so the CPU suite tests what is
+nothing while capturing (``tests/support/gpu_twin.py``), so the CPU suite tests what is
 captured, the slots and the replays.
 """
 

@@ -1,5 +1,5 @@
-"""Lightning's IPUStrategy on a small classifier, run by tests/test_lightning.py as
-`python -m poptorch_lite run tests/lightning_script.py STAGES FLAVOUR OUT.json` (unmodified
+"""Lightning's IPUStrategy on a small classifier, run by tests/programs/test_lightning.py as
+`python -m poptorch_lite run tests/support/lightning_script.py STAGES FLAVOUR OUT.json` (unmodified
 PopTorch client code: nothing here names poptorch_lite). FLAVOUR `graphcore` is
 lightning-graphcore 0.1.0's IPUAccelerator and IPUStrategy, `lightning` pytorch-lightning 2.0.9's
 own (`accelerator="ipu"`). Lightning 2.0.9 turns a torch DataLoader into a poptorch.DataLoader

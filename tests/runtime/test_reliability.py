@@ -308,7 +308,7 @@ def test_the_ctrl_c_tests_pass_when_the_suite_starts_with_sigint_ignored():
         [sys.executable, "-c", launcher, sys.executable, "-m", "pytest", "-q", "-p",
          "no:cacheprovider", "-p", "no:randomly",
          f"{here}::test_ctrl_c_inside_the_optimizers_step_is_held_until_the_step_is_counted",
-         f"{here.parent}/test_dataloader.py::test_ctrl_c_beside_an_async_loader_stops_the_"
+         f"{here.parents[1]}/data/test_dataloader.py::test_ctrl_c_beside_an_async_loader_stops_the_"
          "script_cleanly"],
         capture_output=True, text=True, timeout=limit(300), cwd=here.parents[1],
         env={k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")})
@@ -778,7 +778,7 @@ def test_docstring_examples_run():
 
 def test_a_hundred_models_leave_no_threads_and_no_memory_behind():
     """Half released by destroy(), half by garbage collection, in a fresh process."""
-    script = pathlib.Path(__file__).with_name("lifecycle_script.py")
+    script = pathlib.Path(__file__).resolve().parents[1] / "support" / "lifecycle_script.py"
     result = subprocess.run([sys.executable, str(script), "100"], capture_output=True,
                             text=True, timeout=limit(600))
     assert result.returncode == 0, result.stderr[-3000:]

@@ -1,7 +1,7 @@
-"""One process of tests/test_distributed.py, started with torchrun's variables set.
+"""One process of tests/distributed/test_distributed.py, started with torchrun's variables set.
 
     RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \
-        python tests/_distributed_worker.py train OUT_DIR
+        python tests/support/_distributed_worker.py train OUT_DIR
 
 Scenarios: ``train`` runs every configuration of ``CONFIGS``, then a
 mismatched-options wrap, a BatchNorm model on replicas, a model writing its own

@@ -23,7 +23,7 @@ from poptorch_lite import optim
 from models import data, reference_training, twin
 from patience import limit
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def run_script(tmp_path, source: str) -> str:

@@ -32,11 +32,11 @@ examples-utils at the top (stand-ins are made here; a single-process run never c
 In a venv of its own that reuses the project's torch::
 
     pip install transformers==4.26.1 'tokenizers<0.14' tfrecord scipy pyyaml pandas ftfy regex
-    python -m poptorch_lite run tests/graphcore_apps.py gpt2 EXAMPLES/nlp/gpt2/pytorch sharded
-    python -m poptorch_lite run tests/graphcore_apps.py gpt2 EXAMPLES/nlp/gpt2/pytorch pipelined
-    python -m poptorch_lite run tests/graphcore_apps.py bert EXAMPLES/nlp/bert/pytorch
-    python -m poptorch_lite run tests/graphcore_apps.py conformer EXAMPLES/speech/conformer/pytorch
-    python -m poptorch_lite run tests/graphcore_apps.py clip EXAMPLES/multimodal/CLIP/pytorch
+    python -m poptorch_lite run tests/support/graphcore_apps.py gpt2 EXAMPLES/nlp/gpt2/pytorch sharded
+    python -m poptorch_lite run tests/support/graphcore_apps.py gpt2 EXAMPLES/nlp/gpt2/pytorch pipelined
+    python -m poptorch_lite run tests/support/graphcore_apps.py bert EXAMPLES/nlp/bert/pytorch
+    python -m poptorch_lite run tests/support/graphcore_apps.py conformer EXAMPLES/speech/conformer/pytorch
+    python -m poptorch_lite run tests/support/graphcore_apps.py clip EXAMPLES/multimodal/CLIP/pytorch
 """
 
 import os

@@ -2,7 +2,7 @@
 processes on loopback with gloo, started by the test, against one process running the same
 model.
 
-Every configuration (tests/_pipeline_worker.py ``CONFIGS``) runs three calls with
+Every configuration (tests/support/_pipeline_worker.py ``CONFIGS``) runs three calls with
 dropout; the reference is the same wrapper in this process without
 ``set_ipu_processes`` (with ``replicationFactor`` standing for data-parallel pipelines).
 A pipeline over processes does the same arithmetic in the same order, so it agrees bit for
@@ -21,8 +21,8 @@ import poptorch_lite as poptorch
 import _pipeline_worker as worker
 from processes import collective_s, start
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-WORKER = ROOT / "tests" / "_pipeline_worker.py"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "support" / "_pipeline_worker.py"
 ATOL = 1e-6
 
 

@@ -403,7 +403,7 @@ def test_mnist_splits_functional_route_equals_the_annotated_route():
     # examples/mnist_splits.py --functional builds its stages through poptorch.pipeline.
     import pathlib
     import sys
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
     import mnist_splits
 
     results = []

@@ -584,7 +584,7 @@ def test_script_with_an_async_loader_exits_cleanly(tmp_path, how, code):
     """[Note: loader threads at exit]: no abort (status 134) whether the epoch ended or not."""
     script = tmp_path / "script.py"
     script.write_text(_EXIT_SCRIPT)
-    root = str(pathlib.Path(__file__).resolve().parent.parent)
+    root = str(pathlib.Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     result = subprocess.run([sys.executable, str(script), how], capture_output=True, text=True,
                             env=env, timeout=limit(120))
@@ -624,7 +624,7 @@ def test_ctrl_c_beside_an_async_loader_stops_the_script_cleanly(tmp_path, state)
     import signal
     script = tmp_path / "script.py"
     script.write_text(_CTRL_C_SCRIPT)
-    root = str(pathlib.Path(__file__).resolve().parent.parent)
+    root = str(pathlib.Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     child = subprocess.Popen([sys.executable, "-u", str(script), state], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)

@@ -23,15 +23,16 @@ except importlib.metadata.PackageNotFoundError:
     pytest.skip("optimum-graphcore is not installed (it pins transformers==4.29.2)",
                 allow_module_level=True)
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_ipu_trainer_trains_and_evaluates_like_plain_pytorch(tmp_path):
-    """See tests/optimum_graphcore_script.py for what runs."""
+    """See tests/support/optimum_graphcore_script.py for what runs."""
     out = tmp_path / "result.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-m", "poptorch_lite", "run",
-                           str(ROOT / "tests" / "optimum_graphcore_script.py"), str(out)],
+                           str(ROOT / "tests" / "support" / "optimum_graphcore_script.py"),
+                           str(out)],
                           capture_output=True, text=True, timeout=limit(600), cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(out.read_text())

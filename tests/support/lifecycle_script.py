@@ -1,6 +1,6 @@
 """Wrap, call and release 100 models (half by destroy(), half by garbage collection);
 print the resident memory before and after, the threads left and the CUDA memory left.
-Run by tests/test_reliability.py in a fresh process."""
+Run by tests/runtime/test_reliability.py in a fresh process."""
 
 import gc
 import json
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import poptorch_lite as poptorch
 
-from patience import limit  # tests/patience.py: this script's folder is on sys.path
+from patience import limit  # tests/support/patience.py: this script's folder is on sys.path
 
 
 def rss():

@@ -7,7 +7,7 @@ finding shrinks to the fewest features and configuration factors that still show
 :data:`PENDING` names what the short profile leaves out until its fix lands: a grammar
 name (``fuzz_grammar``: an op, a loss, an edit) or a combination ``"a&b"`` of names and
 configuration factors (``"data_edit&device=ipu_model"``). Each is a finding of the
-fuzzer on the code of its day (tests/fuzz_found.py holds its minimal example, which runs
+fuzzer on the code of its day (tests/support/fuzz_found.py holds its minimal example, which runs
 as a strict xfail); when its fix lands, delete the entry: the short profile then draws it,
 and the found example turns into a regression test.
 """
@@ -20,7 +20,7 @@ from fuzz_config import DEVICES, SCHEDULES, Config
 from fuzz_grammar import EDITS, FEATURES, LOSSES, OPTIMIZERS, TWO_STAGE, Edit, Op, Program
 
 PENDING = {
-    # found by the fuzzer (tests/fuzz_found.py); fixes on their way
+    # found by the fuzzer (tests/support/fuzz_found.py); fixes on their way
 }
 
 

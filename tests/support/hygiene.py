@@ -42,7 +42,7 @@ SET_ONCE_ENV = (
 SET_ONCE_HANDLERS = (
     "_set_SIGCHLD_handler.<locals>.handler",  # torch's DataLoader, at its first worker process
 )
-# How long leftover threads get to exit after a garbage collection (tests/patience.py): only
+# How long leftover threads get to exit after a garbage collection (tests/support/patience.py): only
 # a leak waits that long, a thread that is ending is seen gone at once.
 SETTLE_S = limit(30.0)
 

@@ -411,7 +411,7 @@ def test_the_mnist_examples_conv_net_in_two_stages_matches_plain_pytorch(schedul
     input copy. On ``gpu_twin`` it takes the GPU's branches on the CPU."""
     import pathlib
     import sys
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
     from mnist_pipelined import Network, parser, strategy
 
     args = parser.parse_args(["--schedule", schedule])

@@ -338,7 +338,7 @@ def test_a_trace_error_under_pytest_shows_the_users_lines_and_no_log(tmp_path):
     import sys
     test = tmp_path / "test_user.py"
     test.write_text(USER_TEST)
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = pathlib.Path(__file__).resolve().parents[2]
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test)],
         capture_output=True, text=True, timeout=limit(300), cwd=tmp_path,

@@ -1,7 +1,7 @@
 """Replication across processes: 2 processes on loopback with gloo against one plain run.
 
 The processes are started by the test with torchrun's variables (RANK,
-WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and run tests/_distributed_worker.py.
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and run tests/support/_distributed_worker.py.
 Tolerance: the plain reference sums all G·R·P micro-batch gradients and divides
 once; the processes divide their own sums by G·R, add them in the all-reduce
 and divide by P. Both are fp32 sums of the same terms in another order, so they
@@ -29,8 +29,8 @@ from models import BlockMLP
 from patience import limit
 from processes import free_port, start
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-WORKER = ROOT / "tests" / "_distributed_worker.py"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "support" / "_distributed_worker.py"
 DATA = pathlib.Path(os.environ.get("MNIST_DATA", ROOT.parent / "shared" / "data"))
 P = 2
 ATOL = 1e-5

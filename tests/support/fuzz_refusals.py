@@ -40,7 +40,7 @@ from poptorch_lite import errors
 from fuzz_config import Config
 from fuzz_grammar import FEATURES, REFUSABLE_EDITS, Program, writes_buffers
 
-DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "ERRORS.md"
+DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "ERRORS.md"
 
 
 def _rows() -> dict:

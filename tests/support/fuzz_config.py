@@ -3,7 +3,7 @@
 A :class:`Config` holds one value per factor (schedule, G, D, R, reduction, recomputation,
 compiled stages, device, buffers per replica, random seed, micro-batch size, calls, output
 mode, labels by keyword, offloaded optimizer state, a batch size that changes), the simplest
-first, so that Hypothesis shrinks towards it (tests/fuzz_draw.py draws valid ones).
+first, so that Hypothesis shrinks towards it (tests/support/fuzz_draw.py draws valid ones).
 :meth:`Config.code` is the Options as Python, which is what :meth:`Config.options` runs and
 what a finding prints; :meth:`Config.tolerance` is the fuzzer's tolerance rule ([Note: the
 fuzzer's oracle] in fuzz_check).

@@ -8,7 +8,7 @@ import textwrap
 
 from patience import limit
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent('''
     import torch

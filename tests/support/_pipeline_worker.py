@@ -1,8 +1,8 @@
-"""One process of tests/test_process_pipeline.py: a pipeline whose stages run in several
+"""One process of tests/distributed/test_process_pipeline.py: a pipeline whose stages run in several
 processes, started with torchrun's variables set.
 
     RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \
-        python tests/_pipeline_worker.py train OUT_DIR
+        python tests/support/_pipeline_worker.py train OUT_DIR
 
 The same functions run the single-process reference inside the test (``WORLD_SIZE``
 unset: the same configuration without ``set_ipu_processes``). Scenarios (``W`` processes):

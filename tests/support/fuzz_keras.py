@@ -1,12 +1,12 @@
 """The fuzzer's Keras face: the programs a ``keras.Sequential`` can express, fit against plain
 PyTorch.
 
-The subset of the grammar (tests/fuzz_grammar.py) that is a list of layers: each stage's
+The subset of the grammar (tests/support/fuzz_grammar.py) that is a list of layers: each stage's
 ``Linear(6, 6)`` and ``Tanh`` (parametrized by weight_norm, spectral_norm or a
 parametrization; with module and parameter hooks, a frozen bias), a BatchNorm layer, a
 Linear used again at another stage (tied weights), then the ``Linear(6, 4)`` head; the loss
 is Keras' sparse categorical cross-entropy from logits, the optimizer SGD with momentum
-(tests/test_keras.py's ``sgd``). :func:`check` runs ``model.fit`` (``shuffle=False``) and
+(tests/frontends/test_keras.py's ``sgd``). :func:`check` runs ``model.fit`` (``shuffle=False``) and
 test_keras's plain loop (a step per G·R batches, gradients summed then divided by G·R; with
 replicas, each keeps its own BatchNorm statistics, the host's being replica 0's) from the
 same weights, and compares every weight and buffer and the history's losses and

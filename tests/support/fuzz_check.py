@@ -89,7 +89,7 @@ def describe(program: Program, config: Config) -> str:
             f"for call in range({config.calls}):  # x: {config.D * config.G * config.R} "
             f"micro-batches of {config.B}\n"
             f"    out = train({args})\n    between_calls(net, opt, sched, train, call)\n\n"
-            f"# as data (tests/fuzz_found.py)\n{program!r}\n{config!r}\n")
+            f"# as data (tests/support/fuzz_found.py)\n{program!r}\n{config!r}\n")
 
 
 @contextlib.contextmanager

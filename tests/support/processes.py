@@ -10,7 +10,7 @@ import pytest
 
 from patience import limit
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -20,7 +20,7 @@ def free_port() -> int:
 
 
 def collective_s(seconds: int = 60) -> int:
-    """The processes' collective timeout for ``seconds`` at patience 1 (tests/patience.py):
+    """The processes' collective timeout for ``seconds`` at patience 1 (tests/support/patience.py):
     a process that waits this long for a message calls its peer gone."""
     return round(limit(seconds))
 
@@ -36,7 +36,7 @@ def start(script, args, W: int, timeout: float = 240, timeout_s: int = 60) -> li
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "WORLD_SIZE": str(W), "LOCAL_WORLD_SIZE": str(W),
            "POPTORCH_LITE_DIST_TIMEOUT": str(timeout_s), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "support")])}
     procs = [subprocess.Popen([sys.executable, str(script), *map(str, args)],
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

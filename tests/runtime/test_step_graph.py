@@ -1,6 +1,6 @@
 """One CUDA graph per step ([Note: step graphs] in poptorch_lite/runtime/step_graph.py).
 
-On the GPU twin (tests/gpu_twin.py) a capture records every aten op and runs nothing; a
+On the GPU twin (tests/support/gpu_twin.py) a capture records every aten op and runs nothing; a
 replay runs the record again on the same memory, with the numbers it was recorded with. So
 a replay that reads last run's inputs, a learning rate baked in and not captured again, a
 dropout mask from the wrong generator, or outputs read before the replay landed all give
@@ -181,7 +181,7 @@ def test_the_tutorials_mnist_pipeline_replays_as_it_runs(device):
     step out of the graph; the eager path's numbers throughout."""
     import pathlib
     import sys
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
     from mnist_pipelined import Network, parser, strategy
 
     args = parser.parse_args(["--gradient-accumulation", "4", "--batch-size", "4"])

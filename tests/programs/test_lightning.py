@@ -22,16 +22,18 @@ pytest.importorskip("lightning_utilities", reason="lightning-graphcore is not in
 if importlib.util.find_spec("lightning_graphcore") is None:  # importing it needs `poptorch`
     pytest.skip("lightning-graphcore is not installed", allow_module_level=True)
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("stages, flavour", [(1, "graphcore"), (2, "graphcore"), (2, "lightning")])
 def test_ipu_strategy_fits_validates_tests_and_predicts_like_plain_pytorch(stages, flavour, tmp_path):
-    """See tests/lightning_script.py for what runs (2 epochs, then validate, test, predict)."""
+    """See tests/support/lightning_script.py for what runs (2 epochs, then validate, test,
+    predict)."""
     out = tmp_path / "result.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-m", "poptorch_lite", "run",
-                           str(ROOT / "tests" / "lightning_script.py"), str(stages), flavour,
+                           str(ROOT / "tests" / "support" / "lightning_script.py"), str(stages),
+                           flavour,
                            str(out)], capture_output=True, text=True, timeout=limit(600), cwd=tmp_path,
                           env=env)
     assert done.returncode == 0, done.stderr[-4000:]

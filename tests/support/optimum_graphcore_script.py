@@ -1,6 +1,7 @@
-"""optimum-graphcore's IPUTrainer on a small BERT, run by tests/test_optimum_graphcore.py as
-`python -m poptorch_lite run tests/optimum_graphcore_script.py OUT.json` (unmodified PopTorch
-client code: nothing here names poptorch_lite).
+"""optimum-graphcore's IPUTrainer on a small BERT, run by tests/programs/test_optimum_graphcore.py.
+
+As `python -m poptorch_lite run tests/support/optimum_graphcore_script.py OUT.json`
+(unmodified PopTorch client code: nothing here names poptorch_lite).
 
 It trains 3 epochs of synthetic sequence classification with IPUConfig(layers_per_ipu=[1, 1],
 gradient_accumulation_steps=4, device_iterations=2) and evaluates. Then it replays the same

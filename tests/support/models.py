@@ -148,7 +148,7 @@ def workers() -> list:
 
 def exited(timeout: float = 60.0) -> bool:
     """Whether every worker has exited, waiting up to ``limit(timeout)`` for it
-    (tests/patience.py); after garbage collection they exit on their own."""
+    (tests/support/patience.py); after garbage collection they exit on their own."""
     deadline = time.monotonic() + limit(timeout)
     while workers() and time.monotonic() < deadline:
         time.sleep(0.01)
