@@ -6,12 +6,12 @@
     python benchmarks/fuzz.py --prove --minutes 3  # the proof of power: each PENDING finding
 
 Draws (program, config) pairs from tests/support/fuzz_draw.py and checks each against plain
-PyTorch (tests/support/fuzz_check.py, [Note: the fuzzer's oracle] there). A finding is shrunk by Hypothesis to
-its minimal model and configuration and printed as Python; its *signature* (the grammar's
-names and the configuration's categorical factors of the minimal example that differ from the
-simplest) is then known, and later examples whose names hold a known signature count as that
-finding again instead of stopping the search. The search goes on, with a new seed, until the
-time is up.
+PyTorch (tests/support/fuzz_check.py, [Note: the fuzzer's oracle] there). A finding is shrunk
+by Hypothesis to its minimal model and configuration and printed as Python; its *signature*
+(the grammar's names and the configuration's categorical factors of the minimal example that
+differ from the simplest) is then known, and later examples whose names hold a known signature
+count as that finding again instead of stopping the search. The search goes on, with a new
+seed, until the time is up.
 
 Printed at the end (and written to ``--report``): examples run and their outcomes, the count
 of examples per grammar name and per configuration factor, and each finding with its minimal

@@ -29,6 +29,22 @@ def _lost(what: str, peer: int, exc: BaseException, timeout: float) -> ChannelEr
         f"collective timeout of {timeout:g} s (POPTORCH_LITE_DIST_TIMEOUT)")
 
 
+class Messages:
+    """One run's messages to and from the stages in other processes, and what this process
+    knows of the run's outcome ([Note: stages in other processes] in ``distributed``)."""
+
+    __slots__ = ("inbox", "outbox", "shapes", "sends", "posted", "failed", "remote_failure")
+
+    def __init__(self):
+        self.inbox: dict = {}     # (stage, i) -> {value name: tensor} from another process
+        self.outbox: dict = {}    # (stage, i) -> {value name: gradient} for another process
+        self.shapes: dict = {}    # (stage, i, name) -> the shape of a received dynamic value
+        self.sends: list = []     # (work, tensor, peer, what) of the messages sent, until received
+        self.posted: dict = {}    # action -> the receives posted for it ahead of time
+        self.failed = None        # (action, exception): the first action that raised here
+        self.remote_failure = None  # (rank, description): a process that failed this run
+
+
 class Channels:
     """The messages between this process's stages and those of other processes.
 
@@ -153,10 +169,10 @@ class Channels:
         stream still computes (a receive posted only when its action starts waits out the
         sender's whole hand-over). A program with values of data-dependent shape receives
         each in turn, in :meth:`before`."""
-        if a is None or a in run.posted:
+        if a is None or a in run.messages.posted:
             return
         i = a.microbatch
-        posted = run.posted[a] = []
+        posted = run.messages.posted[a] = []
         if a.kind is Kind.FORWARD:
             for e in self.into[a.stage]:
                 for name, info in zip(e.names, e.infos):
@@ -174,7 +190,7 @@ class Channels:
                                        e))
         if not self.ahead:  # a header first: receive every value in turn, in before()
             return
-        run.posted[a] = [(*item, self._irecv(item[0], item[1], item[2], item[3], item[5]))
+        run.messages.posted[a] = [(*item, self._irecv(item[0], item[1], item[2], item[3], item[5]))
                          for item in posted]
 
     def before(self, a: Action, run) -> None:
@@ -184,7 +200,7 @@ class Channels:
             return
         self.post(a, run)
         i = a.microbatch
-        for group, src, info, device, name, what, e, *pending in run.posted.pop(a):
+        for group, src, info, device, name, what, e, *pending in run.messages.posted.pop(a):
             t = self._wait(*pending[0], what) if pending else self._recv(group, src, info, device,
                                                                       what)
             if a.kind is Kind.FORWARD:
@@ -193,12 +209,12 @@ class Channels:
                     continue
                 if self.training and info.differentiable:
                     t.requires_grad_(True)
-                run.inbox.setdefault((e.t, i), {})[name] = t
+                run.messages.inbox.setdefault((e.t, i), {})[name] = t
                 if info.dynamic:
-                    run.shapes[e.t, i, name] = tuple(t.shape)
+                    run.messages.shapes[e.t, i, name] = tuple(t.shape)
             else:
                 value = run.values[i].get(name)
-                if run.failed is None and value is not None and value.requires_grad:
+                if run.messages.failed is None and value is not None and value.requires_grad:
                     grads = run.grads[i]
                     t = t.to(value.device)
                     grads[name] = t if name not in grads else grads[name] + t
@@ -215,11 +231,11 @@ class Channels:
                     self._send(e.value_group, e.dst, rng.pack(run.rng[i]), _RNG, e.device, run,
                                f"the random stream of micro-batch {i} (stage {e.t})")
         elif a.kind.input_grads:
-            made = run.outbox.pop((a.stage, i), {})
+            made = run.messages.outbox.pop((a.stage, i), {})
             for e in self.into[a.stage]:
                 for name, info in zip(e.names, e.infos):
                     if info.differentiable:
-                        shape = run.shapes.get((e.t, i, name), info.shape)
+                        shape = run.messages.shapes.get((e.t, i, name), info.shape)
                         self._send(e.grad_group, e.src, made.get(name), info, e.device, run,
                                    f"the gradient of {name} of micro-batch {i} (stage {e.s})",
                                    shape)
@@ -256,7 +272,7 @@ class Channels:
 
     def finish(self, run) -> None:
         """Wait until every message this run sent has been received."""
-        sends, run.sends = run.sends, []
+        sends, run.messages.sends = run.messages.sends, []
         for work, _, dst, what in sends:
             try:
                 work.wait()
@@ -268,7 +284,7 @@ class Channels:
 
     def _send(self, group, dst: int, t: Optional[torch.Tensor], info, device: torch.device,
               run, what: str, shape: Optional[tuple] = None) -> None:
-        if t is None or (run.failed is not None and info is not _RNG):  # failed: zeros instead
+        if t is None or (run.messages.failed is not None and info is not _RNG):  # failed: zeros instead
             t = torch.zeros(shape or info.shape, dtype=info.dtype, device=device)
         else:
             t = t.detach().to(device).contiguous()
@@ -279,7 +295,7 @@ class Channels:
 
     def _post(self, group, dst: int, t: torch.Tensor, run, what: str) -> None:
         try:
-            run.sends.append((dist.isend(t, dst, group=group), t, dst, what))
+            run.messages.sends.append((dist.isend(t, dst, group=group), t, dst, what))
         except Exception as exc:
             raise _lost(f"sending {what} to", dst, exc, self.processes.timeout) from exc
 

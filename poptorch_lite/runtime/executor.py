@@ -20,7 +20,7 @@ import torch
 from ..compiler import rng
 from ..compiler.lowered import Lowered
 from ..compiler.partition import Partition
-from .channels import Channels
+from .channels import Channels, Messages
 from ..errors import Error, ExecutionError, UnrecoverableError
 from ..profiling.timeline import Recorder
 from .gpu import copy_out_all
@@ -29,7 +29,7 @@ from .placement import Placement
 from .plan import Call, Plan, make_plan
 from .schedule import Action, Kind, Schedule
 from .run import Run
-from .stage_work import StageWork
+from .stage_work import StageWork, WorkState
 from .streams import ActionFailed, ActionStuck, StreamFailed, on_caller
 from .update import PartialUpdate, StepArithmetic, Update
 from .weights import Weights
@@ -155,21 +155,22 @@ class Executor:
 
     def run_call(self, call: Call, microbatches: Sequence[Sequence[torch.Tensor]],
                  replica_of: Callable, run_index: int = 0, keep: Optional[Sequence[bool]] = None,
-                 base: Optional[int] = None) -> tuple:
-        """One run of ``call``'s schedule (:meth:`run`'s arguments and result)."""
+                 base: Optional[int] = None, watch: Optional[Callable] = None) -> tuple:
+        """One run of ``call``'s schedule (:meth:`run`'s arguments and result; ``watch``:
+        action -> a context its launch runs in, where the caller's thread launches them)."""
         streams = None
         if self.random:  # [Note: micro-batch RNG]
             base = rng.draw_base() if base is None else base
             streams = [rng.Stream(rng.microbatch_seed(base, i)) for i in range(len(microbatches))]
         begun = self.placement.begin() if self.gpu_ipus else None  # before the inputs' copies
         run = self.start_run(call, microbatches, replica_of, streams, run_index, keep)
-        spans = self._launch(call, run, begun)
+        spans = self._launch(call, run, begun, watch)
         for a, span in spans.items() if call.recorder is not None else ():  # [Note: GPU timeline]
             call.recorder.add_gpu(self._ipu(a), a.stage, a.microbatch, a.kind.value, *span,
                                   run_index)
         if self.channels is not None:  # weights returned, values of data-dependent shape
             self.channels.share_outputs(run, self.names, self._result, self.weights)
-        return self.outputs(run), run.stats
+        return self.outputs(run), run.work.stats
 
     def start_run(self, call: Call, microbatches: Sequence[Sequence[torch.Tensor]],
                   replica_of: Callable, streams: Optional[list], run_index: int = 0,
@@ -183,7 +184,8 @@ class Executor:
                 the other arguments are :meth:`run`'s.
         """
         schedule = call.plan.schedule
-        run = Run(self.partition, microbatches, replica_of, streams, run_index,
+        run = Run(microbatches, replica_of, streams, WorkState(self.partition.num_stages),
+                  Messages() if self.channels is not None else None, run_index,
                   schedule.training,
                   [i for i in range(len(microbatches)) if keep is None or keep[i]],
                   call.plan.ahead)
@@ -194,7 +196,7 @@ class Executor:
         if schedule.training:
             self.weights.zero_grads()
             if self.work.measures():  # only the stash's byte count reads it: skip the storages
-                run.excluded = self.weights.storages() | {
+                run.work.excluded = self.weights.storages() | {
                     t.untyped_storage().data_ptr() for t in (
                         *(t for mb in microbatches for t in mb), *run.placed.values())}
         return run
@@ -234,7 +236,8 @@ class Executor:
                 self.update.step(stepped, run, call.step)
         return self.outputs(run)
 
-    def _launch(self, call: Call, run: Run, begun: Optional[dict]) -> dict:
+    def _launch(self, call: Call, run: Run, begun: Optional[dict],
+                watch: Optional[Callable] = None) -> dict:
         """Run ``run``'s actions as ``call``'s plan says (:meth:`run`'s spans and errors)."""
         plan, step, recorder = call.plan, call.step, call.recorder
         schedule, lists, waits, rows = plan.schedule, plan.lists, plan.waits, plan.rows
@@ -246,7 +249,7 @@ class Executor:
             elif plan.launch is not None:  # the caller's thread launches it all on the GPU
                 spans = self.placement.run_in_order(plan.launch, waits.__getitem__,
                                                     self._actor(run, step, recorder),
-                                                    begun=begun)
+                                                    begun=begun, watch=watch)
             else:
                 spans = self.placement.run_lists(lists, waits.__getitem__,
                                                  self._actor(run, step, recorder),
@@ -348,20 +351,20 @@ class Executor:
         channels.post(run.ahead.get(a), run)  # the stream's next receives, while it computes
         if a.kind is Kind.STEP:  # the agreement first; a failure here is the processes' own
             self.handlers[a.kind](a, run, step)
-        elif run.failed is None:
+        elif run.messages.failed is None:
             try:
                 self.handlers[a.kind](a, run, step)
             except Exception as exc:  # the others run on; every process stops at the update
                 with self._failure_lock:
-                    if run.failed is None:
-                        run.failed = (a, exc)
+                    if run.messages.failed is None:
+                        run.messages.failed = (a, exc)
         channels.after(a, run)
 
     def _describe(self, run: Run) -> Optional[str]:
         """What failed in this process this run, for the others' errors."""
-        if run.failed is None:
+        if run.messages.failed is None:
             return None
-        a, exc = run.failed
+        a, exc = run.messages.failed
         return (f"action {a} ({a.kind.name.lower()}) failed on "
                 f"{self._where(a, run.index, run.training)}: {type(exc).__name__}: {exc}")
 
@@ -371,15 +374,15 @@ class Executor:
         try:
             self.channels.finish(run)
             if not schedule.training:
-                run.remote_failure = self.channels.settle(run, self._describe(run), self._result)
+                run.messages.remote_failure = self.channels.settle(run, self._describe(run), self._result)
         except Error as exc:  # a message to or from another process went astray: out of step
             self.broken = f"the end of the run: {type(exc).__name__}"
             self._fail(schedule, None, None, exc, run_index)
-        if run.failed is not None:
-            a, exc = run.failed
+        if run.messages.failed is not None:
+            a, exc = run.messages.failed
             self._fail(schedule, rows[a], a, exc, run_index)
-        if run.remote_failure is not None:
-            rank, text = run.remote_failure
+        if run.messages.remote_failure is not None:
+            rank, text = run.messages.remote_failure
             raise ExecutionError(
                 f"process {rank} failed this run of schedule '{schedule.name}', so process "
                 f"{self.processes.rank} stopped with it: {text}. No process applied this run's "

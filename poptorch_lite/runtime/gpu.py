@@ -21,8 +21,10 @@ micro-batch, a read that does not wait for its copy, a stage that does not wait
 for the stage before it) fails the CPU suite, which CI runs without a GPU. A
 CUDA graph's twin records a capture op by op and replays it on the same memory
 ([Note: step graphs] in ``step_graph``), and keeps CUDA's rules for it: no host wait or
-read inside a capture, every stream forked into it joined back, a thread's first cuBLAS or
-cuDNN call on a stream not inside it, no random op launched outside it while it is under way.
+read inside a capture (one invalidates it, so that ending it fails), every stream forked into
+it joined back, a thread's first cuBLAS or cuDNN call on a stream not inside it, no random op
+launched outside it while it is under way; :meth:`Gpu.host_syncs` names the host waits and
+reads of the actions it watches, as CUDA's sync debug mode does.
 Not twinned: ``record_stream``, the
 optimizer step's reads of parameter gradients made on other streams (a tied
 weight's included), copies between two GPUs, a generator left in capture mode by a
@@ -35,6 +37,7 @@ on a real GPU).
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Iterator, Optional
 
 import torch
@@ -142,6 +145,25 @@ class Gpu:
             _end(capturing, exc)
             raise
         _end(capturing, None)
+
+    @contextlib.contextmanager
+    def host_syncs(self, found: list, tag) -> Iterator[None]:
+        """While inside, each operation that makes the host wait for the GPU (``.item()``, a
+        copy to the host, an op whose output size depends on the data, a stream's
+        synchronize) is appended to ``found`` as ``(tag, what)``: a capture forbids them,
+        and one inside it invalidates the capture ([Note: step graphs] in ``step_graph``).
+        CUDA's sync debug mode names them; it is the process's, so a sync of another thread
+        meanwhile counts too (it only keeps a step eager)."""
+        before = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                yield
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
+        found += [(tag, str(w.message).splitlines()[0]) for w in caught
+                  if "synchronizing" in str(w.message)]
 
     def replay(self, graph, stream) -> None:
         """Launch ``graph``'s work on ``stream``, after what ``stream`` has queued."""

@@ -235,7 +235,7 @@ class Placement:
 
     def run_in_order(self, pairs: list, waits: Callable, call: Callable,
                      threads: Optional[int] = None, begun: Optional[dict] = None,
-                     into=None) -> dict:
+                     into=None, watch: Optional[Callable] = None) -> dict:
         """Run ``(ipu, action)`` pairs in this order on the caller's thread ([Note: streams]).
 
         An action of a CUDA stream is launched as that stream's worker would launch it:
@@ -249,7 +249,8 @@ class Placement:
         Args:
             pairs: ``(ipu, action)`` in the order to run them; waits, call and begun: as
                 :meth:`run_lists`'s; threads: the intra-op threads to run them with (None:
-                the caller's own); into: the capture's stream (None: run them).
+                the caller's own); into: the capture's stream (None: run them); watch: action ->
+            a context to run its launch in (a step graph's look for host syncs).
 
         Returns:
             :meth:`run_lists`'s spans (none inside a capture).
@@ -291,7 +292,11 @@ class Placement:
                 # [Note: GPU timeline]: back to back, an action starts where the last one ended
                 first = None if not (on_gpu and timed) else (
                     last[stream] if last[stream] is not None else stream.record())
-                call(a)
+                if watch is None:
+                    call(a)
+                else:
+                    with watch(a):
+                        call(a)
                 if on_gpu:
                     stream.join()
                     events[a] = last[stream] = stream.record(timed)

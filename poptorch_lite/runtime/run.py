@@ -1,18 +1,17 @@
-"""The state of one run of a schedule: values, stashes and gradients per micro-batch.
+"""The state of one run of a schedule: its inputs, values and gradients per micro-batch.
 
-``stage_work`` fills it ([Note: activation stash] in ``stage_work``); the executor
-makes one per run and reads its ``RunStats``.
+The executor makes one per run; ``stage_work`` fills its values and keeps its own state in it
+(``WorkState``, whose stashes hold :class:`Entry`: [Note: activation stash] in
+``stage_work``), as the channels keep their messages (``Messages``); :class:`RunStats` is what
+a run measured.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from typing import Callable, Optional, Sequence
 
 import torch
-
-from ..compiler.partition import Partition
 
 
 @dataclasses.dataclass
@@ -45,17 +44,19 @@ class Entry:
 
 
 class Run:
-    """The state of one run of a schedule: values, stashes and gradients per micro-batch."""
+    """The state of one run of a schedule: its inputs, the values and gradients per micro-batch,
+    and what it returns. The stage work's state (stashes, accumulators, byte counts) and the
+    messages to other processes are owned by those who keep them, and ride along: ``work``
+    (``stage_work.WorkState``) and ``messages`` (``channels.Messages``, None when every stage
+    runs here)."""
 
     __slots__ = ("inputs", "placed", "ready", "replica_of", "rng", "values", "grads", "results",
-                 "stash", "stash_bytes", "waiting", "accum", "stats", "excluded", "inbox", "outbox",
-                 "shapes", "sends", "posted", "failed", "remote_failure", "index", "training",
-                 "kept", "keeps", "ahead", "edited")
+                 "index", "training", "kept", "keeps", "ahead", "edited", "work", "messages")
 
-    def __init__(self, partition: Partition, microbatches: Sequence[Sequence[torch.Tensor]],
-                 replica_of: Callable, streams: Optional[list], index: int = 0,
+    def __init__(self, microbatches: Sequence[Sequence[torch.Tensor]], replica_of: Callable,
+                 streams: Optional[list], work, messages=None, index: int = 0,
                  training: bool = True, kept: Sequence[int] = (), ahead: Optional[dict] = None):
-        S, M = len(partition.stages), len(microbatches)
+        M = len(microbatches)
         self.inputs = microbatches
         self.placed: dict = {}                             # (ipu, i, k) -> input k in ipu's memory
         self.ready: dict = {}                              # (device, i) -> CUDA event: copied
@@ -64,25 +65,10 @@ class Run:
         self.values = [{} for _ in range(M)]              # value name -> tensor, per micro-batch
         self.grads = [{} for _ in range(M)]               # value name -> gradient, per micro-batch
         self.results = [{} for _ in range(M)]             # returned values, detached
-        self.stash = [collections.deque() for _ in range(S)]
-        self.stash_bytes = [0] * S                         # the bytes each stash holds now
-        self.waiting = [collections.deque() for _ in range(S)]  # entries between I and W
-        self.accum: dict = {}                              # param name -> (tensor, accumulator)
-        self.stats = RunStats([0] * S, [0] * S)
-        self.excluded: set = _NOTHING                      # storages not counted as stash
-        # [Note: stages in other processes] in distributed
-        self.inbox: dict = {}     # (stage, i) -> {value name: tensor} from another process
-        self.outbox: dict = {}    # (stage, i) -> {value name: gradient} for another process
-        self.shapes: dict = {}    # (stage, i, name) -> the shape of a received dynamic value
-        self.sends: list = []     # (work, tensor, peer, what) of the messages sent, until received
-        self.posted: dict = {}    # action -> the receives posted for it ahead of time
-        self.failed = None        # (action, exception): the first action that raised here
-        self.remote_failure = None  # (rank, description): a process that failed this run
         self.index, self.training = index, training  # the run's number in its call; its kind
         self.kept = kept          # the micro-batches whose outputs the call returns
         self.keeps = frozenset(kept)
         self.ahead = ahead or {}  # action -> the next action of its stream that receives
         self.edited: dict = {}    # (i, k) -> micro-batch i's argument k, edited by a stage
-
-
-_NOTHING: frozenset = frozenset()
+        self.work = work          # the stage work's state in this run
+        self.messages = messages  # this run's messages to other processes, or None

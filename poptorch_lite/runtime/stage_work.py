@@ -55,6 +55,7 @@ Recomputation: [Note: recomputation] in ``recompute``.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from typing import Optional, Sequence
 
@@ -66,12 +67,33 @@ from ..compiler.lowered import Lowered
 from ..errors import Error
 from . import recompute
 from .placement import Placement
-from .run import Entry, Run
+from .run import Entry, Run, RunStats
 from .schedule import Action
 from .split_backward import backward_input, backward_weight, compiled_input, run_backward
 from .update import check_loss
 from .streams import arrive
 from .weights import Weights
+
+
+class WorkState:
+    """The stage work's state in one run ([Note: activation stash]): per stage its stash, the
+    entries between a split backward's I and W, the bytes they hold and the run's peaks
+    (``stats``); the gradient accumulators of an accumulator dtype (parameter name ->
+    ``(parameter, accumulator)``), which the reduction takes; and the storages that no stash
+    counts (``excluded``)."""
+
+    __slots__ = ("stash", "waiting", "nbytes", "stats", "accum", "excluded")
+
+    def __init__(self, stages: int):
+        self.stash = [collections.deque() for _ in range(stages)]
+        self.waiting = [collections.deque() for _ in range(stages)]
+        self.nbytes = [0] * stages                          # the bytes each stash holds now
+        self.stats = RunStats([0] * stages, [0] * stages)
+        self.accum: dict = {}
+        self.excluded: frozenset | set = _NOTHING
+
+
+_NOTHING: frozenset = frozenset()
 
 
 class StageWork:
@@ -127,7 +149,7 @@ class StageWork:
             args = self._params[s] = [weights.param(key, ipu) if kind in ("param", "value")
                                       else None for _, kind, key in st.sources]
         args, boundary = list(args), {}
-        received = run.inbox.pop((s, i), {}) if self.remote[s] else {}
+        received = run.messages.inbox.pop((s, i), {}) if self.remote[s] else {}
         for at, name, kind, key, edited in st.varying:
             if kind == "buffer":
                 v = weights.buffer(key, run.replica_of(i), ipu)
@@ -182,7 +204,7 @@ class StageWork:
             outs = tuple(env[n] for n in st.outputs)
             for t in (*boundary.values(), *(v for v, _ in entry.kept.values()),
                       *entry.buffers.values()):
-                self._count(t, counted, run.excluded)
+                self._count(t, counted, run.work.excluded)
             entry.nbytes = sum(counted.values())
         else:
             measure = s not in self._entry_bytes  # once: every micro-batch has the same shapes
@@ -193,7 +215,7 @@ class StageWork:
             # Python's collector cannot see (the wrapper, its placement and workers leaked).
             # Nor may it return the tensor: a node saving its own output would hold itself
             # through the grad_fn for ever (soak.py: zero_bubble wrappers leaked them).
-            def pack(t: torch.Tensor, count=StageWork._count, excluded=run.excluded):
+            def pack(t: torch.Tensor, count=StageWork._count, excluded=run.work.excluded):
                 count(t, counted, excluded)
                 return t.detach()
             if measure:
@@ -207,24 +229,24 @@ class StageWork:
             entry.segments = [(outs, st.outputs, {})]
             if measure:
                 for t in boundary.values():
-                    self._count(t, counted, run.excluded)
+                    self._count(t, counted, run.work.excluded)
                 self._entry_bytes[s] = sum(counted.values())
             entry.nbytes = self._entry_bytes[s]
         if st.loss_at is not None and step.check_loss:  # opt-in: a sync per micro-batch
             check_loss(outs[st.loss_at], i)
         self._keep_outputs(st, run, i, outs)
-        stash = run.stash[s]
+        stash = run.work.stash[s]
         stash.append(entry)
-        held = run.stash_bytes[s] = run.stash_bytes[s] + entry.nbytes
-        stats = run.stats
-        depth = len(stash) + len(run.waiting[s])  # with those between I and W
+        held = run.work.nbytes[s] = run.work.nbytes[s] + entry.nbytes
+        stats = run.work.stats
+        depth = len(stash) + len(run.work.waiting[s])  # with those between I and W
         if depth > stats.peak_stash_depth[s]:
             stats.peak_stash_depth[s] = depth
         if held > stats.peak_stash_bytes[s]:
             stats.peak_stash_bytes[s] = held
 
     def measures(self) -> bool:
-        """Whether a forward will count stash bytes (then ``Run.excluded`` must be set)."""
+        """Whether a forward will count stash bytes (then ``WorkState.excluded`` must be set)."""
         return self.any_recompute or len(self._entry_bytes) < len(self.stages)
 
     @staticmethod
@@ -244,7 +266,7 @@ class StageWork:
             self.gpu.made(outs, self.gpu_device[st.index])
 
     def _head(self, a: Action, run: Run) -> Entry:
-        entry = run.stash[a.stage][0]
+        entry = run.work.stash[a.stage][0]
         if entry.i != a.microbatch:
             raise Error(f"stage {a.stage}'s stash holds micro-batch {entry.i} where {a} needs "
                         f"{a.microbatch}: the schedule broke FIFO order")
@@ -261,7 +283,7 @@ class StageWork:
             held = {t.untyped_storage().data_ptr() for t in (
                 *entry.boundary.values(), *(v for v, _ in entry.kept.values()))}
 
-            def pack(t: torch.Tensor, count=StageWork._count, excluded=run.excluded | held):
+            def pack(t: torch.Tensor, count=StageWork._count, excluded=run.work.excluded | held):
                 count(t, counted, excluded)
                 return t.detach()  # as in forward(): no cycle through a saved output
         with (torch.autograd.graph.saved_tensors_hooks(pack, _identity) if measure
@@ -285,7 +307,7 @@ class StageWork:
 
     def backward_weight(self, a: Action, run: Run, step) -> None:
         """``sWi``: the weight gradients of the oldest entry whose I ran; frees its graph."""
-        waiting = run.waiting[a.stage]
+        waiting = run.work.waiting[a.stage]
         if not waiting or waiting[0].i != a.microbatch:
             raise Error(f"{a} found no input-gradient half of micro-batch {a.microbatch} "
                         f"waiting: the schedule broke I-before-W order")
@@ -293,20 +315,20 @@ class StageWork:
         for deferred in entry.later:
             backward_weight(deferred)
         entry.later = None
-        run.stash_bytes[a.stage] -= entry.nbytes
+        run.work.nbytes[a.stage] -= entry.nbytes
         if step.accum_dtype is not None:
             self._accumulate(a.stage, run, step.accum_dtype)
 
     def _backward(self, a: Action, run: Run, step, split: bool) -> None:
         st = self.stages[a.stage]
         entry = self._head(a, run)
-        run.stash[a.stage].popleft()
+        run.work.stash[a.stage].popleft()
         if split:  # still held: counted until its W
-            run.waiting[a.stage].append(entry)
+            run.work.waiting[a.stage].append(entry)
             entry.later = []
             params = [p for p in self._params[a.stage] if p is not None]
         else:
-            run.stash_bytes[a.stage] -= entry.nbytes
+            run.work.nbytes[a.stage] -= entry.nbytes
         i = entry.i
         grads_in, gpu = run.grads[i], self.gpu_device[a.stage]
         crossing = st.crossing if self.weights.separate_memories else ()
@@ -348,7 +370,7 @@ class StageWork:
             values.pop(name, None)
         boundary, remote = entry.boundary, self.remote[a.stage]
         if remote:  # to the stages of other processes: [Note: stages in other processes]
-            run.outbox[a.stage, i] = {n: boundary[n].grad for n in remote if n in boundary}
+            run.messages.outbox[a.stage, i] = {n: boundary[n].grad for n in remote if n in boundary}
             boundary = {n: leaf for n, leaf in boundary.items() if n not in remote}
         if boundary:
             _collect_grads(boundary, grads_in)  # input gradients go upstream
@@ -358,9 +380,9 @@ class StageWork:
             # a recompute rebuilt (the autograd graph that W still runs on)
             kept = sum(d.nbytes() for d in entry.later) + self._rebuilt_bytes.get(a.stage, 0)
             entry.nbytes += kept
-            held = run.stash_bytes[a.stage] = run.stash_bytes[a.stage] + kept
-            if held > run.stats.peak_stash_bytes[a.stage]:
-                run.stats.peak_stash_bytes[a.stage] = held
+            held = run.work.nbytes[a.stage] = run.work.nbytes[a.stage] + kept
+            if held > run.work.stats.peak_stash_bytes[a.stage]:
+                run.work.stats.peak_stash_bytes[a.stage] = held
         elif step.accum_dtype is not None:
             self._accumulate(a.stage, run, step.accum_dtype)
 
@@ -383,9 +405,9 @@ class StageWork:
             p = self.weights.param(name, ipu)
             if p.grad is None or p.grad.dtype == dtype:
                 continue
-            held = run.accum.get(name)
+            held = run.work.accum.get(name)
             g = p.grad.to(dtype)
-            run.accum[name] = (p, g if held is None else held[1].add_(g))
+            run.work.accum[name] = (p, g if held is None else held[1].add_(g))
             p.grad = None
 
 

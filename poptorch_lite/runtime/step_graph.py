@@ -13,7 +13,8 @@ wraps the launch loop that ran the warm-ups (``Placement.run_in_order``, given t
 stream): a program that may be captured has its caller's thread launch every action in row
 order from its first run on (``Executor.launched``), never the streams' workers, so whatever
 a launch makes on first use for its thread and stream (a cuBLAS or cuDNN handle and
-workspace, which CUDA refuses to make inside a capture) exists before the capture. When
+workspace, which CUDA refuses to make inside a capture) exists before the capture (like a
+replay, such a run has no watchdog: one thread launches it all). When
 workers ran a pipeline's warm-ups, the caller's first cuBLAS call came inside the capture
 and the capture could not be ended (an H200, torch 2.11, 2026-11-28: every multi-stream
 step); the GPU twin now refuses that ([Note: library state on first use] in
@@ -49,7 +50,11 @@ interface a program calls (``run_call``):
   one device, or not on a GPU; stages or replicas in other processes; ``useIpuModel``;
   offloaded optimizer state; ``stopOnNonFiniteLoss`` (a host read per micro-batch); a
   recomputed stage with random ops (its recompute restarts a generator mid-stream);
-  gradient hooks on parameters (their Python would run at the capture only); a BatchNorm
+  gradient hooks on parameters (their Python would run at the capture only); an action that
+  makes the host wait for the GPU (a value read on the host, an op whose output size depends
+  on the data: inside a capture it would invalidate it, and the capture could not be ended),
+  which the last warm-up run looks for with CUDA's sync debug mode (in the optimizer's step
+  it only takes the step out of the graph); a BatchNorm
   with ``momentum=None`` (a host read per micro-batch: [Note: cumulative averages] in
   ``compiler/running_stats``). A capture
   that raises leaves the program eager (its streams are
@@ -81,6 +86,7 @@ from ..compiler.running_stats import reads_count
 from ..errors import ExecutionError
 from .gpu import CaptureFailed, joinable
 from .run import RunStats
+from .schedule import Kind
 from .update import graph_refusal
 
 _LOG = logging.getLogger("poptorch_lite")
@@ -138,9 +144,17 @@ class StepGraph:
             if why is not None:
                 self._refuse(why)
         if report.refused is not None or self.warm < WARM_RUNS:
+            last = report.refused is None and self.warm == WARM_RUNS - 1
             self.warm += 1
             report.eager_runs += 1
-            return self.ex.run_call(call, microbatches, replica_of, index, keep, base)
+            if not last:
+                return self.ex.run_call(call, microbatches, replica_of, index, keep, base)
+            found: list = []  # the last warm-up run's host syncs, which a capture forbids
+            gpu = self.ex.gpu
+            done = self.ex.run_call(call, microbatches, replica_of, index, keep, base,
+                                    watch=lambda a: gpu.host_syncs(found, a))
+            self._synced(found)
+            return done
         in_graph = self._step_in_graph(step)
         key = self._key(step, in_graph)
         cap = self.captured
@@ -149,10 +163,12 @@ class StepGraph:
             key = self._key(step, in_graph)
             cap = self.captured = None
         how = "replayed"
+        slots, placed = self._slots(microbatches) if cap is None else (cap.slots, None)
+        self._fill(slots, microbatches)  # what the capture records and the replay reads
         if cap is None:
             try:
                 cap = self.captured = self._capture(call, microbatches, replica_of, in_graph,
-                                                    key)
+                                                    key, slots, placed)
             except CaptureFailed as exc:  # the GPU's state is unknown: nothing more runs
                 self._refuse(f"its capture could not be ended: {exc}")
                 raise ExecutionError(
@@ -179,6 +195,20 @@ class StepGraph:
             return ("a parameter has gradient hooks, whose Python would run at the capture "
                     "only")
         return None
+
+    def _synced(self, found: list) -> None:
+        """After the last warm-up run, its host syncs (``(action, what)``): one in a stage's
+        action keeps the program eager, since inside a capture it would invalidate it, and the
+        capture could then not be ended; one in the optimizer's step only takes the step out
+        of the graph."""
+        staged = [(a, what) for a, what in found if a.kind is not Kind.STEP]
+        if staged:
+            a, what = staged[0]
+            self._refuse(f"action {a} makes the host wait for the GPU ({what}), which a capture "
+                         f"forbids")
+        elif found and self.step_out is None:
+            self._leave(f"it makes the host wait for the GPU ({found[0][1]}), which a capture "
+                        f"forbids")
 
     def _refuse(self, why: str) -> None:
         self.report.refused = why
@@ -234,7 +264,8 @@ class StepGraph:
 
     # -- capture --------------------------------------------------------------------------
 
-    def _capture(self, call, microbatches: list, replica_of, in_graph: bool, key: tuple):
+    def _capture(self, call, microbatches: list, replica_of, in_graph: bool, key: tuple,
+                 slots: list, placed: dict):
         ex, gpu, device, step = self.ex, self.ex.gpu, self.device, call.step
         unrecorded = [m.backend for st in ex.work.stages for m in (st.module, *(
             seg.module for seg in st.segments)) if isinstance(m, CompiledGraph) and m.fns
@@ -244,10 +275,8 @@ class StepGraph:
         plan = call.plan
         training, M = plan.schedule.training, len(microbatches)
         streams = [rng.Stream(i) for i in range(M)] if ex.random else None
-        slots, placed = self._slots(microbatches)
         run = ex.start_run(call, microbatches, replica_of, streams, 0, None, placed)
-        self._fill(slots, microbatches)  # what the capture computes on, where it computes
-        self.stream.synchronize()
+        self.stream.synchronize()  # the inputs landed in their slots: the capture starts clean
         graph = gpu.graph()
         with gpu.device(device):  # the generators' state on their GPU
             generators = [gpu.graph_generator(graph, device) for _ in range(M)] if (
@@ -299,8 +328,11 @@ class StepGraph:
                         placed[ipu, i, k] = v
         return slots, placed
 
-    def _fill(self, slots: list, microbatches: list) -> None:  # on the capture stream
+    def _fill(self, slots: list, microbatches: list) -> None:
+        """Copy a run's inputs into the slots, on the capture stream after the caller's work so
+        far (inputs already on the GPU may come from it)."""
         gpu = self.ex.gpu
+        self.stream.wait_stream(gpu.current_stream(self.device))
         with gpu.stream(self.stream):
             for target, k, i in slots:
                 gpu.copy_rows_into(target, [mb[k] for mb in microbatches] if i is None
@@ -318,10 +350,9 @@ class StepGraph:
         if cap.generators:
             base = rng.draw_base() if base is None else base
             with gpu.device(self.device):
-                for i, gen in enumerate(cap.generators):
-                    gen.manual_seed(rng.microbatch_seed(base, i))
+                for m, gen in enumerate(cap.generators):
+                    gen.manual_seed(rng.microbatch_seed(base, m))
         stream.wait_stream(gpu.current_stream(self.device))  # weights pushed, the last step
-        self._fill(cap.slots, microbatches)
         begun, ended = gpu.Event(enable_timing=True), gpu.Event(enable_timing=True)
         begun.record(stream)
         launched = time.perf_counter()
@@ -344,7 +375,7 @@ class StepGraph:
         if call.recorder is not None:  # one span: the whole run, measured on the GPU
             call.recorder.add_gpu(ex.step_ipu, None, None, "C", begun, launched, begun, ended,
                                   index)
-        stats = cap.run.stats
+        stats = cap.run.work.stats
         return outputs, RunStats(list(stats.peak_stash_depth), list(stats.peak_stash_bytes), how)
 
 

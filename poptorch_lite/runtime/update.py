@@ -115,10 +115,10 @@ class Update:
         """``sG``: stage ``a.stage``'s gradients, summed over the micro-batches, reduced."""
         # [Note: gradient arithmetic] sum over micro-batches -> mean (or sum), unscaled.
         divisor = step.loss_scaling * step.divisor
-        if divisor == 1 and not run.accum and not self.weights.shared():
+        if divisor == 1 and not run.work.accum and not self.weights.shared():
             return  # the sum is the reduced gradient, already where the optimizer reads it
         for name in self.owned[a.stage]:
-            held = run.accum.pop(name, None)
+            held = run.work.accum.pop(name, None)
             if held is not None:  # divide in the accumulator's dtype, then cast once
                 p, acc = held
                 p.grad = (acc.div_(divisor) if divisor != 1 else acc).to(p.dtype)
@@ -132,8 +132,8 @@ class Update:
         """``U``: the optimizer's step, whole or not begun (with other processes: all of
         them, or none)."""
         if self.channels is not None:  # [Note: stages in other processes]: all step, or none
-            run.remote_failure = self.channels.settle(run, self._describe(run), self._result)
-            if run.failed is not None or run.remote_failure is not None:
+            run.messages.remote_failure = self.channels.settle(run, self._describe(run), self._result)
+            if run.messages.failed is not None or run.messages.remote_failure is not None:
                 return
         guard = self.ctrl_c  # [Note: commit point]: a step is whole, or not begun
         if guard is None:

@@ -21,6 +21,7 @@ import poptorch_lite as poptorch
 from poptorch_lite.errors import ExecutionError, OptionsError
 from poptorch_lite.optim.loss_scale import LossScale
 from poptorch_lite.runtime.gpu import CaptureFailed
+from poptorch_lite.runtime.stage_work import StageWork
 from poptorch_lite.runtime.update import StepArithmetic, Update, graph_refusal
 
 from conftest import DEVICE_MARKS
@@ -408,6 +409,54 @@ def test_what_cannot_be_captured_runs_eagerly_and_says_why(twin_gpu_installed, c
     assert counts(graphed[3]) == (0, 0, 0, 8)
 
 
+def test_a_stage_that_makes_the_host_wait_is_not_captured(twin_gpu_installed, monkeypatch,
+                                                         caplog):
+    """A host sync in a stage's action (here a nonzero, whose output's size CUDA reads back)
+    would invalidate the capture, which then could not be ended: the last warm-up run looks
+    for them ([Note: host syncs] in gpu_twin.py, CUDA's sync debug mode on a GPU), and the
+    program stays eager, saying which action."""
+    forward = StageWork.forward
+
+    def reading(self, a, run, step):
+        if a.stage == 1:
+            torch.ones(2).nonzero()
+        return forward(self, a, run, step)
+
+    monkeypatch.setattr(StageWork, "forward", reading)
+    model = BlockMLP(2)
+    eager = train(model, "gpu_twin", graph=False)
+    with caplog.at_level(logging.WARNING, logger="poptorch_lite"):
+        graphed = train(model, "gpu_twin", graph=True)
+    assert_same(eager, graphed)
+    assert graphed[3].graph.report.refused == (
+        "action 1F0 makes the host wait for the GPU (aten::nonzero reads a GPU value on the "
+        "host), which a capture forbids")
+    assert counts(graphed[3]) == (0, 0, 0, 8)
+    assert caplog.text.count("run eagerly from now on") == 1
+
+
+def test_an_optimizer_step_that_makes_the_host_wait_runs_after_the_replay(twin_gpu_installed,
+                                                                          monkeypatch):
+    """A host sync in the optimizer's step only takes the step out of the graph."""
+    commit = Update._commit
+
+    def reading(self, step):
+        torch.ones(2).nonzero()
+        return commit(self, step)
+
+    monkeypatch.setattr(Update, "_commit", reading)
+    model = BlockMLP(2)
+    eager = train(model, "gpu_twin", graph=False)
+    graphed = train(model, "gpu_twin", graph=True)
+    assert_same(eager, graphed)
+    report = graphed[3].graph.report
+    assert report.refused is None and report.parts[-1] == "the reduction"
+    assert report.eager["optimizer step"] == (
+        "it makes the host wait for the GPU (aten::nonzero reads a GPU value on the host), "
+        "which a capture forbids")
+    assert counts(graphed[3]) == (1, 0, 6, 2)
+
+
 def test_a_capture_that_fails_leaves_the_program_eager(twin_gpu_installed, monkeypatch, caplog,
                                                      every_stage_compiles):
     """A backend the GPU cannot record (the twin: Inductor's CPU kernels; here AOTAutograd's,
@@ -520,12 +569,19 @@ def test_the_twin_captures_without_running_and_replays_on_the_same_memory():
     assert torch.equal(w, torch.zeros(3))  # launched: it runs when the stream is waited for
     stream.synchronize()
     assert torch.equal(y, torch.full((3,), 2.0)) and torch.equal(w, torch.full((3,), 2.0))
-    with pytest.raises(RuntimeError, match="not permitted when stream is capturing"):
+    # A host read or wait fails where it is, and invalidates the capture: ending it fails too.
+    with pytest.raises(CaptureFailed, match="a host read of a tensor inside a capture"):
         with twin.capture(TwinGraph(), stream):
-            float(x.sum())
-    with pytest.raises(RuntimeError, match="the host waited for a stream or an event"):
+            with pytest.raises(RuntimeError, match="not permitted when stream is capturing"):
+                float(x.sum())
+    with pytest.raises(CaptureFailed, match="the host waited for a stream or an event"):
         with twin.capture(TwinGraph(), stream):
-            stream.synchronize()
+            with pytest.raises(RuntimeError, match="not permitted when stream is capturing"):
+                stream.synchronize()
+    with pytest.raises(CaptureFailed, match="aten::nonzero"):  # its output's size: a host read
+        with twin.capture(TwinGraph(), stream):
+            with pytest.raises(RuntimeError, match="not permitted when stream is capturing"):
+                x.nonzero()
     side = twin.Stream(TWIN)
     with pytest.raises(CaptureFailed, match="1 stream.s. forked into the capture were not "):
         with twin.capture(TwinGraph(), stream):

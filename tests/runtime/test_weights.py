@@ -155,7 +155,8 @@ def test_values_crossing_ipus_are_copied_only_into_a_memory_of_their_own(separat
     infer(x, y)
     ex = next(iter(infer._programs.values())).executor
     work = ex.work
-    run = stage_work.Run(ex.partition, [list(x[:2].split(2)) + [y[:2]]], lambda i: 0, None)
+    run = stage_work.Run([list(x[:2].split(2)) + [y[:2]]], lambda i: 0, None,
+                         stage_work.WorkState(ex.partition.num_stages))
     with torch.no_grad():
         work.forward(Action(Kind.FORWARD, 0, 0), run, None)
         args, _ = work.args(1, run, 0, CPU)

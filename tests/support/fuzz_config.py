@@ -2,7 +2,8 @@
 
 A :class:`Config` holds one value per factor (schedule, G, D, R, reduction, recomputation,
 compiled stages, device, buffers per replica, random seed, micro-batch size, calls, output
-mode, labels by keyword, offloaded optimizer state, a batch size that changes), the simplest
+mode, labels by keyword, offloaded optimizer state, a batch size that changes, and on a GPU or
+its twin a step captured as one CUDA graph and replayed), the simplest
 first, so that Hypothesis shrinks towards it (tests/support/fuzz_draw.py draws valid ones).
 :meth:`Config.code` is the Options as Python, which is what :meth:`Config.options` runs and
 what a finding prints; :meth:`Config.tolerance` is the fuzzer's tolerance rule ([Note: the
@@ -49,6 +50,7 @@ class Config:
     offload: bool = False  # the optimizer's state and update in host memory
     vary_batch: bool = False  # the second call's micro-batches hold B + 1 samples
     dtype: str = "float32"
+    graph: bool = False  # on a GPU (or its twin): the steps captured as one CUDA graph, replayed
 
     def code(self, program: Program) -> str:
         """The Options as a user writes them."""
@@ -66,7 +68,10 @@ class Config:
                          "poptorch.ReductionType.Sum)")
         if self.recompute:
             lines.append("opts._Popart.set(\"autoRecomputation\", 3)")
-        if self.compiled:
+        if self.graph:  # warm-up runs, a capture, then replays ([Note: step graphs])
+            lines.append(f"opts.compileStages(True, backend="
+                         f"{'aot_eager' if self.compiled else 'eager'!r}, cuda_graph=True)")
+        elif self.compiled:
             lines.append("opts.compileStages(True, backend=\"aot_eager\")  # and PAYS_FROM = 0")
         if self.offload:
             lines.append("opts.TensorLocations.setOptimizerLocation("

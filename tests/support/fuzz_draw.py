@@ -82,6 +82,9 @@ def configs(draw, program: Program, require=frozenset()) -> Config:
     schedules = [s for s in SCHEDULES if program.ipus == "distinct" or s != "sharded"]
     schedule = pick("schedule", st.sampled_from(schedules))
     low = 2 * program.stages - 1 if schedule in ("grouped", "interleaved") else 1
+    device = pick("device", st.sampled_from(DEVICES))
+    # A captured step needs a GPU (or its twin), and enough runs to warm up, capture and replay.
+    graph = device in ("gpu_twin", "cuda") and pick("graph", st.booleans())
     return Config(
         schedule=schedule,
         G=pick("G", st.integers(low, low + 1)),
@@ -90,15 +93,16 @@ def configs(draw, program: Program, require=frozenset()) -> Config:
         reduction=pick("reduction", st.sampled_from(["mean", "sum"])),
         recompute=pick("recompute", st.booleans()),
         compiled=pick("compiled", st.booleans()),
-        device=pick("device", st.sampled_from(DEVICES)),
+        device=device,
         broadcast_buffers=pick("broadcast_buffers", st.booleans().map(lambda b: not b)),
         random_seed=pick("random_seed", st.sampled_from([None, 77])),
         B=pick("B", st.sampled_from([2, 3])),
-        calls=pick("calls", st.integers(2, 3)),
+        calls=pick("calls", st.integers(4, 5) if graph else st.integers(2, 3)),
         output_mode=pick("output_mode", st.sampled_from(["All", "Final", "Sum"])),
         keyword=pick("keyword", st.booleans()),
         offload=pick("offload", st.booleans()),
-        vary_batch=pick("vary_batch", st.booleans()))
+        vary_batch=pick("vary_batch", st.booleans()),
+        graph=graph)
 
 
 def atoms(program: Program, config: Config) -> frozenset:

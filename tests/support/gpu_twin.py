@@ -252,6 +252,18 @@ class TwinGpu:
                                     f"stream is capturing ({len(unjoined)} stream(s) forked "
                                     f"into the capture were not joined back)")
 
+    @contextlib.contextmanager
+    def host_syncs(self, found, tag):
+        """As CUDA's sync debug mode: each host read of a twin tensor ([Note: host syncs]) and
+        each host wait for a stream or an event while inside, appended to ``found``."""
+        before = getattr(_watching, "found", None)
+        _watching.found = (found, tag)
+        try:
+            with _HostReads(found, tag):
+                yield
+        finally:
+            _watching.found = before
+
     def replay(self, graph, stream) -> None:
         """Launched on ``stream``: it runs when something waits for the stream."""
         stream.launch(graph.replay)
@@ -337,9 +349,54 @@ def _joins(stream, other) -> None:
 
 
 def _no_host_wait() -> None:
+    watched = getattr(_watching, "found", None)
+    if watched is not None:
+        watched[0].append((watched[1], "the host waited for a stream or an event"))
     if "streams" in _CAPTURE and not getattr(_paused, "on", False):
-        raise RuntimeError("CUDA error: operation not permitted when stream is capturing (the "
-                           "twin: the host waited for a stream or an event inside a capture)")
+        _invalidate("the host waited for a stream or an event inside a capture")
+
+
+def _invalidate(why: str) -> None:
+    """An operation a capture forbids: it fails, and so does the capture's end (CUDA's
+    ``cudaErrorStreamCaptureUnsupported``, then ``cudaErrorStreamCaptureInvalidated``)."""
+    _CAPTURE["invalid"] = _CAPTURE.get("invalid") or why
+    raise RuntimeError(f"CUDA error: operation not permitted when stream is capturing (the "
+                       f"twin: {why})")
+
+
+# [Note: host syncs]
+# What makes the host wait for the GPU: a read of a tensor's value (``.item()``, ``bool(t)``),
+# a copy to the host, an op whose output size depends on the data (CUDA reads the size back),
+# a stream's or an event's synchronize. Inside a capture each invalidates it; outside, CUDA's
+# sync debug mode names them. The twin sees all but the copies (its GPU memory is the host's).
+_SIZED_BY_DATA = frozenset(f"aten::{name}" for name in (
+    "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive",
+    "repeat_interleave"))
+
+
+def _host_read(op) -> bool:
+    """Whether ``op`` makes the host wait for the GPU ([Note: host syncs]). The twin's GPU
+    memory is the host's, so a copy to the host is not seen: what a capture or a watched
+    action runs is taken to run on the GPU."""
+    name = op._schema.name
+    return name == "aten::_local_scalar_dense" or name in _SIZED_BY_DATA
+
+
+_watching = threading.local()  # this thread's (found, tag) while ``host_syncs`` watches
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Appends ``(tag, op)`` to ``found`` for each host read ([Note: host syncs])."""
+
+    def __init__(self, found, tag):
+        super().__init__()
+        self.found, self.tag = found, tag
+
+    def __torch_dispatch__(self, op, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _host_read(op):
+            self.found.append((self.tag, f"{op._schema.name} reads a GPU value on the host"))
+        return op(*args, **kwargs)
 
 _paused = threading.local()  # this thread runs a stand-in stream's queued work: not recorded
 
@@ -403,9 +460,8 @@ class _Recording(torch.utils._python_dispatch.TorchDispatchMode):
         kwargs = kwargs or {}
         if getattr(_paused, "on", False):
             return op(*args, **kwargs)
-        if op is torch.ops.aten._local_scalar_dense.default:
-            raise RuntimeError("CUDA error: operation not permitted when stream is capturing "
-                               "(the twin: a host read of a tensor inside a capture)")
+        if _host_read(op):  # [Note: host syncs]
+            _invalidate(f"a host read of a tensor inside a capture ({op._schema.name})")
         if op._schema.name in _LIBRARY_OPS:  # [Note: library state on first use]
             stream = self.twin.current_stream(_device(args))
             if (threading.get_ident(), stream) not in self.twin.warm:
