@@ -601,7 +601,7 @@ def test_the_keras_face_compiles_its_stages_from_the_default_options(monkeypatch
     POPTORCH_DEFAULT_OPTIONS): a pipelined Keras fit compiles both stages and gives the
     eager fit's numbers (aot_eager: the same kernels)."""
     from poptorch_lite import keras
-    from test_keras import build, sgd, wrapper
+    from keras_models import build, sgd, wrapper
     x, y = torch.randn(64, 6), torch.randint(0, 4, (64,))
     losses, models = [], []
     for compiled in (False, True):

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from fuzz_check import Finding
 from fuzz_draw import PENDING
 from fuzz_grammar import CLASSES, FEATURES, WIDTH, Op, Program, writes_buffers
-from test_keras import orders, plain, sgd
+from keras_models import orders, plain, sgd
 
 from poptorch_lite import keras
 
@@ -84,7 +84,7 @@ def layers_source(program: Program) -> str:
 _HEAD = '''import torch
 import torch.nn.utils.parametrize
 from poptorch_lite import keras
-from test_keras import sgd
+from keras_models import sgd
 
 
 class Symmetric(torch.nn.Module):

@@ -412,31 +412,36 @@ class TwinGraph:
     capturing (``.item()``, ``bool(t)``) raises, as CUDA refuses it."""
 
     def __init__(self):
-        self.ops = []        # (kind, op, args, kwargs, outputs, generator)
+        self.ops = []        # (kind, op, args, kwargs, outputs, generator, grad mode)
         self.replays = 0
         self.generators = []
 
     def replay(self) -> None:
-        with torch._C._AutoDispatchBelowADInplaceOrView(), torch.no_grad():
-            for kind, op, args, kwargs, outs, gen in self.ops:
-                if kind == "view":  # the output aliases an input: the data flows through it
-                    continue
-                if gen is not None:
-                    saved = torch.default_generator.get_state()
-                    torch.default_generator.set_state(gen.get_state())
-                made = op(*args, **kwargs)
-                if gen is not None:
-                    gen.set_state(torch.default_generator.get_state())
-                    torch.default_generator.set_state(saved)
-                if kind == "made":  # into the tensors the capture made, where readers look
-                    for old, new in zip(_leaves(outs), _leaves(made)):
-                        old.copy_(new)
+        grad_mode = torch.is_grad_enabled()
+        with torch._C._AutoDispatchBelowADInplaceOrView():  # below autograd: no graph is made
+            try:
+                self._run()
+            finally:
+                torch._C._set_grad_enabled(grad_mode)
         self.replays += 1
 
-
-def _device(args) -> torch.device:
-    """The twin GPU an op runs on: its first tensor argument's (TWIN if none is on one)."""
-    return next((t.device for t in _leaves(args) if t.device.index is not None), TWIN)
+    def _run(self) -> None:
+        for kind, op, args, kwargs, outs, gen, grad in self.ops:
+            if kind == "view":  # the output aliases an input: the data flows through it
+                continue
+            # in the grad mode it was recorded in: a kernel may read it (mkldnn's RNN
+            # writes the workspace its backward reads only with gradients on)
+            torch._C._set_grad_enabled(grad)
+            if gen is not None:
+                saved = torch.default_generator.get_state()
+                torch.default_generator.set_state(gen.get_state())
+            made = op(*args, **kwargs)
+            if gen is not None:
+                gen.set_state(torch.default_generator.get_state())
+                torch.default_generator.set_state(saved)
+            if kind == "made":  # into the tensors the capture made, where readers look
+                for old, new in zip(_leaves(outs), _leaves(made)):
+                    old.copy_(new)
 
 
 def _leaves(x) -> list:
@@ -463,7 +468,7 @@ class _Recording(torch.utils._python_dispatch.TorchDispatchMode):
         if _host_read(op):  # [Note: host syncs]
             _invalidate(f"a host read of a tensor inside a capture ({op._schema.name})")
         if op._schema.name in _LIBRARY_OPS:  # [Note: library state on first use]
-            stream = self.twin.current_stream(_device(args))
+            stream = self.twin.current_stream(TWIN)
             if (threading.get_ident(), stream) not in self.twin.warm:
                 why = (f"{op._schema.name} was the first cuBLAS/cuDNN call of thread "
                        f"{threading.current_thread().name} on its stream, inside the capture")
@@ -471,7 +476,7 @@ class _Recording(torch.utils._python_dispatch.TorchDispatchMode):
                 raise RuntimeError(f"CUDA error: CUBLAS_STATUS_NOT_INITIALIZED when calling "
                                    f"`cublasCreate(handle)` (the twin: {why})")
         if torch.Tag.nondeterministic_seeded in op.tags and (
-                self.twin.current_stream(_device(args)) not in _CAPTURE["streams"]):
+                self.twin.current_stream(TWIN) not in _CAPTURE["streams"]):
             raise RuntimeError("Offset increment outside graph capture encountered "
                                "unexpectedly. (the twin: a random op launched on a stream "
                                "outside the capture while it is under way)")
@@ -505,7 +510,7 @@ class _Recording(torch.utils._python_dispatch.TorchDispatchMode):
         # home) does not move what the replay reads and writes.
         memory = torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.detach,
                                                    (args, kwargs, out))
-        self.graph.ops.append((kind, op, *memory, gen))
+        self.graph.ops.append((kind, op, *memory, gen, torch.is_grad_enabled()))
         return out
 
     def finish(self) -> None:
@@ -513,7 +518,7 @@ class _Recording(torch.utils._python_dispatch.TorchDispatchMode):
         with torch._C._AutoDispatchBelowADInplaceOrView(), torch.no_grad():
             for storage, saved in self.before.values():
                 storage.copy_(saved)
-            for kind, _, _, _, outs, _ in self.graph.ops:
+            for kind, _, _, _, outs, _, _ in self.graph.ops:
                 for t in _leaves(outs) if kind == "made" else ():
                     if t.dtype == torch.bool:
                         t.logical_not_()
