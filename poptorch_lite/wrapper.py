@@ -327,7 +327,8 @@ class PoplarExecutor(perf_counters.Latencies):
             raise DeviceError("Model has not been compiled or has been destroyed: call "
                               "compile(*args) or the model before save()")
         inputs = self._executable_inputs
-        data = {"format": executables.FORMAT, "version": executables.VERSION, "training": self._training,
+        data = {"format": executables.FORMAT, "version": executables.VERSION,
+                "training": self._training,
                 "options": self._options.clone(), "args": list(inputs.args),
                 "kwargs": dict(inputs.kwargs), "model": None, "optimizer": None, "rng": None}
         if export_model:

@@ -284,7 +284,8 @@ class Channels:
 
     def _send(self, group, dst: int, t: Optional[torch.Tensor], info, device: torch.device,
               run, what: str, shape: Optional[tuple] = None) -> None:
-        if t is None or (run.messages.failed is not None and info is not _RNG):  # failed: zeros instead
+        # a process that failed this run sends zeros, so that its peers are not left waiting
+        if t is None or (run.messages.failed is not None and info is not _RNG):
             t = torch.zeros(shape or info.shape, dtype=info.dtype, device=device)
         else:
             t = t.detach().to(device).contiguous()

@@ -96,8 +96,8 @@ class Executor:
         self.handlers = {Kind.FORWARD: self.work.forward, Kind.BACKWARD: self.work.backward,
                          Kind.BACKWARD_INPUT: self.work.backward_input,
                          Kind.BACKWARD_WEIGHT: self.work.backward_weight,
-                         Kind.RECOMPUTE: self.work.recompute_action, Kind.REDUCE: self.update.reduce,
-                         Kind.STEP: self.update.step}
+                         Kind.RECOMPUTE: self.work.recompute_action,
+                         Kind.REDUCE: self.update.reduce, Kind.STEP: self.update.step}
         self._plans: dict = {}
         self._launched = False  # the caller's thread launches every GPU action (``launched``)
         self.names = [o for o in partition.outputs if isinstance(o, str)]  # returned values
@@ -374,7 +374,8 @@ class Executor:
         try:
             self.channels.finish(run)
             if not schedule.training:
-                run.messages.remote_failure = self.channels.settle(run, self._describe(run), self._result)
+                run.messages.remote_failure = self.channels.settle(run, self._describe(run),
+                                                                   self._result)
         except Error as exc:  # a message to or from another process went astray: out of step
             self.broken = f"the end of the run: {type(exc).__name__}"
             self._fail(schedule, None, None, exc, run_index)

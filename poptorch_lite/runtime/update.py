@@ -132,7 +132,8 @@ class Update:
         """``U``: the optimizer's step, whole or not begun (with other processes: all of
         them, or none)."""
         if self.channels is not None:  # [Note: stages in other processes]: all step, or none
-            run.messages.remote_failure = self.channels.settle(run, self._describe(run), self._result)
+            run.messages.remote_failure = self.channels.settle(run, self._describe(run),
+                                                               self._result)
             if run.messages.failed is not None or run.messages.remote_failure is not None:
                 return
         guard = self.ctrl_c  # [Note: commit point]: a step is whole, or not begun
