@@ -25,7 +25,10 @@ With ``--compiled`` each pair runs two more processes: poptorch_lite with
 ``Options.compileStages(True)`` (Inductor's kernels, and from the third call on each step
 replayed as one CUDA graph; the stages compile and the step is captured in its warm-up),
 and with ``compileStages(True, backend="eager")`` (the eager path's own kernels in one CUDA
-graph per step); each case gets a row of each, ``<case>+c`` and ``<case>+g``.
+graph per step); each case gets a row of each, ``<case>+c`` and ``<case>+g``. A third process
+is plain PyTorch as a plain user would speed it up: the model under
+``torch.compile(mode="reduce-overhead")`` (Inductor's kernels in CUDA graphs); its row is
+``<case>+ro`` against plain eager, and the ``+c`` and ``+g`` rows say their ratio to it.
 
 The scripts never call ``.cuda()``: like a PopTorch script, the wrapped side leaves the model
 on the host and lets the default placement put the IPUs on the GPUs. The plain side moves the
@@ -50,7 +53,7 @@ parser.add_argument("--case", choices=["mlp", "conv", "pipe1", "pipeN", "offload
                     default=["all"], nargs="+", help="cases to run (all: every one)")
 parser.add_argument("--pairs", type=int, default=3, help="plain/poptorch_lite process pairs")
 parser.add_argument("--calls", type=int, default=30, help="timed calls per process")
-parser.add_argument("--side", choices=["plain", "lite", "lite-compiled", "lite-graph"],
+parser.add_argument("--side", choices=["plain", "lite", "lite-compiled", "lite-graph", "plain-ro"],
                     help="run one side here, print JSON")
 parser.add_argument("--compiled", action="store_true",
                     help="also poptorch_lite processes with Options.compileStages(True) per "
@@ -76,11 +79,13 @@ def one_side(args):
     case = args.case[0]
     kind = {"conv": "conv16"}.get(case, "mlp")
     model, optimizer, x, y, B, D, G, _ = tax.build(kind)
-    if args.side == "plain":
+    if args.side in ("plain", "plain-ro"):
         model.cuda()
         optimizer = type(optimizer)(model.parameters(), **optimizer.defaults)
         host = x, y
         x, y = x.cuda(), y.cuda()
+        if args.side == "plain-ro":  # what a plain user does for speed: Inductor and CUDA graphs
+            model = torch.compile(model, mode="reduce-overhead")
 
         def call():
             tax.plain_call(model, optimizer, x, y, B, D, G)
@@ -138,7 +143,7 @@ def one_side(args):
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30),
               file=sys.stderr)
     overlap = None
-    if args.side != "plain" and case in ("pipe1", "pipeN"):
+    if args.side.startswith("lite") and case in ("pipe1", "pipeN"):
         overlap = both_busy(wrapped.runStatistics().timeline)
     print(json.dumps({"step_ms": 1e3 * statistics.median(times), "peak_mib": peaks,
                       "overlap": overlap,
@@ -191,7 +196,8 @@ def main():
         if case == "pipeN" and gpus < 2:
             print(f"{case:8} skipped: needs 2 or more GPUs")
             continue
-        sides = ("plain", "lite") + (("lite-compiled", "lite-graph") if args.compiled else ())
+        sides = ("plain", "lite") + (("lite-compiled", "lite-graph", "plain-ro")
+                                     if args.compiled else ())
         pairs = []
         for k in range(args.pairs):
             order = sides if k % 2 == 0 else sides[::-1]
@@ -204,11 +210,17 @@ def main():
                      + " ".join(f"{m:.0f}" for m in pairs[0][lite]["peak_mib"]))
             overlap = pairs[0][lite].get("overlap")
             fed = statistics.median(p[lite]["step_ms"] / p["plain"]["host_ms"] for p in pairs)
-            name = case if lite == "lite" else f"{case}+{lite[5]}"
+            name = case + {"lite": "", "lite-compiled": "+c", "lite-graph": "+g",
+                           "plain-ro": "+ro"}[lite]
+            anchor = ""
+            if lite in ("lite-compiled", "lite-graph"):  # against plain's own best
+                to_ro = statistics.median(p[lite]["step_ms"] / p["plain-ro"]["step_ms"]
+                                          for p in pairs)
+                anchor = f"  {to_ro:.3f} of reduce-overhead"
             print(f"{name:8} {plain_ms:9.3f} {lite_ms:9.3f} {statistics.median(ratios):6.3f} "
                   f"{min(ratios):6.3f}-{max(ratios):6.3f}  {fed:11.3f}  {peaks}"
                   + (f"  {overlap:.0%} of the step on two streams at once"
-                     if overlap is not None else ""), flush=True)
+                     if overlap is not None else "") + anchor, flush=True)
 
 if __name__ == "__main__":
     main()

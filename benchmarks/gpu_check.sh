@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU check in one run, under 10 minutes on one H100 (its steps' limits add up to
-# 585 s; it took 304 s on 2026-11-26, before the compiled rows; docs/PERFORMANCE.md (h), "The GPU check"): the CUDA tests, the MNIST examples on
+# 645 s, some in parallel; it took 304 s on 2026-11-26, before the compiled rows, and 460 s
+# on 2026-11-28; docs/PERFORMANCE.md (h), "The GPU check"): the CUDA tests, the MNIST examples on
 # the GPU, benchmarks/gpu.py, and GPT-2 at GPT-2 small's shape against plain PyTorch on
 # the same GPU.
 #
@@ -79,8 +80,11 @@ step mnist_match 45 "same numbers|FAILED|Error|error" \
 #    then GPT-2 small's shape, eager and compiled. The CUDA tests of step 1 include the
 #    compiled column (tests/compiler/test_compiled_stages.py) and the step graphs
 #    (tests/runtime/test_step_graph.py) on cuda.
-step gpu_bench 240 "x |ratio|overlap|peak|mlp|conv|pipe|Error|error" \
-    $PY benchmarks/gpu.py --case mlp conv pipe1 --pairs 2 --calls 30 --compiled
+#    With plain PyTorch under torch.compile(mode="reduce-overhead") as the anchor ("+ro", and
+#    each +c/+g row's ratio to it): five processes per pair (it timed out at 240 s with four on
+#    2026-11-28, so 300 s and 20 timed calls).
+step gpu_bench 300 "x |ratio|overlap|peak|mlp|conv|pipe|reduce-overhead|Error|error" \
+    $PY benchmarks/gpu.py --case mlp conv pipe1 --pairs 2 --calls 20 --compiled
 # Where a one-stage step's host time goes (torch.profiler: host ops, CUDA runtime calls).
 step profile 30 "Self CPU time total|cudaLaunchKernel |cudaEventRecord|pin_memory|Memcpy|Error" \
     $PY benchmarks/gpu.py --side lite --case conv --calls 30 --profile
