@@ -134,13 +134,13 @@ def measure(name, rounds, timers):
           f" ({med['lite'] / med['plain']:.3f}x plain)")
     if timers:
         per = {k: v / (rounds * D) * 1e6 for k, v in TIMERS.items()}
-        handlers = sum(per[k] for k in ("forward", "backward", "_reduce", "_step"))
+        handlers = sum(per[k] for k in ("forward", "backward", "reduce", "step"))
         print(f"  own time per step (us): Program.run {per['run'] - per['run_call']:.1f}, "
               f"Executor.run_call {per['run_call'] - per['_run_here']:.1f}, "
               f"Executor._run_here {per['_run_here'] - handlers:.1f}; "
               f"handlers: forward {per['forward']:.1f}, "
-              f"backward {per['backward']:.1f}, reduce {per['_reduce']:.1f}, "
-              f"step {per['_step']:.1f}")
+              f"backward {per['backward']:.1f}, reduce {per['reduce']:.1f}, "
+              f"step {per['step']:.1f}")
 
 
 if __name__ == "__main__":

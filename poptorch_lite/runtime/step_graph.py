@@ -153,7 +153,7 @@ class StepGraph:
             gpu = self.ex.gpu
             done = self.ex.run_call(call, microbatches, replica_of, index, keep, base,
                                     watch=lambda a: gpu.host_syncs(found, a))
-            self._synced(found)
+            self._synced(found, call.step)
             return done
         in_graph = self._step_in_graph(step)
         key = self._key(step, in_graph)
@@ -196,19 +196,19 @@ class StepGraph:
                     "only")
         return None
 
-    def _synced(self, found: list) -> None:
+    def _synced(self, found: list, step) -> None:
         """After the last warm-up run, its host syncs (``(action, what)``): one in a stage's
         action keeps the program eager, since inside a capture it would invalidate it, and the
         capture could then not be ended; one in the optimizer's step only takes the step out
-        of the graph."""
+        of the graph (saying why it is not graph-safe where that is known)."""
         staged = [(a, what) for a, what in found if a.kind is not Kind.STEP]
         if staged:
             a, what = staged[0]
             self._refuse(f"action {a} makes the host wait for the GPU ({what}), which a capture "
                          f"forbids")
         elif found and self.step_out is None:
-            self._leave(f"it makes the host wait for the GPU ({found[0][1]}), which a capture "
-                        f"forbids")
+            self._leave(graph_refusal(step) or f"it makes the host wait for the GPU "
+                        f"({found[0][1]}), which a capture forbids")
 
     def _refuse(self, why: str) -> None:
         self.report.refused = why
