@@ -232,8 +232,7 @@ class Executor:
                 self.update.steps_applied += 1
                 self.weights.stepped_on_device()
             else:
-                stepped = next(a for a in call.plan.rows if a.kind is Kind.STEP)
-                self.update.step(stepped, run, call.step)
+                self.update.step(call.plan.step, run, call.step)
         return self.outputs(run)
 
     def _launch(self, call: Call, run: Run, begun: Optional[dict],

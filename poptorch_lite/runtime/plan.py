@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .schedule import Schedule
+from .schedule import Kind, Schedule
 from .streams import CudaStream
 
 
@@ -42,11 +42,12 @@ class Plan:
             streams, ``(ipu, action)`` in order (``Placement.run_in_order``); else None.
         ordered: this process's ``(ipu, action)`` in row order, an order that launches every
             action after those it depends on (what a captured step launches).
+        step: the schedule's optimizer step (``U``) when this process runs one, else None.
         threads: the intra-op threads for ``here`` (None: the caller's).
     """
 
     __slots__ = ("schedule", "lists", "waits", "rows", "in_order", "ahead", "threads", "here",
-                 "launch", "ordered")
+                 "launch", "ordered", "step")
 
     def __init__(self, schedule: Schedule, lists: dict, waits: dict, rows: dict,
                  in_order: Optional[list], ahead: dict, threads: Optional[int],
@@ -54,6 +55,7 @@ class Plan:
         self.schedule, self.lists, self.waits, self.rows = schedule, lists, waits, rows
         self.in_order, self.ahead, self.threads, self.here = in_order, ahead, threads, here
         self.launch, self.ordered = launch, ordered
+        self.step = next((a for a in rows if a.kind is Kind.STEP), None)
 
 
 def make_plan(schedule: Schedule, placement, ipu_of: Callable, runs_here: Callable,

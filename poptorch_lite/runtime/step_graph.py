@@ -147,13 +147,12 @@ class StepGraph:
             last = report.refused is None and self.warm == WARM_RUNS - 1
             self.warm += 1
             report.eager_runs += 1
-            if not last:
-                return self.ex.run_call(call, microbatches, replica_of, index, keep, base)
             found: list = []  # the last warm-up run's host syncs, which a capture forbids
             gpu = self.ex.gpu
             done = self.ex.run_call(call, microbatches, replica_of, index, keep, base,
-                                    watch=lambda a: gpu.host_syncs(found, a))
-            self._synced(found, call.step)
+                                    watch=(lambda a: gpu.host_syncs(found, a)) if last else None)
+            if last:
+                self._synced(found, call.step)
             return done
         in_graph = self._step_in_graph(step)
         key = self._key(step, in_graph)
