@@ -52,6 +52,7 @@ class PoplarExecutor(perf_counters.Latencies):
         self._training = training
         self._optimizer = optimizer
         self._destroyed = False  # destroy() ran; a call compiles again (PopTorch)
+        self._offline = options.connection_type == ConnectionType.Never  # compiles, never runs
         self._loss_scale = LossScale(
             poptorch_optim.loss_scaling(optimizer), options.Training.automatic_loss_scaling,
             options.Training.loss_scaling_growth_interval) if training else None
@@ -85,8 +86,7 @@ class PoplarExecutor(perf_counters.Latencies):
                 ([Note: all-or-nothing calls] in ``undo``), as it is for ``KeyboardInterrupt``.
             UnrecoverableError: the optimizer's step raised part-way ([Note: commit point]).
         """
-        opts = self._options
-        if opts.connection_type == ConnectionType.Never:
+        if self._offline:
             raise OfflineDeviceError(
                 "Trying to run a model on an offline device (Options.connectionType("
                 "ConnectionType.Never), useOfflineIpuTarget): it can be compiled but not run; use "
@@ -296,8 +296,10 @@ class PoplarExecutor(perf_counters.Latencies):
         inference wrapper follows its training wrapper's weights ([Note: weight sync])."""
         if self._destroyed:
             self._revive()
+        if self._training:  # a live training wrapper is its model's trainer
+            return  # ([Note: one trainer per model] in ``trainers``)
         trainer = _training_wrapper(self._user_model)
-        if trainer is not None and trainer is not self and trainer._weights is not None:
+        if trainer is not None and trainer._weights is not None:
             trainer._weights.to_host()
 
     def _require_compiled(self) -> None:

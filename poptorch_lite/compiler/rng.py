@@ -104,8 +104,16 @@ def draw_bases(n: int, generator: Optional[torch.Generator] = None) -> list:
         >>> _ = torch.manual_seed(0); draw_bases(3) == one_by_one
         True
     """
-    return (torch.randint(0, 1 << 62, (n,), dtype=torch.int64, generator=generator).tolist()
-            if n else [])
+    if not n:
+        return []
+    # randint's own arithmetic (random_ on a new tensor), into a buffer of this thread's: a
+    # call's setup runs cold, where an allocation costs more than the draw
+    # ([Note: one setup per call] in ``runtime/plan``)
+    buffers = _local.__dict__.setdefault("bases", {})
+    buffer = buffers.get(n)
+    if buffer is None:
+        buffer = buffers[n] = torch.empty(n, dtype=torch.int64)
+    return buffer.random_(0, 1 << 62, generator=generator).tolist()
 
 
 def rewinder(generator: Optional[torch.Generator] = None):
@@ -113,16 +121,16 @@ def rewinder(generator: Optional[torch.Generator] = None):
     the state after a call's first ``k`` runs, whose bases were drawn together
     (:func:`draw_bases`). Runs change no generator but by their bases: each random op
     swaps a stream's state in and the generator's back ([Note: micro-batch RNG])."""
-    cpu = torch.get_rng_state()
+    cpu = torch.default_generator.clone_state()  # no tensor made: read only on a failure
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    own = generator.get_state() if generator is not None else None
+    own = generator.clone_state() if generator is not None else None
 
     def rewind(k: int) -> None:
-        torch.set_rng_state(cpu)
+        torch.default_generator.set_state(cpu.get_state())
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
         if own is not None:
-            generator.set_state(own)
+            generator.set_state(own.get_state())
         draw_bases(k, generator)
     return rewind
 

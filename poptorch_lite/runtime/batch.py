@@ -66,9 +66,14 @@ class MicroBatches:
 
     def __init__(self, args: tuple, kwargs: dict, factor: int, explain: Callable[[], str],
                  synthetic: SyntheticDataMode = SyntheticDataMode.Off):
+        self.factor = factor
         if not kwargs and all(type(a) is torch.Tensor for a in args):  # the common call
-            leaves = list(args)
             self.spec, self._spec_text = _tensors_spec(len(args))
+            for t in args:
+                if t.shape[0] % factor if t.dim() else False:
+                    raise _batch_size_error(t, factor, explain)
+            leaves = list(args)
+            positions = list(range(len(leaves)))
         else:
             _check_number_lists(list(args) + list(kwargs.values()))
             lifted = structures.lift((tuple(args), dict(kwargs)))
@@ -82,29 +87,22 @@ class MicroBatches:
                     f"type(x)({{key: value}}) for a dict subclass and type(x)(items) for a list "
                     f"or tuple subclass. Give it a constructor that takes that, or pass a plain "
                     f"dict")
-        self.factor = factor
-        for leaf in leaves:
-            _check_leaf(leaf)
-            if not isinstance(leaf, torch.Tensor):
-                continue
-            if leaf.dim() > 0 and leaf.shape[0] % factor:
-                raise BatchSizeError(
-                    f"Invalid batch dimension: In the input {tuple(leaf.shape)}, the batch "
-                    f"dimension ({leaf.shape[0]}) must be a multiple of {explain()} = {factor}, "
-                    f"because one call runs that many micro-batches; pass a batch of "
-                    f"micro_batch_size * {factor} rows (poptorch_lite.DataLoader(options, ...) "
-                    f"yields such batches)")
-        if any(isinstance(v, torch.Tensor) and v.requires_grad for v in leaves):
+            for leaf in leaves:
+                _check_leaf(leaf)
+                if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] % factor:
+                    raise _batch_size_error(leaf, factor, explain)
+            positions = [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+        if any(leaves[k].requires_grad for k in positions):
             warn_once("input.requires_grad",
                       "Input tensor has requires_grad=True set. This tensor will be detached "
                       "because backward pass via inputs is not supported.",
                       PoptorchLiteWarning)
             leaves = [v.detach() if isinstance(v, torch.Tensor) else v for v in leaves]
-        if synthetic != SyntheticDataMode.Off:
+        if synthetic is not SyntheticDataMode.Off:
             leaves = [_synthetic(v, factor, synthetic) if isinstance(v, torch.Tensor) else v
                       for v in leaves]
         self.leaves = leaves
-        self.tensor_positions = [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+        self.tensor_positions = positions
 
     def tensors(self, k: int) -> list:
         """The tensor leaves of micro-batch ``k`` (views into the call's tensors)."""
@@ -204,6 +202,15 @@ def _tensors_spec(n: int) -> tuple:
         spec = pytree.tree_flatten((tuple(range(n)), {}))[1]
         got = _TENSORS_SPECS[n] = (spec, str(spec))
     return got
+
+
+def _batch_size_error(t: torch.Tensor, factor: int,
+                      explain: Callable[[], str]) -> BatchSizeError:
+    return BatchSizeError(
+        f"Invalid batch dimension: In the input {tuple(t.shape)}, the batch dimension "
+        f"({t.shape[0]}) must be a multiple of {explain()} = {factor}, because one call runs "
+        f"that many micro-batches; pass a batch of micro_batch_size * {factor} rows "
+        f"(poptorch_lite.DataLoader(options, ...) yields such batches)")
 
 
 def _check_leaf(leaf: Any) -> None:

@@ -118,6 +118,7 @@ class CompiledModel:
         self.statistics: Optional[RunStatistics] = None  # made from last_run when asked for
         self.steps = 0  # optimizer steps taken (skipped ones included)
         self._outputs: Optional[Outputs] = None
+        self._split: Optional[tuple] = None  # MicroBatches' factor, explanation, synthetic mode
         self._release = None  # host_sync.watch's finalizer while the model is watched
 
     # -- a call ---------------------------------------------------------------------------
@@ -156,8 +157,11 @@ class CompiledModel:
         elif weights.rebound or not self.attached:  # [Note: objects the programs compile with]
             check_unchanged(self.model, self.tables)
             weights.rebound = False
-        mbs = MicroBatches(args, kwargs, batch_factor(o), functools.partial(batch_arithmetic, o),
-                           o.synthetic_data_mode)
+        split = self._split
+        if split is None:  # the options are frozen: read once (batch_factor may refuse them)
+            split = self._split = (batch_factor(o), functools.partial(batch_arithmetic, o),
+                                   o.synthetic_data_mode)
+        mbs = MicroBatches(args, kwargs, *split)
         key = (mbs.signature(), tuple(map(_REQUIRES_GRAD, self.params)))
         program = self._ran.get(key)  # [Note: attributes the forward reads]
         if program is None or not program.partition.reads.same():

@@ -444,7 +444,7 @@ class Executor:
                 v = self.weights.buffer(key, run.replica_of(i), self.buffer_ipu[key]).detach().clone()
             else:
                 v = self.weights.buffers[key].detach().clone()
-        return v.cpu() if v.device.type != "cpu" else v  # after the run: the GPU is idle
+        return v if v.is_cpu else v.cpu()  # after the run: the GPU is idle
 
     def _where(self, a: Action, run_index: int, training: bool) -> str:
         """Where ``a`` ran: process (when stages span processes), stream, stage, micro-batch."""

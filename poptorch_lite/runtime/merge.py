@@ -32,13 +32,19 @@ class Outputs:
     def __init__(self, mode: OutputMode, period: int, training: bool, D: int, G: int, R: int):
         self.groups = selected_microbatches(resolve_output_mode(mode, training), period, D, G, R)
         self.kept = {i for group in self.groups for i in group}  # copied to the host
+        self._flat: dict = {}  # id(output spec) -> (the spec, whether it is a tuple of leaves)
 
     def merge(self, part, per_microbatch: list):
         """The call's result: the kept micro-batches' outputs merged (:func:`merge`) and put
         back into the model's output structure with its constant outputs."""
         merged = iter(merge(per_microbatch, self.groups))
         leaves = [next(merged) if isinstance(v, str) else v[1] for v in part.outputs]
-        return pytree.tree_unflatten(leaves, part.out_spec)
+        spec = part.out_spec
+        flat = self._flat.get(id(spec))
+        if flat is None or flat[0] is not spec:  # a tuple of leaves (the common return) or not
+            flat = self._flat[id(spec)] = (
+                spec, spec == pytree.tree_flatten(tuple(range(spec.num_leaves)))[1])
+        return tuple(leaves) if flat[1] else pytree.tree_unflatten(leaves, spec)
 
 
 def resolve_output_mode(mode: OutputMode, training: bool) -> OutputMode:

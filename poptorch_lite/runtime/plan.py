@@ -11,7 +11,17 @@ ordered actions with their handlers and timeline labels); per call, the :class:`
 entered once and restored when the call ends, also when it fails). A run then only
 makes its state (``stage_work.Run``), seeds its micro-batches' random streams, clears
 the gradients and runs its actions; its commit point, undo and failure report are
-unchanged ([Note: commit point] in ``update``).
+unchanged ([Note: commit point] in ``update``). Per program, what every call does alike
+under the wrapper's frozen options (the schedule, the runs' slices, the micro-batches that
+come back, the gradient's divisor) is its ``program.CallLayout``, made on the first call.
+
+A call's setup runs *cold*: the step before it has pushed the interpreter's objects out of
+the CPU's caches, so each line of it costs microseconds, not the tenths a warm benchmark
+shows, and a tensor allocated in it about 10 µs (a context made by a generator, a
+``torch.device`` made by reading ``.device``, an option read through ``__getattr__`` all
+show). The setup's contexts are therefore classes, its random bases are drawn into a
+buffer kept per thread (``rng.draw_bases``), and options are read once
+(``docs/PERFORMANCE.md`` (g) has the profile and the figures).
 
 A plan and a call are data: the executor runs them (``Executor.run_call``), and neither
 calls back into it.
@@ -126,7 +136,7 @@ class Call:
             self._restore = (ours, torch.is_grad_enabled())
             if threads is not None and threads != ours:
                 torch.set_num_threads(threads)
-            torch.set_grad_enabled(self.plan.schedule.training)  # grad mode is per thread
+            torch._C._set_grad_enabled(self.plan.schedule.training)  # grad mode is per thread
         return self
 
     def __exit__(self, *exc) -> None:
@@ -134,5 +144,5 @@ class Call:
             ours, grad = self._restore
             if torch.get_num_threads() != ours:
                 torch.set_num_threads(ours)
-            torch.set_grad_enabled(grad)
+            torch._C._set_grad_enabled(grad)
             self._restore = None

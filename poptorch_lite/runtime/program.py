@@ -9,6 +9,7 @@ training (an optimizer step each), one otherwise.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import time
 from typing import Optional
@@ -29,6 +30,8 @@ from .undo import capture
 from .update import CtrlC, StepArithmetic
 from .weights import Weights
 
+_NOTHING = contextlib.nullcontext()  # reentrant: a training call's host gradients, inference's
+
 
 class Program:
     """What one input signature compiles to: the partition, its executor, its schedules."""
@@ -48,6 +51,7 @@ class Program:
         # The parameters several stages use, whose gradient hooks a call refuses.
         self.shared = backward_hooks.stages_sharing(partition.stages)
         self._schedules: dict = {}
+        self._layout: Optional[CallLayout] = None  # its calls' layout, worked out once
 
     def schedule(self, m: int, training: bool):
         """The (validated, cached) schedule for m micro-batches."""
@@ -78,42 +82,29 @@ class Program:
             The outputs per micro-batch, and the call's record: (schedule, the runs'
             ``RunStats``, the timeline ``Recorder``).
         """
-        D, R, G = options.device_iterations, replicas, options.Training.gradient_accumulation
-        ex = self.executor
-        g = options.replication_factor // R  # the replicas each micro-batch run stands for
-        if training:  # G is 1 for inference models (refused otherwise at wrap time)
-            schedule = self.schedule(G * R, True)
-            # [Note: gradient arithmetic]: each micro-batch run stands for g replicas
-            mean = options.Training.reduction_type == ReductionType.Mean
-            step = StepArithmetic(
-                optimizer, loss_scale, G * R if mean else 1 / g,
-                max_grad_norm(optimizer), accum_dtype(optimizer),
-                options.Training.stop_on_non_finite_loss)
-            runs = [range(d * G * R, (d + 1) * G * R) for d in range(D)]
-        else:  # one run of every micro-batch
-            schedule, step, runs = self.schedule(D * R, False), None, [range(D * R)]
+        lay = self._layout
+        if lay is None or lay.key != (training, replicas) or lay.kept is not kept:
+            lay = self._layout = CallLayout(self, options, training, replicas, kept)
+        ex, schedule, runs, replica_of, keep = (self.executor, lay.schedule, lay.runs,
+                                                lay.replica_of, lay.keep)
+        step = StepArithmetic(optimizer, loss_scale, lay.divisor, max_grad_norm(optimizer),
+                              accum_dtype(optimizer), lay.check_loss) if training else None
         recorder = Recorder(time.perf_counter())
         outputs, stats = [], []
         # The random state is captured once per call: the runs draw their bases together,
         # and a failure rewinds to the state after the runs that committed.
         rewind = rng.rewinder(generator) if per_run and ex.random else None
-        bases = rng.draw_bases(len(runs), generator) if ex.random else [None] * len(runs)
+        bases = rng.draw_bases(len(runs), generator) if ex.random else lay.no_bases
         tensors = mbs.all_tensors()
-        if g < options.input_group_size:  # [Note: per-replica variables] in replica_groups
-            tensors = every_replica(tensors, D, G, R, options.input_group_size,
-                                    options.input_group_type)
-
-        def replica_of(j: int) -> int:  # micro-batch j of a run: [Note: batch layout]
-            return j % R
-
-        keep = [k in kept for k in range(len(tensors))]
+        if lay.regroup is not None:  # [Note: per-replica variables] in replica_groups
+            tensors = every_replica(tensors, *lay.regroup)
         # One interface, two implementations: the executor's eager run, or the step graph's
         # replay, which warms up with and captures that same run ([Note: step graphs]).
         run_call = (self.graph if self.graph is not None else ex).run_call
-        grads = weights.host_grads_kept() if training else contextlib.nullcontext()
         if training:  # a hook registered on a parameter since the last call reaches its copies
             weights.share_hooks()
-        with grads, ex.open_call(schedule, step, recorder, options.watchdog_timeout) as call, \
+        with weights.host_grads_kept() if training else _NOTHING, \
+                ex.open_call(schedule, step, recorder, lay.watchdog) as call, \
                 collection_paused(), CtrlC.installed() as ex.update.ctrl_c:
             for d, ks in enumerate(runs):
                 undo = capture(weights, None, loss_scale, False, rng=False,
@@ -121,8 +112,7 @@ class Program:
                 before = ex.update.steps_applied
                 weights.buffers_move()
                 try:
-                    inputs, kept_here = tensors[ks.start:ks.stop], keep[ks.start:ks.stop]
-                    out, run_stats = run_call(call, inputs, replica_of, d, kept_here, bases[d])
+                    out, run_stats = run_call(call, tensors[ks], replica_of, d, keep[ks], bases[d])
                 except BaseException:
                     committed = ex.update.steps_applied != before
                     if undo is not None and not committed:
@@ -158,19 +148,67 @@ class Program:
                 f"{self.schedule(G * R if training else D * R, training).name}; {batch}")
 
 
-@contextlib.contextmanager
-def collection_paused():
+class CallLayout:
+    """What every call of a program does alike under its wrapper's (frozen) options: its
+    schedule, its runs' slices of the micro-batches, which ones come back, the gradient's
+    divisor ([Note: one setup per call] in ``plan``).
+
+    Args:
+        program: the program; options, training, replicas, kept: :meth:`Program.run`'s.
+    """
+
+    __slots__ = ("key", "kept", "schedule", "runs", "keep", "divisor", "check_loss", "regroup",
+                 "replica_of", "watchdog", "no_bases")
+
+    def __init__(self, program: Program, options: Options, training: bool, replicas: int,
+                 kept: set):
+        D, R, G = options.device_iterations, replicas, options.Training.gradient_accumulation
+        g = options.replication_factor // R  # the replicas each micro-batch run stands for
+        self.key, self.kept = (training, replicas), kept
+        if training:  # G is 1 for inference models (refused otherwise at wrap time)
+            self.schedule = program.schedule(G * R, True)
+            # [Note: gradient arithmetic]: each micro-batch run stands for g replicas
+            mean = options.Training.reduction_type == ReductionType.Mean
+            self.divisor = G * R if mean else 1 / g
+            self.runs = [slice(d * G * R, (d + 1) * G * R) for d in range(D)]
+        else:  # one run of every micro-batch
+            self.schedule, self.divisor, self.runs = program.schedule(D * R, False), 1, [
+                slice(0, D * R)]
+        self.check_loss = options.Training.stop_on_non_finite_loss
+        self.regroup = ((D, G, R, options.input_group_size, options.input_group_type)
+                        if g < options.input_group_size else None)
+        self.keep = [k in kept for k in range(D * G * R)]  # G is 1 for inference
+        self.replica_of = functools.partial(_replica_of, R)  # [Note: batch layout]
+        self.watchdog = options.watchdog_timeout
+        self.no_bases = [None] * len(self.runs)
+
+
+def _replica_of(R: int, j: int) -> int:
+    """The replica of micro-batch ``j`` of a run ([Note: batch layout])."""
+    return j % R
+
+
+def collection_paused() -> "_CollectionPaused":
     """No automatic garbage collection while a call runs. A collection runs the finalizers of
     the garbage it finds on the thread that happened to allocate, and CPython drops a Ctrl-C
     that lands in a finalizer ("Exception ignored in: <finalize object ...>
     KeyboardInterrupt"), so a call could run on past its Ctrl-C, and after it, a loop
     (``benchmarks/soak.py`` saw both). Collection resumes when the call ends; a caller that
     turned it off keeps it off."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
+    return _CollectionPaused()
+
+
+class _CollectionPaused:
+    """:func:`collection_paused`'s context: a class, not a generator (a call's setup runs
+    cold; [Note: one setup per call] in ``plan``)."""
+
+    __slots__ = ("paused",)
+
+    def __enter__(self) -> None:
+        self.paused = gc.isenabled()
+        if self.paused:
+            gc.disable()
+
+    def __exit__(self, *exc) -> None:
+        if self.paused:
+            gc.enable()

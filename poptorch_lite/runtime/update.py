@@ -30,7 +30,6 @@ snapshot (``Options.allOrNothingCalls(True)``) and can undo the whole call.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import signal
@@ -223,23 +222,36 @@ class CtrlC:
             self.held = False
             raise KeyboardInterrupt
 
-    @classmethod
-    @contextlib.contextmanager
-    def installed(cls):
-        """Yields the handler in force for the block, or None where none is installed."""
+    @staticmethod
+    def installed() -> "_Installed":
+        """A context that installs a handler for its block and yields it, or None where none
+        is installed (not on the main thread, or over a user's handler)."""
+        return _Installed()
+
+
+class _Installed:
+    """:meth:`CtrlC.installed`'s context: a class, not a generator (a call's setup runs cold;
+    [Note: one setup per call] in ``plan``)."""
+
+    __slots__ = ("guard",)
+
+    def __enter__(self) -> Optional[CtrlC]:
         # ``_signal``'s functions, not ``signal``'s: those wrap each call in enum conversions,
         # 15 µs a call's three against 1 µs (a tenth of a small step's tax on a 2-core CPU).
         if (threading.current_thread() is not threading.main_thread()
                 or _signal.getsignal(_SIGINT) is not signal.default_int_handler):
-            yield None
-            return
-        guard = cls()
+            self.guard = None
+            return None
+        guard = self.guard = CtrlC()
         _signal.signal(_SIGINT, guard)
-        try:
-            yield guard
-        finally:
-            _signal.signal(_SIGINT, signal.default_int_handler)
-        if guard.raised:  # the call ended normally: its KeyboardInterrupt was swallowed
+        return guard
+
+    def __exit__(self, kind, exc, tb) -> None:
+        guard = self.guard
+        if guard is None:
+            return
+        _signal.signal(_SIGINT, signal.default_int_handler)
+        if guard.raised and kind is None:  # ended normally: its KeyboardInterrupt was swallowed
             exc = KeyboardInterrupt()
             exc.add_note("poptorch_lite: a Ctrl-C during the call was swallowed where it "
                          "landed (a finalizer or callback that ignores exceptions), so the call "

@@ -94,6 +94,7 @@ class Weights:
                  separate_memories: bool = False, offload: bool = False):
         self.params = dict(model.named_parameters())
         self.buffers = dict(model.named_buffers())
+        self._hosts = (*self.params.values(), *self.buffers.values())  # the host copy
         self.replicas = replicas
         self.separate_buffers = separate_buffers and replicas > 1
         self.separate_memories = separate_memories
@@ -107,6 +108,7 @@ class Weights:
         self._buffer_copies: dict = {}
         self._replica_buffers: list = []
         self._separate_homes: list = []  # (host parameter, home) pairs that are not the same
+        self._homes: list = []        # (name, home): what home(name) gives, made by place()
         self._others: dict = {}       # name -> its users' tensors besides the stepped one
         self.written: dict = {}       # name -> the IPU whose stage writes it in forward
         self._versions: dict = {}
@@ -138,6 +140,7 @@ class Weights:
                         self._use[name, ipu] = self._tensor_for(name, ipu)
         self._separate_homes = [(p, self._use[n, self.home_of[n]]) for n, p in self.params.items()
                                 if n in self.home_of and self._use[n, self.home_of[n]] is not p]
+        self._homes = [(n, self.home(n)) for n in self.home_of]
         self._others = {}  # visitors, and the stage copies of offloaded weights
         for (name, ipu), t in self._use.items():
             if t is not self.home(name):
@@ -218,18 +221,10 @@ class Weights:
             if c._backward_hooks is not hooks:
                 c._backward_hooks = hooks
 
-    @contextlib.contextmanager
-    def host_grads_kept(self):
+    def host_grads_kept(self) -> "_HostGradsKept":
         """Around a training call: the host parameters' ``.grad`` as the user left them
         ([Note: host gradients]); the last step's gradients in :attr:`last_grads`."""
-        held = [(p, p.grad) for p in self.params.values()]
-        self.last_grads = {}  # free the last call's gradients before this one makes new ones
-        try:
-            yield
-        finally:
-            self.last_grads = {n: self.home(n).grad for n in self.home_of}
-            for p, grad in held:
-                p.grad = grad
+        return _HostGradsKept(self)
 
     def shared(self) -> bool:
         """Whether any parameter has users besides its home (gradients to gather)."""
@@ -326,21 +321,17 @@ class Weights:
 
     # -- the host copy ------------------------------------------------------------------
 
-    def _host_tensors(self):
-        yield from self.params.values()
-        yield from self.buffers.values()
-
     def remember_versions(self, tensors: Optional[Iterable[torch.Tensor]] = None) -> None:
         """Take the host tensors' versions (or only ``tensors``') as their synced ones."""
         if tensors is None:
-            self._versions = {id(t): t._version for t in self._host_tensors()}
+            self._versions = {id(t): t._version for t in self._hosts}
         else:
             self._versions.update({id(t): t._version for t in tensors})
 
     def edited(self) -> list:
         """Host tensors written since the last sync."""
         versions = self._versions
-        return [t for t in self._host_tensors() if versions.get(id(t)) != t._version]
+        return [t for t in self._hosts if versions.get(id(t)) != t._version]
 
     def to_host(self) -> None:
         """Bring trained values back to the user's model (``copyWeightsToHost``).
@@ -363,7 +354,7 @@ class Weights:
                 if replica == 0 and id(b) not in edited:
                     b.copy_(c)
         self.host_stale = False
-        self._versions.update({id(t): t._version for t in self._host_tensors()
+        self._versions.update({id(t): t._version for t in self._hosts
                                if id(t) not in edited})
 
     def edits(self) -> bool:
@@ -372,7 +363,10 @@ class Weights:
         if self.exposed and (self._copies or self._buffer_copies):
             return True
         versions = self._versions
-        return any(versions.get(id(t)) != t._version for t in self._host_tensors())
+        for t in self._hosts:
+            if versions.get(id(t)) != t._version:
+                return True
+        return False
 
     def to_device(self, everything: bool = True) -> None:
         """Push host values to the devices (``copyWeightsToDevice``; host edits).
@@ -423,6 +417,27 @@ class Weights:
     def storages(self) -> set:
         """The storages of every parameter and buffer and their copies (not activations)."""
         return {t.untyped_storage().data_ptr() for t in self.tensors()}
+
+
+class _HostGradsKept:
+    """:meth:`Weights.host_grads_kept`'s context: a class, not a generator (a call's setup
+    runs cold; [Note: one setup per call] in ``plan``)."""
+
+    __slots__ = ("weights", "held")
+
+    def __init__(self, weights: Weights):
+        self.weights = weights
+
+    def __enter__(self) -> None:
+        w = self.weights
+        self.held = [(p, p.grad) for p in w.params.values()]
+        w.last_grads = {}  # free the last call's gradients before this one makes new ones
+
+    def __exit__(self, *exc) -> None:
+        w = self.weights
+        w.last_grads = {n: h.grad for n, h in w._homes}
+        for p, grad in self.held:
+            p.grad = grad
 
 
 class _Exit:
