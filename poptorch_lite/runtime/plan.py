@@ -29,6 +29,7 @@ calls back into it.
 
 from __future__ import annotations
 
+import gc
 from typing import Callable, Optional
 
 import torch
@@ -117,7 +118,10 @@ def make_plan(schedule: Schedule, placement, ipu_of: Callable, runs_here: Callab
 
 
 class Call:
-    """A call's runs of one plan ([Note: one setup per call]); a context manager.
+    """A call's runs of one plan ([Note: one setup per call]); a context manager that holds
+    the caller's thread as the runs need it: no automatic garbage collection
+    (``program.collection_paused`` says why), and where that thread runs the actions, their
+    intra-op threads and grad mode.
 
     Args:
         plan: the schedule's plan; step: the optimizer step's arithmetic (None:
@@ -129,8 +133,12 @@ class Call:
         self.plan, self.step, self.recorder = plan, step, recorder
         self.watchdog = watchdog
         self._restore: Optional[tuple] = None
+        self._collecting = False
 
     def __enter__(self) -> "Call":
+        self._collecting = gc.isenabled()  # a caller that turned it off keeps it off
+        if self._collecting:
+            gc.disable()
         if self.plan.here is not None:  # the caller's thread runs the actions: its settings
             threads, ours = self.plan.threads, torch.get_num_threads()
             self._restore = (ours, torch.is_grad_enabled())
@@ -146,3 +154,5 @@ class Call:
                 torch.set_num_threads(ours)
             torch._C._set_grad_enabled(grad)
             self._restore = None
+        if self._collecting:
+            gc.enable()

@@ -105,7 +105,7 @@ class Program:
             weights.share_hooks()
         with weights.host_grads_kept() if training else _NOTHING, \
                 ex.open_call(schedule, step, recorder, lay.watchdog) as call, \
-                collection_paused(), CtrlC.installed() as ex.update.ctrl_c:
+                CtrlC.installed() as ex.update.ctrl_c:
             for d, ks in enumerate(runs):
                 undo = capture(weights, None, loss_scale, False, rng=False,
                                generators=self.generators) if per_run else None
