@@ -11,6 +11,7 @@ from .annotations import (BeginBlock, Block, BlockFunction, module_repr, recompu
                           removeBlocks)
 from .checkpoint import CheckpointInfo, load_checkpoint, save_checkpoint
 from .custom_args import ICustomArgParser, registerCustomArgParser
+from .custom_ops import custom_op, register_custom_op
 from .data import AsynchronousDataAccessor, DataLoader
 from .distributed import is_main_process
 from .enums import (AnchorMode, AutoStage, CommGroupType, ConnectionType, DataLoaderMode,
@@ -18,6 +19,7 @@ from .enums import (AnchorMode, AutoStage, CommGroupType, ConnectionType, DataLo
                     MeanReductionStrategy, OutputMode, OverlapMode, PipelineSchedule, ReductionType,
                     SharingStrategy, SyncPattern, VariableRetrievalMode)
 from .errors import (BatchSizeError, BlockError, ChannelError, CheckpointError, ConfigFileError,
+                     CustomOpError,
                      DataLoaderError, DeviceError, Error, ExecutionError, FrozenOptionsError,
                      InputError, IpuOnlyWarning, LossError, OfflineDeviceError, OptimizerError,
                      OptionsAssertionError, OptionsError,
@@ -41,7 +43,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AnchorMode", "AsynchronousDataAccessor", "Attribute", "AutoStage", "BatchSizeError", "BeginBlock", "Block",
     "BalancePlan", "BlockError", "BlockFunction", "ChannelError", "CheckpointError", "CheckpointInfo", "CommGroupType",
-    "ConfigFileError", "ConnectionType", "DataLoader", "DataLoaderError", "DataLoaderMode",
+    "ConfigFileError", "ConnectionType", "CustomOpError", "DataLoader", "DataLoaderError", "DataLoaderMode",
     "DeviceError", "Error", "ExecutionError", "ExecutionStrategy", "FrozenOptionsError",
     "HalfFloatCastingBehavior", "ICustomArgParser", "IPUInfeedQueue", "IPUOutfeedQueue", "InputError",
     "IpuOnlyWarning", "MultiConvPlanType", "Liveness", "LossError", "MatMulSerializationMode",
@@ -52,12 +54,12 @@ __all__ = [
     "PoptorchLiteWarning", "RecoverableError", "ReductionType", "ScheduleError",
     "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage", "SyncPattern",
     "TensorLocationSettings", "TraceError", "VariableRetrievalMode", "UnknownAttributeError", "UnrecoverableError",
-    "WrapError", "balance_by_time", "combined_batch_size", "for_loop", "identity_loss",
+    "WrapError", "balance_by_time", "combined_batch_size", "custom_op", "for_loop", "identity_loss",
     "inferenceModel",
     "ipuHardwareIsAvailable", "ipuHardwareVersion", "ipu_print_tensor", "isRunningOnIpu",
     "is_main_process", "keras", "load",
     "load_checkpoint", "module_repr", "nop", "optim", "pipeline", "print_pipeline_stage_assignment_summary",
-    "recomputationCheckpoint", "registerCustomArgParser", "removeBlocks", "save_checkpoint", "serializedMatMul",
+    "recomputationCheckpoint", "registerCustomArgParser", "register_custom_op", "removeBlocks", "save_checkpoint", "serializedMatMul",
     "setLogLevel", "set_available_memory", "set_overlap_for_input", "set_overlap_for_output",
     "set_pipeline_stage_assignment", "split_at", "stage_summary", "trainingModel",
 ]

@@ -125,6 +125,10 @@ class ExecutionError(Error):
     """An action failed while running: names its stream, stage, micro-batch and schedule row."""
 
 
+class CustomOpError(Error, ValueError):
+    """A custom op nobody registered, or called against what PopTorch allows (``custom_ops``)."""
+
+
 class ChannelError(Error):
     """A message to or from a stage in another process went astray (that process failed,
     exited or hung): the processes are out of step ([Note: stages in other processes])."""

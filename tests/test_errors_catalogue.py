@@ -240,6 +240,29 @@ def replaced_parameter():
         train.destroy()
 
 
+class _UsesCube(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        out = poptorch.custom_op([self.l1(x)], "Cube", "com.acme", 1, example_outputs=[x])[0]
+        return out, F.mse_loss(out, y)
+
+
+def custom_op_unregistered():
+    """A forward that calls a custom op nobody registered: its first call is refused, changing
+    nothing."""
+    model = _UsesCube()
+    train = poptorch.trainingModel(model, opts(), torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    try:
+        with weights_unchanged(model):
+            train(x, y)
+    finally:
+        train.destroy()
+
+
 def attribute_changed_every_call():
     """A Python attribute the forward reads, changed before each of six calls."""
     model = Two(tail="scaled")
@@ -1082,6 +1105,14 @@ T = {
     "E-OPS-07": lambda: torch.ops.poptorch.identity_loss(torch.ones(1), 5),
     "E-OPS-08": lambda: poptorch.registerCustomArgParser(tuple, object()),
     "E-OPS-09": lambda: poptorch.for_loop(2, torch.tanh, (torch.ones(1),)),
+    "E-OPS-11": custom_op_unregistered,
+    "E-OPS-12": lambda: poptorch.custom_op(torch.ones(1).numpy(), "CopyTensor", "ai.graphcore", 1,
+                                           [torch.ones(1)]),
+    "E-OPS-13": lambda: poptorch.custom_op([torch.ones(1)], "CopyTensor", "ai.graphcore", 1,
+                                           [torch.ones(1)], attributes={"grain": [1, 2.0]}),
+    "E-OPS-14": lambda: poptorch.custom_op([torch.ones(2)], "CopyTensor", "ai.graphcore", 1,
+                                           [torch.ones(3)]),
+    "E-OPS-15": lambda: poptorch.register_custom_op("Cube", 7, lambda x: x),
     "E-OPS-10": lambda: poptorch.for_loop(2.5, torch.tanh, [torch.ones(1)]),
     # schedules and timelines
     "E-SCH-01": lambda: Action.parse("1X0"),

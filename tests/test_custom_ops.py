@@ -1,0 +1,173 @@
+"""poptorch.custom_op and its registry ([Note: custom ops]): PopTorch's own custom-op tests
+(the Cube and LeakyRelu ops of its ``custom_ops_test.py``) with Python implementations, and
+transparency against plain PyTorch calling the same ops, across stages, schedules, replicas,
+accumulation and compiled stages, with a custom backward."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import poptorch_lite as poptorch
+from poptorch_lite import custom_ops
+
+from models import microbatch_seeds, reference_training
+
+
+@pytest.fixture(autouse=True)
+def registry(monkeypatch):
+    """Each test's registrations end with it (the shipped ops stay)."""
+    monkeypatch.setattr(custom_ops, "_REGISTRY", dict(custom_ops._REGISTRY))
+
+
+def cube(x, bias, **attributes):
+    return x ** 3 + bias, x ** 3
+
+
+class LeakyRelu(torch.autograd.Function):
+    """PopTorch's example op, with a backward of its own that is *not* autograd's derivative
+    (it also passes ``alpha`` where x > 0 is exactly 0): a trace that differentiated the
+    forward's ops instead would train differently."""
+
+    @staticmethod
+    def forward(ctx, x, alpha):
+        ctx.save_for_backward(x)
+        ctx.alpha = alpha
+        return torch.where(x > 0, x, alpha * x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * torch.where(x >= 0, 1.0 + ctx.alpha, ctx.alpha), None
+
+
+def leaky_relu(x, alpha=0.01, **attributes):
+    return LeakyRelu.apply(x, alpha)
+
+
+def test_popTorchs_cube_inference_has_two_outputs():
+    """PopTorch's ``test_inference``: out[0] == 12, out[1] == 8 for x = 2, bias = 4."""
+    poptorch.register_custom_op("Cube", "com.acme", cube)
+
+    class BasicNetwork(torch.nn.Module):
+        def forward(self, x, bias):
+            x, y = poptorch.custom_op([x, bias], "Cube", "com.acme", 1, example_outputs=[x, x])
+            return x, y
+
+    model = poptorch.inferenceModel(BasicNetwork())
+    out = model(torch.full((1, 8), 2.0), torch.full((1, 8), 4.0))
+    assert torch.equal(out[0], torch.full((1, 8), 12.0))
+    assert torch.equal(out[1], torch.full((1, 8), 8.0))
+    model.destroy()
+
+
+class Net(torch.nn.Module):
+    """Two stages; the first ends in the LeakyRelu custom op, the second in CopyTensor and
+    RemapCE (the shipped identities), with dropout so the random streams are compared too."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+        self.drop = torch.nn.Dropout(0.25)
+
+    def forward(self, x, y):
+        with poptorch.Block("in", ipu_id=0):
+            h = poptorch.custom_op([self.l1(x)], "LeakyRelu", "com.acme", 1,
+                                   example_outputs=[x], attributes={"alpha": 0.02})[0]
+        with poptorch.Block("out", ipu_id=1):
+            h = poptorch.custom_op([self.drop(h)], "CopyTensor", "ai.graphcore", 1,
+                                   example_outputs=[h])[0]
+            out = self.l2(h)
+            out = poptorch.custom_op([out], "RemapCE", "ai.graphcore", 1, example_outputs=[out],
+                                     attributes={"fwd_grain_size": 16, "debug_str": ""})[0]
+            loss = F.cross_entropy(out, y)
+        return out, loss
+
+
+CONFIGS = {  # name: (schedule, D, G, R, compiled)
+    "grouped": (poptorch.PipelinedExecution(), 2, 4, 1, False),
+    "sequential-replicas": (poptorch.ShardedExecution(), 1, 2, 2, False),
+    "grouped-compiled": (poptorch.PipelinedExecution(), 1, 4, 1, True),
+}
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_training_matches_plain_pytorch_calling_the_same_ops(config):
+    strategy, D, G, R, compiled = CONFIGS[config]
+    poptorch.register_custom_op("LeakyRelu", "com.acme", leaky_relu)
+    torch.manual_seed(0)
+    net = Net()
+    plain = copy.deepcopy(net)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(D * G * R * 2, 8, generator=g), torch.randint(0, 4, (D * G * R * 2,),
+                                                                      generator=g)
+    opts = poptorch.Options().deviceIterations(D).replicationFactor(R)
+    opts.Training.gradientAccumulation(G)
+    opts.setExecutionStrategy(strategy)
+    if compiled:
+        opts.compileStages(True, backend="aot_eager")
+    train = poptorch.trainingModel(net, opts, torch.optim.SGD(net.parameters(), lr=0.5))
+    torch.manual_seed(7)
+    out, loss = train(x, y)
+    torch.manual_seed(7)
+    seeds = microbatch_seeds(D, G * R)
+    outs, losses, _ = reference_training(plain, torch.optim.SGD(plain.parameters(), lr=0.5),
+                                         x, y, D, G, R, seeds=seeds)
+    tol = dict(rtol=1e-5, atol=1e-6) if compiled else dict(rtol=0, atol=0)
+    # OutputMode.Final: each replica's last micro-batch ([D, G, R, B] order)
+    torch.testing.assert_close(loss, losses[-1] if R == 1 else torch.stack(losses[-R:]), **tol)
+    torch.testing.assert_close(out, torch.cat(outs[-R:]), **tol)
+    for (name, p), q in zip(net.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p, q, **tol, msg=name)
+    train.destroy()
+
+
+def test_the_custom_backward_is_the_one_that_trains():
+    """The op's own backward, not autograd's derivative of its forward, reaches the weights:
+    the same model with ``torch.where`` in its place trains to other weights."""
+    poptorch.register_custom_op("LeakyRelu", "com.acme", leaky_relu)
+    torch.manual_seed(0)
+    net = Net()
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+    derived = copy.deepcopy(net)
+    opts = poptorch.Options().deviceIterations(8).setExecutionStrategy(
+        poptorch.ShardedExecution())
+    train = poptorch.trainingModel(net, opts, torch.optim.SGD(net.parameters(), lr=0.5))
+    train(x, y)
+    poptorch.register_custom_op("LeakyRelu", "com.acme",
+                                lambda x, alpha: torch.where(x > 0, x, alpha * x))
+    other = poptorch.trainingModel(derived, opts.clone(),
+                                   torch.optim.SGD(derived.parameters(), lr=0.5))
+    other(x, y)
+    assert not torch.equal(net.l1.weight, derived.l1.weight)
+    train.destroy()
+    other.destroy()
+
+
+def test_a_version_of_its_own_comes_before_any_version():
+    poptorch.register_custom_op("Scale", "com.acme", lambda x: 2 * x)
+    poptorch.register_custom_op("Scale", "com.acme", lambda x: 3 * x, domain_version=2)
+    one = torch.ones(2)
+    assert torch.equal(poptorch.custom_op([one], "Scale", "com.acme", 1, [one])[0], 2 * one)
+    assert torch.equal(poptorch.custom_op([one], "Scale", "com.acme", 2, [one])[0], 3 * one)
+    assert ("com.acme", "Scale", 2) in custom_ops.registered()
+
+
+def test_the_shipped_copies_are_copies_with_an_identity_gradient():
+    x = torch.tensor([1.0, -2.0, 3.0], requires_grad=True)
+    for name in ("CopyTensor", "RemapCE"):
+        (out,) = poptorch.custom_op([x], name, "ai.graphcore", 1, example_outputs=[x],
+                                    attributes={"grain_size": 8})
+        assert torch.equal(out, x) and out.data_ptr() != x.data_ptr()
+        (grad,) = torch.autograd.grad(out, x, torch.tensor([1.0, 2.0, 3.0]))
+        assert torch.equal(grad, torch.tensor([1.0, 2.0, 3.0]))
+
+
+def test_an_unregistered_op_names_what_the_domain_has():
+    poptorch.register_custom_op("Cube", "com.acme", cube)
+    with pytest.raises(poptorch.CustomOpError) as info:
+        poptorch.custom_op([torch.ones(1)], "Square", "com.acme", 1, [torch.ones(1)])
+    assert "domain 'com.acme' has Cube (version any)" in str(info.value)
+    assert isinstance(info.value, ValueError)
