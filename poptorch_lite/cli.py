@@ -71,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     run = commands.add_parser("run", help="run SCRIPT with `import poptorch` resolved to poptorch_lite",
                               usage="%(prog)s [-h] [--compile] [--compile-backend NAME] "
-                                    "SCRIPT [ARGS ...]",
+                                    "[--without-op-libraries] SCRIPT [ARGS ...]",
                               description="Run SCRIPT as __main__ with `import poptorch` resolved "
                                           "to poptorch_lite; ARGS (optional) are passed to it as "
                                           "sys.argv[1:].")
@@ -82,6 +82,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--compile-backend", metavar="NAME", choices=_backends(),
                      help=f"with --compile, the backend: one of {', '.join(_backends())} "
                           f"(default: each device's, inductor)")
+    run.add_argument("--without-op-libraries", action="store_true",
+                     help="a custom-op library the script loads with ctypes.cdll.LoadLibrary "
+                          "and that was not built is stood in for (one warning): its custom "
+                          "ops run from their Python registrations")
     run.add_argument("script", metavar="SCRIPT", nargs="?", help="path of the Python script")
     run.add_argument("args", metavar="ARGS", nargs=argparse.REMAINDER,
                      help="the script's arguments (optional)")
@@ -152,6 +156,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if wrong:
         args.usage_error(wrong)
     alias_poptorch()
+    if args.without_op_libraries:  # [Note: custom ops] in custom_ops
+        importlib.import_module("poptorch_lite.custom_ops").stand_in_for_missing_libraries()
     sys.argv = [args.script, *args.args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
     runpy.run_path(args.script, run_name="__main__")

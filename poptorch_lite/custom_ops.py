@@ -24,15 +24,26 @@ An op nobody registered is refused when the forward reaches it (while tracing: b
 state changes), naming the op, the domain, the version, what the domain has, and how to
 register one. The ops Graphcore's applications call are registered here (:data:`SHIPPED`);
 a program may register its own under the same name to replace one.
+
+A program loads its op library before it calls ``custom_op``
+(``ctypes.cdll.LoadLibrary("./custom_ops.so")``), and the library exists only where the
+program's C++ was built against PopART. ``poptorch-lite run --without-op-libraries
+script.py`` runs such a program unchanged where it was not built: a ``LoadLibrary`` of a
+file that does not exist returns a :class:`MissingLibrary` (one warning per path) instead of
+raising ``OSError``, and the ops run from their registrations. Nothing is silent: the
+warning names the path, and a program that calls a function of the missing library itself
+gets an error that says which one and why.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
 from typing import Callable, Optional, Sequence
 
 import torch
 
-from .errors import CustomOpError
+from .errors import CustomOpError, PoptorchLiteWarning, warn_once
 
 _REGISTRY: dict = {}  # (domain, name, version or None) -> implementation
 _ATTRIBUTE_TYPES = (float, int, str)
@@ -162,6 +173,47 @@ def _described(values) -> str:
 
 def _named(fn: Callable) -> str:
     return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+class MissingLibrary:
+    """What ``ctypes.cdll.LoadLibrary`` returns for a library that was not built, under
+    ``poptorch-lite run --without-op-libraries`` ([Note: custom ops]): any function read from
+    it raises, naming the library."""
+
+    def __init__(self, path: str):
+        self._name = path
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise CustomOpError(
+            f"{name} is a function of {self._name}, which does not exist (the program's C++ was "
+            f"not built) and which poptorch-lite run --without-op-libraries stood in for: only "
+            f"custom ops, run from their Python registrations, work without it. Build the "
+            f"library, or run without the flag")
+
+    def __repr__(self) -> str:
+        return f"<MissingLibrary {self._name!r}>"
+
+
+def stand_in_for_missing_libraries() -> None:
+    """Make ``ctypes.cdll.LoadLibrary`` of a file that does not exist return a
+    :class:`MissingLibrary`, with one warning per path; other failures raise as before."""
+    load = ctypes.cdll.LoadLibrary
+
+    def load_library(name):
+        try:
+            return load(name)
+        except OSError:
+            if not isinstance(name, (str, os.PathLike)) or os.path.exists(name):
+                raise
+            warn_once(f"custom_ops.missing:{name}",
+                      f"ctypes.cdll.LoadLibrary({str(name)!r}): no such file; poptorch-lite run "
+                      f"--without-op-libraries stands in for it, and its custom ops run from "
+                      f"their Python registrations (poptorch.register_custom_op)",
+                      PoptorchLiteWarning)
+            return MissingLibrary(str(name))
+    ctypes.cdll.LoadLibrary = load_library
 
 
 # -- the ops Graphcore's applications call -------------------------------------------------

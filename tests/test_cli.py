@@ -175,3 +175,31 @@ def test_the_alias_reaches_spawned_children_and_subprocesses(tmp_path):
         "spawned: poptorch_lite True",
         "subprocess: poptorch_lite poptorch_lite.optim",
         "spawned DataLoader workers: [[0.0, 1.0], [4.0, 9.0]]"]
+
+
+# A program as Graphcore's applications write one: it loads its op library, then calls the op.
+OPS_SCRIPT = textwrap.dedent('''
+    import ctypes
+    import torch
+    import poptorch
+
+    lib = ctypes.cdll.LoadLibrary("./custom_ops.so")
+    x = torch.tensor([1.0, -2.0])
+    print(poptorch.custom_op([x], "RemapCE", "ai.graphcore", 1, example_outputs=[x])[0].tolist())
+    lib.some_function()
+''')
+
+
+def test_a_missing_op_library_is_stood_in_for_only_when_asked(tmp_path):
+    (tmp_path / "ops.py").write_text(OPS_SCRIPT)
+    refused = run_cli("run", "ops.py", cwd=tmp_path)
+    assert refused.returncode == 1 and "OSError" in refused.stderr
+    result = subprocess.run([sys.executable, "-m", "poptorch_lite", "run",
+                             "--without-op-libraries", "ops.py"], capture_output=True, text=True,
+                            timeout=limit(300), cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.stdout == "[1.0, -2.0]\n"
+    assert ("ctypes.cdll.LoadLibrary('./custom_ops.so'): no such file; poptorch-lite run "
+            "--without-op-libraries stands in for it") in result.stderr
+    assert "CustomOpError: some_function is a function of ./custom_ops.so, which does not " \
+           "exist" in result.stderr and result.returncode == 1

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import poptorch_lite as poptorch
-from poptorch_lite import errors, keras
+from poptorch_lite import custom_ops, errors, keras
 from poptorch_lite import optim
 from poptorch_lite.compiler import retarget
 from poptorch_lite.runtime.devices import resolve_devices
@@ -261,6 +261,15 @@ def custom_op_unregistered():
             train(x, y)
     finally:
         train.destroy()
+
+
+def missing_op_library(tmp_path):
+    """``--without-op-libraries``' stand-in, installed for the call and taken back."""
+    import ctypes
+    with mock.patch.object(ctypes.cdll, "LoadLibrary", ctypes.cdll.LoadLibrary):
+        custom_ops.stand_in_for_missing_libraries()
+        assert isinstance(ctypes.cdll.LoadLibrary(str(tmp_path / "ops.so")),
+                          custom_ops.MissingLibrary)
 
 
 def attribute_changed_every_call():
@@ -1113,6 +1122,7 @@ T = {
     "E-OPS-14": lambda: poptorch.custom_op([torch.ones(2)], "CopyTensor", "ai.graphcore", 1,
                                            [torch.ones(3)]),
     "E-OPS-15": lambda: poptorch.register_custom_op("Cube", 7, lambda x: x),
+    "E-OPS-16": lambda: custom_ops.MissingLibrary("./custom_ops.so").some_function(),
     "E-OPS-10": lambda: poptorch.for_loop(2.5, torch.tanh, [torch.ones(1)]),
     # schedules and timelines
     "E-SCH-01": lambda: Action.parse("1X0"),
@@ -1230,6 +1240,7 @@ T = {
     "W-LITE-14": lambda: poptorch.trainingModel(Two(tail="counter"), opts())(
         torch.randn(2, 4), torch.randn(2, 4)),
     "W-LITE-15": attribute_changed_every_call,
+    "W-LITE-16": missing_op_library,
     "W-LITE-08": lambda: keras_model(spe=1).fit(torch.randn(10, 4), torch.randn(10, 2),
                                                batch_size=4, verbose=0, drop_remainder=True),
 }
