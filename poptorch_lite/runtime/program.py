@@ -30,7 +30,7 @@ from .undo import capture
 from .update import CtrlC, StepArithmetic
 from .weights import Weights
 
-_NOTHING = contextlib.nullcontext()  # reentrant: a training call's host gradients, inference's
+_NOTHING = contextlib.nullcontext()  # an inference call keeps no host gradients (reentrant)
 
 
 class Program:
