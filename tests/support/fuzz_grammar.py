@@ -106,6 +106,10 @@ FEATURES = {
     "straight_through": Feature("h = RoundThrough.apply(h * 4) / 4",
                                 imports=("from models import RoundThrough",)),
     "custom_op": Feature("h = thirds_grad(h)", imports=("from models import thirds_grad",)),
+    "poptorch_custom_op": Feature(
+        "h = poptorch.custom_op([h], \"ScaledBackward\", \"poptorch_lite_test\", 1, "
+        "example_outputs=[h],\n                       attributes={{\"scale\": -0.5}})[0]",
+        imports=("import models",)),
     "checkpoint": Feature("h = torch.utils.checkpoint.checkpoint(torch.tanh, h, "
                           "use_reentrant=False)", imports=("import torch.utils.checkpoint",)),
     "tensor_hook": Feature("h = h * 1.0\nh.register_hook(lambda g: g * 2)"),

@@ -254,6 +254,15 @@ class ScaledBackward(torch.autograd.Function):
         return g * ctx.k, None
 
 
+def scaled_backward(x, scale, **attributes):
+    """PopTorch's ``custom_op`` "ScaledBackward" of domain "poptorch_lite_test" ([Note: custom
+    ops]): :class:`ScaledBackward`, its ``scale`` an attribute."""
+    return ScaledBackward.apply(x, scale)
+
+
+poptorch.register_custom_op("ScaledBackward", "poptorch_lite_test", scaled_backward)
+
+
 class OwnLinear(torch.autograd.Function):
     """A linear layer with a hand-written backward that doubles its weight's gradient."""
 
