@@ -191,12 +191,9 @@ OPS_SCRIPT = textwrap.dedent('''
 
 
 def test_a_missing_op_library_is_stood_in_for_only_when_asked(tmp_path):
-    import ctypes
-
-    from poptorch_lite import cli
-    assert not cli._parser().parse_args(["run", "ops.py"]).without_op_libraries
-    assert "LoadLibrary" not in vars(ctypes.cdll)  # ctypes' own, as a run without the flag keeps it
     (tmp_path / "ops.py").write_text(OPS_SCRIPT)
+    refused = run_cli("run", "ops.py", cwd=tmp_path)  # without the flag, ctypes' own OSError
+    assert refused.returncode == 1 and "OSError: ./custom_ops.so" in refused.stderr
     result = subprocess.run([sys.executable, "-m", "poptorch_lite", "run",
                              "--without-op-libraries", "ops.py"], capture_output=True, text=True,
                             timeout=limit(300), cwd=tmp_path,

@@ -35,7 +35,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import errors
-from ..runtime.program import collection_paused
+from ..runtime.plan import collection_paused
 
 _POLL_S = 0.05  # how often a blocked loader thread or consumer re-checks for a stop
 
@@ -168,7 +168,7 @@ class _Epoch:
     def get(self) -> Any:
         """The next item (or ``_End`` / a ``_Failure``), waiting for the thread; no automatic
         garbage collection meanwhile, where a Ctrl-C could land in a finalizer and be lost
-        (``runtime.program.collection_paused``)."""
+        (``runtime.plan.collection_paused``)."""
         with collection_paused():
             while True:
                 try:

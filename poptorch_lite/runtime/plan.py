@@ -120,8 +120,8 @@ def make_plan(schedule: Schedule, placement, ipu_of: Callable, runs_here: Callab
 class Call:
     """A call's runs of one plan ([Note: one setup per call]); a context manager that holds
     the caller's thread as the runs need it: no automatic garbage collection
-    (``program.collection_paused`` says why), and where that thread runs the actions, their
-    intra-op threads and grad mode.
+    (:func:`collection_paused`), and where that thread runs the actions, their intra-op
+    threads and grad mode.
 
     Args:
         plan: the schedule's plan; step: the optimizer step's arithmetic (None:
@@ -133,12 +133,10 @@ class Call:
         self.plan, self.step, self.recorder = plan, step, recorder
         self.watchdog = watchdog
         self._restore: Optional[tuple] = None
-        self._collecting = False
+        self._paused = collection_paused()
 
     def __enter__(self) -> "Call":
-        self._collecting = gc.isenabled()  # a caller that turned it off keeps it off
-        if self._collecting:
-            gc.disable()
+        self._paused.__enter__()
         if self.plan.here is not None:  # the caller's thread runs the actions: its settings
             threads, ours = self.plan.threads, torch.get_num_threads()
             self._restore = (ours, torch.is_grad_enabled())
@@ -154,5 +152,30 @@ class Call:
                 torch.set_num_threads(ours)
             torch._C._set_grad_enabled(grad)
             self._restore = None
-        if self._collecting:
+        self._paused.__exit__()
+
+
+def collection_paused() -> "_CollectionPaused":
+    """No automatic garbage collection while a call runs. A collection runs the finalizers of
+    the garbage it finds on the thread that happened to allocate, and CPython drops a Ctrl-C
+    that lands in a finalizer ("Exception ignored in: <finalize object ...>
+    KeyboardInterrupt"), so a call could run on past its Ctrl-C, and after it, a loop
+    (``benchmarks/soak.py`` saw both). Collection resumes when the call ends; a caller that
+    turned it off keeps it off."""
+    return _CollectionPaused()
+
+
+class _CollectionPaused:
+    """:func:`collection_paused`'s context: a class, not a generator (a call's setup runs
+    cold: [Note: one setup per call])."""
+
+    __slots__ = ("paused",)
+
+    def __enter__(self) -> None:
+        self.paused = gc.isenabled()
+        if self.paused:
+            gc.disable()
+
+    def __exit__(self, *exc) -> None:
+        if self.paused:
             gc.enable()

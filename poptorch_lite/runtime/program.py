@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import time
 from typing import Optional
 
@@ -186,29 +185,3 @@ class CallLayout:
 def _replica_of(R: int, j: int) -> int:
     """The replica of micro-batch ``j`` of a run ([Note: batch layout])."""
     return j % R
-
-
-def collection_paused() -> "_CollectionPaused":
-    """No automatic garbage collection while a call runs. A collection runs the finalizers of
-    the garbage it finds on the thread that happened to allocate, and CPython drops a Ctrl-C
-    that lands in a finalizer ("Exception ignored in: <finalize object ...>
-    KeyboardInterrupt"), so a call could run on past its Ctrl-C, and after it, a loop
-    (``benchmarks/soak.py`` saw both). Collection resumes when the call ends; a caller that
-    turned it off keeps it off."""
-    return _CollectionPaused()
-
-
-class _CollectionPaused:
-    """:func:`collection_paused`'s context: a class, not a generator (a call's setup runs
-    cold; [Note: one setup per call] in ``plan``)."""
-
-    __slots__ = ("paused",)
-
-    def __enter__(self) -> None:
-        self.paused = gc.isenabled()
-        if self.paused:
-            gc.disable()
-
-    def __exit__(self, *exc) -> None:
-        if self.paused:
-            gc.enable()
