@@ -171,3 +171,116 @@ def test_an_unregistered_op_names_what_the_domain_has():
         poptorch.custom_op([torch.ones(1)], "Square", "com.acme", 1, [torch.ones(1)])
     assert "domain 'com.acme' has Cube (version any)" in str(info.value)
     assert isinstance(info.value, ValueError)
+
+
+# -- DINO's ExpMovAvg: an average after the optimizer's step ([Note: after-step averages]) --
+
+
+class Dino(torch.nn.Module):
+    """DINO's shape: a student trained against a frozen teacher whose weights follow the
+    student's, averaged by ``ExpMovAvg`` called in the forward, in each parameter's block
+    (vision/dino/pytorch/core/dino.py). ``plain``: the forward without the op, for the
+    reference, which averages after its own step as DINO's CPU reference does."""
+
+    def __init__(self, plain: bool = False):
+        super().__init__()
+        self.student = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(),
+                                           torch.nn.Linear(8, 4))
+        self.teacher = copy.deepcopy(self.student).requires_grad_(False)
+        self.plain = plain
+        if not plain:
+            poptorch.BeginBlock(self.student[2], ipu_id=1)
+            poptorch.BeginBlock(self.teacher[2], ipu_id=1)
+
+    def forward(self, x, factor):
+        s = self.student(x)
+        with torch.no_grad():
+            for q, k in zip(self.student.parameters(), self.teacher.parameters()):
+                if not self.plain:
+                    poptorch.custom_op([q, k, factor], "ExpMovAvg", "com.acme", 1,
+                                       example_outputs=[q], attributes={})
+            t = self.teacher(x)
+        return s, F.mse_loss(s, t.softmax(-1) + 1.0)
+
+    def average(self, f: torch.Tensor) -> None:  # DINO's gpu_update_teacher, f a tensor
+        with torch.no_grad():
+            for q, k in zip(self.student.parameters(), self.teacher.parameters()):
+                k.mul_(f).add_(q * (1 - f))
+
+
+EMA_CONFIGS = {  # name: (schedule, D, G, R, options)
+    "grouped": (poptorch.PipelinedExecution(), 2, 4, 1, {}),
+    "sequential-replicas": (poptorch.ShardedExecution(), 2, 2, 2, {}),
+    "grouped-ipu-model": (poptorch.PipelinedExecution(), 1, 4, 1, {"model": True}),
+    "grouped-offloaded": (poptorch.PipelinedExecution(), 1, 4, 1, {"offload": True}),
+    "grouped-compiled": (poptorch.PipelinedExecution(), 2, 4, 1, {"compiled": True}),
+}
+
+
+def dino_options(strategy, D: int, G: int, R: int, model=False, offload=False, compiled=False):
+    opts = poptorch.Options().deviceIterations(D).replicationFactor(R).useIpuModel(model)
+    opts.Training.gradientAccumulation(G)
+    opts.setExecutionStrategy(strategy)
+    if offload:
+        opts.TensorLocations.setOptimizerLocation(
+            poptorch.TensorLocationSettings().useOnChipStorage(False))
+    if compiled:
+        opts.compileStages(True, backend="aot_eager")
+    return opts
+
+
+@pytest.mark.parametrize("config", sorted(EMA_CONFIGS))
+def test_the_teacher_follows_the_student_after_each_step_as_dinos_cpu_reference(config):
+    strategy, D, G, R, extra = EMA_CONFIGS[config]
+    torch.manual_seed(0)
+    net, plain = Dino(), Dino(plain=True)
+    plain.load_state_dict(net.state_dict())
+    x = torch.randn(2 * D * G * R * 2, 8, generator=torch.Generator().manual_seed(3))
+    factors = torch.tensor([0.75, 0.5])  # one per call, the same for every micro-batch
+    train = poptorch.trainingModel(net, dino_options(strategy, D, G, R, **extra),
+                                   torch.optim.AdamW(net.parameters(), lr=0.05))
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=0.05)
+    F_, b = D * G * R, 2
+    losses = []
+    for c, f in enumerate(factors):
+        _, loss = train(x[c * F_ * b:(c + 1) * F_ * b], f.repeat(F_))
+        for d in range(D):
+            optimizer.zero_grad()
+            for j in range(G * R):
+                k = (c * D + d) * G * R + j
+                _, expected = plain(x[k * b:(k + 1) * b], None)
+                expected.backward()
+                losses.append(expected.detach())
+            for p in plain.student.parameters():
+                p.grad.div_(G * R)
+            optimizer.step()
+            plain.average(f)
+    tol = dict(rtol=1e-5, atol=1e-6) if extra.get("compiled") else dict(rtol=0, atol=0)
+    # OutputMode.Final: each replica's last micro-batch ([D, G, R, B] order)
+    torch.testing.assert_close(loss, losses[-1] if R == 1 else torch.stack(losses[-R:]), **tol)
+    train.copyWeightsToHost()
+    for (name, p), q in zip(net.state_dict().items(), plain.state_dict().values()):
+        torch.testing.assert_close(p, q, **tol, msg=name)
+    assert not torch.equal(net.teacher[0].weight, net.student[0].weight)  # it averaged
+    train.destroy()
+
+
+def test_exp_mov_avg_is_refused_outside_a_training_model_and_for_uneven_factors():
+    net = Dino()
+    with pytest.raises(poptorch.CustomOpError, match="outside one there is no step"):
+        net(torch.ones(2, 8), torch.ones(1))
+    infer = poptorch.inferenceModel(Dino())
+    with pytest.raises(poptorch.CustomOpError, match="an inference model has none"):
+        infer(torch.ones(2, 8), torch.ones(1))
+    opts = poptorch.Options()
+    opts.Training.gradientAccumulation(4)
+    train = poptorch.trainingModel(net, opts, torch.optim.SGD(net.parameters(), lr=0.5))
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(poptorch.ExecutionError, match=r"different factors \(\[0.5, 0.75\]\)"
+                       r"(.|\n)*the call was undone") as info:
+        train(torch.ones(8, 8), torch.tensor([0.5, 0.5, 0.75, 0.5]))
+    assert isinstance(info.value.__cause__, poptorch.CustomOpError)
+    train.copyWeightsToHost()
+    for k, v in net.state_dict().items():
+        assert torch.equal(v, before[k]), k  # refused before the optimizer's step
+    train.destroy()

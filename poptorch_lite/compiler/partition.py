@@ -24,6 +24,19 @@ that uses it (skip connections, labels, the loss inputs).
 
 The loss, and the returned value that trains, are ``losses``' ([Note: loss provenance],
 [Note: the trained loss]).
+
+[Note: stages by data flow]
+Under ``PipelinedExecution`` a block's stage id need not ascend in the order the forward
+runs: PopART pipelines by data flow, so blocks on IPUs ``0, 1, 0, 1`` with ``AutoStage.
+SameAsIpu`` are two stages wherever the later IPU-0 ops use nothing of IPU 1's (DINO's
+teacher, in IPU 0's and IPU 1's blocks after the student's). Each stage's ops run in the
+order the trace ran them, and the stages in id order; that is the same arithmetic as the
+trace's order wherever every pair of ops whose order matters keeps it: an op and a user of
+its value, two ops that touch memory one of them writes in place, and two random ops (a
+micro-batch's stages draw from one stream in stage order: [Note: micro-batch RNG] in
+``rng``). Where such a pair would run in the other order (``0, 1, 0`` with the second
+IPU-0 block using IPU 1's output), the model is refused, as PopART refuses it. Shared
+state read and written by several stages is then ``state``'s to check.
 """
 
 from __future__ import annotations
@@ -182,6 +195,51 @@ def _block_stage_ids(blocks: list, strategy: ExecutionStrategy) -> dict:
     return resolved
 
 
+def _in_stage_order(ops: list, stage_of: Callable, owner: dict) -> list:
+    """``ops`` in stage order, each stage's in trace order ([Note: stages by data flow]).
+
+    Raises:
+        BlockError: an op must follow one of a later stage: it uses its value, one of them
+            writes in place memory that the other reads, or both draw random numbers.
+    """
+    if all(stage_of(a) <= stage_of(b) for a, b in zip(ops, ops[1:])):
+        return ops
+    here = set(ops)
+    roots: dict = {}
+
+    def root(n: fx.Node) -> fx.Node:  # the memory a value is: follow views and in-place results
+        if n not in roots:
+            up = state.aliased_input(n)
+            roots[n] = n if up is None else root(up)
+        return roots[n]
+
+    touches: dict = {}  # memory -> the ops that read or write it, in trace order
+    writes: dict = {}   # op -> the memory it writes in place
+    for n in ops:
+        for u in dict.fromkeys(n.all_input_nodes):
+            touches.setdefault(root(u), []).append(n)
+        writes[n] = {root(w) for w in state.written(n)}
+    written = set().union(*writes.values())
+    ordered = [(u, n, "uses a value of") for n in ops for u in n.all_input_nodes if u in here]
+    for m in written:  # each write keeps its place among the ops touching its memory
+        seq = touches[m]
+        for k, w in enumerate(seq):
+            if m in writes[w]:
+                ordered += [(t, w, "writes in place what is read by") for t in seq[:k]]
+                ordered += [(w, t, "reads what is written in place by") for t in seq[k + 1:]]
+    random = [n for n in ops if rng.is_random(n)]
+    ordered += [(a, b, "draws random numbers after") for a, b in zip(random, random[1:])]
+    for first, then, how in ordered:
+        if stage_of(first) > stage_of(then):
+            raise BlockError(
+                f"stage ids must ascend along the data flow under PipelinedExecution, but "
+                f"block '{owner[then]}' (stage {stage_of(then)}) {how} block '{owner[first]}' "
+                f"(stage {stage_of(first)}), which runs after it: {then.target} at "
+                f"{node_line(then)}. Use PipelinedExecution(AutoStage.AutoIncrement), reorder "
+                f"the Stages, or use ShardedExecution")
+    return sorted(ops, key=stage_of)
+
+
 def split(gm: fx.GraphModule, param_names: Sequence[str], buffer_names: Sequence[str],
           strategy: ExecutionStrategy, training: bool,
           trainable: Callable[[str], bool] = lambda name: True,
@@ -255,18 +313,8 @@ def split(gm: fx.GraphModule, param_names: Sequence[str], buffer_names: Sequence
         validate_ipus({b: ipu for b, (_, ipu) in block_stage.items()})
     block_stage["<leading>"] = (-1, 0)
     ops = [n for n in nodes if n in owner]
-    if strategy.pipelined:
-        last = None
-        for n in ops:
-            sid = block_stage[owner[n]][0]
-            if last is not None and sid < last[0]:
-                order = " -> ".join(f"{b}(stage {block_stage[b][0]})" for b in block_seq)
-                raise BlockError(
-                    f"stage ids must ascend in execution order under PipelinedExecution, but "
-                    f"block '{owner[n]}' (stage {sid}) runs after block '{last[1]}' (stage "
-                    f"{last[0]}): {order}. Use PipelinedExecution(AutoStage.AutoIncrement), "
-                    f"reorder the Stages, or use ShardedExecution")
-            last = (sid, owner[n])
+    if strategy.pipelined:  # [Note: stages by data flow]
+        ops = _in_stage_order(ops, lambda n: block_stage[owner[n]][0], owner)
 
     # 3. Stages: maximal runs of consecutive ops on one IPU (and of one stage id, for the
     # virtual stages of ZeroBubble: [Note: partition]).

@@ -336,13 +336,18 @@ def seeded(op):
     return wrap_target(op, call, "seeded_")
 
 
+def is_random(node: fx.Node) -> bool:
+    """Whether ``node`` draws random numbers (its op's ``nondeterministic_seeded`` tag)."""
+    tags = getattr(node.target, "tags", ()) if node.op == "call_function" else ()
+    return torch.Tag.nondeterministic_seeded in tags
+
+
 def seed_random_ops(gm: fx.GraphModule) -> bool:
     """Route ``gm``'s random ops through the micro-batch streams; True if it has any. An op
     given a generator of the model's own draws from it ([Note: a user's generator])."""
     found = False
     for node in gm.graph.nodes:
-        tags = getattr(node.target, "tags", ()) if node.op == "call_function" else ()
-        if torch.Tag.nondeterministic_seeded in tags and node.kwargs.get("generator") is None:
+        if is_random(node) and node.kwargs.get("generator") is None:
             node.target = seeded(node.target)
             found = True
     if found:

@@ -26,6 +26,7 @@ from ..enums import PipelineSchedule
 from ..errors import BlockError, OptionsError, hide_when_refused as __tracebackhide__
 from ..options.options import Options
 from .batch import MicroBatches
+from . import after_step
 from .channels import Channels
 from .devices import resolve_devices
 from .executor import Executor
@@ -85,6 +86,12 @@ def _compiled(model, modes, options, training, mbs, weights, placement, replicas
     check_mapped(part, o.ipu_devices)
     spans = processes is not None and processes.layout.spans_processes
     check_shared_state(part, model, o, processes.layout.runs if spans else lambda ipu: True)
+    if spans and after_step.in_graphs(st.module for st in part.stages):
+        raise BlockError(
+            "custom_op 'ExpMovAvg' averages a teacher's weights after each step, and this "
+            "pipeline's stages run in several processes, where the teacher's copies in the "
+            "other processes would not follow ([Note: after-step averages]); run its stages "
+            "in one process (replicas may span processes)")
     P = processes.layout.pipelines if processes is not None else 1  # data-parallel processes
     recompute = tuple(recomputed(o, st) for st in part.stages) if training else ()
     rng.check_user_generators(part.stages, recompute,

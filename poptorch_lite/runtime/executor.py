@@ -20,6 +20,7 @@ import torch
 from ..compiler import rng
 from ..compiler.lowered import Lowered
 from ..compiler.partition import Partition
+from . import after_step
 from .channels import Channels, Messages
 from ..errors import Error, ExecutionError, UnrecoverableError
 from ..profiling.timeline import Recorder
@@ -195,6 +196,7 @@ class Executor:
             run.placed.update(placed)
         if schedule.training:
             self.weights.zero_grads()
+            after_step.forget(self.weights)  # [Note: after-step averages]: this run's only
             if self.work.measures():  # only the stash's byte count reads it: skip the storages
                 run.work.excluded = self.weights.storages() | {
                     t.untyped_storage().data_ptr() for t in (

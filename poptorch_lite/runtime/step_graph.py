@@ -80,10 +80,11 @@ from typing import Optional
 
 import torch
 
-from ..compiler import rng
+from ..compiler import markers, rng
 from ..compiler.compiled_stages import CompiledGraph
 from ..compiler.running_stats import reads_count
 from ..errors import ExecutionError
+from . import after_step
 from .gpu import CaptureFailed, joinable
 from .run import RunStats
 from .schedule import Kind
@@ -92,6 +93,7 @@ from .update import graph_refusal
 _LOG = logging.getLogger("poptorch_lite")
 
 WARM_RUNS = 2  # eager runs of a program before its step is captured
+_ON_THE_HOST = (markers.PRINT_TENSOR, after_step.AVERAGE)  # ops that run Python when they run
 _RESTLESS = 2  # captures for a changed optimizer before its step leaves the graph
 
 
@@ -416,7 +418,11 @@ def for_program(executor, options) -> Optional[StepGraph]:
         "graph would not replay" if rng.user_generators(ex.partition.stages) else
         "a BatchNorm with momentum=None reads its count on the host in every micro-batch"
         if reads_count(gm for st in ex.partition.stages
-                       for gm in (st.module, *(seg.module for seg in st.segments))) else None)
+                       for gm in (st.module, *(seg.module for seg in st.segments))) else
+        "a stage runs Python in every micro-batch (ipu_print_tensor, or ExpMovAvg noting its "
+        "factor), which a replay would not run" if any(
+            n.target in _ON_THE_HOST for st in ex.partition.stages
+            for n in st.module.graph.nodes) else None)
     return StepGraph(ex, on_gpu[0], refused)
 
 

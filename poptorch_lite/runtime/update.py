@@ -44,6 +44,7 @@ import torch.optim.optimizer as torch_optimizer  # its global step hooks
 from ..optim import precision
 from ..optim.loss_scale import LossScale
 from ..optim.optimizers import Optimizer as PopTorchOptimizer
+from . import after_step
 from .schedule import Action
 from .run import Run
 
@@ -147,43 +148,51 @@ class Update:
         guard.raise_held()
 
     def _commit(self, step: StepArithmetic) -> None:
-        # [Note: gradient arithmetic] clip, then one optimizer update; [Note: loss scaling]
-        # skips it when automatic loss scaling finds a non-finite gradient. Inside
-        # stepping(), the host parameters stand for their homes ([Note: weight homes]).
+        # Inside stepping(), the host parameters stand for their homes ([Note: weight homes]).
         weights = self.weights
+        averages = after_step.take(weights)  # [Note: after-step averages], checked first
         with weights.stepping():
-            if self.channels is not None:  # a weight used in several processes: one gradient
-                self.channels.reduce_tied(weights.params)
-            if self.processes is not None:  # [Note: replicas across processes] global gradient first
-                self.processes.all_reduce_grads(self._stepped)
-            spread = self.channels is not None  # the stages' gradients are in several processes
-            params = ([p for p in weights.params.values() if p.grad is not None]
-                      if step.loss_scale.automatic or math.isfinite(step.max_grad_norm) else None)
-            if step.loss_scale.automatic:  # one sync per step
-                bad = torch.stack([(~torch.isfinite(p.grad)).any().to(params[0].device)
-                                   for p in params]).sum().cpu() if params else torch.zeros(())
-                if spread:  # a non-finite gradient in any of the pipeline's processes
-                    bad = self.processes.pipeline_sum(bad.reshape(1).float())[0]
-                if not step.loss_scale.update(not bool(bad)):
-                    self.steps_applied += 1  # a skipped step counts as taken
-                    return
-            if math.isfinite(step.max_grad_norm):
-                # The norm of what the optimizer steps (PopART clips the weights it updates):
-                # a parameter outside its groups keeps its gradient and adds nothing.
-                held = {id(p) for g in step.optimizer.param_groups for p in g["params"]}
-                if spread:  # the global norm, over the pipeline's processes
-                    self.channels.clip_grad_norm_(
-                        {n: p for n, p in weights.params.items() if id(p) in held},
-                        step.max_grad_norm)
-                else:
-                    torch.nn.utils.clip_grad_norm_([p for p in params if id(p) in held],
-                                                   step.max_grad_norm)
-            try:  # [Note: commit point]: from here parameters and optimizer state change
-                step.optimizer.step()
-            except Exception as exc:
-                raise PartialUpdate(exc) from exc
-        weights.after_step()
-        self.steps_applied += 1
+            stepped = self._update(step)
+            after_step.apply(weights, averages)  # the teacher follows, stepped or not
+        if stepped or averages:
+            weights.after_step()
+        self.steps_applied += 1  # a skipped step counts as taken
+
+    def _update(self, step: StepArithmetic) -> bool:
+        """The step on the homes: [Note: gradient arithmetic] clip, then one optimizer update;
+        False where [Note: loss scaling] skips it (automatic loss scaling found a non-finite
+        gradient)."""
+        weights = self.weights
+        if self.channels is not None:  # a weight used in several processes: one gradient
+            self.channels.reduce_tied(weights.params)
+        if self.processes is not None:  # [Note: replicas across processes] global gradient first
+            self.processes.all_reduce_grads(self._stepped)
+        spread = self.channels is not None  # the stages' gradients are in several processes
+        params = ([p for p in weights.params.values() if p.grad is not None]
+                  if step.loss_scale.automatic or math.isfinite(step.max_grad_norm) else None)
+        if step.loss_scale.automatic:  # one sync per step
+            bad = torch.stack([(~torch.isfinite(p.grad)).any().to(params[0].device)
+                               for p in params]).sum().cpu() if params else torch.zeros(())
+            if spread:  # a non-finite gradient in any of the pipeline's processes
+                bad = self.processes.pipeline_sum(bad.reshape(1).float())[0]
+            if not step.loss_scale.update(not bool(bad)):
+                return False
+        if math.isfinite(step.max_grad_norm):
+            # The norm of what the optimizer steps (PopART clips the weights it updates):
+            # a parameter outside its groups keeps its gradient and adds nothing.
+            held = {id(p) for g in step.optimizer.param_groups for p in g["params"]}
+            if spread:  # the global norm, over the pipeline's processes
+                self.channels.clip_grad_norm_(
+                    {n: p for n, p in weights.params.items() if id(p) in held},
+                    step.max_grad_norm)
+            else:
+                torch.nn.utils.clip_grad_norm_([p for p in params if id(p) in held],
+                                               step.max_grad_norm)
+        try:  # [Note: commit point]: from here parameters and optimizer state change
+            step.optimizer.step()
+        except Exception as exc:
+            raise PartialUpdate(exc) from exc
+        return True
 
 
 class CtrlC:

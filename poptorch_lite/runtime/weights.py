@@ -167,6 +167,10 @@ class Weights:
         """The tensor that the stage on ``ipu`` computes with for parameter ``name``."""
         return self._use[name, ipu]
 
+    def tensor_names(self) -> dict:
+        """id(a tensor a stage computes with for a parameter) -> the parameter's name."""
+        return {id(t): name for (name, _), t in self._use.items()}
+
     def home(self, name: str) -> torch.Tensor:
         """The tensor the optimizer steps for ``name`` (the host parameter when offloaded)."""
         return self.params[name] if self.offload else self._use[name, self.home_of[name]]

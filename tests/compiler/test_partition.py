@@ -360,3 +360,70 @@ def test_consecutive_blocks_on_one_ipu_merge_except_as_zero_bubbles_virtual_stag
                      poptorch.PipelinedExecution(poptorch.AutoStage.AutoIncrement,
                                                  schedule=schedule), True)
     assert [(st.ipu, st.blocks) for st in part.stages] == stages
+
+
+class TwoBranches(torch.nn.Module):
+    """DINO's layout ([Note: stages by data flow]): a student over IPUs 0 and 1, then a
+    teacher over IPUs 0 and 1 again, which reads none of the student's values. ``tail``: what
+    the teacher's IPU-0 block does besides (``"student"``: uses the student's IPU-1 output;
+    ``"dropout"``: draws after the student's dropout on IPU 1; ``"in_place"``: writes in
+    place what the student's IPU-1 block reads)."""
+
+    def __init__(self, tail=None):
+        super().__init__()
+        self.s0, self.s1, self.t0, self.t1 = (torch.nn.Linear(8, 8) for _ in range(4))
+        self.tail = tail
+
+    def forward(self, x, y):
+        with poptorch.Block("s0", ipu_id=0):
+            a = torch.tanh(self.s0(x))
+        with poptorch.Block("s1", ipu_id=1):
+            student = self.s1(F.dropout(a, 0.25) if self.tail == "dropout" else a)
+            if self.tail == "in_place":
+                student = student * x.sum()
+        with poptorch.Block("t0", ipu_id=0):
+            b = torch.tanh(self.t0(x + student if self.tail == "student" else x))
+            if self.tail == "dropout":
+                b = F.dropout(b, 0.25)
+            if self.tail == "in_place":
+                x.mul_(2)
+        with poptorch.Block("t1", ipu_id=1):
+            teacher = self.t1(b)
+            return student, F.mse_loss(student, teacher.detach() + y)
+
+
+def test_blocks_on_ipus_0_1_0_1_are_two_stages_when_the_data_flows_forward():
+    torch.manual_seed(0)
+    model = TwoBranches()
+    ref = copy.deepcopy(model)
+    G = 4
+    x, y = torch.randn(2 * G, 8), torch.randn(2 * G, 8)
+    opts = poptorch.Options()  # PipelinedExecution(AutoStage.SameAsIpu)
+    opts.Training.gradientAccumulation(G)
+    train = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+    out, loss = train(x, y)
+    assert stage_layout(train) == [(0, ["s0", "t0"]), (1, ["s1", "t1"])]
+    outs, losses, _ = reference_training(ref, torch.optim.SGD(ref.parameters(), lr=0.1),
+                                         x, y, 1, G, 1)
+    assert_close(loss, losses[-1], atol=0, rtol=0)
+    assert_close(out, outs[-1], atol=0, rtol=0)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_close(p.detach(), q.detach(), atol=0, rtol=0, msg=n)
+
+
+@pytest.mark.parametrize("tail, how", [
+    ("student", "uses a value of block 's1'"),
+    ("dropout", "draws random numbers after block 's1'"),
+    ("in_place", "writes in place what is read by block 's1'"),
+])
+def test_a_stage_that_needs_a_later_stages_work_is_refused(tail, how):
+    model = TwoBranches(tail)
+    before = copy.deepcopy(model.state_dict())
+    opts = poptorch.Options()
+    opts.Training.gradientAccumulation(4)
+    train = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(poptorch.BlockError, match=f"stage ids must ascend along the data flow"
+                                                  f"(.|\\n)*({how})"):
+        train(torch.randn(8, 8), torch.randn(8, 8))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
