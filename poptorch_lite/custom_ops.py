@@ -22,8 +22,8 @@ a wrapped model it computes the same numbers, so a program's CPU reference match
 
 An op nobody registered is refused when the forward reaches it (while tracing: before any
 state changes), naming the op, the domain, the version, what the domain has, and how to
-register one. The ops Graphcore's applications call are registered here (:data:`SHIPPED`);
-a program may register its own under the same name to replace one.
+register one. The ops Graphcore's applications call are registered from the start
+(``graphcore_ops.SHIPPED``); a program may register its own under the same name to replace one.
 
 A program loads its op library before it calls ``custom_op``
 (``ctypes.cdll.LoadLibrary("./custom_ops.so")``), and the library exists only where the
@@ -43,9 +43,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .compiler import markers
 from .errors import CustomOpError, PoptorchLiteWarning, warn_once
-from .runtime import after_step
+from .graphcore_ops import SHIPPED
 
 _REGISTRY: dict = {}  # (domain, name, version or None) -> implementation
 _ATTRIBUTE_TYPES = (float, int, str)
@@ -218,50 +217,4 @@ def stand_in_for_missing_libraries() -> None:
     ctypes.cdll.LoadLibrary = load_library
 
 
-# -- the ops Graphcore's applications call -------------------------------------------------
-
-
-def _copy(x: torch.Tensor, **attributes) -> torch.Tensor:
-    """A copy of ``x``; its gradient passes through unchanged."""
-    return x.clone()
-
-
-def _exp_mov_avg(student: torch.Tensor, teacher: torch.Tensor, factor: torch.Tensor,
-                 **attributes) -> torch.Tensor:
-    """DINO's ``ExpMovAvg``: after the step, ``teacher = factor * teacher + (1 - factor) *
-    student`` ([Note: after-step averages] in ``runtime/after_step``); returns the teacher as
-    it is now."""
-    what = "custom_op 'ExpMovAvg' of domain 'com.acme'"
-    if not markers.is_tracing():
-        raise CustomOpError(
-            f"{what} averages a teacher's weights after the optimizer's step of a wrapped "
-            f"training model; outside one there is no step. Average after your own "
-            f"optimizer.step(): teacher.mul_(f).add_(student * (1 - f)) under torch.no_grad()")
-    if markers.training_tracer() is None:
-        raise CustomOpError(
-            f"{what} averages after the optimizer's step, and an inference model has none; "
-            f"wrap the model with poptorch.trainingModel, or leave the op out of inference")
-    if not (isinstance(student, torch.nn.Parameter) and isinstance(teacher, torch.nn.Parameter)):
-        raise CustomOpError(
-            f"{what} takes [student parameter, teacher parameter, factor], got "
-            f"{type(student).__name__} and {type(teacher).__name__}: pass the parameters "
-            f"themselves (module.weight), not values computed from them")
-    if student.shape != teacher.shape or factor.numel() != 1:
-        raise CustomOpError(
-            f"{what}: the student {tuple(student.shape)} and teacher {tuple(teacher.shape)} "
-            f"must have one shape, and the factor {tuple(factor.shape)} one element (one "
-            f"micro-batch's)")
-    after_step.AVERAGE(factor, student, teacher)
-    return teacher.detach().clone()
-
-
-SHIPPED = {
-    # vision/yolo_v4: a copy that PopART may not elide (its gradient is the identity)
-    ("ai.graphcore", "CopyTensor", None): _copy,
-    # vision/mae, nlp/gpt2: the same values laid out again across the IPU's tiles for the
-    # matmul that follows (fwd_grain_size, ...: layout attributes, nothing to compute)
-    ("ai.graphcore", "RemapCE", None): _copy,
-    # vision/dino: the teacher's weights, an average of the student's after each step
-    ("com.acme", "ExpMovAvg", None): _exp_mov_avg,
-}
 _REGISTRY.update(SHIPPED)

@@ -163,7 +163,8 @@ class PoplarExecutor(perf_counters.Latencies):
         tensors] in ``anchors``): parameters and buffers, ``Gradient___<param>`` and
         ``UpdatedVar___<param>`` when training. Needs a compiled model, as in PopTorch."""
         self._require_compiled()
-        return anchors.tensor_names(self._user_model, self._training)
+        return anchors.tensor_names(self._user_model, self._training,
+                                    anchors.scope_of(self._options))
 
     def getAnchoredTensor(self, short_name: str) -> Optional[torch.Tensor]:
         """The value of the tensor anchored as ``short_name``, after the last call (a
@@ -171,7 +172,7 @@ class PoplarExecutor(perf_counters.Latencies):
         self._require_compiled()
         self._weights.to_host()
         return anchors.value(self._options.anchored_tensors, short_name, self._user_model,
-                             self._weights.last_grads)
+                             self._weights.last_grads, anchors.scope_of(self._options))
 
     def copyWeightsToHost(self) -> None:
         """Copy device-side weights and buffers back to the user's model.

@@ -284,3 +284,142 @@ def test_exp_mov_avg_is_refused_outside_a_training_model_and_for_uneven_factors(
     for k, v in net.state_dict().items():
         assert torch.equal(v, before[k]), k  # refused before the optimizer's step
     train.destroy()
+
+
+# -- YOLOv4's Nms and PopART's Ctc -----------------------------------------------------------
+
+
+def nms_inputs(seed: int, B=2, N=40, C=3):
+    g = torch.Generator().manual_seed(seed)
+    corner = torch.rand(B, N, 2, generator=g) * 40
+    boxes = torch.cat([corner, corner + torch.rand(B, N, 2, generator=g) * 30 + 1], -1)
+    return torch.rand(B, N, C, generator=g), boxes
+
+
+def nms_examples(B: int, K: int) -> list:
+    return [torch.zeros(B, K, dtype=torch.long), torch.zeros(B, K), torch.zeros(B, K, 4),
+            torch.zeros(B, K, dtype=torch.int), torch.zeros(B, dtype=torch.int)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_nms_keeps_what_torchvisions_per_class_nms_keeps_best_first(seed):
+    """YOLOv4's op against an independent reference: greedy by score within each class
+    (``batched_nms``), above the score threshold, the first ``numDetections``."""
+    torchvision = pytest.importorskip("torchvision")
+    scores, boxes = nms_inputs(seed)
+    B, N, C = scores.shape
+    K, threshold, floor = 12, 0.4, 0.2
+    got = poptorch.custom_op([scores, boxes], "Nms", "ai.graphcore", 1, nms_examples(B, K),
+                             {"threshold": threshold, "scoreThreshold": floor,
+                              "numDetections": K, "useGather": 1})
+    for b in range(B):
+        flat, which = scores[b].reshape(-1), torch.arange(N * C)
+        kept = flat > floor
+        picked = torchvision.ops.batched_nms(boxes[b][which[kept] // C], flat[kept],
+                                             which[kept] % C, threshold)[:K]
+        n = len(picked)
+        assert n == K  # these inputs never run out: every batch counts K
+        assert torch.equal(got[0][b], (which[kept] // C)[picked])
+        assert torch.equal(got[1][b], flat[kept][picked])
+        assert torch.equal(got[2][b], boxes[b][(which[kept] // C)[picked]])
+        assert torch.equal(got[3][b], (which[kept] % C)[picked].int())
+    assert torch.equal(got[4], torch.full((B,), K, dtype=torch.int32))
+
+
+def test_nms_pads_and_stops_as_its_codelets_do():
+    """Once one batch has no box above the score threshold the op stops for all: that batch
+    counts what it found, the other ``numDetections`` (the codelets' count); empty places are
+    -1, 0, 0 and INT32_MAX."""
+    scores = torch.tensor([[[0.9], [0.8], [0.1], [0.05]], [[0.9], [0.7], [0.6], [0.55]]])
+    boxes = torch.tensor([[[0.0, 0, 1, 1], [5, 5, 6, 6], [9, 9, 10, 10], [20, 20, 21, 21]]] * 2)
+    idx, sc, bx, cls, count = poptorch.custom_op(
+        [scores, boxes], "Nms", "ai.graphcore", 1, nms_examples(2, 4),
+        {"threshold": 0.5, "scoreThreshold": 0.5, "numDetections": 4})
+    assert idx.tolist() == [[0, 1, -1, -1], [0, 1, 2, -1]]  # batch 1's 0.55 is never reached
+    assert torch.equal(sc, torch.tensor([[0.9, 0.8, 0.0, 0.0], [0.9, 0.7, 0.6, 0.0]]))
+    assert cls.tolist() == [[0, 0, INT_MAX, INT_MAX], [0, 0, 0, INT_MAX]]
+    assert torch.equal(bx[0, 2:], torch.zeros(2, 4)) and torch.equal(bx[1, :3], boxes[1, :3])
+    assert count.tolist() == [2, 4]
+
+
+INT_MAX = torch.iinfo(torch.int32).max
+
+
+def test_nms_runs_in_a_wrapped_inference_model_as_outside():
+    class Detector(torch.nn.Module):
+        def forward(self, scores, boxes):
+            return poptorch.custom_op([scores.sigmoid(), boxes], "Nms", "ai.graphcore", 1,
+                                      nms_examples(len(scores), 8), {"threshold": 0.45,
+                                                           "scoreThreshold": 0.55,
+                                                           "numDetections": 8})
+    scores, boxes = nms_inputs(7, B=4)
+    wrapped = poptorch.inferenceModel(Detector(), poptorch.Options().deviceIterations(4))
+    for got, expected in zip(wrapped(scores, boxes), Detector()(scores, boxes)):
+        assert torch.equal(got, expected)
+    with pytest.raises(poptorch.CustomOpError, match=r"numDetections \(50\) must be between 1"):
+        poptorch.custom_op([scores, boxes], "Nms", "ai.graphcore", 1, nms_examples(4, 50),
+                           {"threshold": 0.5, "numDetections": 50})
+
+
+@pytest.mark.parametrize("reduction", ["Sum", "Mean"])
+def test_ctc_is_torchs_ctc_loss_and_its_gradient(reduction):
+    g = torch.Generator().manual_seed(1)
+    lp = torch.randn(12, 3, 6, generator=g).log_softmax(-1).requires_grad_()
+    targets = torch.randint(1, 6, (3, 4), generator=g)
+    lengths, target_lengths = torch.tensor([12, 9, 11]), torch.tensor([4, 2, 3])
+    loss, grad = poptorch.custom_op([lp, targets, lengths, target_lengths], "Ctc",
+                                    "ai.graphcore", 1, [torch.zeros(()), lp],
+                                    {"reduction": reduction, "blank": 0,
+                                     "enableReducedClassesInLabel": True})
+    expected = F.ctc_loss(lp, targets, lengths, target_lengths, reduction=reduction.lower())
+    assert torch.equal(loss, expected)
+    assert torch.equal(grad, torch.autograd.grad(expected, lp, retain_graph=True)[0])
+    assert torch.equal(torch.autograd.grad(loss, lp)[0], grad)
+
+
+class Speech(torch.nn.Module):
+    """Conformer's loss head: a CTC loss over two stages' log-probabilities (``plain``: torch's
+    ``ctc_loss`` in its place)."""
+
+    def __init__(self, plain=False):
+        super().__init__()
+        self.encoder, self.head = torch.nn.Linear(5, 8), torch.nn.Linear(8, 6)
+        self.plain = plain
+        if not plain:
+            poptorch.BeginBlock(self.head, ipu_id=1)
+
+    def forward(self, x, targets, lengths, target_lengths):
+        lp = self.head(torch.tanh(self.encoder(x))).log_softmax(-1).transpose(0, 1)
+        if self.plain:
+            loss = F.ctc_loss(lp, targets, lengths, target_lengths, reduction="sum")
+        else:
+            loss = poptorch.custom_op([lp, targets, lengths, target_lengths], "Ctc",
+                                      "ai.graphcore", 1, [torch.zeros(()), lp],
+                                      {"reduction": "Sum", "blank": 0})[0]
+        return poptorch.identity_loss(loss / x.shape[0], reduction="mean")
+
+
+def test_a_ctc_loss_trains_as_torchs_across_two_stages():
+    torch.manual_seed(0)
+    net, plain = Speech(), Speech(plain=True)
+    plain.load_state_dict(net.state_dict())
+    G, b = 4, 2
+    g = torch.Generator().manual_seed(2)
+    x, targets = torch.randn(G * b, 10, 5, generator=g), torch.randint(1, 6, (G * b, 3),
+                                                                       generator=g)
+    lengths = torch.full((G * b,), 10)
+    target_lengths = torch.randint(1, 4, (G * b,), generator=g)
+    opts = poptorch.Options()
+    opts.Training.gradientAccumulation(G)
+    train = poptorch.trainingModel(net, opts, torch.optim.SGD(net.parameters(), lr=0.1))
+    loss = train(x, targets, lengths, target_lengths)
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for k in range(G):
+        s = slice(k * b, (k + 1) * b)
+        expected = plain(x[s], targets[s], lengths[s], target_lengths[s])
+        (expected / G).backward()
+    optimizer.step()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=0)
+    for (name, p), q in zip(net.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+    train.destroy()

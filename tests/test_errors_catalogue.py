@@ -292,6 +292,32 @@ def first_call(model, o, rows=None, training=True):
         wrapped(x, y)
 
 
+class Averaging(torch.nn.Module):
+    """DINO's teacher, averaged from its student by ExpMovAvg ([Note: after-step averages]);
+    ``teacher``: what the op is given as the teacher."""
+
+    def __init__(self, teacher=lambda m: m.teacher.weight):
+        super().__init__()
+        self.student, self.teacher = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.teacher.requires_grad_(False)
+        self.pick = teacher
+
+    def forward(self, x, factor):
+        with torch.no_grad():
+            poptorch.custom_op([self.student.weight, self.pick(self), factor], "ExpMovAvg",
+                               "com.acme", 1, [self.student.weight])
+        return poptorch.identity_loss((self.student(x) - self.teacher(x)).pow(2).sum(),
+                                      reduction="mean")
+
+
+def averaged_call(model, o, factors):
+    """One call, each micro-batch with its factor; a refusal leaves the weights unchanged."""
+    x = torch.randn(len(factors), 4)
+    with weights_unchanged(model):
+        wrapped = poptorch.trainingModel(model, o, optim.SGD(model.parameters(), lr=0.1))
+        wrapped(x, torch.tensor(factors))
+
+
 def buffer_kept(model):
     """A first call refused for what the forward did to a buffer: the buffer is back, unchanged."""
     table = [(name, id(b)) for name, b in model.bn._buffers.items()]
@@ -423,7 +449,7 @@ def spawned(scenario, rank, what):
 ROW_CLASS = {("refuse", "uncovered"): "OptionsError", ("refuse", "stageless"): "OptionsError",
              ("refuse", "mismatch"): "OptionsError", ("checkpoint", "swapped"): "CheckpointError",
              ("checkpoint", "missing"): "CheckpointError",
-             ("checkpoint", "refused"): "CheckpointError"}
+             ("checkpoint", "refused"): "CheckpointError", ("refuse", "averaged"): "BlockError"}
 
 
 def spread_options(W=2):
@@ -785,7 +811,6 @@ T = {
     "E-OPT-20": lambda: refuse(lambda o: o.setAvailableMemoryProportion({"GPU0": 0.5})),
     "E-OPT-21": lambda: refuse(lambda o: o.setAvailableMemoryProportion({"IPU0": "half"})),
     "E-OPT-22": lambda: refuse(lambda o: o.Precision.setPartialsType(torch.int32)),
-    "E-OPT-23": lambda: refuse(lambda o: o.Jit.traceModel(True)),
     "E-OPT-24": lambda: refuse(lambda o: o._Popart.set(3, 1)),
     "E-OPT-25": lambda: refuse(lambda o: o._Popart.set("autoRecomputation", -1)),
     "E-OPT-26": lambda: refuse(lambda o: o._Popart.setEngineOptions(["x"])),
@@ -1124,6 +1149,18 @@ T = {
     "E-OPS-15": lambda: poptorch.register_custom_op("Cube", 7, lambda x: x),
     "E-OPS-16": lambda: custom_ops.MissingLibrary("./custom_ops.so").some_function(),
     "E-OPS-10": lambda: poptorch.for_loop(2.5, torch.tanh, [torch.ones(1)]),
+    "E-OPS-17": lambda: poptorch.custom_op([torch.nn.Parameter(torch.ones(1))] * 2 + [
+        torch.ones(1)], "ExpMovAvg", "com.acme", 1, [torch.ones(1)]),
+    "E-OPS-18": lambda: averaged_call(Averaging(teacher=lambda m: m.teacher.weight * 1), opts(),
+                                      [0.5]),
+    "E-OPS-19": lambda: averaged_call(Averaging(), opts(G=2), [0.5, 0.25]),
+    "E-OPS-20": lambda: poptorch.custom_op([torch.ones(1, 3, 2), torch.ones(1, 3, 5)], "Nms",
+                                           "ai.graphcore", 1, [torch.ones(1)],
+                                           {"threshold": 0.5, "numDetections": 4}),
+    "E-OPS-21": lambda: poptorch.custom_op([torch.ones(4, 1, 3), torch.ones(1, 2),
+                                            torch.tensor([4]), torch.tensor([2])], "Ctc",
+                                           "ai.graphcore", 1, [torch.ones(())],
+                                           {"reduction": "Average"}),
     # schedules and timelines
     "E-SCH-01": lambda: Action.parse("1X0"),
     "E-SCH-02": lambda: build(P.Grouped, 0, 2, True),
@@ -1192,6 +1229,7 @@ T = {
     "E-PROC-05": nobody_joins,
     "E-PROC-06": lambda: spawned("refuse", 1, "uncovered"),
     "E-PROC-07": lambda: spawned("refuse", 0, "stageless"),
+    "E-PROC-12": lambda: spawned("refuse", 1, "averaged"),
     "E-PROC-08": lambda: spawned("errors", 0, "remote"),
     "E-PROC-09": lambda: spawned("errors", 0, "lost"),
     "E-PROC-10": lambda: spawned("errors", 0, "broken"),
@@ -1241,6 +1279,7 @@ T = {
         torch.randn(2, 4), torch.randn(2, 4)),
     "W-LITE-15": attribute_changed_every_call,
     "W-LITE-16": missing_op_library,
+    "W-LITE-17": lambda: poptorch.Options().Jit.traceModel(True),
     "W-LITE-08": lambda: keras_model(spe=1).fit(torch.randn(10, 4), torch.randn(10, 2),
                                                batch_size=4, verbose=0, drop_remainder=True),
 }

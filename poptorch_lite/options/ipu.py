@@ -111,7 +111,8 @@ class _PrecisionOptions(OptionGroup):
 
 
 class _JitOptions(OptionGroup):
-    """``Options.Jit``: only ``traceModel(False)`` exists since PopTorch 3.0.
+    """``Options.Jit``: ``traceModel``, PopTorch 3.0's way back to its tracer before the
+    dispatcher.
 
     Example:
         >>> _JitOptions().trace_model
@@ -126,19 +127,23 @@ class _JitOptions(OptionGroup):
 
     @setter
     def traceModel(self, trace_model: bool):
-        """Must be False: torch.jit tracing is not used (True raises OptionsError).
+        """True: the tensor names of PopTorch before 3.0, whose ``torch.jit.trace`` named the
+        model's tensors under ``model.`` (``Gradient___model.<name>``, as SDK 2 programs
+        anchor them: [Note: anchored tensors] in ``runtime/anchors``); the model is traced as
+        always. PopTorch 3.0 kept the old tracer behind this option, deprecated.
 
         Example:
             >>> _JitOptions().traceModel(False).trace_model
             False
         """
-        if trace_model is not False:
-            raise errors.OptionsError(
-                f"Jit.traceModel({trace_model!r}) is not supported: models are "
-                f"traced with concrete inputs, not torch.jit.trace (PopTorch 3.0 "
-                f"removed it too); call opts.Jit.traceModel(False) or drop the call")
-        self._store(trace_model=False)
-        warn_ipu_only(f"{self._PATH}.traceModel")
+        self._store(trace_model=check_bool(trace_model, "Jit.traceModel"))
+        if trace_model:
+            errors.warn_once("Jit.traceModel", "Options.Jit.traceModel(True) is deprecated "
+                             "(PopTorch 3.0): the model is traced as always, and only the "
+                             "tensor names are those before PopTorch 3.0 "
+                             "(Gradient___model.<name>)", errors.PoptorchLiteWarning)
+        else:
+            warn_ipu_only(f"{self._PATH}.traceModel")
 
 
 def _synthetic_data_mode(value: Any) -> SyntheticDataMode:

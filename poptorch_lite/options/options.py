@@ -126,7 +126,8 @@ class Options(OptionGroup):
     Precision = property(lambda self: self._precision, doc="IPU numerics (IPU-only).")
     TensorLocations = property(lambda self: self._tensor_locations,
                                doc="IPU tensor placement (IPU-only).")
-    Jit = property(lambda self: self._jit, doc="Tracing options (only traceModel(False)).")
+    Jit = property(lambda self: self._jit,
+                   doc="Tracing options (traceModel: the tensor names before PopTorch 3.0).")
     _Popart = property(lambda self: self._popart, doc="Raw PopART options.")
 
     @property

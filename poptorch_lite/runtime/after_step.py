@@ -40,6 +40,7 @@ import threading
 
 import torch
 
+from ..compiler.subgraphs import base_op
 from ..errors import CustomOpError
 from .streams import arrive
 
@@ -63,9 +64,10 @@ torch.fx.node.has_side_effect(torch.ops.poptorch_lite.average_after_step.default
 AVERAGE = torch.ops.poptorch_lite.average_after_step.default
 
 
-def in_graphs(modules) -> bool:
-    """Whether any of the fx graph modules holds an :data:`AVERAGE` node."""
-    return any(n.target is AVERAGE for gm in modules for n in gm.graph.nodes)
+def in_graphs(modules, ops=(AVERAGE,)) -> bool:
+    """Whether any of the fx graph modules holds a node of one of ``ops`` (through the
+    wrappers of its target: ``subgraphs.base_op``)."""
+    return any(base_op(n.target) in ops for gm in modules for n in gm.graph.nodes)
 
 
 def forget(weights) -> None:

@@ -12,6 +12,12 @@ debugging.py). Here the names a user can find are PopTorch's names for the weigh
   scale; PopART's is the gradient of one micro-batch, still scaled);
 - ``UpdatedVar___<name>``: the parameter after the call's last step.
 
+PopTorch before 3.0 traced with ``torch.jit.trace`` through a wrapper that held the model as
+``model``, so SDK 2 programs name the same tensors ``model.<name>``, ``Gradient___model.<name>``
+and ``UpdatedVar___model.<name>`` (MAE's and DINO's alignment scripts). With
+``Options.Jit.traceModel(True)``, PopTorch 3.0's switch back to that tracer, these are the
+names (``scope="model."``).
+
 Their values are those after the call (``OutputMode.Final``, the default for a training
 model, or ``Default``). What is not supported, and refused on the first call with the
 names that are: PopART's activation names (``MatMul:0``, ...; an activation comes back by
@@ -31,28 +37,34 @@ GRADIENT, UPDATED = "Gradient___", "UpdatedVar___"
 _MODES = (None, OutputMode.Default, OutputMode.Final)
 
 
-def tensor_names(model: torch.nn.Module, training: bool) -> list[str]:
-    """PopTorch's names of ``model``'s tensors that can be anchored ([Note: anchored tensors]).
+def tensor_names(model: torch.nn.Module, training: bool, scope: str = "") -> list[str]:
+    """PopTorch's names of ``model``'s tensors that can be anchored ([Note: anchored tensors]);
+    ``scope``: what precedes each name (``"model."`` before PopTorch 3.0).
 
     Example:
         >>> tensor_names(torch.nn.Linear(2, 1), training=True)[:4]
         ['weight', 'bias', 'Gradient___weight', 'Gradient___bias']
     """
-    params = [n for n, _ in model.named_parameters()]
-    names = params + [n for n, _ in model.named_buffers()]
+    params = [scope + n for n, _ in model.named_parameters()]
+    names = params + [scope + n for n, _ in model.named_buffers()]
     if training:
-        trained = [n for n, p in model.named_parameters() if p.requires_grad]
+        trained = [scope + n for n, p in model.named_parameters() if p.requires_grad]
         names += [GRADIENT + n for n in trained] + [UPDATED + n for n in trained]
     return names
 
 
-def check(anchors: dict, model: torch.nn.Module, training: bool) -> None:
+def scope_of(options) -> str:
+    """What precedes the tensor names under ``options`` ([Note: anchored tensors])."""
+    return "model." if options.Jit.trace_model else ""
+
+
+def check(anchors: dict, model: torch.nn.Module, training: bool, scope: str = "") -> None:
     """Refuse anchors naming no tensor, or asking for a mode other than the final value.
 
     Raises:
         OptionsError: with the names that can be anchored.
     """
-    names = tensor_names(model, training)
+    names = tensor_names(model, training, scope)
     for short, (long_name, mode, _period) in anchors.items():
         if long_name not in names:
             shown = names if len(names) <= 12 else names[:12] + ["..."]
@@ -80,10 +92,11 @@ def check_updatable_buffers(names: list, model: torch.nn.Module) -> None:
             f"of; its buffers are {buffers if len(buffers) <= 12 else buffers[:12] + ['...']}")
 
 
-def value(anchors: dict, short: str, model: torch.nn.Module,
-          grads: dict) -> Optional[torch.Tensor]:
+def value(anchors: dict, short: str, model: torch.nn.Module, grads: dict,
+          scope: str = "") -> Optional[torch.Tensor]:
     """The anchored tensor ``short`` of ``model`` (the host copy, synced by the caller);
-    ``grads``: each parameter's gradient as its last step used it, where it lives.
+    ``grads``: each parameter's gradient as its last step used it, where it lives; ``scope``:
+    :func:`tensor_names`'.
 
     Raises:
         DeviceError: ``short`` was not anchored.
@@ -95,7 +108,7 @@ def value(anchors: dict, short: str, model: torch.nn.Module,
     name = anchors[short][0]
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     if name.startswith(GRADIENT):
-        param = tensors[name[len(GRADIENT):]]
-        grad = grads.get(name[len(GRADIENT):])
-        return None if grad is None else grad.detach().to(param.device, copy=True)
-    return tensors[name.removeprefix(UPDATED)].detach().clone()
+        key = name[len(GRADIENT) + len(scope):]
+        grad = grads.get(key)
+        return None if grad is None else grad.detach().to(tensors[key].device, copy=True)
+    return tensors[name.removeprefix(UPDATED)[len(scope):]].detach().clone()

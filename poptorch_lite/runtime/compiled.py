@@ -203,7 +203,8 @@ class CompiledModel:
         if self.processes is not None:  # first compile: join the group, compare options
             self.processes.join(self.model, optimizer)
         if not self.programs:  # the names, as first compiled (a gradient frozen since: None)
-            anchors.check(self.options.anchored_tensors, self.model, self.training)
+            anchors.check(self.options.anchored_tensors, self.model, self.training,
+                          anchors.scope_of(self.options))
             anchors.check_updatable_buffers(self.options.updatable_named_buffers, self.model)
         if self.weights is not None:
             self.weights.to_host()  # trace with the trained values, outside the trace

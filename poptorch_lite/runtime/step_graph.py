@@ -420,9 +420,8 @@ def for_program(executor, options) -> Optional[StepGraph]:
         if reads_count(gm for st in ex.partition.stages
                        for gm in (st.module, *(seg.module for seg in st.segments))) else
         "a stage runs Python in every micro-batch (ipu_print_tensor, or ExpMovAvg noting its "
-        "factor), which a replay would not run" if any(
-            n.target in _ON_THE_HOST for st in ex.partition.stages
-            for n in st.module.graph.nodes) else None)
+        "factor), which a replay would not run" if after_step.in_graphs(
+            (st.module for st in ex.partition.stages), _ON_THE_HOST) else None)
     return StepGraph(ex, on_gpu[0], refused)
 
 

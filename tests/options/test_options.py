@@ -464,7 +464,7 @@ def test_auto_recomputation_does_not_warn():
     (lambda o: o.setAvailableMemoryProportion({"GPU0": 0.5}), "Invalid key: 'GPU0'"),
     (lambda o: o.setAvailableMemoryProportion({"IPU0": "half"}),
      "the proportion for 'IPU0' must be a number"),
-    (lambda o: o.Jit.traceModel(True), "Jit.traceModel(True) is not supported"),
+    (lambda o: o.Jit.traceModel(1), "Jit.traceModel needs a bool, got 1"),
     (lambda o: o.Precision.setPartialsType(torch.int32),
      "setPartialsType should be either torch.float or torch.half, got torch.int32"),
     (lambda o: o.Precision.runningStatisticsAlwaysFloat(1),

@@ -73,6 +73,34 @@ def test_anchored_gradients_and_weights_are_plain_pytorchs_after_each_call(devic
         train.getAnchoredTensor("nope")
 
 
+def test_trace_model_gives_the_names_before_poptorch_3_as_sdk2_programs_anchor_them():
+    """``Jit.traceModel(True)`` ([Note: anchored tensors]): MAE's alignment script keeps the
+    names of ``getTensorNames()`` that are ``Gradient___model.<param>``, and anchors them; with
+    PopTorch 3's names that would be none, and its comparison would check nothing."""
+    torch.manual_seed(0)
+    model = TwoLayers()
+    ref = twin(model)
+    opts = poptorch.Options().anchorTensor("grad", "Gradient___model.fc2.bias")
+    opts.anchorTensor("updated", "UpdatedVar___model.fc1.weight")
+    with pytest.warns(errors.PoptorchLiteWarning, match="traceModel.True. is deprecated"):
+        opts.Jit.traceModel(True)
+    train = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = data(2, width=4, classes=2)
+    train(x, y)
+    names = train.getTensorNames()
+    assert names[:5] == ["model.fc1.weight", "model.fc1.bias", "model.fc2.weight",
+                         "model.fc2.bias", "model.seen"]
+    assert "Gradient___model.fc1.weight" in names and "Gradient___fc1.weight" not in names
+    _, _, grads = reference_training(ref, torch.optim.SGD(ref.parameters(), lr=0.1), x, y,
+                                     1, 1, 1)
+    assert_close(train.getAnchoredTensor("grad"), grads["fc2.bias"], atol=0, rtol=0)
+    assert_close(train.getAnchoredTensor("updated"), ref.fc1.weight.detach(), atol=0, rtol=0)
+    train.destroy()
+    plain = poptorch.Options().anchorTensor("grad", "Gradient___model.fc2.bias")
+    with pytest.raises(errors.OptionsError, match="no tensor named 'Gradient___model.fc2.bias'"):
+        poptorch.trainingModel(TwoLayers(), plain, torch.optim.SGD(model.parameters()))(x, y)
+
+
 def test_an_anchored_gradient_of_a_layer_frozen_between_calls_is_none_while_frozen(device):
     """Freezing compiles again ([Note: trainable parameters] in runtime/compiled.py) with the
     anchors checked when the model first compiled: the frozen weight's gradient reads None,

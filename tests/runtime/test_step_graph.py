@@ -386,6 +386,7 @@ def test_which_steps_are_graph_safe():
     ("ipu_model", "useIpuModel gives every IPU a memory of its own"),
     ("offloaded", "the optimizer's state is offloaded to host memory"),
     ("cumulative_batchnorm", "a BatchNorm with momentum=None reads its count on the host"),
+    ("printed", "a stage runs Python in every micro-batch (ipu_print_tensor, or ExpMovAvg"),
 ])
 def test_what_cannot_be_captured_runs_eagerly_and_says_why(twin_gpu_installed, case, why,
                                                           caplog):
@@ -393,6 +394,8 @@ def test_what_cannot_be_captured_runs_eagerly_and_says_why(twin_gpu_installed, c
                      batchnorm=case == "cumulative_batchnorm")
     if case == "cumulative_batchnorm":  # 1 / float(num_batches_tracked) in every forward
         model.bn.momentum = None
+    if case == "printed":  # a replay would print nothing
+        model.register_forward_hook(lambda m, i, out: poptorch.ipu_print_tensor(out[0][:1]))
     kw = dict(recompute=case == "recomputed_dropout", options={
         "stop_on_non_finite": lambda o: o.Training.stopOnNonFiniteLoss(True),
         "two_devices": lambda o: o.set_ipu_devices({0: "cpu:0", 1: "cpu"}),

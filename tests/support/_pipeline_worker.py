@@ -333,7 +333,35 @@ def refusals(rank):
         result["stageless"] = str(e)
     result["unchanged"] = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     wrapped.destroy()
+    teacher = _Teacher()  # an after-step average over a pipeline's processes
+    opts = poptorch.Options()
+    opts.Training.gradientAccumulation(4)
+    opts.Distributed.set_ipu_processes([[0], [1]])
+    wrapped = poptorch.trainingModel(teacher, opts,
+                                     torch.optim.SGD(teacher.parameters(), lr=0.1))
+    try:
+        wrapped(torch.ones(4, 4), torch.ones(4))
+    except poptorch.BlockError as e:
+        result["averaged"] = str(e)
+    wrapped.destroy()
     return result
+
+
+class _Teacher(torch.nn.Module):
+    """DINO's teacher, averaged from the student by ExpMovAvg, over IPUs 0 and 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.student, self.teacher = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.teacher.requires_grad_(False)
+        self.head = poptorch.BeginBlock(torch.nn.Linear(4, 4), ipu_id=1)
+
+    def forward(self, x, factor):
+        with torch.no_grad():
+            for q, k in zip(self.student.parameters(), self.teacher.parameters()):
+                poptorch.custom_op([q, k, factor], "ExpMovAvg", "com.acme", 1, [q])
+        return poptorch.identity_loss(self.head(self.student(x) - self.teacher(x)).sum(),
+                                      reduction="mean")
 
 
 def checkpointed(rank, out):
