@@ -49,6 +49,19 @@ training trace keeps them, and the stages replay them as plain PyTorch ran them:
   as plain PyTorch registers it in every forward (once, where a recompute runs the forward
   again on the same leaf).
 
+[Note: writes to activations]
+A write in place to an activation that autograd tracks (``nn.Dropout(inplace=True)`` after a
+ReLU, whose backward reads its output, as Conformer's feed-forward does) moves the version
+that autograd saved, and plain PyTorch's backward raises. PopART's graph has no versions:
+the write is a new value, and the ReLU's backward reads the value before it, which gives
+the same gradient (the write zeroes where the dropout's own gradient is zero). A training
+trace does the same (:func:`functional_writes_pass`): each such write becomes its
+functional form, and the ops after it read its value; the values and gradients are those of
+the same model with ``inplace=False``, and plain PyTorch's refusal is not reproduced. A
+write under ``no_grad`` (autograd does not see it: the gradient passes as if it were not
+there), to a parameter or buffer, to a view, or to a value a view was taken of stays a write
+(``state``: [Note: state across stages]).
+
 The trace also records, for the values the model's own code saw, whether they required
 grad (``meta["requires_grad"]``): what ``value_info`` tells other processes ([Note:
 value info] in ``value_info``).
@@ -66,8 +79,8 @@ from torch.fx.experimental.proxy_tensor import (disable_proxy_modes_tracing, get
 from torch.utils import _pytree as pytree
 
 from ..errors import TraceError
-from . import backward_hooks, markers, structures
-from .subgraphs import base_op, wrap_target
+from . import backward_hooks, markers, state, structures
+from .subgraphs import base_op, rewrap, wrap_target
 
 _APPLY = torch.autograd.Function.__dict__["apply"]  # a classmethod (C++'s in newer torch)
 DATA_GET = torch.Tensor.data.__get__
@@ -237,6 +250,48 @@ def autograd_detaches_pass(gm: fx.GraphModule) -> None:
             unpacked.meta["grad_enabled"] = True  # a saved-tensor hook packs without grad
     if saved:
         gm.recompile()
+
+
+def functional_writes_pass(gm: fx.GraphModule) -> None:
+    """Make out of place each write in place to an activation autograd tracks ([Note: writes
+    to activations]): the op's functional form (``mul_`` -> ``mul``), whose value the ops after
+    it read instead; same values, and no version for autograd to find moved."""
+    order = {n: k for k, n in enumerate(gm.graph.nodes)}
+    changed = False
+    for n in list(gm.graph.nodes):
+        op = base_op(n.target) if n.op == "call_function" else None
+        schema = getattr(op, "_schema", None)
+        if schema is None or not schema.name.endswith("_") or not n.args:
+            continue
+        x = n.args[0]
+        if n.meta.get("grad_enabled") is False or state.written(n) != [x] \
+                or not _tracked_activation(x, n):
+            continue  # a write under no_grad is invisible to autograd: it stays a write
+        functional = getattr(getattr(torch.ops.aten, schema.name.split("::")[-1][:-1], None),
+                             op._overloadname, None)
+        if functional is None:
+            continue
+        with gm.graph.inserting_before(n):
+            new = gm.graph.call_function(rewrap(n.target, functional), n.args, n.kwargs)
+        new.meta.update(n.meta)
+        for u in list(x.users):
+            if u is not n and order.get(u, -1) > order[n]:
+                u.replace_input_with(x, new)
+        n.replace_all_uses_with(new)
+        gm.graph.erase_node(n)
+        order[new] = order[n]
+        changed = True
+    if changed:
+        gm.recompile()
+
+
+def _tracked_activation(x, writer: fx.Node) -> bool:
+    """``x`` is a value of the forward's own that required grad, which nothing else aliases
+    (no view of it that is read, and it no view of another) before ``writer`` writes it."""
+    return (isinstance(x, fx.Node) and x.op == "call_function" and x.meta.get("requires_grad")
+            is True and state.aliased_input(x) is None
+            and not any(u is not writer and u.users and state.aliased_input(u) is x
+                        for u in x.users))
 
 
 def traced_data(func, args):

@@ -386,6 +386,7 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
     _drop_unused_getitems(gm)
     if training:  # [Note: gradients the forward shapes] in ``grad_semantics``
         grad_semantics.autograd_detaches_pass(gm)
+        grad_semantics.functional_writes_pass(gm)  # [Note: writes to activations]
         unread_by_training_backwards(gm)
     consts = _constant_outputs(gm, [None if isinstance(v, torch.Tensor) else ("const", v)
                                     for v in result["leaves"]])

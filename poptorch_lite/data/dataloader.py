@@ -231,6 +231,9 @@ class DataLoader(torch.utils.data.DataLoader):
         """Items one model call consumes from the dataset (None if unbatched)."""
         return self._combined
 
+    # PopTorch's own attribute, which programs read (speech/conformer's trainer): read-only
+    _combined_batch_size = combinedBatchSize
+
     @property
     def options(self) -> Options:
         """The (frozen) options this loader was built with."""

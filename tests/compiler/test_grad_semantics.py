@@ -14,7 +14,8 @@ import poptorch_lite as poptorch
 from poptorch_lite.compiler.partition import partition
 from poptorch_lite.strategies import PipelinedExecution
 
-from models import CallsAModule, on_device, thirds_grad, trained_grads, twin
+from models import (CallsAModule, microbatch_seeds, on_device, reference_training, thirds_grad,
+                    trained_grads, twin)
 
 
 class Stopped(torch.nn.Module):
@@ -418,3 +419,46 @@ def test_a_parameter_hook_where_two_stages_use_the_parameter_is_refused_before_a
     with pytest.raises(poptorch.BlockError, match="parameter 'a.bias' has a gradient hook"):
         wrapped(torch.randn(6, 6), torch.randint(0, 4, (6,)))
     wrapped.destroy()
+
+
+class InPlaceFeedForward(torch.nn.Module):
+    """Conformer's feed-forward ([Note: writes to activations]): a dropout in place on a
+    ReLU's output, which plain PyTorch's backward refuses (the ReLU saved it); ``inplace``
+    False is the same arithmetic, which it runs."""
+
+    def __init__(self, inplace=True):
+        super().__init__()
+        self.w1, self.w2, self.head = (torch.nn.Linear(8, 16), torch.nn.Linear(16, 8),
+                                       torch.nn.Linear(8, 4))
+        self.drop = torch.nn.Dropout(0.25, inplace=inplace)
+        poptorch.BeginBlock(self.head, ipu_id=1)
+
+    def forward(self, x, y):
+        h = self.w1(x)
+        h.mul_(0.5)  # a write to an activation whose backward needs nothing of it
+        out = self.head(self.w2(self.drop(torch.relu(h))))
+        return out, F.cross_entropy(out, y)
+
+
+def test_a_write_in_place_to_a_saved_activation_trains_as_the_same_arithmetic_out_of_place():
+    torch.manual_seed(0)
+    net, plain = InPlaceFeedForward(), InPlaceFeedForward(inplace=False)
+    plain.load_state_dict(net.state_dict())
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        net(torch.randn(2, 8), torch.tensor([0, 1]))[1].backward()  # plain PyTorch refuses
+    G = 4
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(2 * G, 8, generator=g), torch.randint(0, 4, (2 * G,), generator=g)
+    opts = poptorch.Options()
+    opts.Training.gradientAccumulation(G)
+    train = poptorch.trainingModel(net, opts, torch.optim.SGD(net.parameters(), lr=0.5))
+    torch.manual_seed(7)
+    out, loss = train(x, y)
+    torch.manual_seed(7)
+    outs, losses, _ = reference_training(plain, torch.optim.SGD(plain.parameters(), lr=0.5),
+                                         x, y, 1, G, 1, seeds=microbatch_seeds(1, G))
+    assert_close(loss, losses[-1], rtol=0, atol=0)
+    assert_close(out, outs[-1], rtol=0, atol=0)
+    for (name, p), q in zip(net.named_parameters(), plain.parameters()):
+        assert_close(p, q, rtol=0, atol=0, msg=name)
+    train.destroy()

@@ -278,13 +278,21 @@ def test_is_running_on_ipu_is_true_while_traced():
     assert seen == [True]
 
 
+class ViewReLU(torch.nn.Module):
+    """An in-place ReLU through a view: it stays a write (a write to the value itself becomes
+    its functional form: [Note: writes to activations] in ``grad_semantics``)."""
+
+    def forward(self, x):
+        x.view(-1).relu_()
+        return x
+
+
 class InPlaceAtBoundary(torch.nn.Module):
     """Stage 1 opens with an in-place ReLU on stage 0's output; stage 2 writes through a view."""
 
     def __init__(self):
         super().__init__()
-        self.seq = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(inplace=True),
-                                       torch.nn.Linear(6, 6))
+        self.seq = torch.nn.Sequential(torch.nn.Linear(4, 6), ViewReLU(), torch.nn.Linear(6, 6))
         self.head = torch.nn.Linear(6, 2)
 
     def forward(self, x, y):

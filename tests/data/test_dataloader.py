@@ -79,7 +79,7 @@ def test_combined_batch_shape_and_count(D, R, G):
     B, n = 2, 50
     combined = B * D * R * G
     loader = DataLoader(opts(D, R, G), data(n), batch_size=B)
-    assert loader.combinedBatchSize == combined
+    assert loader.combinedBatchSize == loader._combined_batch_size == combined  # PopTorch's too
     batches = list(loader)
     assert len(loader) == len(batches) == n // combined
     for x, y in batches:
