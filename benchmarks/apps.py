@@ -70,7 +70,9 @@ PROGRAMS = [
     Program("bert", "nlp/bert/pytorch",
             "parallelize() over 2 IPUs, the app's PopART options, embedding serialization, "
             "recomputation (needs transformers==4.18 to 4.26)",
-            [("against its unparallelized model", ["checks", "bert", "."])]),
+            [("against its unparallelized model", ["checks", "bert", "."]),
+             ("tests/bert_tiny_test.py: loss falls, MLM accuracy rises (1 replica)",
+              _test("tests/bert_tiny_test.py", "-k", "loss_down_accuracy_up and 1-1"))]),
     Program("conformer", "speech/conformer/pytorch",
             "anchorTensor(Gradient___) and getAnchoredTensor, its layers against the CPU; "
             "training: custom_op Ctc and RemapCE, 4 pipelined stages, poptorch.DataLoader "
@@ -117,8 +119,11 @@ PROGRAMS = [
             [("test/test_buffer.py", _test("test/test_buffer.py"))]),
     Program("nbfnet", "gnn/nbfnet/pytorch_geometric", "its utilities (needs torch_geometric)",
             [("tests/test_utils.py", _test("tests/test_utils.py"))]),
-    Program("cnns", "vision/cnns/pytorch", "its configurations compile and train",
-            [("tests/test_config.py", _test("tests/test_config.py"))]),
+    Program("cnns", "vision/cnns/pytorch",
+            "its configurations compile and run on generated data (MobileNet v3 small: its "
+            "conftest downloads CIFAR-10 and models; needs PyTurboJPEG)",
+            [("tests/test_config.py, MobileNet v3 small",
+              _test("--noconftest", "tests/test_config.py", "-k", "mobilenet-v3-small"))]),
     Program("vit", "vision/vit/pytorch", "its losses and inference against the CPU",
             [("test_vit.py", _test("test_vit.py"))]),
 ]
@@ -151,10 +156,15 @@ def reason(output: str) -> str:
 
 
 def summary(output: str) -> str:
-    """pytest's count line, or the check's last line."""
+    """pytest's count line, a check's or a training script's last word on its numbers
+    (``largest``, ``loss``), or the last line."""
     lines = [line.strip(" =") for line in output.splitlines() if line.strip()]
-    counted = [line for line in lines if re.search(r"\b(passed|failed|error)\b.* in [\d.]+s", line)]
-    return (counted or lines or ["(no output)"])[-1][:300]
+    for pattern in (r".*\b(passed|failed|error)\b.* in [\d.]+s", r".*\blargest\b",
+                    r".*\bloss\b"):
+        hits = [line for line in lines if re.match(pattern, line)]
+        if hits:
+            return hits[-1][-300:]
+    return (lines or ["(no output)"])[-1][:300]
 
 
 def run_step(program: Program, folder: str, argv: list, paths: list, timeout: float,
@@ -164,7 +174,8 @@ def run_step(program: Program, folder: str, argv: list, paths: list, timeout: fl
     script = {"pytest": os.path.join(os.path.dirname(pytest.__file__), "__main__.py"),
               "checks": os.path.join(HERE, "app_checks.py")}.get(argv[0], argv[0])
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([stubs, folder, *paths,
+    root = folder[:-len(program.folder)]  # the checkout: its utils hold shared test helpers
+    env["PYTHONPATH"] = os.pathsep.join([stubs, folder, *paths, os.path.join(root, "utils"),
                                          *filter(None, [env.get("PYTHONPATH")])])
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
     env.update({k: (folder if v == "." else v) for k, v in program.env.items()})
@@ -178,8 +189,9 @@ def run_step(program: Program, folder: str, argv: list, paths: list, timeout: fl
     except subprocess.TimeoutExpired:
         return False, time.perf_counter() - start, f"took more than {timeout:.0f} s"
     seconds = time.perf_counter() - start
-    return (done.returncode == 0, seconds, summary(done.stdout or done.stderr)
-            if done.returncode == 0 else reason(done.stdout + done.stderr))
+    output = done.stdout + "\n" + done.stderr
+    return done.returncode == 0, seconds, summary(output) if done.returncode == 0 \
+        else reason(output)
 
 
 def main(argv=None) -> int:

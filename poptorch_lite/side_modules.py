@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import importlib.machinery
+import os
 import importlib.util
 import sys
 import types
@@ -19,7 +20,7 @@ from typing import Any, Optional
 
 from .enums import SyntheticDataMode
 
-__all__ = ["popart_module", "popdist_modules", "install"]
+__all__ = ["popart_module", "popdist_modules", "install", "in_child"]
 
 
 # PopART's SessionOptions enums, with PopART's values (popart/sessionoptions.hpp).
@@ -216,3 +217,21 @@ def install() -> list[str]:
         sys.modules["popdist"], sys.modules["popdist.poptorch"] = popdist_modules()
         installed += ["popdist", "popdist.poptorch"]
     return installed
+
+
+def in_child(name: str) -> None:
+    """``import popart`` or ``import popdist`` in a child process of ``poptorch-lite run``
+    (``cli.CHILD_PATH`` comes first on its path: ``cli.reach_children``): the real
+    module further down the path where there is one, else the stand-in, as :func:`install`
+    gives the parent. Called by the placeholder being imported, which this replaces."""
+    from .cli import CHILD_PATH
+    del sys.modules[name]
+    spec = importlib.machinery.PathFinder.find_spec(
+        name, [p for p in sys.path if os.path.abspath(p or ".") != CHILD_PATH])
+    if spec is not None:
+        sys.modules[name] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    elif name == "popart":
+        sys.modules[name] = popart_module()
+    else:
+        sys.modules["popdist"], sys.modules["popdist.poptorch"] = popdist_modules()

@@ -158,6 +158,10 @@ CHILDREN = textwrap.dedent('''
         out = subprocess.run([sys.executable, "-c", "import poptorch, poptorch.optim; "
                               "print('subprocess:', poptorch.__name__, poptorch.optim.__name__)"],
                              capture_output=True, text=True, check=True).stdout
+        out += subprocess.run([sys.executable, "-c", "import popdist, popdist.poptorch, popart; "
+                               "print('popdist first:', popdist.getNumInstances(), "
+                               "popart.SyntheticDataMode.Zeros)"],  # before any poptorch
+                              capture_output=True, text=True, check=True).stdout
         print(out, end="")
         loader = poptorch.DataLoader(poptorch.Options(), Squares(), batch_size=2, num_workers=2,
                                      multiprocessing_context="spawn")
@@ -174,6 +178,7 @@ def test_the_alias_reaches_spawned_children_and_subprocesses(tmp_path):
     assert result.stdout.splitlines() == [
         "spawned: poptorch_lite True",
         "subprocess: poptorch_lite poptorch_lite.optim",
+        "popdist first: 1 1",
         "spawned DataLoader workers: [[0.0, 1.0], [4.0, 9.0]]"]
 
 
