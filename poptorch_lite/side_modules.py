@@ -219,15 +219,15 @@ def install() -> list[str]:
     return installed
 
 
-def in_child(name: str) -> None:
+def in_child(name: str, placeholder: str) -> None:
     """``import popart`` or ``import popdist`` in a child process of ``poptorch-lite run``
-    (``cli.CHILD_PATH`` comes first on its path: ``cli.reach_children``): the real
-    module further down the path where there is one, else the stand-in, as :func:`install`
-    gives the parent. Called by the placeholder being imported, which this replaces."""
-    from .cli import CHILD_PATH
+    (``cli.CHILD_PATH``, the folder of the ``placeholder`` file being imported, comes first on
+    its path: ``cli.reach_children``): the real module further down the path where there is
+    one, else the stand-in, as :func:`install` gives the parent. The placeholder is replaced."""
+    children = os.path.dirname(os.path.dirname(os.path.abspath(placeholder)))
     del sys.modules[name]
     spec = importlib.machinery.PathFinder.find_spec(
-        name, [p for p in sys.path if os.path.abspath(p or ".") != CHILD_PATH])
+        name, [p for p in sys.path if os.path.abspath(p or ".") != children])
     if spec is not None:
         sys.modules[name] = module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)

@@ -6,4 +6,4 @@ replaced by ``side_modules.in_child``'s choice, as ``poptorch`` is by the alias.
 
 from poptorch_lite.side_modules import in_child
 
-in_child("popart")
+in_child("popart", __file__)
