@@ -73,6 +73,8 @@ parser.add_argument("--calls", type=int, default=0,
 parser.add_argument("--blocks", type=int, default=15, help="blocks of calls per side and pair")
 parser.add_argument("--side", choices=["plain", "lite", "plain-compiled", "lite-compiled"],
                     help="run one side here and print JSON")
+parser.add_argument("--backend", default="inductor",
+                    help="the compiled sides' backend (the suite's smoke run: aot_eager)")
 parser.add_argument("--compiled", action="store_true",
                     help="four sides: plain, plain torch.compile, lite, lite compileStages")
 parser.add_argument("--twin", action="store_true",
@@ -170,7 +172,7 @@ def one_side(args):
         torch.set_num_threads(threads)
     model, optimizer, x, y, B, D, G, R = build(args.case)
     if args.side == "plain-compiled":
-        model = torch.compile(model)
+        model = torch.compile(model, backend=args.backend)
     if args.side.startswith("plain"):
         def call():
             plain_call(model, optimizer, x, y, B, D, G)
@@ -180,7 +182,7 @@ def one_side(args):
         opts = poptorch.Options().deviceIterations(D).replicationFactor(R)
         opts.Training.gradientAccumulation(G // R)
         if args.side == "lite-compiled":
-            opts.compileStages(True)
+            opts.compileStages(True, backend=args.backend)
         if args.twin:  # in force for the whole process: placements are made on first call
             sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "support"))
             from gpu_twin import TWIN, TwinGpu
@@ -245,11 +247,12 @@ def take_turns(cmds: dict, blocks: int, first: str) -> dict:
     return got
 
 
-def run_pair(case, threads, calls, blocks, lite_first, twin=False, sides=("plain", "lite")):
+def run_pair(case, threads, calls, blocks, lite_first, twin=False, sides=("plain", "lite"),
+             backend="inductor"):
     """A process per side (plain and poptorch_lite), taking turns for ``blocks`` blocks each."""
     cmds = {side: [sys.executable, __file__, "--side", side, "--case", case, "--threads",
-                   str(threads), "--calls", str(calls), "--serve"] + (["--twin"] if twin else [])
-            for side in sides}
+                   str(threads), "--calls", str(calls), "--serve", "--backend", backend]
+            + (["--twin"] if twin else []) for side in sides}
     return take_turns(cmds, blocks, sides[-1] if lite_first else sides[0])
 
 
@@ -295,7 +298,7 @@ def compiled_table(args, cases) -> None:
             ratios = {other: [] for other in sides[:3]}
             for k in range(args.pairs):
                 got = run_pair(case, threads, args.calls, args.blocks, lite_first=k % 2 == 1,
-                               sides=sides)
+                               sides=sides, backend=args.backend)
                 for side in sides:
                     ms[side].append(statistics.median(b["step_ms"] for b in got[side]))
                 for other in ratios:
