@@ -113,7 +113,8 @@ PROGRAMS = [
                        "utils/custom_ops/build/nms_custom_op.so"),
             env={"PYTORCH_APPS_DETECTION_PATH": "."}),
     Program("fastpitch", "speech/fastpitch/pytorch",
-            "its layers' and model's gradients against the CPU, anchored",
+            "its layers' and model's gradients against the CPU, anchored (needs librosa, "
+            "cloudpickle)",
             [("tests/test_layers.py", _test("tests/test_layers.py"))]),
     Program("tgn", "gnn/tgn/pytorch", "a buffer written in place with index_put_",
             [("test/test_buffer.py", _test("test/test_buffer.py"))]),
