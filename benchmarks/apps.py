@@ -122,7 +122,7 @@ PROGRAMS = [
             [("tests/test_utils.py", _test("tests/test_utils.py"))]),
     Program("cnns", "vision/cnns/pytorch",
             "its configurations compile and run on generated data (MobileNet v3 small: its "
-            "conftest downloads CIFAR-10 and models; needs PyTurboJPEG)",
+            "conftest downloads CIFAR-10 and models; needs PyTurboJPEG, timm==0.5.4)",
             [("tests/test_config.py, MobileNet v3 small",
               _test("--noconftest", "tests/test_config.py", "-k", "mobilenet-v3-small"))]),
     Program("vit", "vision/vit/pytorch",
