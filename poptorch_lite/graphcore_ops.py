@@ -102,7 +102,7 @@ def _nms_op(scores: torch.Tensor, boxes: torch.Tensor, threshold: float, score_t
         else:
             same = torch.where(live, same * torch.exp(-(iou * iou) / sigma).to(same.dtype), same)
         work.view(B, N, C)[where] = same
-        if not bool(kept.all()) or i + 1 == K:
+        if not bool(kept.all()):
             break
     return indices, top_scores, top_boxes, classes, lengths.min(dim=1).values
 
