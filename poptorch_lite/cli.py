@@ -90,6 +90,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("args", metavar="ARGS", nargs=argparse.REMAINDER,
                      help="the script's arguments (optional)")
     run.set_defaults(usage_error=run.error)
+    commands.add_parser("poprun", add_help=False, help="launch instances as PopDist's poprun "
+                        "does, on torchrun: poptorch-lite poprun --num-instances 2 "
+                        "--num-replicas 4 python train.py ([Note: poprun])")
     return parser
 
 
@@ -142,8 +145,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         >>> main(["run", "train.py", "--epochs", "1"])  # doctest: +SKIP
         0
     """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["poprun"]:  # its flags are poprun's, then the program's
+        return importlib.import_module("poptorch_lite.distributed.poprun").main(argv[1:])
     parser = _parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    args = parser.parse_args(argv)
     if args.script is None:
         args.usage_error("give the SCRIPT to run, e.g. poptorch-lite run train.py (ARGS, the "
                          "script's own arguments, are optional)")

@@ -1,11 +1,10 @@
-"""What PopTorch scripts import beside ``poptorch``: PopART's enums, a single-instance PopDist.
+"""What PopTorch scripts import beside ``poptorch``: PopART's enums, and PopDist.
 
 ``poptorch-lite run`` installs them as ``popart``, ``popdist`` and ``popdist.poptorch`` when no
 real module of that name can be imported (``cli.alias_poptorch``). Scripts use ``popart`` only
 for the enums they pass to ``opts._Popart.set`` (IPU-only options: stored and ignored, one
-warning each), and ``popdist`` to ask which instance of a ``poprun`` launch they are: here
-always the one instance, as ``python script.py`` is on an IPU host without ``poprun``
-(several processes are ``torchrun``'s, see ``poptorch_lite.distributed``).
+warning each), and ``popdist`` to ask which instance of a ``poprun`` (or ``torchrun``) launch
+they are: ``distributed/popdist.py`` ([Note: instances]).
 """
 
 from __future__ import annotations
@@ -16,8 +15,8 @@ import os
 import importlib.util
 import sys
 import types
-from typing import Any, Optional
 
+from .distributed.popdist import popdist_modules
 from .enums import SyntheticDataMode
 
 __all__ = ["popart_module", "popdist_modules", "install", "in_child"]
@@ -114,90 +113,6 @@ def popart_module() -> types.ModuleType:
     module.__version__ = "poptorch_lite"
     module.__spec__ = importlib.machinery.ModuleSpec("popart", None)  # find_spec works on it
     return module
-
-
-# -- popdist: one instance -----------------------------------------------------------------
-
-def isPopdistEnvSet() -> bool:  # noqa: N802 (PopDist's names)
-    """False: no ``poprun`` launched this process."""
-    return False
-
-
-def isUsingPopdist() -> bool:  # noqa: N802
-    """False: no ``poprun`` launched this process."""
-    return False
-
-
-def getInstanceIndex() -> int:  # noqa: N802
-    """0: the one instance."""
-    return 0
-
-
-def getNumInstances() -> int:  # noqa: N802
-    """1: the one instance."""
-    return 1
-
-
-def getNumLocalReplicas() -> int:  # noqa: N802
-    """1: poprun is what sets several (use ``opts.replicationFactor`` instead)."""
-    return 1
-
-
-def getNumTotalReplicas() -> int:  # noqa: N802
-    """1: the one instance's one replica."""
-    return 1
-
-
-def getReplicationFactor() -> int:  # noqa: N802
-    """1, as :func:`getNumLocalReplicas`."""
-    return 1
-
-
-def getNumIpusPerReplica() -> int:  # noqa: N802
-    """1 (poprun's ``--ipus-per-replica``; the model's stages decide how many are used)."""
-    return 1
-
-
-def getDeviceId(ipus_per_replica: Optional[int] = None) -> int:  # noqa: N802
-    """0: the first device."""
-    return 0
-
-
-def init() -> None:
-    """Nothing to initialise for one instance."""
-
-
-def finalizeBackend() -> None:  # noqa: N802
-    """Nothing to finalise for one instance."""
-
-
-def _popdist_options(ipus_per_replica: Optional[int] = None, **kwargs: Any):
-    """``popdist.poptorch.Options``: PopTorch ``Options`` for this instance (one, unreplicated)."""
-    from .options.options import Options  # the package is imported by now: cli imports it first
-
-    return Options(**kwargs)
-
-
-def popdist_modules() -> tuple[types.ModuleType, types.ModuleType]:
-    """``popdist`` and ``popdist.poptorch`` for a single instance.
-
-    Example:
-        >>> popdist, _ = popdist_modules()
-        >>> popdist.isPopdistEnvSet(), popdist.getNumInstances(), popdist.getInstanceIndex()
-        (False, 1, 0)
-    """
-    popdist = types.ModuleType("popdist", "A single-instance PopDist (poptorch_lite's stand-in).")
-    for fn in (isPopdistEnvSet, isUsingPopdist, getInstanceIndex, getNumInstances,
-               getNumLocalReplicas, getNumTotalReplicas, getReplicationFactor,
-               getNumIpusPerReplica, getDeviceId, init, finalizeBackend):
-        setattr(popdist, fn.__name__, fn)
-    sub = types.ModuleType("popdist.poptorch", "PopDist's PopTorch options for one instance.")
-    sub.Options = _popdist_options
-    popdist.poptorch = sub
-    popdist.__path__ = []  # a package, so `import popdist.poptorch` resolves the submodule
-    popdist.__spec__ = importlib.machinery.ModuleSpec("popdist", None, is_package=True)
-    sub.__spec__ = importlib.machinery.ModuleSpec("popdist.poptorch", None)
-    return popdist, sub
 
 
 def install() -> list[str]:

@@ -459,6 +459,17 @@ def spread_options(W=2):
     return o
 
 
+def popdist_total(variables: dict):
+    from poptorch_lite.distributed.popdist import popdist_modules
+    with mock.patch.dict("os.environ", variables):
+        popdist_modules()[0].getNumTotalReplicas()
+
+
+def parse_poprun(argv: list):
+    from poptorch_lite.distributed.poprun import parse
+    parse(argv)
+
+
 def rendezvous_missing():
     with mock.patch.dict("os.environ"):
         for var in ("MASTER_ADDR", "MASTER_PORT"):
@@ -1230,6 +1241,12 @@ T = {
     "E-PROC-06": lambda: spawned("refuse", 1, "uncovered"),
     "E-PROC-07": lambda: spawned("refuse", 0, "stageless"),
     "E-PROC-12": lambda: spawned("refuse", 1, "averaged"),
+    "E-PROC-13": lambda: popdist_total(dict(WORLD_SIZE="2", RANK="1", POPDIST_NUM_TOTAL_REPLICAS="3",
+                                            POPDIST_NUM_LOCAL_REPLICAS="2")),
+    "E-PROC-14": lambda: parse_poprun(["--num-replicas", "2", "--nproc-per-node", "2", "p"]),
+    "E-PROC-15": lambda: parse_poprun(["--num-replicas", "3", "--num-instances", "2", "p"]),
+    "E-PROC-16": lambda: parse_poprun(["--num-replicas", "3", "--num-instances", "3",
+                                       "--host", "a,b", "p"]),
     "E-PROC-08": lambda: spawned("errors", 0, "remote"),
     "E-PROC-09": lambda: spawned("errors", 0, "lost"),
     "E-PROC-10": lambda: spawned("errors", 0, "broken"),

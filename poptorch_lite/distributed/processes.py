@@ -114,6 +114,45 @@ def shutdown() -> None:
     _GROUPS.clear()
 
 
+def join_default_group(rank: int, size: int, backend: Optional[str]) -> None:
+    """Initialise torch.distributed's default group as process ``rank`` of ``size`` (from
+    ``MASTER_ADDR`` and ``MASTER_PORT``), with the collective timeout; poptorch_lite destroys
+    it at exit. Nothing when a group exists already.
+
+    Args:
+        backend: None for both, gloo for CPU tensors and NCCL for CUDA ones where there
+            are GPUs (activations of stages in other processes; ``popdist.init``, before any
+            model is known); else where the gradients meet, "gloo" or "nccl".
+
+    Raises:
+        OptionsError: ``MASTER_ADDR`` or ``MASTER_PORT`` is not set.
+        ExecutionError: the other processes did not join within the timeout.
+    """
+    global _owned_group
+    if dist.is_initialized():
+        return
+    missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise OptionsError(
+            f"Options.Distributed names {size} processes but {' and '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not set; launch with torchrun "
+            f"(torchrun --nproc_per_node {size} script.py) or set MASTER_ADDR and "
+            f"MASTER_PORT to process 0's address and a free port")
+    if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:  # this process's GPU
+        torch.cuda.set_device(process_gpu())  # [Note: GPUs of a process]
+    if backend is None:
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    timeout = collective_timeout()
+    try:
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size,
+                                timeout=datetime.timedelta(seconds=timeout))
+    except Exception as exc:
+        raise failed("joining the process group", rank, size, timeout, exc) from exc
+    if not _owned_group:
+        atexit.register(shutdown)
+    _owned_group = True
+
+
 def agreed_options(options, optimizer, model) -> dict:
     """The settings every process must share, by the name a user sets them with.
 
@@ -186,7 +225,6 @@ class Processes:
         """
         if self._joined:
             return
-        global _owned_group
         if not dist.is_available():
             raise OptionsError(f"Options.Distributed names {self.size} processes but this torch "
                                f"build has no torch.distributed; run one process or install "
@@ -199,28 +237,8 @@ class Processes:
                     f"Options.Distributed says process {self.rank} of {self.size}; call "
                     f"opts.Distributed.configureProcessId({rank}, {size})")
         else:
-            missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
-            if missing:
-                raise OptionsError(
-                    f"Options.Distributed names {self.size} processes but {' and '.join(missing)} "
-                    f"{'is' if len(missing) == 1 else 'are'} not set; launch with torchrun "
-                    f"(torchrun --nproc_per_node {self.size} script.py) or set MASTER_ADDR and "
-                    f"MASTER_PORT to process 0's address and a free port")
-            if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:  # this process's GPU
-                torch.cuda.set_device(process_gpu())  # [Note: GPUs of a process]
-            if self.layout.spans_processes:  # activations on the CPU or on GPUs
-                backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-            else:  # where the gradients meet
-                backend = "nccl" if any(p.is_cuda for p in model.parameters()) else "gloo"
-            try:
-                dist.init_process_group(backend, init_method="env://",
-                                        rank=self.rank, world_size=self.size,
-                                        timeout=datetime.timedelta(seconds=self.timeout))
-            except Exception as exc:
-                raise self._failed("joining the process group", exc) from exc
-            if not _owned_group:
-                atexit.register(shutdown)
-            _owned_group = True
+            join_default_group(self.rank, self.size, None if self.layout.spans_processes else (
+                "nccl" if any(p.is_cuda for p in model.parameters()) else "gloo"))
         self._joined = True
         self._check_same(agreed_options(self.options, optimizer, model))
         if self.layout.spans_processes:  # every process makes every group, in one order
@@ -386,13 +404,18 @@ class Processes:
             raise self._failed(what, exc) from exc
 
     def _failed(self, what: str, exc: BaseException) -> ExecutionError:
-        return ExecutionError(
-            f"{what} across {self.size} processes failed in process {self.rank}: "
-            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-            f". Another process failed or exited (see its own error), or did not reach the same "
-            f"call within the collective timeout of {self.timeout:g} s; every process must call "
-            f"the model the same number of times with the same options (raise the timeout with "
-            f"{TIMEOUT_ENV}=seconds)")
+        return failed(what, self.rank, self.size, self.timeout, exc)
+
+
+def failed(what: str, rank: int, size: int, timeout: float, exc: BaseException) -> ExecutionError:
+    """The error of a collective ``what`` that ``exc`` ended (E-PROC-05)."""
+    return ExecutionError(
+        f"{what} across {size} processes failed in process {rank}: "
+        f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        f". Another process failed or exited (see its own error), or did not reach the same "
+        f"call within the collective timeout of {timeout:g} s; every process must call "
+        f"the model the same number of times with the same options (raise the timeout with "
+        f"{TIMEOUT_ENV}=seconds)")
 
 
 def _flat(bucket: list) -> torch.Tensor:
