@@ -11,7 +11,7 @@ Python process started (``cli.reach_children``). The console commands are ``popr
 - ``--host h1,h2,...``: the instances are spread evenly over the hosts. torchrun starts the
   processes of the host it runs on, so the same ``poprun`` command runs on every host (mpirun
   would log in to them); the hosts meet at the first one's c10d rendezvous (``--rdzv-endpoint
-  h1``, port 29400), which numbers them.
+  h1``, at port ``MASTER_PORT`` where that is set, else torchrun's 29400), which numbers them.
 - ``--tag-output`` (or within ``--mpi-global-args``/``--mpi-local-args``): each line of output
   starts ``[1,i]:``, i the instance (mpirun writes ``[1,i]<stdout>:``; torchrun's prefix
   cannot name the stream);
@@ -101,8 +101,9 @@ class Launch:
             ['--standalone', '--nproc-per-node', '2', '--max-restarts', '0', '--tee']
         """
         if len(self.hosts) > 1:
+            port = os.environ.get("MASTER_PORT")
             args = ["--nnodes", str(len(self.hosts)), "--rdzv-backend", "c10d",
-                    "--rdzv-endpoint", self.hosts[0]]
+                    "--rdzv-endpoint", f"{self.hosts[0]}:{port}" if port else self.hosts[0]]
         else:
             args = ["--standalone"]
         args += ["--nproc-per-node", str(self.per_host), "--max-restarts", "0"]

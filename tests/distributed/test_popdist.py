@@ -101,8 +101,16 @@ PY = "/usr/bin/python3"
       "2", "--max-restarts", "0", "--no-python", PY, "-m", "poptorch_lite.distributed.poprun",
       "--instance-output", "3", "run.sh"]),
 ])
-def test_poprun_becomes_torchrun(argv, torchrun):
+def test_poprun_becomes_torchrun(argv, torchrun, monkeypatch):
+    monkeypatch.delenv("MASTER_PORT", raising=False)
     assert parse(argv).torchrun_args(python=PY) == torchrun
+
+
+def test_several_hosts_meet_at_the_first_ones_master_port(monkeypatch):
+    monkeypatch.setenv("MASTER_PORT", "29577")
+    args = parse(["--host", "h1,h2", "--num-instances", "2", "--num-replicas", "2",
+                  "p"]).torchrun_args(python=PY)
+    assert args[:6] == ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h1:29577"]
 
 
 def test_poprun_reads_mpirun_arguments_and_passes_ipu_only_flags():
