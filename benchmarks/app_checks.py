@@ -34,18 +34,18 @@ and weight compared. ``benchmarks/apps.py`` runs them, with the apps' own tests;
 - ``conformer``, ``clip``, ``dino-test``...: see ``benchmarks/apps.py``.
 
 The GPT-2 and BERT checks pin older transformers than the ``hf`` extra's (4.26.1 for GPT-2;
-BERT's 4.18.0 pin runs on 4.26.1 too); the apps import horovod, wandb and graphcore's
-examples-utils at the top, for which stand-ins are made here (a single-process run never
-calls them), and Conformer torchaudio (its generated data never does).
+BERT's 4.18.0 pin runs on 4.26.1 too); the apps import wandb and graphcore's examples-utils
+at the top, for which stand-ins are made here (a single-process run never calls them),
+Conformer torchaudio (its generated data never does), and the CNNs Horovod, whose few calls
+``stand_ins/horovod`` makes on torch.distributed for their popdist path.
 """
 
 import os
+import shutil
 import sys
 import tempfile
 
 STUBS = {  # imported at the top of the app's modules; a single-process run calls none of them
-    "horovod/__init__.py": "",
-    "horovod/torch.py": "def init(): pass\ndef rank(): return 0\ndef size(): return 1\n",
     "wandb.py": "def init(*a, **k): pass\ndef log(*a, **k): pass\n",
     "examples_utils/__init__.py": "def load_lib(*a, **k): return None\n",
     # speech/conformer imports torchaudio at the top of its data pipeline, which the generated
@@ -58,7 +58,11 @@ STUBS = {  # imported at the top of the app's modules; a single-process run call
 
 
 def stand_ins() -> str:
-    root = tempfile.mkdtemp(prefix="gpt2_app_stubs_")
+    """A folder for the front of an app's path: ``STUBS``, and ``stand_ins/``'s Horovod on
+    torch.distributed and generated CIFAR-10 (its ``sitecustomize``)."""
+    root = tempfile.mkdtemp(prefix="apps_stand_ins_")
+    shutil.copytree(os.path.join(os.path.dirname(os.path.abspath(__file__)), "stand_ins"), root,
+                    dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
     for path, text in STUBS.items():
         os.makedirs(os.path.join(root, os.path.dirname(path)), exist_ok=True)
         with open(os.path.join(root, path), "w") as f:

@@ -21,8 +21,11 @@ the checkout is edited, but for two things a build would make:
 - An app's ``conftest.py`` that builds that C++ or downloads weights at session start is not
   loaded (``pytest --noconftest``); what it set is set here (``env``).
 
-Stand-ins for horovod, wandb and examples_utils, which the apps import at the top and a
-single-process run never calls, come first on the path (``app_checks.stand_ins``). A step
+Stand-ins for wandb and examples_utils, which the apps import at the top and a
+single-process run never calls, for attrdict (broken on Python 3.10), for Horovod (the few calls of the CNNs' popdist path, on
+torch.distributed) and, where a program sets ``APPS_GENERATED_CIFAR10=N``, a generated
+CIFAR-10 of N images (``stand_ins/sitecustomize.py``) come first on the path
+(``app_checks.stand_ins``). A step
 fails on a non-zero exit; the reason printed is the last error line of its output. The
 programs take minutes to an hour on a 2-core CPU, so this is kept out of the test command.
 """
@@ -46,7 +49,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 class Program:
     """One application: its folder in the checkout, what it exercises, and its steps, each
     ``(label, argv after "poptorch_lite run")``; ``pytest`` in an argv is pytest's own
-    ``__main__``, ``checks`` this folder's ``app_checks.py``."""
+    ``__main__``, ``checks`` this folder's ``app_checks.py``; an argv that starts ``poprun``
+    is ``poptorch-lite poprun``'s, where ``python`` is this Python."""
 
     name: str
     folder: str
@@ -55,10 +59,19 @@ class Program:
     libraries: tuple = ()  # custom-op libraries the app asserts exist, relative to folder
     env: dict = dataclasses.field(default_factory=dict)
     flags: tuple = ()  # of poptorch-lite run
+    paths: tuple = ()  # folders of the checkout its tests import from, relative to its root
 
 
 def _test(*args):
     return ["pytest", "-q", "-p", "no:cacheprovider", *args]
+
+
+def _train(*args):
+    """The CNNs' ``tests/test_train.py::test_synthetic`` run (32.32), and ``args``."""
+    return ["train/train.py", "--data", "synthetic", "--model", "resnet18", "--epoch", "1",
+            "--precision", "32.32", "--validation-mode", "none", "--optimizer", "sgd_combined",
+            "--lr", "0.001", "--gradient-accumulation", "64", "--micro-batch-size", "1",
+            "--dataloader-worker", "4", "--seed", "0", *args]
 
 
 PROGRAMS = [
@@ -124,15 +137,34 @@ PROGRAMS = [
             "its configurations compile and run on generated data (MobileNet v3 small: its "
             "conftest downloads CIFAR-10 and models; needs PyTurboJPEG, timm==0.5.4)",
             [("tests/test_config.py, MobileNet v3 small",
-              _test("--noconftest", "tests/test_config.py", "-k", "mobilenet-v3-small"))]),
+              _test("--noconftest", "tests/test_config.py", "-k", "mobilenet-v3-small")),
+             ("tests/test_config.py, EfficientNet-B0 pod16 training",
+              _test("--noconftest", "tests/test_config.py", "-k",
+                    "train_config_compile and efficientnet-b0")),
+             ("train.py: test_synthetic's run, 32.32, 4 steps",
+              _train("--iterations", "4")),
+             ("train.py: the same, 2 replicas",
+              _train("--iterations", "2", "--replicas", "2")),
+             ("train.py: the same, --pipeline-splits layer3/0",
+              _train("--iterations", "4", "--pipeline-splits", "layer3/0")),
+             ("its popdist path: poprun, 2 instances, the same run",
+              ["poprun", "--num-instances", "2", "--num-replicas", "2", "python",
+               *_train("--iterations", "4")])]),
+    Program("popdist", "tutorials/feature_examples/pytorch/popdist",
+            "poprun --num-instances 2 --num-replicas 4, popdist.poptorch.Options, a DataLoader "
+            "partitioned over the instances (generated CIFAR-10 of 512 images)",
+            [("tests/test_popdist_training.py: both instances end equal",
+              _test("tests/test_popdist_training.py"))],
+            env={"APPS_GENERATED_CIFAR10": "512"}, paths=("tutorials/utils",)),
     Program("vit", "vision/vit/pytorch",
             "pretraining pipelined over 4 IPUs with 2 replicas, on generated data (needs "
-            "randaugment; its test_vit.py needs attrdict, which Python 3.10 broke)",
+            "randaugment; its test_vit.py's attrdict, broken since Python 3.10, stood in for)",
             [("pretrain.py: its test's run, micro-batches of 1, 2 steps",
               ["pretrain.py", "--micro-batch-size", "1", "--config", "b16_in1k_pretrain",
                "--gradient-accumulation", "8", "--training-steps", "2", "--epochs", "0",
                "--replication-factor", "2", "--iterations", "2", "--dataset", "generated"]),
-             ("test_vit.py", _test("test_vit.py"))]),
+             ("test_vit.py: its pretraining test (micro-batches of 8, 5 steps)",
+              _test("test_vit.py", "-k", "pretraining"))]),
 ]
 
 
@@ -183,14 +215,15 @@ def run_step(program: Program, folder: str, argv: list, paths: list, timeout: fl
     env = dict(os.environ)
     root = folder[:-len(program.folder)]  # the checkout: its utils hold shared test helpers
     env["PYTHONPATH"] = os.pathsep.join([stubs, folder, *paths, os.path.join(root, "utils"),
+                                         *(os.path.join(root, p) for p in program.paths),
                                          *filter(None, [env.get("PYTHONPATH")])])
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
     env.update({k: (folder if v == "." else v) for k, v in program.env.items()})
-    args = [folder if a == "." else a for a in argv[1:]]
+    args = [{".": folder, "python": sys.executable}.get(a, a) for a in argv[1:]]
+    launch = ["poprun"] if argv[0] == "poprun" else ["run", *program.flags, script]
     start = time.perf_counter()
     try:
-        done = subprocess.run([sys.executable, "-m", "poptorch_lite", "run", *program.flags,
-                               script, *args],
+        done = subprocess.run([sys.executable, "-m", "poptorch_lite", *launch, *args],
                               cwd=folder, env=env, capture_output=True, text=True,
                               timeout=timeout)
     except subprocess.TimeoutExpired:

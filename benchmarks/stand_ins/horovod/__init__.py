@@ -1,0 +1,1 @@
+"""Horovod for Graphcore's applications under ``benchmarks/apps.py``: see ``torch.py``."""
