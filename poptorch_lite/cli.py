@@ -19,7 +19,7 @@ import runpy
 import sys
 from typing import Optional, Sequence
 
-_NOT_ALIASED = {"__main__", "cli", "side_modules"}  # no part of PopTorch's API
+_NOT_ALIASED = {"__main__", "cli", "poprun", "side_modules"}  # no part of PopTorch's API
 # Holds ``poptorch/__init__.py``, which makes the alias in a child process (not a package of
 # poptorch_lite: it has no ``__init__.py`` of its own, so the alias never walks into it).
 CHILD_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_alias")
@@ -147,7 +147,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["poprun"]:  # its flags are poprun's, then the program's
-        return importlib.import_module("poptorch_lite.distributed.poprun").main(argv[1:])
+        return importlib.import_module("poptorch_lite.poprun").main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if args.script is None:

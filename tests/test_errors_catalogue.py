@@ -466,7 +466,7 @@ def popdist_total(variables: dict):
 
 
 def parse_poprun(argv: list):
-    from poptorch_lite.distributed.poprun import parse
+    from poptorch_lite.poprun import parse
     parse(argv)
 
 

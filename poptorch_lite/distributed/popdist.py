@@ -2,7 +2,7 @@
 
 [Note: instances]
 PopTorch programs ask ``popdist`` who they are; ``poprun`` launches the instances (here
-``poprun`` is ``distributed/poprun.py``, on torch's own launcher). An *instance* is one
+``poprun`` is ``poptorch_lite/poprun.py``, on torch's own launcher). An *instance* is one
 process; it runs ``getNumLocalReplicas()`` replicas of the model, and the instances'
 replicas together make ``getNumTotalReplicas()``. The answers come from the environment the
 launcher leaves, the same variables ``Options.Distributed`` reads ([Note: process ids] in

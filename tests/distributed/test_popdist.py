@@ -12,7 +12,7 @@ import torch
 import poptorch_lite as poptorch
 from poptorch_lite import cli
 from poptorch_lite.distributed import popdist as pd
-from poptorch_lite.distributed.poprun import parse
+from poptorch_lite.poprun import parse
 from poptorch_lite.errors import OptionsError
 
 from patience import limit
@@ -98,7 +98,7 @@ PY = "/usr/bin/python3"
     (["--num-instances=4", "--num-replicas=8", "--host", "a,b", "--only-output-from-instance",
       "3", "run.sh"],
      ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "a", "--nproc-per-node",
-      "2", "--max-restarts", "0", "--no-python", PY, "-m", "poptorch_lite.distributed.poprun",
+      "2", "--max-restarts", "0", "--no-python", PY, "-m", "poptorch_lite.poprun",
       "--instance-output", "3", "run.sh"]),
 ])
 def test_poprun_becomes_torchrun(argv, torchrun, monkeypatch):

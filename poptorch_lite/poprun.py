@@ -38,7 +38,7 @@ import subprocess
 import sys
 from typing import Optional, Sequence
 
-from ..errors import OptionsError
+from .errors import OptionsError
 
 USAGE = ("poprun [--num-instances I] --num-replicas R [--ipus-per-replica K] [--host H1,H2] "
          "[--tag-output] [--only-output-from-instance i] [--mpi-global-args ARGS] "
@@ -113,7 +113,7 @@ class Launch:
         if program[0].endswith(".py") and not os.access(program[0], os.X_OK):
             program.insert(0, python)
         if self.only_instance is not None:
-            program = [python, "-m", "poptorch_lite.distributed.poprun", "--instance-output",
+            program = [python, "-m", "poptorch_lite.poprun", "--instance-output",
                        str(self.only_instance), *program]
         return args + ["--no-python", *program]
 
@@ -237,7 +237,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if launch.ignored:
         print(f"poprun: note: ignored, as they tune IPU hardware or mpirun: "
               f"{' '.join(launch.ignored)}", file=sys.stderr)
-    from ..cli import reach_children
+    from .cli import reach_children
     reach_children()  # `import poptorch` is poptorch_lite in every instance
     env = {**os.environ, **launch.environment()}
     command = [sys.executable, "-m", "torch.distributed.run", *launch.torchrun_args()]
