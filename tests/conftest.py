@@ -56,6 +56,16 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 DEVICES = ["cpu", "ipu_model", "gpu_twin"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
+def pytest_collection_finish(session):
+    """Freeze what is alive once the tests are collected (torch's, transformers' and the test
+    modules' objects, which live as long as the session) out of the garbage collector's
+    reach: a full collection then walks only what the tests made since. The hygiene plugin
+    collects after most tests, to end the workers of a wrapper nobody destroyed; each of
+    those walks cost a quarter of a second with the session's objects in them."""
+    gc.collect()
+    gc.freeze()
+
+
 def pytest_generate_tests(metafunc):
     # Every test taking `device` runs on the CPU, through the IPU Model, on the GPU twin and on
     # CUDA when one is present (models.on_device puts the options there), unless it lists its

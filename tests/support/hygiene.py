@@ -190,6 +190,10 @@ def _settled(before: dict) -> dict:
         after = snapshot()
         if not (_added(before["threads"], after["threads"]) or
                 after["children"] - before["children"]):
+            # What survived that collection is the session's (caches, lazily imported
+            # modules): out of later collections' walk, which it made slow (conftest's
+            # pytest_collection_finish).
+            gc.freeze()
             break
         time.sleep(0.02)
     return after
