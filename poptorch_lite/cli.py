@@ -1,11 +1,12 @@
-"""Running an unmodified PopTorch script: ``import poptorch`` resolves to poptorch_lite.
+"""The ``poptorch-lite`` command: running an unmodified PopTorch script, and ``poprun``.
 
 ``python -m poptorch_lite run script.py [args]`` (or the console entry point
 ``poptorch-lite run script.py [args]``) makes ``poptorch`` and its submodules
 (``poptorch.optim``, ``poptorch.enums``, ...) the same module objects as
-``poptorch_lite`` and its submodules, then runs the script as ``__main__``,
+``poptorch_lite`` and its submodules (``alias``), then runs the script as ``__main__``,
 the way ``python script.py [args]`` would: ``sys.argv`` is the script and its
-arguments, and the script's folder comes first on ``sys.path``.
+arguments, and the script's folder comes first on ``sys.path``. ``poptorch-lite poprun``
+is the ``poprun`` command (``poprun.py``).
 """
 
 from __future__ import annotations
@@ -14,52 +15,11 @@ import argparse
 import importlib
 import json
 import os
-import pkgutil
 import runpy
 import sys
 from typing import Optional, Sequence
 
-_NOT_ALIASED = {"__main__", "cli", "poprun", "side_modules"}  # no part of PopTorch's API
-# Holds ``poptorch/__init__.py``, which makes the alias in a child process (not a package of
-# poptorch_lite: it has no ``__init__.py`` of its own, so the alias never walks into it).
-CHILD_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_alias")
-
-
-def alias_poptorch() -> None:
-    """Make ``import poptorch`` and ``import poptorch.X`` give poptorch_lite and its modules,
-    and ``import popart`` / ``import popdist`` the stand-ins of ``side_modules`` where no real
-    one is installed. The alias reaches child processes too (:func:`reach_children`).
-
-    Example:
-        >>> alias_poptorch()
-        >>> import poptorch, poptorch_lite
-        >>> poptorch is poptorch_lite and poptorch.optim is poptorch_lite.optim
-        True
-    """
-    package = importlib.import_module("poptorch_lite")
-    sys.modules["poptorch"] = package
-    for info in pkgutil.walk_packages(package.__path__, "poptorch_lite."):
-        name = info.name.removeprefix("poptorch_lite.")
-        if name not in _NOT_ALIASED:  # subpackages too: poptorch.options, poptorch.optim, ...
-            sys.modules[f"poptorch.{name}"] = importlib.import_module(info.name)
-    importlib.import_module("poptorch_lite.side_modules").install()
-    reach_children()
-
-
-def reach_children() -> None:
-    """Give this process's children the alias: a process started with ``spawn`` or
-    ``forkserver`` (a DataLoader's workers under those start methods, a user's
-    ``multiprocessing``), and a subprocess running Python, do not inherit ``sys.modules``, so
-    their ``import poptorch`` (or unpickling an object whose module imports it) would fail, or
-    find another poptorch than their parent's. :data:`CHILD_PATH` goes on ``sys.path`` right
-    after the script's folder (spawned children copy the parent's path) and first on
-    ``PYTHONPATH`` (which every subprocess inherits). Idempotent."""
-    if CHILD_PATH not in sys.path:
-        sys.path.insert(min(1, len(sys.path)), CHILD_PATH)
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if CHILD_PATH not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([CHILD_PATH] + paths)
-
+from . import alias, poprun
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -147,7 +107,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["poprun"]:  # its flags are poprun's, then the program's
-        return importlib.import_module("poptorch_lite.poprun").main(argv[1:])
+        return poprun.main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if args.script is None:
@@ -161,7 +121,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     wrong = compile_by_default(args.compile_backend) if args.compile else None
     if wrong:
         args.usage_error(wrong)
-    alias_poptorch()
+    alias.alias_poptorch()
     if args.without_op_libraries:  # [Note: custom ops] in custom_ops
         importlib.import_module("poptorch_lite.custom_ops").stand_in_for_missing_libraries()
     sys.argv = [args.script, *args.args]

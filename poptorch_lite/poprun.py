@@ -5,7 +5,7 @@
 instances of PROGRAM, each running R/I replicas, as ``torchrun --nproc-per-node I --no-python
 PROGRAM ARGS`` would, with PopDist's variables set for every instance (``POPDIST_NUM_*``:
 [Note: instances] in ``popdist``) and ``import poptorch`` resolved to poptorch_lite in every
-Python process started (``cli.reach_children``). The console commands are ``poprun`` and
+Python process started (``alias.reach_children``). The console commands are ``poprun`` and
 ``poptorch-lite poprun``.
 
 - ``--host h1,h2,...``: the instances are spread evenly over the hosts. torchrun starts the
@@ -237,7 +237,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if launch.ignored:
         print(f"poprun: note: ignored, as they tune IPU hardware or mpirun: "
               f"{' '.join(launch.ignored)}", file=sys.stderr)
-    from .cli import reach_children
+    from .alias import reach_children
     reach_children()  # `import poptorch` is poptorch_lite in every instance
     env = {**os.environ, **launch.environment()}
     command = [sys.executable, "-m", "torch.distributed.run", *launch.torchrun_args()]

@@ -1,7 +1,7 @@
 """What PopTorch scripts import beside ``poptorch``: PopART's enums, and PopDist.
 
 ``poptorch-lite run`` installs them as ``popart``, ``popdist`` and ``popdist.poptorch`` when no
-real module of that name can be imported (``cli.alias_poptorch``). Scripts use ``popart`` only
+real module of that name can be imported (``alias.alias_poptorch``). Scripts use ``popart`` only
 for the enums they pass to ``opts._Popart.set`` (IPU-only options: stored and ignored, one
 warning each), and ``popdist`` to ask which instance of a ``poprun`` (or ``torchrun``) launch
 they are: ``distributed/popdist.py`` ([Note: instances]).
@@ -136,8 +136,8 @@ def install() -> list[str]:
 
 def in_child(name: str, placeholder: str) -> None:
     """``import popart`` or ``import popdist`` in a child process of ``poptorch-lite run``
-    (``cli.CHILD_PATH``, the folder of the ``placeholder`` file being imported, comes first on
-    its path: ``cli.reach_children``): the real module further down the path where there is
+    (``alias.CHILD_PATH``, the folder of the ``placeholder`` file being imported, comes first on
+    its path: ``alias.reach_children``): the real module further down the path where there is
     one, else the stand-in, as :func:`install` gives the parent. The placeholder is replaced."""
     children = os.path.dirname(os.path.dirname(os.path.abspath(placeholder)))
     del sys.modules[name]

@@ -2,15 +2,13 @@
 batch, and saves its weights (tests/distributed/test_popdist.py).
 
     poprun ... python popdist_script.py OUT_DIR          # an instance of the launch
-    poptorch-lite run popdist_script.py OUT_DIR R        # alone, with R replicas
+
+The test trains the same in its own process, with 4 replicas: ``train(poptorch_lite, ...)``.
 """
 
 import os
 import sys
 
-import popdist
-import popdist.poptorch
-import poptorch
 import torch
 
 STEPS, BATCH = 3, 4  # a replica's micro-batch
@@ -38,7 +36,8 @@ def batches(replicas: int) -> list:
              torch.randn(replicas * BATCH, 3, generator=g)) for _ in range(STEPS)]
 
 
-def train(opts, index: int, instances: int) -> dict:
+def train(poptorch, opts, index: int, instances: int) -> dict:
+    """Train on this instance's share of every global batch; the weights after."""
     net = model()
     optimizer = poptorch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     trained = poptorch.trainingModel(net, opts, optimizer=optimizer)
@@ -50,15 +49,15 @@ def train(opts, index: int, instances: int) -> dict:
 
 
 if __name__ == "__main__":
+    import popdist
+    import popdist.poptorch
+    import poptorch
+
     popdist.init()
     index = popdist.getInstanceIndex()
     print(f"instance {index} of {popdist.getNumInstances()}, replicas "
           f"{popdist.getNumLocalReplicas()} of {popdist.getNumTotalReplicas()} from "
           f"{popdist.getReplicaIndexOffset()}", flush=True)
-    if len(sys.argv) > 2:  # the reference: one process
-        opts = poptorch.Options().replicationFactor(int(sys.argv[2]))
-    else:
-        opts = popdist.poptorch.Options()
-    weights = train(opts, index, popdist.getNumInstances())
+    weights = train(poptorch, popdist.poptorch.Options(), index, popdist.getNumInstances())
     torch.save(weights, os.path.join(sys.argv[1], f"instance-{index}.pt"))
     popdist.execute_on_instances({0}, print, "only instance 0 prints this", flush=True)

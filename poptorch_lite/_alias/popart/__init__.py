@@ -1,6 +1,6 @@
 """``import popart`` in a child of ``poptorch-lite run``: the real one, or the parent's stand-in.
 
-``cli.reach_children`` puts this folder's parent first on a child's path; the import is
+``alias.reach_children`` puts this folder's parent first on a child's path; the import is
 replaced by ``side_modules.in_child``'s choice, as ``poptorch`` is by the alias.
 """
 
