@@ -6,6 +6,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from patience import limit
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -75,17 +77,21 @@ def test_the_script_sees_its_own_folder_and_exit_status(tmp_path):
     assert (result.returncode, result.stdout) == (3, "7\n")
 
 
-def test_usage_errors_exit_2_with_the_usage(tmp_path):
-    for args, message in [((), "the following arguments are required: COMMAND"),
-                          (("train", "x.py"), "invalid choice: 'train'"),
-                          (("run",), "run: error: give the SCRIPT to run, e.g. poptorch-lite "
-                                     "run train.py (ARGS, the script's own arguments, are "
-                                     "optional)"),
-                          (("run", "missing.py"), "run: no such script: 'missing.py'")]:
-        result = run_cli(*args, cwd=tmp_path)
-        assert result.returncode == 2, args
-        assert result.stderr.startswith("usage: poptorch-lite"), result.stderr
-        assert message in result.stderr, result.stderr
+@pytest.mark.parametrize("args, message", [
+    ((), "the following arguments are required: COMMAND"),
+    (("train", "x.py"), "invalid choice: 'train'"),
+    (("run",), "run: error: give the SCRIPT to run, e.g. poptorch-lite run train.py (ARGS, the "
+               "script's own arguments, are optional)"),
+    (("run", "missing.py"), "run: no such script: 'missing.py'")])
+def test_usage_errors_exit_2_with_the_usage(args, message, tmp_path, monkeypatch, capsys):
+    from poptorch_lite import cli
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(list(args))
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: poptorch-lite"), err
+    assert message in err, err
 
 
 def test_version_names_the_package_and_torch(tmp_path):
