@@ -22,9 +22,10 @@ the checkout is edited, but for two things a build would make:
   loaded (``pytest --noconftest``); what it set is set here (``env``).
 
 Stand-ins for wandb and examples_utils, which the apps import at the top and a
-single-process run never calls, for attrdict (broken on Python 3.10), for Horovod (the few calls of the CNNs' popdist path, on
-torch.distributed) and, where a program sets ``APPS_GENERATED_CIFAR10=N``, a generated
-CIFAR-10 of N images (``stand_ins/sitecustomize.py``) come first on the path
+single-process run never calls, for attrdict (broken on Python 3.10), for Horovod (the few
+calls of the CNNs' popdist path, on torch.distributed) and, where a program sets
+``APPS_GENERATED_CIFAR10=N``, a generated CIFAR-10 of N images
+(``stand_ins/sitecustomize.py``) come first on the path
 (``app_checks.stand_ins``). A step
 fails on a non-zero exit; the reason printed is the last error line of its output. The
 programs take minutes to an hour on a 2-core CPU, so this is kept out of the test command.
