@@ -43,6 +43,19 @@ from .errors import OptionsError
 USAGE = ("poprun [--num-instances I] --num-replicas R [--ipus-per-replica K] [--host H1,H2] "
          "[--tag-output] [--only-output-from-instance i] [--mpi-global-args ARGS] "
          "[--mpi-local-args ARGS] PROGRAM [ARGS ...]")
+HELP = """Launch PROGRAM as I instances of R/I replicas each, as PopDist's poprun does, on torch's
+own launcher (torch.distributed.run); `import poptorch` is poptorch_lite in every instance.
+
+  --num-instances I             processes (default 1)
+  --num-replicas R              replicas of all instances together (a multiple of I)
+  --ipus-per-replica K          popdist.getNumIpusPerReplica() (default 1)
+  --host H1,H2,...              spread the instances over these hosts; run the same command
+                                on each (they meet at H1, port MASTER_PORT or 29400)
+  --tag-output                  start each line of output with [1,i]:, i the instance
+  --only-output-from-instance i show instance i's output alone
+  --mpi-global-args ARGS        mpirun's arguments: -x NAME=VALUE exports, --tag-output tags,
+  --mpi-local-args ARGS         the rest are ignored with a note
+  --vipu-*, --update-partition, ... IPU-only flags: accepted and ignored, with a note"""
 # poprun's flags and whether each takes a value; ``None``: accepted and ignored (IPU only)
 FLAGS = {"--num-instances": True, "--num-replicas": True, "--ipus-per-replica": True,
          "--host": True, "-H": True, "--tag-output": False,
@@ -55,6 +68,10 @@ IPU_ONLY = {"--update-partition": True, "--reset-partition": True, "--remove-par
 # mpirun's flags that take a value (so that their value is not read as a flag)
 MPI_VALUED = {"-x", "--bind-to", "--map-by", "--rank-by", "--mca", "-mca", "--hostfile",
               "-np", "-n", "--prefix", "--output-filename", "-wdir", "--wdir"}
+
+
+class ShowHelp(Exception):
+    """``-h``/``--help`` among poprun's flags."""
 
 
 @dataclasses.dataclass
@@ -170,7 +187,7 @@ def parse(argv: Sequence[str]) -> Launch:
     while i < len(argv) and argv[i].startswith("-"):
         flag = argv[i].partition("=")[0]
         if flag in ("-h", "--help"):
-            raise OptionsError(f"usage: {USAGE}")
+            raise ShowHelp()
         if flag in FLAGS:
             if not FLAGS[flag]:
                 tag, i = True, i + 1
@@ -227,10 +244,13 @@ def _instance_output(argv: list) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The ``poprun`` command: launch the instances and wait for them; torchrun's exit status
-    (2 and the reason for a bad command line)."""
+    (2 and the reason for a bad command line; 0 and the usage for ``-h``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         launch = parse(argv)
+    except ShowHelp:
+        print(f"usage: {USAGE}\n\n{HELP}")
+        return 0
     except OptionsError as e:
         print(f"poprun: {e}", file=sys.stderr)
         return 2

@@ -146,6 +146,15 @@ def test_poprun_refuses_a_bad_command_line(argv, message):
         parse(argv)
 
 
+def test_poprun_help_lists_its_flags(capsys):
+    assert cli.main(["poprun", "--num-replicas", "2", "--help", "p"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: poprun [--num-instances I] --num-replicas R")
+    for flag in ("--ipus-per-replica", "--host", "--tag-output", "--only-output-from-instance",
+                 "--mpi-global-args", "--mpi-local-args", "--vipu-*"):
+        assert f"\n  {flag}" in out, flag
+
+
 def test_poprun_exits_2_with_the_reason_before_launching(capsys):
     assert cli.main(["poprun", "--num-replicas", "3", "--num-instances", "2",
                               "p"]) == 2
