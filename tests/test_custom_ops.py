@@ -377,20 +377,44 @@ def test_nms_runs_in_a_wrapped_inference_model_as_outside():
                            {"threshold": 0.5, "numDetections": 50})
 
 
-@pytest.mark.parametrize("reduction", ["Sum", "Mean"])
-def test_ctc_is_torchs_ctc_loss_and_its_gradient(reduction):
+def ctc_inputs(dtype=torch.float32):
     g = torch.Generator().manual_seed(1)
-    lp = torch.randn(12, 3, 6, generator=g).log_softmax(-1).requires_grad_()
+    lp = torch.randn(12, 3, 6, generator=g).log_softmax(-1).to(dtype).requires_grad_()
     targets = torch.randint(1, 6, (3, 4), generator=g)
-    lengths, target_lengths = torch.tensor([12, 9, 11]), torch.tensor([4, 2, 3])
+    return lp, targets, torch.tensor([12, 9, 11]), torch.tensor([4, 2, 3])
+
+
+@pytest.mark.parametrize("reduction", ["Sum", "Mean", "None"])
+def test_ctc_is_torchs_ctc_loss_and_its_gradient(reduction):
+    """With "None" the loss is one per sequence and the gradient output each sequence's own
+    (a sequence's loss reads only its own column of log_probs: the gradient of their sum)."""
+    lp, targets, lengths, target_lengths = ctc_inputs()
+    shape = (3,) if reduction == "None" else ()
     loss, grad = poptorch.custom_op([lp, targets, lengths, target_lengths], "Ctc",
-                                    "ai.graphcore", 1, [torch.zeros(()), lp],
+                                    "ai.graphcore", 1, [torch.zeros(shape), lp],
                                     {"reduction": reduction, "blank": 0,
                                      "enableReducedClassesInLabel": True})
     expected = F.ctc_loss(lp, targets, lengths, target_lengths, reduction=reduction.lower())
+    assert loss.shape == expected.shape == shape
     assert torch.equal(loss, expected)
-    assert torch.equal(grad, torch.autograd.grad(expected, lp, retain_graph=True)[0])
-    assert torch.equal(torch.autograd.grad(loss, lp)[0], grad)
+    assert torch.equal(grad, torch.autograd.grad(expected.sum(), lp, retain_graph=True)[0])
+    assert torch.equal(torch.autograd.grad(loss.sum(), lp)[0], grad)
+
+
+@pytest.mark.parametrize("out_type, loss_dtype", [("UNDEFINED", torch.float16),
+                                                  ("FLOAT", torch.float32)])
+def test_a_float16_ctc_is_computed_in_float32(out_type, loss_dtype):
+    """16-bit log-probabilities: the loss computed in float32, returned in their type unless
+    ``outDataType`` names another; the gradient output in their type."""
+    lp, targets, lengths, target_lengths = ctc_inputs(torch.float16)
+    loss, grad = poptorch.custom_op([lp, targets, lengths, target_lengths], "Ctc",
+                                    "ai.graphcore", 1, [torch.zeros((), dtype=loss_dtype), lp],
+                                    {"reduction": "Sum", "blank": 0, "outDataType": out_type})
+    wide = lp.detach().float().requires_grad_()
+    expected = F.ctc_loss(wide, targets, lengths, target_lengths, reduction="sum")
+    assert loss.dtype == loss_dtype and grad.dtype == torch.float16
+    assert torch.equal(loss, expected.to(loss_dtype))
+    assert torch.equal(grad, torch.autograd.grad(expected, wide)[0].half())
 
 
 class Speech(torch.nn.Module):
