@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import enum
 import importlib.machinery
-import os
 import importlib.util
+import os
 import sys
 import types
 

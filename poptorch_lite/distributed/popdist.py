@@ -47,16 +47,15 @@ def _int(name: str, default: Optional[int]) -> Optional[int]:
         value = int(text)
     except ValueError:
         value = -1
-    if value < (0 if name.endswith("RANK") else 1):
-        raise OptionsError(f"environment variable {name}={text!r} is not a "
-                           f"{'non-negative' if name.endswith('RANK') else 'positive'} integer; "
-                           f"launch with poprun or torchrun, which set it, or unset it")
+    if value < 1:
+        raise OptionsError(f"environment variable {name}={text!r} is not a positive integer; "
+                           f"launch with poprun, which sets it, or unset it")
     return value
 
 
 def instance() -> tuple[int, int]:
-    """``(index, count)`` of this instance among the launch's, from the launcher's variables
-    (``(0, 1)`` when no launcher started this process).
+    """``(index, count)`` of this instance among the launch's: what ``Options.Distributed``
+    reads from the launcher's variables (``(0, 1)`` when no launcher started this process).
 
     Raises:
         OptionsError: a variable is not an integer, or the index is not below the count.
@@ -65,13 +64,10 @@ def instance() -> tuple[int, int]:
         >>> instance() if "WORLD_SIZE" not in os.environ else (0, 1)
         (0, 1)
     """
-    prefix = ("OMPI_COMM_WORLD_" if "OMPI_COMM_WORLD_SIZE" in os.environ else "")
-    size_name, rank_name = (f"{prefix}SIZE", f"{prefix}RANK") if prefix else ("WORLD_SIZE", "RANK")
-    count, index = _int(size_name, 1), _int(rank_name, 0)
-    if index >= count:
-        raise OptionsError(f"{rank_name}={index} is not below {size_name}={count}; the launcher "
-                           f"sets both (poprun or torchrun), or unset them")
-    return index, count
+    from ..options.groups import _DistributedOptions
+
+    read = _DistributedOptions()
+    return read.process_id, read.num_processes
 
 
 # -- PopDist's API ------------------------------------------------------------------------

@@ -35,6 +35,8 @@ def env(monkeypatch):
 
 
 def answers(module) -> tuple:
+    assert module.isUsingPopdist() == module.isPopdistEnvSet()
+    assert module.getReplicationFactor() == module.getNumLocalReplicas()
     return (module.isPopdistEnvSet(), module.getInstanceIndex(), module.getNumInstances(),
             module.getNumLocalReplicas(), module.getNumTotalReplicas(),
             module.getReplicaIndexOffset(), module.getNumIpusPerReplica())
@@ -76,9 +78,22 @@ def test_a_non_uniform_popdist_environment_is_refused(env):
 def test_execute_on_instances_calls_only_there(env):
     popdist, _ = pd.popdist_modules()
     calls = []
-    assert popdist.execute_on_instances({0}, calls.append, "a") is None  # append's result
-    assert popdist.execute_on_instances([1], calls.append, "b") is None
+
+    def call(value, twice=False):
+        calls.append(value)
+        return value * (2 if twice else 1)
+    assert popdist.execute_on_instances({0}, call, "a", twice=True) == "aa"  # its result here
+    assert popdist.execute_on_instances([1], call, "b") is None  # None where it did not run
     assert calls == ["a"]
+
+
+def test_a_bad_instance_variable_is_refused_as_the_options_refuse_it(env):
+    env(WORLD_SIZE=2, RANK=2)
+    with pytest.raises(OptionsError, match=r"0 <= process_id < 2"):
+        pd.instance()
+    env(WORLD_SIZE=2, RANK=0, POPDIST_NUM_LOCAL_REPLICAS="two")
+    with pytest.raises(OptionsError, match=r"POPDIST_NUM_LOCAL_REPLICAS='two' is not a positive"):
+        pd.popdist_modules()[0].getNumLocalReplicas()
 
 
 # -- poprun's command line ----------------------------------------------------------------
@@ -95,6 +110,9 @@ PY = "/usr/bin/python3"
       PY, "t.py"],
      ["--standalone", "--nproc-per-node", "2", "--max-restarts", "0", "--tee", "3",
       "--log-line-prefix-template", "[1,${rank}]: ", "--no-python", PY, "t.py"]),
+    (["--num-replicas", "1", "train.py"],  # a script that is not executable: this Python's
+     ["--standalone", "--nproc-per-node", "1", "--max-restarts", "0", "--no-python", PY,
+      "train.py"]),
     (["--num-instances=4", "--num-replicas=8", "--host", "a,b", "--only-output-from-instance",
       "3", "run.sh"],
      ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "a", "--nproc-per-node",
