@@ -222,7 +222,8 @@ def _spread(model: PoplarExecutor):
 
 def _part(layout) -> dict:
     return {"rank": layout.rank, "processes": layout.size,
-            "ipu_processes": [list(ids) for ids in layout.ipu_processes]}
+            "ipu_processes": [list(ids) for ids in layout.ipu_processes],
+            "process_order": layout.order}
 
 
 def _own_keys(model: PoplarExecutor) -> set:
@@ -255,11 +256,14 @@ def _read(path: pathlib.Path, model: PoplarExecutor, dataloader, layout) -> dict
     if state.get("version") != VERSION:
         raise CheckpointError(f"{str(path)!r} has checkpoint version {state.get('version')!r}; "
                               f"this poptorch_lite reads version {VERSION}")
-    if layout is not None and state.get("part") != _part(layout):
+    saved = state.get("part")
+    if isinstance(saved, dict):  # parts written before set_process_order: pipeline-inner
+        saved = {"process_order": "pipeline_inner", **saved}
+    if layout is not None and saved != _part(layout):
         raise CheckpointError(
-            f"{str(path)!r} was written by {_describe_part(state.get('part'))}, but this is "
-            f"{_describe_part(_part(layout))}; resume with the processes and "
-            f"Options.Distributed.set_ipu_processes it was saved with")
+            f"{str(path)!r} was written by {_describe_part(saved)}, but this is "
+            f"{_describe_part(_part(layout))}; resume with the processes, "
+            f"Options.Distributed.set_ipu_processes and set_process_order it was saved with")
     _check_fits(path, state, model, dataloader)
     return state
 
@@ -267,8 +271,9 @@ def _read(path: pathlib.Path, model: PoplarExecutor, dataloader, layout) -> dict
 def _describe_part(part) -> str:
     if not isinstance(part, dict):
         return "one process running every stage"
+    order = "" if part["process_order"] == "pipeline_inner" else f" in {part['process_order']} order"
     return (f"process {part['rank']} of {part['processes']} with set_ipu_processes"
-            f"({part['ipu_processes']})")
+            f"({part['ipu_processes']}){order}")
 
 
 def _agree_on_parts(model: PoplarExecutor, path, problem, steps) -> None:

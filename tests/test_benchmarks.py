@@ -16,6 +16,27 @@ from patience import limit
 BENCH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 
 
+def test_process_groups_counts_each_orders_groups_and_host_traffic():
+    """benchmarks/process_groups.py at W = 8 processes of n = 2 stages, 4 per host: P = 4
+    pipelines; each process makes the mesh's 4 + 2 groups and 2 per pipeline for the one
+    stage edge (14), and joins its 2 mesh groups and its edge's 2. Pipeline-inner: a
+    pipeline on a host (ranks 0-3 hold pipelines 0, 1), each position's ring of 4 replicas
+    leaves host 0 once, the link carrying 2 · 3/4 · G/2 = 6 MB (G = 8 MB): 12 MB for the two
+    positions. Data-parallel-inner:
+    the rings stay on a host; host 0 holds stage 0 of all 4 pipelines and sends m · A = 2 MB
+    forward for each."""
+    done = subprocess.run([sys.executable, str(BENCH / "process_groups.py"), "--world", "8",
+                           "--stages", "2", "--rank", "5", "--per-host", "4", "--gradients-mb",
+                           "8", "--activation-mb", "1", "--micro-batches", "2"],
+                          capture_output=True, text=True, timeout=limit(300))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert lines[0] == f"W = 8 processes, n = 2 per pipeline, 4 per host; torch {torch.__version__}"
+    rows = {cells[0]: cells[1:3] + cells[4:] for cells in map(str.split, lines[2:])}
+    assert rows == {"pipeline_inner": ["14", "4", "12.0", "0.0", "12.0"],
+                    "data_parallel_inner": ["14", "4", "0.0", "8.0", "8.0"]}
+
+
 @pytest.mark.parametrize("side", ["plain", "lite", "lite --twin"])
 def test_tax_runs_one_side_and_reports_its_step_time_and_memory(side):
     done = subprocess.run([sys.executable, str(BENCH / "tax.py"), "--side", *side.split(),

@@ -976,6 +976,7 @@ T = {
     "E-PART-22": lambda: first_call(Two(tail="generator_seeded"), opts()),
     "E-PART-23": lambda: first_call(Two(tail="generator_made"), opts()),
     "E-OPT-41": lambda: first_call(Two(tail="generator"), opts(R=2)),
+    "E-OPT-42": lambda: refuse(lambda o: o.Distributed.set_process_order("replica_inner")),
     "E-PART-24": lambda: first_call(Two(tail="packed"), opts()),
     "E-PART-25": lambda: first_call(ReadBeforeWritten(), opts(poptorch.PipelinedExecution(), G=3)),
     "E-PART-26": lambda: first_call(ReadBeforeWritten(), opts().useIpuModel(True)),

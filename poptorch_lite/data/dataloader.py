@@ -10,6 +10,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 
 from .. import errors
+from ..distributed.layout import Layout
 from ..enums import DataLoaderMode
 from ..options.options import Options, combined_batch_size
 from .async_data import AsynchronousDataAccessor
@@ -131,9 +132,10 @@ class DataLoader(torch.utils.data.DataLoader):
         shuffle = bool(shuffle)
         is_iterable = isinstance(dataset, torch.utils.data.IterableDataset)
         # The n processes of one pipeline read the same data ([Note: stages in other processes]
-        # in distributed): the loader shards over the W/n pipelines.
-        n = options.Distributed.processes_per_pipeline
-        P, p = max(options.Distributed.numProcesses // n, 1), options.Distributed.processId // n
+        # in distributed): the loader shards over the W/n pipelines ([Note: process layout]).
+        d = options.Distributed
+        layout = Layout(d.process_id, d.num_processes, d.ipu_processes, d.process_order)
+        P, p = max(layout.pipelines, 1), layout.pipeline if layout.pipelines else 0
         distributed = P > 1 and auto_distributed_partitioning
         self._processes = P  # the data-parallel processes an epoch is split between
         self._epoch_sampler: Optional[_ProcessBlockSampler] = None

@@ -20,7 +20,9 @@ runs its own streams' action lists, and the update (``U``) on its first stream.
 A dependency on an action in another process becomes a message on
 ``torch.distributed`` (gloo for CPU tensors, NCCL between GPUs), on a process
 group of its own per stage pair and direction, so no two threads ever share
-one and the messages of one group come in one order on both sides:
+one and the messages of one group come in one order on both sides (the end of
+a run, on one thread, sends in one batch on the pipeline's group: the "stage"
+dimension of the layout's mesh, [Note: process layout]):
 
 - after stage s's forward of micro-batch i, each value that a stage t in
   another process reads goes there (the receiver allocates it from the trace:

@@ -52,6 +52,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..enums import ReductionType
@@ -66,6 +67,7 @@ ALONE_BYTES = 1024 * 1024  # tensors this large are reduced in place, unflattene
 
 _owned_group = False  # whether poptorch_lite initialised the default group (and destroys it)
 _GROUPS: dict = {}  # (ranks, purpose) -> process group, made by every process in one order
+_MESHES: dict = {}  # grid -> its DeviceMesh
 
 
 def is_main_process() -> bool:
@@ -112,6 +114,7 @@ def shutdown() -> None:
         dist.destroy_process_group()
     _owned_group = False
     _GROUPS.clear()
+    _MESHES.clear()
 
 
 def join_default_group(rank: int, size: int, backend: Optional[str]) -> None:
@@ -175,6 +178,7 @@ def agreed_options(options, optimizer, model) -> dict:
         "Options.broadcastBuffers": o.broadcast_buffers,
         "Options.setExecutionStrategy": repr(o.execution_strategy),
         "Options.Distributed.set_ipu_processes": o.Distributed.ipu_processes,
+        "Options.Distributed.set_process_order": o.Distributed.process_order,
         "optimizer": type(optimizer).__name__,
         "model parameters (count, elements)": (len(params), sum(p.numel() for p in params)),
     }
@@ -202,6 +206,7 @@ class Processes:
         self.rank, self.size = self.layout.rank, self.layout.size
         self.mean = options.Training.reduction_type == ReductionType.Mean
         self.timeout = collective_timeout()
+        self.mesh = None  # the pipelines × stages DeviceMesh, when a pipeline spans processes
         self._joined = self._broadcast = False
 
     @classmethod
@@ -241,11 +246,8 @@ class Processes:
                 "nccl" if any(p.is_cuda for p in model.parameters()) else "gloo"))
         self._joined = True
         self._check_same(agreed_options(self.options, optimizer, model))
-        if self.layout.spans_processes:  # every process makes every group, in one order
-            for k in range(self.layout.pipelines):
-                self.group(self.layout.pipeline_ranks(k), "pipeline")
-            for j in range(self.layout.n):
-                self.group(self.layout.replica_ranks(j), "replicas")
+        if self.layout.spans_processes:
+            self.mesh = _mesh(self.layout, self._failed)
 
     def group(self, ranks: tuple, purpose: str):
         """The process group of ``ranks`` for ``purpose`` (made on first use).
@@ -264,8 +266,7 @@ class Processes:
 
     def _replicas_group(self):
         """The processes that run this process's stages: all of them with n = 1."""
-        return (self.group(self.layout.replica_ranks(), "replicas")
-                if self.layout.spans_processes else None)
+        return self.mesh.get_group("replica") if self.mesh is not None else None
 
     def broadcast_from_main(self, model: torch.nn.Module,
                             owner: Optional[Callable[[str], Optional[int]]] = None) -> None:
@@ -325,16 +326,20 @@ class Processes:
                     flat.div_(divisor)
                 _unflat(flat, bucket)
 
+    def pipeline_group(self):
+        """This process's pipeline: the "stage" dimension of the mesh."""
+        return self.mesh.get_group("stage")
+
     def pipeline_sum(self, values: torch.Tensor) -> torch.Tensor:
         """``values`` summed over the processes of this pipeline (in place; returned)."""
-        group = self.group(self.layout.pipeline_ranks(), "pipeline")
+        group = self.pipeline_group()
         self._collective("summing over the pipeline's processes", dist.all_reduce, values,
                          group=group)
         return values
 
     def pipeline_broadcast(self, t: torch.Tensor, position: int) -> None:
         """Broadcast ``t`` in place from the pipeline's process at ``position``."""
-        group = self.group(self.layout.pipeline_ranks(), "pipeline")
+        group = self.pipeline_group()
         self._collective("handing the outputs to the pipeline's processes", dist.broadcast, t,
                          self.layout.rank_of(self.layout.pipeline, position), group=group)
 
@@ -416,6 +421,28 @@ def failed(what: str, rank: int, size: int, timeout: float, exc: BaseException) 
         f"call within the collective timeout of {timeout:g} s; every process must call "
         f"the model the same number of times with the same options (raise the timeout with "
         f"{TIMEOUT_ENV}=seconds)")
+
+
+def _mesh(layout: Layout, failed: Callable) -> DeviceMesh:
+    """The pipelines × stages ``DeviceMesh`` of ``layout`` (one per grid and process group).
+
+    Its "stage" dimension's group is this process's pipeline and its "replica" dimension's
+    the processes that run the same stages as this one. torch makes them: one
+    ``split_group`` per dimension where the default group is bound to a GPU, else one
+    ``new_group`` per pipeline and per position in every process (gloo's, and torch
+    2.14's only way: only the members build a communicator; the others only count the
+    group, microseconds each: docs/PERFORMANCE.md (p)).
+    """
+    grid = layout.grid()
+    if grid not in _MESHES:
+        try:
+            # "cpu": the mesh's groups take the default group's backends, NCCL included;
+            # a "cuda" mesh would also pick this process's GPU, which is process_gpu's.
+            _MESHES[grid] = DeviceMesh("cpu", torch.tensor(grid), mesh_dim_names=(
+                "replica", "stage"))
+        except Exception as exc:
+            raise failed(f"making the process mesh {[list(r) for r in grid]}", exc) from exc
+    return _MESHES[grid]
 
 
 def _flat(bucket: list) -> torch.Tensor:

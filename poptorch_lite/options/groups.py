@@ -224,10 +224,14 @@ class _DistributedOptions(OptionGroup):
         "process_id": lambda g, v: g.configureProcessId(v, g.num_processes),
         "num_processes": lambda g, v: g.configureProcessId(g.process_id, v),
         "ipu_processes": via_setter("set_ipu_processes"),
+        "process_order": via_setter("set_process_order"),
     }
 
+    PROCESS_ORDERS = ("pipeline_inner", "data_parallel_inner")
+
     def __init__(self):
-        super().__init__(process_id=0, num_processes=1, ipu_processes=None)
+        super().__init__(process_id=0, num_processes=1, ipu_processes=None,
+                         process_order="pipeline_inner")
         if "OMPI_COMM_WORLD_SIZE" not in os.environ and "WORLD_SIZE" in os.environ:
             self.setEnvVarNames("WORLD_SIZE", "RANK")  # torchrun
         else:
@@ -309,8 +313,10 @@ class _DistributedOptions(OptionGroup):
         Entry j lists the IPU ids that process j of each pipeline runs ([Note: stages in
         other processes] in ``distributed``). With W = ``numProcesses`` processes
         (torchrun's ``WORLD_SIZE``) and n entries there are W / n pipelines, data-parallel
-        replicas of each other: process r runs position r % n of pipeline r // n. Left
-        unset, every process runs every IPU (replicas across processes only).
+        replicas of each other: process r runs position r % n of pipeline r // n (or, with
+        :meth:`set_process_order` ``("data_parallel_inner")``, position r // (W / n) of
+        pipeline r % (W / n)). Left unset, every process runs every IPU (replicas across
+        processes only).
 
         Args:
             mapping: a list (index = process) or a dict ``{process: ids}``; ids are an
@@ -358,6 +364,34 @@ class _DistributedOptions(OptionGroup):
                 placed[ipu] = j
             processes.append(tuple(ids))
         self._store(ipu_processes=tuple(processes))
+
+    @setter
+    def set_process_order(self, order: str):
+        """Which processes are neighbours in rank order (poptorch_lite's own option; [Note:
+        process layout] in ``distributed/layout.py``).
+
+        ``"pipeline_inner"`` (the default): a pipeline's n processes have neighbouring
+        ranks, so they share a host and its activations never leave it, while the
+        gradient all-reduce of a stage crosses hosts. ``"data_parallel_inner"``: the W / n
+        replicas of one stage have neighbouring ranks, so the all-reduce stays on a host
+        as far as it can and the activations cross hosts instead (Megatron's and
+        torchtitan's order). The numbers are the same either way; only what crosses a
+        host differs (docs/PERFORMANCE.md (p)). Without :meth:`set_ipu_processes` both
+        orders are the same.
+
+        Raises:
+            errors.OptionsError: ``order`` is not one of the two.
+
+        Example:
+            >>> _DistributedOptions().set_process_order("data_parallel_inner").process_order
+            'data_parallel_inner'
+        """
+        if order not in self.PROCESS_ORDERS:
+            raise errors.OptionsError(
+                f"Distributed.set_process_order({order!r}): the order is one of "
+                f"{', '.join(map(repr, self.PROCESS_ORDERS))}; call e.g. "
+                f"opts.Distributed.set_process_order(\"data_parallel_inner\")")
+        self._store(process_order=order)
 
     @setter
     def disable(self):

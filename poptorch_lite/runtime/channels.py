@@ -102,14 +102,6 @@ class Channels:
             if name in producer_position and info is not None and not info.dynamic:
                 self.settled[producer_position[name]].append((name, info))
         self.settled_names = {name for names in self.settled for name, _ in names}
-        self._settle_groups = {}
-        for k in range(layout.pipelines):  # every process makes every group, in one order
-            for a in range(layout.n):
-                for b in range(a + 1, layout.n):
-                    group = processes.group((layout.rank_of(k, a), layout.rank_of(k, b)),
-                                            "the end of a run")
-                    if k == layout.pipeline and layout.position in (a, b):
-                        self._settle_groups[b if layout.position == a else a] = group
         # Receives are posted ahead of their actions unless a value's shape depends on the
         # data (its header must arrive first, so every receive waits for its turn).
         self.ahead = not any(info.dynamic for e in self.edges.values() for info in e.infos)
@@ -354,10 +346,13 @@ class Channels:
                 at += _padded(info)
         inbound = {j: torch.empty(sizes[j], dtype=torch.uint8)
                    for j in range(self.layout.n) if j != me}
-        try:  # with each peer, its send and receive together (NCCL would deadlock otherwise)
-            works = [work for j, buf in inbound.items() for work in dist.batch_isend_irecv([
-                dist.P2POp(dist.isend, out, self._rank(j), self._settle_groups[j]),
-                dist.P2POp(dist.irecv, buf, self._rank(j), self._settle_groups[j])])]
+        # One batch on the pipeline's group (one thread, the streams are done): a send to
+        # and a receive from each peer, one message each way, so none can be mistaken.
+        group = self.processes.pipeline_group()
+        try:
+            works = dist.batch_isend_irecv([
+                dist.P2POp(op, buf, self._rank(j), group) for j, receive in inbound.items()
+                for op, buf in ((dist.isend, out), (dist.irecv, receive))])
             for work in works:
                 work.wait()
         except Exception as exc:

@@ -262,20 +262,32 @@ def test_dataloader_shards_like_distributed_sampler(shuffle):
     assert (epochs[0] != epochs[1]) == shuffle
 
 
-def test_the_processes_of_one_pipeline_read_the_same_data_and_pipelines_disjoint_shards():
+@pytest.mark.parametrize("order,pipelines", [("pipeline_inner", [[0, 1], [2, 3]]),
+                                             ("data_parallel_inner", [[0, 2], [1, 3]])])
+def test_the_processes_of_one_pipeline_read_the_same_data_and_pipelines_disjoint_shards(
+        order, pipelines):
     """With set_ipu_processes the loader shards over pipelines ([Note: stages in other
-    processes]): 4 processes in 2 pipelines of 2; each pipeline's processes read one shard."""
+    processes]): 4 processes in 2 pipelines of 2; each pipeline's processes read one shard,
+    pipeline 0's the first ([Note: process layout]: which ranks those are is the order's)."""
     n, W, seen = 48, 4, []
     for p in range(W):
         opts = poptorch.Options().randomSeed(5)
         opts.Distributed.configureProcessId(p, W)
         opts.Distributed.set_ipu_processes([[0], [1]])
+        opts.Distributed.process_order = order  # the attribute goes through the setter
         opts.Training.gradientAccumulation(2)
         loader = poptorch.DataLoader(opts, torch.utils.data.TensorDataset(torch.arange(n)),
                                      batch_size=3, shuffle=True)
         seen.append([int(i) for (batch,) in loader for i in batch])
-    assert seen[0] == seen[1] and seen[2] == seen[3]
-    assert sorted(seen[0] + seen[2]) == list(range(n))
+    (a, b), (c, d) = pipelines
+    assert seen[a] == seen[b] and seen[c] == seen[d] and seen[0] != seen[3]
+    assert sorted(seen[a] + seen[c]) == list(range(n))
+    single = poptorch.Options().randomSeed(5)
+    single.Distributed.configureProcessId(0, 2)
+    single.Training.gradientAccumulation(2)
+    loader = poptorch.DataLoader(single, torch.utils.data.TensorDataset(torch.arange(n)),
+                                 batch_size=3, shuffle=True)
+    assert seen[a] == [int(i) for (batch,) in loader for i in batch]  # pipeline 0: shard 0
 
 
 def test_set_ipu_processes_reads_back_and_counts_processes_per_pipeline():

@@ -70,7 +70,8 @@ def test_every_configuration_matches_one_process(trained):
         exact = not summed_across_processes(name)
         for rank, result in enumerate(results):
             got = result[name]
-            replica = rank // len(ipus)
+            where = worker.layout(name, rank)
+            replica = where.pipeline
             for c, ((out, loss), (ref_out, ref_loss)) in enumerate(zip(got["outputs"],
                                                                         ref["outputs"])):
                 # the reference interleaves the replicas' micro-batches ([D, G, R, B] layout)
@@ -102,11 +103,31 @@ def test_every_configuration_matches_one_process(trained):
             if "inference" in ref:  # an inference model of the trained model, spread too
                 assert_close(got["inference"], ref["inference"], atol=0 if exact else ATOL,
                              rtol=0, msg=name)
-            pipeline = rank // len(ipus)
             assert got["timeline"] == [
-                f"ipu{k} (cpu)" if k in ipus[rank % len(ipus)] else
-                f"ipu{k} (process {pipeline * len(ipus) + j})"
+                f"ipu{k} (cpu)" if k in ipus[where.position] else
+                f"ipu{k} (process {where.rank_of(where.pipeline, j)})"
                 for k in range(len(ref["timeline"])) for j, ids in enumerate(ipus) if k in ids]
+
+
+@pytest.mark.parametrize("trained", [4], ids=["4_processes"], indirect=True)
+def test_the_process_order_changes_which_rank_runs_what_and_no_number(trained):
+    """Data-parallel-inner puts the replicas of a stage on neighbouring ranks (0, 1 run stage
+    0 of pipelines 0, 1): every number of each (pipeline, position) is bit for bit that of
+    the same configuration in pipeline-inner order (ranks 0, 2 run stage 0)."""
+    W, results = trained
+    dp, pi = "4-grouped-two-replicas-data-parallel-inner", "4-grouped-two-replicas"
+    assert [(worker.layout(dp, r).pipeline, worker.layout(dp, r).position)
+            for r in range(W)] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    for rank in range(W):
+        where = worker.layout(dp, rank)
+        twin = results[worker.layout(pi, 0).rank_of(where.pipeline, where.position)][pi]
+        got = results[rank][dp]
+        for (out, loss), (twin_out, twin_loss) in zip(got["outputs"], twin["outputs"]):
+            assert torch.equal(out, twin_out) and torch.equal(loss, twin_loss), rank
+        assert all(torch.equal(got["params"][k], v) for k, v in twin["params"].items()), rank
+        assert got["opt"].keys() == twin["opt"].keys() and all(
+            torch.equal(got["opt"][p][k], v) for p, s in twin["opt"].items()
+            for k, v in s.items() if torch.is_tensor(v)), rank
 
 
 def _layer(name):
@@ -132,7 +153,7 @@ def test_each_process_holds_optimizer_state_for_its_own_stages_only(trained):
         own = OWN_LAYERS[kind, tuple(tuple(i) for i in ipus)]
         for rank, result in enumerate(results):
             held = {_layer(n) for n in result[name]["opt"]}
-            assert held == own[rank % len(ipus)], (name, rank)
+            assert held == own[worker.layout(name, rank).position], (name, rank)
 
 
 def test_a_failing_action_ends_the_call_in_every_process_which_keep_their_last_step(tmp_path):
@@ -269,8 +290,8 @@ def test_each_process_checkpoints_its_part_and_a_resumed_run_continues_exactly(t
         assert result["swapped"] == (
             f"{str(tmp_path / f'b.pt.process{rank}-of-2')!r} was written by process {rank} of 2 "
             f"with set_ipu_processes([[0], [1]]), but this is process {rank} of 2 with "
-            f"set_ipu_processes([[1], [0]]); resume with the processes and "
-            f"Options.Distributed.set_ipu_processes it was saved with")
+            f"set_ipu_processes([[1], [0]]); resume with the processes, "
+            f"Options.Distributed.set_ipu_processes and set_process_order it was saved with")
     missing = f"no checkpoint at {str(tmp_path / 'c.pt.process1-of-2')!r}; check the path"
     assert results[1]["missing"] == missing
     assert results[0]["missing"] == (f"process 1 cannot load its part of the checkpoint "

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import poptorch_lite as poptorch
+from poptorch_lite.distributed.layout import Layout
 
 from models import BlockMLP, data
 from probes import PROBE, Probed, probed_batch
@@ -90,7 +91,17 @@ CONFIGS = {
     "4-grouped-two-replicas": (4, "replicable", [[0], [1]], "grouped", 4, 2, False, "adam"),
     "4-interleaved-two-replicas": (4, "replicable", [[0], [1]], "interleaved", 3, 1, True,
                                    "sgd"),
+    "4-grouped-two-replicas-data-parallel-inner": (4, "replicable", [[0], [1]], "grouped", 4,
+                                                   2, False, "adam"),
 }
+# Options.Distributed.set_process_order of a configuration ("pipeline_inner" where unnamed)
+ORDERS = {"4-grouped-two-replicas-data-parallel-inner": "data_parallel_inner"}
+
+
+def layout(name, rank):
+    """Where process ``rank`` of a configuration sits ([Note: process layout])."""
+    W, _, ipus, *_ = CONFIGS[name]
+    return Layout(rank, W, tuple(map(tuple, ipus)), ORDERS.get(name, "pipeline_inner"))
 
 
 def build(kind):
@@ -131,6 +142,7 @@ def options(name, spread):
         opts._Popart.set("autoRecomputation", 3)
     if spread:
         opts.Distributed.set_ipu_processes(ipus)
+        opts.Distributed.set_process_order(ORDERS.get(name, "pipeline_inner"))
     elif replicas > 1:  # the reference: the same replicas in one process
         opts.replicationFactor(replicas)
     return opts
@@ -166,7 +178,7 @@ def train(name, spread, calls=CALLS):
     params = [p for n, p in model.named_parameters() if opt_kind != "clip" or n != "fc0.bias"]
     optimizer = make_optimizer(opt_kind, params)
     wrapped = poptorch.trainingModel(model, options(name, spread), optimizer)
-    replica = int(os.environ["RANK"]) // len(ipus) if spread else None
+    replica = layout(name, int(os.environ["RANK"])).pipeline if spread else None
     outputs = []
     for c in range(calls):
         torch.manual_seed(1000 + c)
