@@ -135,8 +135,8 @@ class Channels:
             s = producer.get(name, first.get(name))  # computed, or a weight returned
             if s is not None and not name.startswith("input:"):
                 self.output_owner[name] = self.position[s]
-        self.counted = [n.split(":", 1)[1] for n, s in first.items()
-                        if n.startswith("param:") and self.position[s] == mine]
+        self.counted = frozenset(n.split(":", 1)[1] for n, s in first.items()
+                                 if n.startswith("param:") and self.position[s] == mine)
         # Each parameter and buffer: the position of the first process whose stage uses it.
         self.weight_owner = {n.split(":", 1)[1]: self.position[s] for n, s in first.items()
                              if n.startswith(("param:", "buffer:"))}
@@ -234,19 +234,27 @@ class Channels:
 
     def clip_grad_norm_(self, params: dict, max_norm: float) -> None:
         """``torch.nn.utils.clip_grad_norm_`` over the gradients of ``params`` (name ->
-        parameter: those the optimizer holds), which the pipeline's processes hold between
-        them: each adds the squared norms of the gradients it counts (a weight used in
-        several processes counts in the first), one sum over the processes gives the norm,
-        and each scales its own gradients."""
-        by_device: dict = {}  # one host copy per device, not per gradient
-        for n in self.counted:
-            if n in params and params[n].grad is not None:
-                g = params[n].grad
-                by_device.setdefault(g.device, []).append(torch.linalg.vector_norm(g))
-        squares = torch.zeros(1)
-        for norms in by_device.values():
-            squares += (torch.stack(norms) ** 2).sum().cpu()
-        total = self.processes.pipeline_sum(squares)[0].sqrt()
+        parameter: those the optimizer holds, in the model's order), which the pipeline's
+        processes hold between them.
+
+        Each process takes the norm of each gradient it counts (a weight used in several
+        processes counts in the first) as torch does (``_norms``) and puts it at that
+        weight's place in a vector; one sum over the processes fills the vector (each
+        place has one non-zero term, so the sum is exact), and every process then takes the
+        norm of the norms as ``clip_grad_norm_`` does over one process's list (on the CPU,
+        where torch takes it on the first gradient's device). With every gradient on the
+        CPU and of one dtype that is one process's arithmetic bit for bit; each process
+        scales its own gradients.
+        """
+        names = list(params)
+        places = torch.zeros(2, len(names))  # row 0: the norms; row 1: which are there
+        mine = [(k, params[n].grad) for k, n in enumerate(names)
+                if n in self.counted and params[n].grad is not None]
+        for (k, _), norm in zip(mine, _norms([g for _, g in mine])):
+            places[0, k], places[1, k] = norm.cpu(), 1.0
+        places = self.processes.pipeline_sum(places)
+        norms = places[0][places[1] > 0]
+        total = torch.linalg.vector_norm(norms) if len(norms) else torch.tensor(0.0)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in params.values():
             if p.grad is not None:
@@ -445,3 +453,27 @@ _RNG = _PackedStream()
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else ""
+
+
+def _norms(grads: list) -> list:
+    """Each gradient's 2-norm as ``torch.nn.utils.clip_grad_norm_`` takes it: one
+    ``_foreach_norm`` per device where torch's foreach kernels run there, else one
+    ``vector_norm`` each (the CPU)."""
+    by_device: dict = {}
+    for k, g in enumerate(grads):
+        by_device.setdefault((g.device, g.dtype), []).append(k)
+    out: list = [None] * len(grads)
+    for (device, _), ks in by_device.items():
+        group = [grads[k] for k in ks]
+        if device.type in _FOREACH_DEVICES:
+            norms = torch._foreach_norm(group, 2.0)
+        else:
+            norms = [torch.linalg.vector_norm(g, 2.0) for g in group]
+        for k, norm in zip(ks, norms):
+            out[k] = norm
+    return out
+
+
+# torch.utils._foreach_utils._get_foreach_kernels_supported_devices(): where
+# clip_grad_norm_ takes the norms with _foreach_norm (never the CPU)
+_FOREACH_DEVICES = frozenset({"cuda", "xpu"})
