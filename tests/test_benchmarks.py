@@ -16,6 +16,21 @@ from patience import limit
 BENCH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 
 
+def test_distributed_runs_one_round_of_each_job_and_prints_the_ratio_to_ddp():
+    """benchmarks/distributed.py on a tiny MLP: one round of the 1-process, 2-process and
+    2-process DDP jobs; its row and the medians (figures are not checked)."""
+    done = subprocess.run([sys.executable, str(BENCH / "distributed.py"), "--model", "mlp",
+                           "--width", "16", "--layers", "2", "--rounds", "1", "--steps", "1",
+                           "--warmup", "1"], capture_output=True, text=True,
+                          timeout=limit(300))
+    assert done.returncode == 0, done.stderr
+    header, row, medians = done.stdout.strip().splitlines()
+    assert header == f"torch {torch.__version__}; G = 8, B = 32, 1 timed steps per job after 1"
+    assert row.startswith("mlp round 1: 1 process ") and " DDP " in row
+    assert medians.startswith("mlp median (min-max) of 1: scaling ")
+    assert medians.split("poptorch_lite's 2-process step / DDP's ")[1].endswith("x")
+
+
 def test_process_groups_counts_each_orders_groups_and_host_traffic():
     """benchmarks/process_groups.py at W = 8 processes of n = 2 stages, 4 per host: P = 4
     pipelines; each process makes the mesh's 4 + 2 groups and 2 per pipeline for the one
