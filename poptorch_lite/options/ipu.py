@@ -421,7 +421,16 @@ class _TensorLocationOptions(OptionGroup):
             >>> t.location_optimizer, t.offload_optimizer
             ({'onChip': 0}, True)
         """
-        self._location("optimizer", location, ipu_only=set(location.toDict()) - {"onChip"})
+        tuned = set(location.toDict()) - {"onChip"}
+        if location.toDict().get("useReplicatedTensorSharding"):
+            tuned.discard("useReplicatedTensorSharding")
+            errors.warn_once(
+                f"{self._PATH}.setOptimizerLocation(useReplicatedTensorSharding)",
+                "TensorLocationSettings().useReplicatedTensorSharding(True) shards the optimizer "
+                "state over the replicas on IPUs (each holds 1/N of it); poptorch_lite does not "
+                "shard it yet: every process holds the whole optimizer state, and the numbers "
+                "are the same")
+        self._location("optimizer", location, ipu_only=tuned)
 
     @property
     def offload_optimizer(self) -> bool:
