@@ -12,7 +12,11 @@ loopback). A round runs, per model, the 1-process job, the 2-process job and the
 same 2-process step in plain PyTorch under torch's DistributedDataParallel (its
 Reducer: 25 MB buckets all-reduced during the backward of the last micro-batch,
 ``no_sync`` for the G-1 before it; each micro-batch's loss divided by G, so the
-gradients are poptorch_lite's Mean), one after the other. Each job reports
+gradients are poptorch_lite's Mean), then poptorch_lite's 2-process job with
+the optimizer state sharded (``useReplicatedTensorSharding``: Adam's state bytes a
+process holds and the bytes its collectives send a step, against the whole state's
+and a ring all-reduce's 2(P-1)/P of the gradients), one after the other. Every
+side steps Adam (lr 1e-4). Each job reports
 samples/s over all processes after warm-up steps; the table gives each round's
 scaling (2 processes / 1, ideal 2.00 on 2 free cores) and poptorch_lite's step
 time over DDP's, then the medians and spreads. Each poptorch_lite 2-process job
@@ -47,6 +51,8 @@ parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
 parser.add_argument("--rounds", type=int, default=3,
                     help="rounds of (1-process, 2-process, 2-process DDP) jobs per model")
 parser.add_argument("--model", choices=["mlp", "conv", "both"], default="both")
+parser.add_argument("--shard", action="store_true",
+                    help=argparse.SUPPRESS)  # the worker shards the optimizer state
 parser.add_argument("--worker", choices=["lite", "ddp"], help=argparse.SUPPRESS)
 
 
@@ -87,7 +93,7 @@ def ddp_worker(args):
     torch.manual_seed(rank)
     net = Net(args.model, args.width, args.layers)
     model = torch.nn.parallel.DistributedDataParallel(net)
-    optimizer = torch.optim.SGD(net.parameters(), lr=1e-4)
+    optimizer = torch.optim.Adam(net.parameters(), lr=1e-4)
     B, G = args.micro_batch, args.accumulation
     x, y = step_data(args, B * G)
 
@@ -114,13 +120,23 @@ def worker(args):
     P, rank = opts.Distributed.numProcesses, opts.Distributed.processId
     torch.manual_seed(rank)
     net = Net(args.model, args.width, args.layers)
-    model = poptorch.trainingModel(net, opts, torch.optim.SGD(net.parameters(), lr=1e-4))
+    opts.TensorLocations.setOptimizerLocation(
+        poptorch.TensorLocationSettings().useReplicatedTensorSharding(args.shard))
+    optimizer = torch.optim.Adam(net.parameters(), lr=1e-4)
+    model = poptorch.trainingModel(net, opts, optimizer)
     rows = args.micro_batch * args.accumulation
     x, y = step_data(args, rows)
     elapsed = timed_steps(args, lambda: model(x, y))
     result = {"samples_per_s": rows * P * args.steps / elapsed,
-              "step_ms": elapsed / args.steps * 1e3}
+              "step_ms": elapsed / args.steps * 1e3,
+              "state_mb": sum(v.numel() * v.element_size() for st in optimizer.state.values()
+                              for v in st.values() if torch.is_tensor(v)) / 1e6}
     if P > 1:
+        shards = model._processes.shards(optimizer)
+        gradients = sum(p.numel() * p.element_size() for p in net.parameters())
+        result["sent_mb"] = (shards.sent_bytes if shards is not None else  # a ring all-reduce
+                             2 * (P - 1) / P * gradients) / 1e6
+    if P > 1 and not args.shard:
         replicas = model._processes
         params = dict(net.named_parameters())
         for p in params.values():  # a step's gradients (the host's .grad are the user's)
@@ -172,19 +188,25 @@ def main():
           f"{args.steps} timed steps per job after {args.warmup}", flush=True)
     for model in models:
         rest = [a for a in argv if a not in ("--model", args.model)] + ["--model", model]
-        scaling, against = [], []
+        scaling, against, sharded = [], [], []
         for r in range(args.rounds):
             one, two, ddp = job(1, rest), job(2, rest), job(2, rest, "ddp")
+            shard = job(2, rest + ["--shard"])
             scaling.append(two["samples_per_s"] / one["samples_per_s"])
             against.append(two["step_ms"] / ddp["step_ms"])
+            sharded.append(shard["step_ms"] / two["step_ms"])
             print(f"{model} round {r + 1}: 1 process {one['samples_per_s']:.0f} samples/s, "
                   f"2 processes {two['samples_per_s']:.0f} ({scaling[-1]:.2f}x); step "
                   f"{two['step_ms']:.1f} ms, DDP {ddp['step_ms']:.1f} ms "
                   f"({against[-1]:.2f}x DDP); all-reduce {two['bucketed_ms']:.1f} ms bucketed, "
-                  f"{two['per_parameter_ms']:.1f} ms per parameter", flush=True)
+                  f"{two['per_parameter_ms']:.1f} ms per parameter; sharded state: step "
+                  f"{shard['step_ms']:.1f} ms ({sharded[-1]:.2f}x), Adam's state "
+                  f"{shard['state_mb']:.4g} MB a process against {two['state_mb']:.4g} MB, sent "
+                  f"{shard['sent_mb']:.4g} MB a step against the all-reduce's "
+                  f"{two['sent_mb']:.4g} MB", flush=True)
         print(f"{model} median (min-max) of {args.rounds}: scaling {spread(scaling)}x "
-              f"(ideal 2.00x), poptorch_lite's 2-process step / DDP's {spread(against)}x",
-              flush=True)
+              f"(ideal 2.00x), poptorch_lite's 2-process step / DDP's {spread(against)}x, "
+              f"sharded / whole state {spread(sharded)}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,12 @@ random state and loader position. Every process calls ``load_checkpoint(path,
 ...)`` too, and loads its part; the processes first agree that every part is
 there, fits, and is of the same step, so a refusal happens in all of them.
 
+With the optimizer state sharded over N data-parallel processes ([Note: sharded optimizer
+state] in ``distributed/sharding``), every process calls ``save_checkpoint``: the main
+process writes the file with its own chunks of the state, and process k its chunks to
+``<path>.shard<k>-of-<N>`` (:func:`shard_path`). Loading needs the same N, sharded; a whole
+state (saved unsharded) loads into a sharded run, which cuts it at its next step.
+
 When the processes are data-parallel replicas of one whole pipeline, they hold the same
 weights and optimizer state (every step all-reduces their gradients), so one file holds
 the training state: whichever processes call ``save_checkpoint(path, ...)`` (every one, or
@@ -128,6 +134,13 @@ def save_checkpoint(path, model: PoplarExecutor, dataloader=None, extra: Any = N
         "extra": extra,
     }
     path = pathlib.Path(path)
+    shards = _shards(model)
+    if shards is not None:  # [Note: checkpoints]: each process's chunks of the state
+        state["shards"] = shards.size
+        if shards.rank != 0:
+            _write({"format": FORMAT, "version": VERSION, "steps": model._steps,
+                    "optimizer": state["optimizer"]}, shard_path(path, shards.rank, shards.size))
+            return
     if layout is None and model._processes is not None and model._processes.rank != 0:
         return  # data-parallel processes: the main process writes the one file
     if layout is not None:  # [Note: checkpoints]: this process's part
@@ -140,6 +153,11 @@ def save_checkpoint(path, model: PoplarExecutor, dataloader=None, extra: Any = N
         state["model"] = {k: v for k, v in state["model"].items() if k in own}
         state["part"] = _part(layout)
         path = part_path(path, layout.rank, layout.size)
+    _write(state, path)
+
+
+def _write(state: dict, path: pathlib.Path) -> None:
+    """``torch.save`` into ``path`` atomically (a temporary file renamed over it)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -174,6 +192,7 @@ def load_checkpoint(path, model: PoplarExecutor, dataloader=None) -> CheckpointI
     layout = _spread(model)
     if layout is None:
         state = _read(pathlib.Path(path), model, dataloader, None)
+        _own_chunks(path, state, _shards(model))
     else:  # every process reads its part; all of them agree before any loads
         try:
             state, problem = _read(part_path(path, layout.rank, layout.size), model, dataloader,
@@ -199,6 +218,58 @@ def load_checkpoint(path, model: PoplarExecutor, dataloader=None) -> CheckpointI
             f"was changed. Load it into the model, optimizer and loader it was saved from") from e
     return CheckpointInfo(model._steps, None if loader is None else int(loader["epoch"]),
                           state["extra"])
+
+
+def shard_path(path, rank: int, processes: int) -> pathlib.Path:
+    """The file in which process ``rank`` of ``processes`` that share the optimizer state
+    writes its chunks of it ([Note: checkpoints]; process 0's are in ``path``).
+
+    Example:
+        >>> shard_path("ckpt.pt", 1, 2).name
+        'ckpt.pt.shard1-of-2'
+    """
+    path = pathlib.Path(path)
+    return path.with_name(f"{path.name}.shard{rank}-of-{processes}")
+
+
+def _shards(model: PoplarExecutor):
+    """The chunks of the optimizer state this process holds, or None where it holds it whole
+    ([Note: sharded optimizer state] in ``distributed/sharding``)."""
+    processes = model._processes
+    return processes.shards(model._optimizer) if processes is not None else None
+
+
+def _own_chunks(path, state: dict, shards) -> None:
+    """Put this process's chunks of a sharded checkpoint's optimizer state into ``state``;
+    refuse a checkpoint whose state is sharded otherwise than this run's. A whole state
+    loads anywhere (a sharded run cuts it at its next step)."""
+    saved = state.get("shards")
+    if saved is None:
+        return
+    mine = None if shards is None else shards.size
+    if saved != mine:
+        raise CheckpointError(
+            f"{str(path)!r} holds an optimizer state sharded over {saved} processes "
+            f"(useReplicatedTensorSharding), but this run "
+            f"{'holds it whole' if mine is None else f'shards it over {mine}'}; resume with "
+            f"{saved} data-parallel processes and the state sharded")
+    if shards.rank == 0:
+        return
+    chunk_file = shard_path(path, shards.rank, shards.size)
+    try:
+        chunks = torch.load(chunk_file, weights_only=True, map_location="cpu")
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"no chunk of the optimizer state at {str(chunk_file)!r}: with "
+            f"useReplicatedTensorSharding every process calls save_checkpoint and writes its "
+            f"own chunks beside {str(path)!r}") from None
+    if not isinstance(chunks, dict) or chunks.get("format") != FORMAT or \
+            chunks.get("steps") != state["steps"]:
+        raise CheckpointError(
+            f"{str(chunk_file)!r} is not process {shards.rank}'s chunk of the optimizer state "
+            f"of {str(path)!r} (of step {state['steps']}): a process stopped while saving; "
+            f"resume from an earlier checkpoint")
+    state["optimizer"] = chunks["optimizer"]
 
 
 def part_path(path, rank: int, processes: int) -> pathlib.Path:

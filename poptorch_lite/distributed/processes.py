@@ -56,9 +56,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..enums import ReductionType
-from ..errors import ExecutionError, OptionsError
+from ..errors import ExecutionError, OptionsError, warn_once
 from ..runtime.devices import process_gpu
 from .layout import Layout
+from .sharding import Shards, elementwise
 
 TIMEOUT_ENV = "POPTORCH_LITE_DIST_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
@@ -179,6 +180,7 @@ def agreed_options(options, optimizer, model) -> dict:
         "Options.setExecutionStrategy": repr(o.execution_strategy),
         "Options.Distributed.set_ipu_processes": o.Distributed.ipu_processes,
         "Options.Distributed.set_process_order": o.Distributed.process_order,
+        "Options.TensorLocations.setOptimizerLocation": o.TensorLocations.location_optimizer,
         "optimizer": type(optimizer).__name__,
         "model parameters (count, elements)": (len(params), sum(p.numel() for p in params)),
     }
@@ -208,6 +210,7 @@ class Processes:
         self.timeout = collective_timeout()
         self.mesh = None  # the pipelines × stages DeviceMesh, when a pipeline spans processes
         self._joined = self._broadcast = False
+        self._shards: dict = {}  # id(optimizer) -> its Shards, or None where it is not sharded
 
     @classmethod
     def for_options(cls, options, training: bool) -> Optional["Processes"]:
@@ -300,20 +303,59 @@ class Processes:
         of the group.
         """
         replicas = self.layout.pipelines
-        trainable = [p for p in params.values() if p.requires_grad]
-        if not trainable or replicas == 1:
+        if replicas == 1:
             return
-        group = self._replicas_group()
+        used = self._used(params)
+        self.all_reduce([p.grad for p in used], self._replicas_group(),
+                        "the gradient all-reduce", replicas if self.mean else 1)
+
+    def shards(self, optimizer) -> Optional[Shards]:
+        """The chunks of ``optimizer``'s state this process holds, or None where its state is
+        whole: [Note: sharded optimizer state] in ``sharding``."""
+        key = id(optimizer)
+        if key not in self._shards:
+            wanted = (self.options.TensorLocations.location_optimizer or {}).get(
+                "useReplicatedTensorSharding") and self.layout.pipelines > 1
+            made = None
+            if wanted and self.layout.spans_processes:
+                warn_once("sharding across pipelines", (
+                    "useReplicatedTensorSharding: the optimizer state is not sharded where a "
+                    "pipeline's stages run in several processes (set_ipu_processes) yet; every "
+                    "process holds its stages' whole state, and the numbers are the same"))
+            elif wanted and not elementwise(optimizer):
+                warn_once(f"sharding {type(optimizer).__name__}", (
+                    f"useReplicatedTensorSharding: {type(optimizer).__name__}'s update of a "
+                    f"weight reads more than its own elements (or it is not an optimizer "
+                    f"poptorch_lite knows), so its state is not sharded: every process holds "
+                    f"it whole, and the numbers are the same"))
+            elif wanted:
+                made = Shards(None, self.rank, self.size, self._collective)
+            self._shards[key] = made
+        return self._shards[key]
+
+    def reduce_scatter_grads(self, params: dict, shards: Shards) -> None:
+        """As :meth:`all_reduce_grads`, but each process keeps only its chunk of each sum
+        (``shards``: [Note: sharded optimizer state])."""
+        used = self._used(params)
+        if used:
+            shards.reduce_scatter(used, self.layout.pipelines if self.mean else 1)
+
+    def _used(self, params: dict) -> list:
+        """The trainable parameters that have a gradient in any of the processes that run the
+        same stages; one where this process has none gets zeros."""
+        trainable = [p for p in params.values() if p.requires_grad]
+        if not trainable:
+            return []
         present = torch.tensor([p.grad is not None for p in trainable], dtype=torch.int32,
                                device=trainable[0].device)
-        self._collective("the gradient all-reduce", dist.all_reduce, present, group=group)
+        self._collective("the gradient all-reduce", dist.all_reduce, present,
+                         group=self._replicas_group())
         used = [p for p, n in zip(trainable, present.tolist()) if n > 0]
         with torch.no_grad():
             for p in used:
                 if p.grad is None:  # unused here, used elsewhere: contributes zeros
                     p.grad = torch.zeros_like(p)
-            self.all_reduce([p.grad for p in used], group, "the gradient all-reduce",
-                            replicas if self.mean else 1)
+        return used
 
     def all_reduce(self, tensors: list, group, what: str, divisor: int = 1) -> None:
         """Sum ``tensors`` in place over ``group`` (in buckets: :func:`_buckets`), then

@@ -408,28 +408,24 @@ class _TensorLocationOptions(OptionGroup):
 
     @setter
     def setOptimizerLocation(self, location: TensorLocationSettings):
-        """Where optimizer state lives: ``useOnChipStorage(False)`` offloads it to the host.
+        """Where optimizer state lives: ``useOnChipStorage(False)`` offloads it to the host;
+        ``useReplicatedTensorSharding(True)`` shards it over data-parallel processes.
 
         Offloaded, the optimizer state and the update live in host memory: each
         step gathers the gradients onto the host parameters, steps there, and
         refreshes the stages' copies ([Note: weight homes] in ``weights``), which
-        saves the devices the optimizer state's memory. The other settings only
-        tune an IPU (accepted and ignored with one warning).
+        saves the devices the optimizer state's memory. Sharded, each of N
+        data-parallel processes holds 1/N of it ([Note: sharded optimizer state] in
+        ``distributed/sharding.py``; the replicas within one process share one copy
+        already). The other settings only tune an IPU (accepted and ignored with one
+        warning).
 
         Example:
             >>> t = _TensorLocationOptions().setOptimizerLocation(TensorLocationSettings().useOnChipStorage(False))
             >>> t.location_optimizer, t.offload_optimizer
             ({'onChip': 0}, True)
         """
-        tuned = set(location.toDict()) - {"onChip"}
-        if location.toDict().get("useReplicatedTensorSharding"):
-            tuned.discard("useReplicatedTensorSharding")
-            errors.warn_once(
-                f"{self._PATH}.setOptimizerLocation(useReplicatedTensorSharding)",
-                "TensorLocationSettings().useReplicatedTensorSharding(True) shards the optimizer "
-                "state over the replicas on IPUs (each holds 1/N of it); poptorch_lite does not "
-                "shard it yet: every process holds the whole optimizer state, and the numbers "
-                "are the same")
+        tuned = set(location.toDict()) - {"onChip", "useReplicatedTensorSharding"}
         self._location("optimizer", location, ipu_only=tuned)
 
     @property

@@ -165,6 +165,9 @@ class Update:
         weights = self.weights
         if self.channels is not None:  # a weight used in several processes: one gradient
             self.channels.reduce_tied(weights.params)
+        shards = self.processes.shards(step.optimizer) if self.processes is not None else None
+        if shards is not None:  # [Note: sharded optimizer state] in distributed/sharding.py
+            return self._sharded_update(step, shards)
         if self.processes is not None:  # [Note: replicas across processes] global gradient first
             self.processes.all_reduce_grads(self._stepped)
         spread = self.channels is not None  # the stages' gradients are in several processes
@@ -190,6 +193,23 @@ class Update:
                                                step.max_grad_norm)
         try:  # [Note: commit point]: from here parameters and optimizer state change
             step.optimizer.step()
+        except Exception as exc:
+            raise PartialUpdate(exc) from exc
+        return True
+
+    def _sharded_update(self, step: StepArithmetic, shards) -> bool:
+        """:meth:`_update` with each process stepping its chunks of the state: the same
+        arithmetic on the reduced gradients' chunks, then the weights gathered."""
+        held = {id(p) for g in step.optimizer.param_groups for p in g["params"]}
+        self.processes.reduce_scatter_grads(
+            {n: p for n, p in self._stepped.items() if id(p) in held}, shards)
+        if step.loss_scale.automatic and not step.loss_scale.update(not shards.nonfinite()):
+            return False
+        if math.isfinite(step.max_grad_norm):
+            shards.clip(step.max_grad_norm)
+        try:  # [Note: commit point]: from here parameters and optimizer state change
+            shards.step(step.optimizer)
+            shards.gather()
         except Exception as exc:
             raise PartialUpdate(exc) from exc
         return True

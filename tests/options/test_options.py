@@ -492,17 +492,14 @@ def test_tensor_location_settings_chain():
     assert "onChip" not in s.useOnChipStorage(None).toDict()
 
 
-def test_replicated_tensor_sharding_of_the_optimizer_says_the_state_is_not_sharded():
-    """It is a memory feature, not an IPU tuning: the warning says what a process holds."""
+def test_replicated_tensor_sharding_of_the_optimizer_is_stored_without_a_warning():
+    """It is a memory feature here too ([Note: sharded optimizer state]), not an IPU tuning."""
     o = Options()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         o.TensorLocations.setOptimizerLocation(
             TensorLocationSettings().useReplicatedTensorSharding(True))
-    assert [str(w.message) for w in seen] == [
-        "TensorLocationSettings().useReplicatedTensorSharding(True) shards the optimizer state "
-        "over the replicas on IPUs (each holds 1/N of it); poptorch_lite does not shard it yet: "
-        "every process holds the whole optimizer state, and the numbers are the same"]
+    assert seen == []
     assert o.TensorLocations.location_optimizer == {"useReplicatedTensorSharding": 1}
 
 

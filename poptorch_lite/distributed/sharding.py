@@ -1,0 +1,221 @@
+"""The optimizer state sharded over the replicas (ZeRO-1): PopTorch's replicated tensor sharding.
+
+[Note: sharded optimizer state]
+``opts.TensorLocations.setOptimizerLocation(TensorLocationSettings()
+.useReplicatedTensorSharding(True))`` with N > 1 data-parallel processes (every
+process running every stage: ``set_ipu_processes`` unset) gives each process
+1/N of every parameter's optimizer state. Parameter p, flattened to L
+elements, is cut into N chunks of c = ceil(L/N) elements; process k (its rank
+among the N) owns elements [k·c, min(L, (k+1)·c)). Each optimizer step:
+
+1. the gradients are reduce-scattered (``reduce_scatter_single``, one per dtype
+   and device, each process's buffer holding every chunk, padded to c): process
+   k gets the sum over the processes of its own chunks, divided by N for
+   ``ReductionType.Mean``, as the all-reduce gives every process the whole sum;
+2. automatic loss scaling's check for non-finite gradients and the clipping norm
+   are taken over the chunks: each process adds its chunks' squares per
+   parameter, one all-reduce sums them, and the norm of the per-parameter
+   norms is ``clip_grad_norm_``'s (the same within fp32 rounding);
+3. the user's optimizer steps the chunks: for the step its ``param_groups`` hold
+   one tensor per chunk (the parameter's current values there, with the chunk
+   of the gradient) and its ``state`` is keyed by them, so the state it makes is
+   chunk-sized; afterwards the groups and the state are the parameters' again;
+4. the new values are all-gathered (``all_gather_single``) into every
+   process's parameters.
+
+A reduce-scatter and an all-gather send (N-1)/N of the padded gradients each: an
+all-reduce's bytes, plus the padding. This is right only for optimizers whose
+update of an element reads that element alone (its gradient and state) and
+scalars: of the optimizers ``trainingModel`` accepts, torch's SGD, Adam, AdamW and
+RMSprop, and poptorch_lite.optim's.
+LAMB's trust ratio is a norm of each whole weight, and an optimizer we do not
+know may be anything: those are not sharded (one warning). An optimizer state
+the size of the parameter (one loaded from an unsharded checkpoint, or by
+``load_state_dict``) is cut to the chunk at the next step. With the parameter's
+whole state gone, ``optimizer.state_dict()`` holds this process's chunks;
+``save_checkpoint`` writes each process's chunks beside the checkpoint
+([Note: checkpoints] in ``checkpoint``). Within one process the replicas
+(``replicationFactor``) already share one copy of the state: N counts processes.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..optim import optimizers as poptorch_optim
+
+# The optimizers trainingModel accepts whose update is element-wise (poptorch_lite.optim's
+# SGD, Adam, AdamW and RMSprop are these classes too); LAMB is not.
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop)
+# torch 2.14 renamed the tensor forms of the two collectives (the old names warn)
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def elementwise(optimizer) -> bool:
+    """Whether ``optimizer``'s update of an element reads that element alone ([Note: sharded
+    optimizer state]).
+
+    Example:
+        >>> net = torch.nn.Linear(2, 1)
+        >>> elementwise(torch.optim.Adam(net.parameters())), elementwise(
+        ...     poptorch_optim.LAMB(net.parameters()))
+        (True, False)
+    """
+    return isinstance(optimizer, ELEMENTWISE) and not isinstance(optimizer, poptorch_optim.LAMB)
+
+
+class Shards:
+    """This process's chunks of the stepped parameters, their gradients and their state.
+
+    Args:
+        group: the N processes that share the state (None: all of them).
+        rank, size: this process's rank among them, and N.
+        collective: ``(what, fn, *args, **kwargs)`` -> runs a collective, raising the
+            processes' error on failure.
+    """
+
+    def __init__(self, group, rank: int, size: int, collective: Callable):
+        self.group, self.rank, self.size = group, rank, size
+        self._collective = collective
+        self._chunks: dict = {}   # id(parameter) -> its chunk tensor (the optimizer steps it)
+        self._layout: list = []   # (parameters, dtype, device, chunk sizes, offsets, width)
+        self._grads: list = []    # per layout entry: the reduced chunks of the gradients
+        self.sent_bytes = 0       # what the collectives of the last step sent from here
+
+    def _spans(self, p: torch.Tensor, c: int) -> tuple:
+        """``(start, end)`` of this process's chunk of ``p`` (chunks of ``c`` elements)."""
+        start = min(self.rank * c, p.numel())
+        return start, min(start + c, p.numel())
+
+    def reduce_scatter(self, params: list, divisor: int) -> None:
+        """Sum each gradient over the processes, this process keeping its chunk (step 1)."""
+        N = self.size
+        by_kind: dict = {}
+        for p in params:
+            by_kind.setdefault((p.grad.dtype, p.grad.device), []).append(p)
+        self._layout, self._grads, self.sent_bytes = [], [], 0
+        for (dtype, device), ps in by_kind.items():
+            chunks = [math.ceil(p.numel() / N) for p in ps]
+            width = sum(chunks)
+            buffer = torch.zeros(N, width, dtype=dtype, device=device)
+            offsets, at = [], 0
+            for p, c in zip(ps, chunks):
+                flat, full = p.grad.reshape(-1), p.numel() // c
+                buffer[:full, at:at + c] = flat[:full * c].view(full, c)
+                if full < N and full * c < flat.numel():
+                    buffer[full, at:at + flat.numel() - full * c] = flat[full * c:]
+                offsets.append(at)
+                at += c
+            mine = torch.empty(width, dtype=dtype, device=device)
+            self._collective("the gradient reduce-scatter", _REDUCE_SCATTER, mine,
+                             buffer.view(-1), group=self.group)
+            if divisor != 1:
+                mine.div_(divisor)
+            self.sent_bytes += (N - 1) * width * buffer.element_size()
+            self._layout.append((ps, chunks, offsets, width))
+            self._grads.append(mine)
+
+    def nonfinite(self) -> bool:
+        """Whether any process's reduced chunk holds an inf or a NaN."""
+        bad = torch.stack([(~torch.isfinite(g)).any().cpu() for g in self._grads]).any() \
+            if self._grads else torch.tensor(False)
+        flag = bad.to(torch.int32).reshape(1)
+        self._collective("agreeing on non-finite gradients", dist.all_reduce, flag,
+                         group=self.group)
+        return bool(flag)
+
+    def clip(self, max_norm: float) -> None:
+        """``clip_grad_norm_`` over the whole gradients, from their chunks (step 2)."""
+        squares = []
+        for (ps, chunks, offsets, _), g in zip(self._layout, self._grads):
+            for p, c, at in zip(ps, chunks, offsets):
+                start, end = self._spans(p, c)
+                squares.append((g[at:at + end - start].float() ** 2).sum().cpu())
+        if not squares:
+            return
+        total = torch.stack(squares)
+        self._collective("summing the gradients' squares", dist.all_reduce, total,
+                         group=self.group)
+        norm = torch.linalg.vector_norm(total.sqrt())
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in self._grads:
+            g.mul_(coef.to(g.device))
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Step ``optimizer`` on the chunks (step 3); the parameters are unchanged until
+        :meth:`gather`."""
+        chunk_of, stepped = {}, []
+        with torch.no_grad():
+            for (ps, chunks, offsets, _), g in zip(self._layout, self._grads):
+                for p, c, at in zip(ps, chunks, offsets):
+                    start, end = self._spans(p, c)
+                    if end == start:
+                        continue  # this process owns nothing of it
+                    chunk = self._chunks.get(id(p))
+                    if chunk is None or chunk.numel() != end - start or \
+                            chunk.device != p.device or chunk.dtype != p.dtype:
+                        chunk = self._chunks[id(p)] = torch.empty(end - start, dtype=p.dtype,
+                                                                  device=p.device)
+                    chunk.copy_(p.detach().reshape(-1)[start:end])  # edits between steps count
+                    chunk.grad = g[at:at + end - start].to(p.dtype)
+                    chunk_of[id(p)] = chunk
+                    stepped.append((p, chunk, start, end))
+        saved_groups = [group["params"] for group in optimizer.param_groups]
+        saved_state, state = optimizer.state, collections.defaultdict(dict)
+        grads = []  # the parameters left in the groups step nothing
+        for p, chunk, start, end in stepped:
+            held = saved_state.get(p)
+            if held:
+                for key, value in held.items():  # a whole parameter's state: cut to the chunk
+                    if torch.is_tensor(value) and value.dim() and value.shape == p.shape:
+                        held[key] = value.reshape(-1)[start:end].clone()
+                state[chunk] = held
+        try:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if id(p) not in chunk_of and p.grad is not None:
+                        grads.append((p, p.grad))
+                        p.grad = None
+                group["params"] = [chunk_of.get(id(p), p) for p in group["params"]]
+            optimizer.state = state
+            optimizer.step()
+        finally:
+            for group, params in zip(optimizer.param_groups, saved_groups):
+                group["params"] = params
+            optimizer.state = saved_state
+            for p, chunk, _, _ in stepped:
+                if chunk in state:
+                    saved_state[p] = state[chunk]
+                chunk.grad = None
+            for p, g in grads:
+                p.grad = g
+
+    def gather(self) -> None:
+        """Every process's new chunks into every process's parameters (step 4)."""
+        N = self.size
+        for ps, chunks, offsets, width in self._layout:
+            mine = torch.zeros(width, dtype=ps[0].dtype, device=ps[0].device)
+            for p, c, at in zip(ps, chunks, offsets):
+                start, end = self._spans(p, c)
+                chunk = self._chunks.get(id(p))
+                mine[at:at + end - start] = chunk if end > start else p.reshape(-1)[start:end]
+            everyone = torch.empty(N * width, dtype=mine.dtype, device=mine.device)
+            self._collective("gathering the stepped weights", _ALL_GATHER, everyone,
+                             mine, group=self.group)
+            self.sent_bytes += (N - 1) * width * mine.element_size()
+            rows = everyone.view(N, width)
+            with torch.no_grad():
+                for p, c, at in zip(ps, chunks, offsets):
+                    p.copy_(rows[:, at:at + c].reshape(-1)[:p.numel()].view_as(p))
+        self._grads = []
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+        """The bytes of tensor state ``optimizer`` holds (in this process)."""
+        return sum(v.numel() * v.element_size() for s in optimizer.state.values()
+                   for v in s.values() if torch.is_tensor(v))

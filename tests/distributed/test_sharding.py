@@ -1,0 +1,91 @@
+"""The optimizer state sharded over 2 data-parallel processes ([Note: sharded optimizer state]):
+tests/support/sharding_script.py trains each configuration with the state whole and
+sharded, from the same weights on the same data, in the same 2 processes (gloo on loopback).
+"""
+
+import math
+
+import pytest
+import torch
+
+import sharding_script as script
+from poptorch_lite.distributed.sharding import Shards, elementwise
+from processes import start
+
+ROOT = script.__file__.rsplit("/tests/", 1)[0]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sharding")
+    for rank, (code, _, stderr) in enumerate(start(f"{ROOT}/tests/support/sharding_script.py",
+                                                   [out], 2)):
+        assert code == 0, f"rank {rank}:\n{stderr[-4000:]}"
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def test_five_sharded_steps_end_where_the_whole_state_does(runs):
+    """Losses, weights and the optimizer state gathered whole: bit for bit, but where clipping
+    sums the gradients' squares by chunks (within 1e-6)."""
+    for rank, result in enumerate(runs):
+        for name, (kind, _, _, clip) in script.CONFIGS.items():
+            atol = 1e-6 if clip else 0
+            got = result[name]
+            for whole, sharded in zip(*got["losses"]):
+                torch.testing.assert_close(sharded, whole, atol=atol, rtol=0)
+            whole, sharded = got["params"]
+            assert whole.keys() == sharded.keys()
+            for k, v in whole.items():
+                torch.testing.assert_close(sharded[k], v, atol=atol, rtol=0, msg=f"{name} {k}")
+            whole, sharded = got["state"]
+            assert whole.keys() == sharded.keys() and whole, name
+            for p, state in whole.items():
+                assert state.keys() == sharded[p].keys(), (name, p)
+                for k, v in state.items():
+                    torch.testing.assert_close(sharded[p][k], v, atol=atol, rtol=0,
+                                               msg=f"{name} {p} {k}")
+
+
+def test_each_process_holds_its_half_of_the_state_plus_padding(runs):
+    """Each weight of n elements leaves a process ceil(n/2) or floor(n/2) elements of each
+    state tensor; the step counts (scalars) stay whole. LAMB is not sharded (a warning)."""
+    sizes = [p.numel() for p in script.BlockMLP(1, width=script.WIDTH,
+                                                classes=script.CLASSES).parameters()]
+    for rank, result in enumerate(runs):
+        for name, (kind, *_) in script.CONFIGS.items():
+            whole, sharded = result[name]["bytes"]
+            tensors = {"sgd": 1, "poptorch-sgd": 1}.get(kind, 2)  # momentum; Adam's two moments
+            scalars = 0 if tensors == 1 else 4 * len(sizes)  # Adam's and RMSprop's steps
+            if kind == "rmsprop":
+                tensors, scalars = 2, 4 * len(sizes)  # square_avg, momentum_buffer; step
+            assert whole == 4 * tensors * sum(sizes) + scalars, name
+            if kind == "lamb":
+                assert sharded == whole
+                continue
+            mine = sum(math.ceil(n / 2) if rank == 0 else n // 2 for n in sizes)
+            assert sharded == 4 * tensors * mine + scalars, name
+            assert sharded <= whole / 2 + 4 * tensors * len(sizes) + scalars / 2, name
+
+
+def test_a_sharded_checkpoint_resumes_exactly(runs):
+    """Saved after 3 sharded steps (process 1's chunks beside the file), loaded into fresh
+    sharded models: the last 2 steps are those of the run that never stopped."""
+    for rank, result in enumerate(runs):
+        resumed, straight = result["resumed"], result["adam-clip"]
+        assert {"ckpt.pt", "ckpt.pt.shard1-of-2"} <= set(resumed["files"])
+        assert all(torch.equal(a, b) for a, b in zip(resumed["losses"],
+                                                     straight["losses"][1][3:]))
+        assert all(torch.equal(resumed["params"][k], v)
+                   for k, v in straight["params"][1].items())
+
+
+def test_the_chunks_of_a_weight_cover_it_once_and_only_element_wise_optimizers_shard():
+    net = torch.nn.Linear(3, 1)  # a weight of 3 elements over 2 processes: chunks of 2
+    spans = [Shards(None, k, 2, None)._spans(net.weight, 2) for k in range(2)]
+    assert spans == [(0, 2), (2, 3)]
+    assert Shards(None, 1, 4, None)._spans(torch.zeros(3), 1) == (1, 2)
+    assert Shards(None, 3, 4, None)._spans(torch.zeros(3), 1) == (3, 3)  # owns nothing
+    assert [elementwise(o) for o in (
+        torch.optim.SGD(net.parameters(), lr=0.1), torch.optim.RMSprop(net.parameters()),
+        script.poptorch.optim.AdamW(net.parameters()),
+        script.poptorch.optim.LAMB(net.parameters()))] == [True, True, True, False]

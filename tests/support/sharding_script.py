@@ -1,0 +1,149 @@
+"""One of 2 processes training with and without the sharded optimizer state
+(tests/distributed/test_sharding.py; [Note: sharded optimizer state]).
+
+    python sharding_script.py OUT_DIR     # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set
+
+For every configuration of ``CONFIGS`` the same model (widths 7 and 3, so that no
+weight divides into 2 chunks evenly) trains STEPS steps twice from the same weights
+on this process's data: with its state whole, then sharded
+(``useReplicatedTensorSharding(True)``). Writes ``OUT_DIR/rank<r>.pt``: per
+configuration both runs' losses, weights and optimizer state (the sharded run's
+state as this process holds it, and gathered whole from both processes), and the
+optimizer-state bytes this process holds in each; then a checkpoint saved after 3
+sharded steps, loaded into a fresh sharded model, continuing for 2.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import poptorch_lite as poptorch
+
+from models import BlockMLP, data
+
+STEPS, G, B, WIDTH, CLASSES = 5, 2, 3, 7, 3
+
+# name -> (optimizer, replicas in the process, offloaded, clipping)
+CONFIGS = {
+    "sgd": ("sgd", 1, False, False),
+    "adam-clip": ("adam", 1, False, True),
+    "adamw-two-replicas": ("adamw", 2, False, False),
+    "rmsprop-offloaded": ("rmsprop", 1, True, False),
+    "adam-als": ("adam-als", 1, False, False),
+    "poptorch-sgd": ("poptorch-sgd", 1, False, False),
+    "lamb": ("lamb", 1, False, False),
+}
+
+
+def optimizer(kind, params, clip):
+    norm = 0.05 if clip else float("inf")
+    return {
+        "sgd": lambda: torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.01),
+        "adam": lambda: poptorch.optim.Adam(params, lr=0.01, max_grad_norm=norm),
+        "adamw": lambda: torch.optim.AdamW(params, lr=0.01),
+        "rmsprop": lambda: torch.optim.RMSprop(params, lr=0.01, momentum=0.5),
+        "adam-als": lambda: torch.optim.Adam(params, lr=0.01),
+        "poptorch-sgd": lambda: poptorch.optim.SGD(params, lr=0.05, momentum=0.9,
+                                                   use_combined_accum=True,
+                                                   velocity_scaling=2.0),
+        "lamb": lambda: poptorch.optim.LAMB(params, lr=0.01),
+    }[kind]()
+
+
+def wrap(name, sharded):
+    kind, R, offloaded, clip = CONFIGS[name]
+    torch.manual_seed(3)
+    model = BlockMLP(1, width=WIDTH, classes=CLASSES)
+    opts = poptorch.Options().deviceIterations(1).replicationFactor(R)
+    opts.Training.gradientAccumulation(G)
+    location = poptorch.TensorLocationSettings().useReplicatedTensorSharding(sharded)
+    if offloaded:
+        location.useOnChipStorage(False)
+    opts.TensorLocations.setOptimizerLocation(location)
+    if kind == "adam-als":  # automatic loss scaling: its check of the gradients is sharded
+        opts.Training.setAutomaticLossScaling(True)
+    opt = optimizer(kind, model.parameters(), clip)
+    return model, opt, poptorch.trainingModel(model, opts, opt)
+
+
+def batch(name, step, rank):
+    R = CONFIGS[name][1]
+    return data(B * G * R, width=WIDTH, classes=CLASSES, seed=100 * step + rank)
+
+
+def state_of(model, opt):
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names[id(p)]: {k: v.clone() for k, v in s.items() if torch.is_tensor(v)}
+            for p, s in opt.state.items()}
+
+
+def whole(model, state):
+    """Each chunked state tensor of ``state`` gathered from both processes into the weight's
+    shape (what an unsharded process holds)."""
+    out = {}
+    for name, p in model.named_parameters():
+        out[name] = {}
+        for key, value in state.get(name, {}).items():
+            if value.dim() == 0:
+                out[name][key] = value
+                continue
+            c = -(-p.numel() // 2)
+            mine = torch.zeros(c)
+            mine[:value.numel()] = value
+            both = [torch.zeros(c) for _ in range(2)]
+            dist.all_gather(both, mine)
+            out[name][key] = torch.cat(both)[:p.numel()].view_as(p)
+    return out
+
+
+def state_bytes(opt):
+    return sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+               if torch.is_tensor(v))
+
+
+def train(name, sharded, steps=range(STEPS), wrapped=None):
+    model, opt, wrapped = wrapped or wrap(name, sharded)
+    rank = int(os.environ["RANK"])
+    losses = [wrapped(*batch(name, s, rank))[1].clone() for s in steps]
+    wrapped.copyWeightsToHost()
+    return model, opt, wrapped, losses
+
+
+def main(out):
+    rank = int(os.environ["RANK"])
+    results = {}
+    for name in CONFIGS:
+        plain_model, plain_opt, w, plain_losses = train(name, False)
+        w.destroy()
+        model, opt, w, losses = train(name, True)
+        chunked = state_of(model, opt)
+        results[name] = {
+            "losses": (plain_losses, losses),
+            "params": ({k: v.clone() for k, v in plain_model.state_dict().items()},
+                       {k: v.clone() for k, v in model.state_dict().items()}),
+            "state": (state_of(plain_model, plain_opt),
+                      whole(model, chunked) if name != "lamb" else chunked),
+            "bytes": (state_bytes(plain_opt), state_bytes(opt)),
+        }
+        w.destroy()
+    # a checkpoint of the sharded state, resumed in a fresh sharded model
+    name = "adam-clip"
+    path = os.path.join(out, "ckpt.pt")
+    _, _, w, _ = train(name, True, range(3))
+    poptorch.save_checkpoint(path, w)
+    w.destroy()
+    dist.barrier()  # every process's chunks are written
+    fresh = wrap(name, True)
+    poptorch.load_checkpoint(path, fresh[2])
+    model, _, w, resumed = train(name, True, range(3, STEPS), fresh)
+    results["resumed"] = {"losses": resumed,
+                          "params": {k: v.clone() for k, v in model.state_dict().items()},
+                          "files": sorted(os.listdir(out))}
+    w.destroy()
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
