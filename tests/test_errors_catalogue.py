@@ -1231,6 +1231,9 @@ T = {
     "E-CKP-17": lambda: spawned("checkpoint", 0, "refused"),
     "E-CKP-18": lambda tmp: (torch.save({"weights": 1}, tmp / "other.pt"),
                              poptorch.load(tmp / "other.pt")),
+    "E-CKP-20": lambda tmp_path: refuse_checkpoint(tmp_path, lambda s: s.update(shards=2)),
+    "E-CKP-21": lambda: spawned("sharded", 1, "chunk_missing"),
+    "E-CKP-22": lambda: spawned("sharded", 1, "chunk_stale"),
     "E-CKP-19": lambda tmp: (compiled_model().save(tmp / "m.poptorch", export_model=False),
                              poptorch.load(tmp / "m.poptorch")),
     # several processes

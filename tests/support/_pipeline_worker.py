@@ -429,6 +429,38 @@ def checkpointed(rank, out):
     return result
 
 
+def sharded_refusals(rank, out):
+    """Data-parallel processes with the optimizer state sharded: a checkpoint whose process-1
+    chunks are missing, then one whose chunks are of another step; what loading raised."""
+    def wrap():
+        torch.manual_seed(0)
+        model = BlockMLP(1)
+        opts = poptorch.Options()
+        opts.TensorLocations.setOptimizerLocation(
+            poptorch.TensorLocationSettings().useReplicatedTensorSharding(True))
+        return poptorch.trainingModel(model, opts, torch.optim.Adam(model.parameters()))
+    wrapped = wrap()
+    x, y = data(4)
+    wrapped(x, y)
+    path = os.path.join(out, "s.pt")
+    poptorch.save_checkpoint(path, wrapped)
+    wrapped(x, y)
+    poptorch.save_checkpoint(os.path.join(out, "later.pt"), wrapped)
+    torch.distributed.barrier()
+    result = {}
+    chunks = path + ".shard1-of-2"
+    for what, edit in (("chunk_stale", lambda: shutil.copy(
+            os.path.join(out, "later.pt.shard1-of-2"), chunks)),
+                       ("chunk_missing", lambda: os.remove(chunks))):
+        if rank == 1:
+            edit()
+        try:
+            poptorch.load_checkpoint(path, wrap())
+        except poptorch.CheckpointError as e:
+            result[what] = ("CheckpointError", str(e), [])
+    return result
+
+
 def main():
     scenario, out = sys.argv[1], sys.argv[2]
     rank, W = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -444,6 +476,8 @@ def main():
         result = ended(rank)
     elif scenario == "edits":
         result = host_edits(True, rank)
+    elif scenario == "sharded":
+        result = sharded_refusals(rank, out)
     else:
         result = checkpointed(rank, out)
     torch.save(result, os.path.join(out, f"{scenario}-rank{rank}.pt"))
