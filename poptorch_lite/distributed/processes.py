@@ -329,7 +329,7 @@ class Processes:
                     f"poptorch_lite knows), so its state is not sharded: every process holds "
                     f"it whole, and the numbers are the same"))
             elif wanted:
-                made = Shards(None, self.rank, self.size, self._collective)
+                made = Shards(None, self.rank, self.size, self._collective, ALONE_BYTES)
             self._shards[key] = made
         return self._shards[key]
 

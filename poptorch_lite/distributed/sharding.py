@@ -8,8 +8,9 @@ process running every stage: ``set_ipu_processes`` unset) gives each process
 elements, is cut into N chunks of c = ceil(L/N) elements; process k (its rank
 among the N) owns elements [k·c, min(L, (k+1)·c)). Each optimizer step:
 
-1. the gradients are reduce-scattered (``reduce_scatter_single``, one per dtype
-   and device, each process's buffer holding every chunk, padded to c): process
+1. the gradients are reduce-scattered (``reduce_scatter_single``: a weight of
+   1 MB or more that N divides evenly on its own, from its gradient; the others
+   through one buffer per dtype and device holding every chunk, padded to c): process
    k gets the sum over the processes of its own chunks, divided by N for
    ``ReductionType.Mean``, as the all-reduce gives every process the whole sum;
 2. automatic loss scaling's check for non-finite gradients and the clipping norm
@@ -21,7 +22,7 @@ among the N) owns elements [k·c, min(L, (k+1)·c)). Each optimizer step:
    of the gradient) and its ``state`` is keyed by them, so the state it makes is
    chunk-sized; afterwards the groups and the state are the parameters' again;
 4. the new values are all-gathered (``all_gather_single``) into every
-   process's parameters.
+   process's parameters (a large weight straight into itself).
 
 A reduce-scatter and an all-gather send (N-1)/N of the padded gradients each: an
 all-reduce's bytes, plus the padding. This is right only for optimizers whose
@@ -78,10 +79,13 @@ class Shards:
         rank, size: this process's rank among them, and N.
         collective: ``(what, fn, *args, **kwargs)`` -> runs a collective, raising the
             processes' error on failure.
+        alone: a weight of this many bytes or more that N divides evenly is communicated
+            on its own, in place; the others together, through one buffer per dtype.
     """
 
-    def __init__(self, group, rank: int, size: int, collective: Callable):
-        self.group, self.rank, self.size = group, rank, size
+    def __init__(self, group, rank: int, size: int, collective: Callable,
+                 alone: float = math.inf):
+        self.group, self.rank, self.size, self.alone = group, rank, size, alone
         self._collective = collective
         self._chunks: dict = {}   # id(parameter) -> its chunk tensor (the optimizer steps it)
         self._layout: list = []   # (parameters, dtype, device, chunk sizes, offsets, width)
@@ -99,19 +103,25 @@ class Shards:
         by_kind: dict = {}
         for p in params:
             by_kind.setdefault((p.grad.dtype, p.grad.device), []).append(p)
+        buckets = []
+        for ps in by_kind.values():
+            small = [p for p in ps if not self._alone(p)]
+            buckets += [[p] for p in ps if self._alone(p)] + ([small] if small else [])
         self._layout, self._grads, self.sent_bytes = [], [], 0
-        for (dtype, device), ps in by_kind.items():
+        for ps in buckets:
+            dtype, device = ps[0].grad.dtype, ps[0].grad.device
             chunks = [math.ceil(p.numel() / N) for p in ps]
             width = sum(chunks)
-            buffer = torch.zeros(N, width, dtype=dtype, device=device)
-            offsets, at = [], 0
-            for p, c in zip(ps, chunks):
-                flat, full = p.grad.reshape(-1), p.numel() // c
-                buffer[:full, at:at + c] = flat[:full * c].view(full, c)
-                if full < N and full * c < flat.numel():
-                    buffer[full, at:at + flat.numel() - full * c] = flat[full * c:]
-                offsets.append(at)
-                at += c
+            offsets = [sum(chunks[:k]) for k in range(len(ps))]
+            if self._alone(ps[0]):  # the gradient itself is the buffer: no copy
+                buffer = ps[0].grad.reshape(N, width)
+            else:
+                buffer = torch.zeros(N, width, dtype=dtype, device=device)
+                for p, c, at in zip(ps, chunks, offsets):
+                    flat, full = p.grad.reshape(-1), p.numel() // c
+                    buffer[:full, at:at + c] = flat[:full * c].view(full, c)
+                    if full < N and full * c < flat.numel():
+                        buffer[full, at:at + flat.numel() - full * c] = flat[full * c:]
             mine = torch.empty(width, dtype=dtype, device=device)
             self._collective("the gradient reduce-scatter", _REDUCE_SCATTER, mine,
                              buffer.view(-1), group=self.group)
@@ -120,6 +130,11 @@ class Shards:
             self.sent_bytes += (N - 1) * width * buffer.element_size()
             self._layout.append((ps, chunks, offsets, width))
             self._grads.append(mine)
+
+    def _alone(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is communicated on its own, in place: a large weight that the N
+        processes divide evenly (as the all-reduce reduces large tensors in place)."""
+        return p.numel() % self.size == 0 and p.numel() * p.element_size() >= self.alone
 
     def nonfinite(self) -> bool:
         """Whether any process's reduced chunk holds an inf or a NaN."""
@@ -200,6 +215,13 @@ class Shards:
         """Every process's new chunks into every process's parameters (step 4)."""
         N = self.size
         for ps, chunks, offsets, width in self._layout:
+            p = ps[0]
+            if self._alone(p) and p.is_contiguous() and id(p) in self._chunks:
+                with torch.no_grad():  # straight into the weight: no copy
+                    self._collective("gathering the stepped weights", _ALL_GATHER,
+                                     p.view(-1), self._chunks[id(p)], group=self.group)
+                self.sent_bytes += (N - 1) * width * p.element_size()
+                continue
             mine = torch.zeros(width, dtype=ps[0].dtype, device=ps[0].device)
             for p, c, at in zip(ps, chunks, offsets):
                 start, end = self._spans(p, c)

@@ -49,10 +49,11 @@ def test_five_sharded_steps_end_where_the_whole_state_does(runs):
 def test_each_process_holds_its_half_of_the_state_plus_padding(runs):
     """Each weight of n elements leaves a process ceil(n/2) or floor(n/2) elements of each
     state tensor; the step counts (scalars) stay whole. LAMB is not sharded (a warning)."""
-    sizes = [p.numel() for p in script.BlockMLP(1, width=script.WIDTH,
-                                                classes=script.CLASSES).parameters()]
     for rank, result in enumerate(runs):
         for name, (kind, *_) in script.CONFIGS.items():
+            sizes = [p.numel() for p in script.BlockMLP(
+                1, width=script.WIDTHS.get(name, script.WIDTH),
+                classes=script.CLASSES).parameters()]
             whole, sharded = result[name]["bytes"]
             tensors = {"sgd": 1, "poptorch-sgd": 1}.get(kind, 2)  # momentum; Adam's two moments
             scalars = 0 if tensors == 1 else 4 * len(sizes)  # Adam's and RMSprop's steps

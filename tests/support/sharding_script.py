@@ -34,7 +34,10 @@ CONFIGS = {
     "adam-als": ("adam-als", 1, False, False),
     "poptorch-sgd": ("poptorch-sgd", 1, False, False),
     "lamb": ("lamb", 1, False, False),
+    "adam-large": ("adam", 1, False, False),
 }
+# widths other than WIDTH: 512 makes 1 MB weights, which go on their own, in place
+WIDTHS = {"adam-large": 512}
 
 
 def optimizer(kind, params, clip):
@@ -55,7 +58,7 @@ def optimizer(kind, params, clip):
 def wrap(name, sharded):
     kind, R, offloaded, clip = CONFIGS[name]
     torch.manual_seed(3)
-    model = BlockMLP(1, width=WIDTH, classes=CLASSES)
+    model = BlockMLP(1, width=WIDTHS.get(name, WIDTH), classes=CLASSES)
     opts = poptorch.Options().deviceIterations(1).replicationFactor(R)
     opts.Training.gradientAccumulation(G)
     location = poptorch.TensorLocationSettings().useReplicatedTensorSharding(sharded)
@@ -70,7 +73,8 @@ def wrap(name, sharded):
 
 def batch(name, step, rank):
     R = CONFIGS[name][1]
-    return data(B * G * R, width=WIDTH, classes=CLASSES, seed=100 * step + rank)
+    return data(B * G * R, width=WIDTHS.get(name, WIDTH), classes=CLASSES,
+                seed=100 * step + rank)
 
 
 def state_of(model, opt):
