@@ -134,7 +134,7 @@ def save_checkpoint(path, model: PoplarExecutor, dataloader=None, extra: Any = N
         "extra": extra,
     }
     path = pathlib.Path(path)
-    shards = _shards(model)
+    shards = _shards(model) if layout is None else None  # (a part holds its own chunks)
     if shards is not None:  # [Note: checkpoints]: each process's chunks of the state
         state["shards"] = shards.size
         if shards.rank != 0:
@@ -151,7 +151,7 @@ def save_checkpoint(path, model: PoplarExecutor, dataloader=None, extra: Any = N
                 "is known from its first call: call the model (or compile() it) before "
                 "save_checkpoint")
         state["model"] = {k: v for k, v in state["model"].items() if k in own}
-        state["part"] = _part(layout)
+        state["part"] = _part(layout, _shards(model))
         path = part_path(path, layout.rank, layout.size)
     _write(state, path)
 
@@ -291,10 +291,10 @@ def _spread(model: PoplarExecutor):
         else None
 
 
-def _part(layout) -> dict:
+def _part(layout, shards) -> dict:
     return {"rank": layout.rank, "processes": layout.size,
             "ipu_processes": [list(ids) for ids in layout.ipu_processes],
-            "process_order": layout.order}
+            "process_order": layout.order, "shards": None if shards is None else shards.size}
 
 
 def _own_keys(model: PoplarExecutor) -> set:
@@ -328,13 +328,15 @@ def _read(path: pathlib.Path, model: PoplarExecutor, dataloader, layout) -> dict
         raise CheckpointError(f"{str(path)!r} has checkpoint version {state.get('version')!r}; "
                               f"this poptorch_lite reads version {VERSION}")
     saved = state.get("part")
-    if isinstance(saved, dict):  # parts written before set_process_order: pipeline-inner
-        saved = {"process_order": "pipeline_inner", **saved}
-    if layout is not None and saved != _part(layout):
+    if isinstance(saved, dict):  # parts written before set_process_order or sharding
+        saved = {"process_order": "pipeline_inner", "shards": None, **saved}
+    mine = None if layout is None else _part(layout, _shards(model))
+    if layout is not None and saved != mine:
         raise CheckpointError(
             f"{str(path)!r} was written by {_describe_part(saved)}, but this is "
-            f"{_describe_part(_part(layout))}; resume with the processes, "
-            f"Options.Distributed.set_ipu_processes and set_process_order it was saved with")
+            f"{_describe_part(mine)}; resume with the processes, "
+            f"Options.Distributed.set_ipu_processes and set_process_order it was saved with, "
+            f"and its optimizer state sharded or whole as it was")
     _check_fits(path, state, model, dataloader)
     return state
 
@@ -343,8 +345,9 @@ def _describe_part(part) -> str:
     if not isinstance(part, dict):
         return "one process running every stage"
     order = "" if part["process_order"] == "pipeline_inner" else f" in {part['process_order']} order"
+    shards = "" if part["shards"] is None else f", its optimizer state sharded over {part['shards']}"
     return (f"process {part['rank']} of {part['processes']} with set_ipu_processes"
-            f"({part['ipu_processes']}){order}")
+            f"({part['ipu_processes']}){order}{shards}")
 
 
 def _agree_on_parts(model: PoplarExecutor, path, problem, steps) -> None:

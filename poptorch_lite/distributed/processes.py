@@ -313,23 +313,20 @@ class Processes:
         """The chunks of ``optimizer``'s state this process holds, or None where its state is
         whole: [Note: sharded optimizer state] in ``sharding``."""
         key = id(optimizer)
-        if key not in self._shards:
+        if key not in self._shards or self._shards[key] is not None and not self._joined:
             wanted = (self.options.TensorLocations.location_optimizer or {}).get(
                 "useReplicatedTensorSharding") and self.layout.pipelines > 1
             made = None
-            if wanted and self.layout.spans_processes:
-                warn_once("sharding across pipelines", (
-                    "useReplicatedTensorSharding: the optimizer state is not sharded where a "
-                    "pipeline's stages run in several processes (set_ipu_processes) yet; every "
-                    "process holds its stages' whole state, and the numbers are the same"))
-            elif wanted and not elementwise(optimizer):
+            if wanted and not elementwise(optimizer):
                 warn_once(f"sharding {type(optimizer).__name__}", (
                     f"useReplicatedTensorSharding: {type(optimizer).__name__}'s update of a "
                     f"weight reads more than its own elements (or it is not an optimizer "
                     f"poptorch_lite knows), so its state is not sharded: every process holds "
                     f"it whole, and the numbers are the same"))
             elif wanted:
-                made = Shards(None, self.rank, self.size, self._collective, ALONE_BYTES)
+                # over the processes that run the same stages (all of them with n = 1)
+                made = Shards(self._replicas_group(), self.layout.pipeline,
+                              self.layout.pipelines, self._collective, ALONE_BYTES)
             self._shards[key] = made
         return self._shards[key]
 

@@ -2,9 +2,10 @@
 
 [Note: sharded optimizer state]
 ``opts.TensorLocations.setOptimizerLocation(TensorLocationSettings()
-.useReplicatedTensorSharding(True))`` with N > 1 data-parallel processes (every
-process running every stage: ``set_ipu_processes`` unset) gives each process
-1/N of every parameter's optimizer state. Parameter p, flattened to L
+.useReplicatedTensorSharding(True))`` with N > 1 data-parallel processes gives each
+process 1/N of the optimizer state of every parameter it steps: the N are the
+processes that run the same stages (all of them without ``set_ipu_processes``;
+with it, the "replica" dimension of the layout's mesh, one process per pipeline). Parameter p, flattened to L
 elements, is cut into N chunks of c = ceil(L/N) elements; process k (its rank
 among the N) owns elements [k·c, min(L, (k+1)·c)). Each optimizer step:
 
@@ -16,7 +17,8 @@ among the N) owns elements [k·c, min(L, (k+1)·c)). Each optimizer step:
 2. automatic loss scaling's check for non-finite gradients and the clipping norm
    are taken over the chunks: each process adds its chunks' squares per
    parameter, one all-reduce sums them, and the norm of the per-parameter
-   norms is ``clip_grad_norm_``'s (the same within fp32 rounding);
+   norms is ``clip_grad_norm_``'s (the same within fp32 rounding; over a
+   pipeline's processes, ``Channels.clip_coefficient`` combines them);
 3. the user's optimizer steps the chunks: for the step its ``param_groups`` hold
    one tensor per chunk (the parameter's current values there, with the chunk
    of the gradient) and its ``state`` is keyed by them, so the state it makes is
@@ -34,9 +36,10 @@ know may be anything: those are not sharded (one warning). An optimizer state
 the size of the parameter (one loaded from an unsharded checkpoint, or by
 ``load_state_dict``) is cut to the chunk at the next step. With the parameter's
 whole state gone, ``optimizer.state_dict()`` holds this process's chunks;
-``save_checkpoint`` writes each process's chunks beside the checkpoint
-([Note: checkpoints] in ``checkpoint``). Within one process the replicas
-(``replicationFactor``) already share one copy of the state: N counts processes.
+``save_checkpoint`` writes each process's chunks beside the checkpoint, or in its
+part where a pipeline spans processes ([Note: checkpoints] in ``checkpoint``).
+Within one process the replicas (``replicationFactor``) already share one copy of
+the state: N counts processes.
 """
 
 from __future__ import annotations
@@ -145,20 +148,31 @@ class Shards:
                          group=self.group)
         return bool(flag)
 
-    def clip(self, max_norm: float) -> None:
-        """``clip_grad_norm_`` over the whole gradients, from their chunks (step 2)."""
-        squares = []
+    def norms(self) -> dict:
+        """id(parameter) -> the 2-norm of its whole reduced gradient, from the chunks: each
+        process adds its chunks' squares, one all-reduce sums them (step 2)."""
+        squares, ids = [], []
         for (ps, chunks, offsets, _), g in zip(self._layout, self._grads):
             for p, c, at in zip(ps, chunks, offsets):
                 start, end = self._spans(p, c)
                 squares.append((g[at:at + end - start].float() ** 2).sum().cpu())
+                ids.append(id(p))
         if not squares:
-            return
+            return {}
         total = torch.stack(squares)
         self._collective("summing the gradients' squares", dist.all_reduce, total,
                          group=self.group)
-        norm = torch.linalg.vector_norm(total.sqrt())
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        return dict(zip(ids, total.sqrt()))
+
+    def clip(self, max_norm: float) -> None:
+        """``clip_grad_norm_`` over the whole gradients, from their chunks (step 2)."""
+        norms = list(self.norms().values())
+        if norms:
+            total = torch.linalg.vector_norm(torch.stack(norms))
+            self.scale(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+
+    def scale(self, coef: torch.Tensor) -> None:
+        """Multiply the reduced chunks by ``coef`` (clipping's)."""
         for g in self._grads:
             g.mul_(coef.to(g.device))
 

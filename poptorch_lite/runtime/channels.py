@@ -235,30 +235,37 @@ class Channels:
     def clip_grad_norm_(self, params: dict, max_norm: float) -> None:
         """``torch.nn.utils.clip_grad_norm_`` over the gradients of ``params`` (name ->
         parameter: those the optimizer holds, in the model's order), which the pipeline's
-        processes hold between them.
-
-        Each process takes the norm of each gradient it counts (a weight used in several
-        processes counts in the first) as torch does (``_norms``) and puts it at that
-        weight's place in a vector; one sum over the processes fills the vector (each
-        place has one non-zero term, so the sum is exact), and every process then takes the
-        norm of the norms as ``clip_grad_norm_`` does over one process's list (on the CPU,
-        where torch takes it on the first gradient's device). With every gradient on the
-        CPU and of one dtype that is one process's arithmetic bit for bit; each process
-        scales its own gradients.
-        """
-        names = list(params)
-        places = torch.zeros(2, len(names))  # row 0: the norms; row 1: which are there
-        mine = [(k, params[n].grad) for k, n in enumerate(names)
-                if n in self.counted and params[n].grad is not None]
-        for (k, _), norm in zip(mine, _norms([g for _, g in mine])):
-            places[0, k], places[1, k] = norm.cpu(), 1.0
-        places = self.processes.pipeline_sum(places)
-        norms = places[0][places[1] > 0]
-        total = torch.linalg.vector_norm(norms) if len(norms) else torch.tensor(0.0)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        processes hold between them: each process takes the norm of each gradient it counts
+        (a weight used in several processes counts in the first) as torch does
+        (``_norms``), :meth:`clip_coefficient` makes the coefficient, and each process
+        scales its own gradients."""
+        counted = [n for n in params if n in self.counted and params[n].grad is not None]
+        norms = dict(zip(counted, _norms([params[n].grad for n in counted])))
+        coef = self.clip_coefficient(params, max_norm, norms)
         for p in params.values():
             if p.grad is not None:
                 p.grad.mul_(coef.to(p.grad.device))
+
+    def clip_coefficient(self, params: dict, max_norm: float, norms: dict) -> torch.Tensor:
+        """What ``clip_grad_norm_`` scales the gradients of ``params`` by, from ``norms``
+        (name -> the norm of its whole gradient, of the weights this process counts).
+
+        Each process puts its norms at their weights' places in a vector; one sum over
+        the processes fills it (each place has one non-zero term, so the sum is exact),
+        and every process then takes the norm of the norms as ``clip_grad_norm_`` does
+        over one process's list (on the CPU, where torch takes it on the first
+        gradient's device). With every gradient on the CPU and of one dtype that is one
+        process's arithmetic bit for bit.
+        """
+        names = list(params)
+        places = torch.zeros(2, len(names))  # row 0: the norms; row 1: which are there
+        for k, n in enumerate(names):
+            if n in self.counted and n in norms:
+                places[0, k], places[1, k] = norms[n].cpu(), 1.0
+        places = self.processes.pipeline_sum(places)
+        found = places[0][places[1] > 0]
+        total = torch.linalg.vector_norm(found) if len(found) else torch.tensor(0.0)
+        return torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
     def reduce_tied(self, params: dict) -> None:
         """Sum the gradients of weights used in several processes over those processes."""

@@ -201,12 +201,22 @@ class Update:
         """:meth:`_update` with each process stepping its chunks of the state: the same
         arithmetic on the reduced gradients' chunks, then the weights gathered."""
         held = {id(p) for g in step.optimizer.param_groups for p in g["params"]}
-        self.processes.reduce_scatter_grads(
-            {n: p for n, p in self._stepped.items() if id(p) in held}, shards)
-        if step.loss_scale.automatic and not step.loss_scale.update(not shards.nonfinite()):
-            return False
+        stepped = {n: p for n, p in self._stepped.items() if id(p) in held}
+        self.processes.reduce_scatter_grads(stepped, shards)
+        if step.loss_scale.automatic:
+            bad = torch.tensor([float(shards.nonfinite())])
+            if self.channels is not None:  # in any of the pipeline's processes
+                bad = self.processes.pipeline_sum(bad)
+            if not step.loss_scale.update(not bool(bad[0])):
+                return False
         if math.isfinite(step.max_grad_norm):
-            shards.clip(step.max_grad_norm)
+            if self.channels is not None:  # the global norm, over the pipeline's processes
+                norms = shards.norms()
+                held_params = {n: p for n, p in self.weights.params.items() if id(p) in held}
+                shards.scale(self.channels.clip_coefficient(held_params, step.max_grad_norm, {
+                    n: norms[id(p)] for n, p in stepped.items() if id(p) in norms}))
+            else:
+                shards.clip(step.max_grad_norm)
         try:  # [Note: commit point]: from here parameters and optimizer state change
             shards.step(step.optimizer)
             shards.gather()

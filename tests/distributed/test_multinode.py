@@ -110,8 +110,15 @@ def plain(calls, R=2):
 
 
 def check(results_, W, atol):
-    """Every process's returned values, weights and optimizer state against plain PyTorch."""
-    returned, state = plain(range(script.CALLS), R=W // 2)
+    """Every process's returned values, weights and optimizer state against plain PyTorch
+    (with one intra-op thread, as each process has: a product split over threads can round
+    otherwise)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        returned, state = plain(range(script.CALLS), R=W // 2)
+    finally:
+        torch.set_num_threads(threads)
     close = (lambda a, b, msg="": assert_close(a, b, atol=atol, rtol=0, msg=msg)) if atol else \
         (lambda a, b, msg="": torch.testing.assert_close(a, b, atol=0, rtol=0, msg=msg))
     for rank, got in enumerate(results_):

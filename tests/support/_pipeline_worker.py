@@ -93,9 +93,14 @@ CONFIGS = {
                                    "sgd"),
     "4-grouped-two-replicas-data-parallel-inner": (4, "replicable", [[0], [1]], "grouped", 4,
                                                    2, False, "adam"),
+    "4-interleaved-two-replicas-sharded-clip": (4, "replicable", [[0], [1]], "interleaved", 4,
+                                                2, False, "clip"),
 }
 # Options.Distributed.set_process_order of a configuration ("pipeline_inner" where unnamed)
 ORDERS = {"4-grouped-two-replicas-data-parallel-inner": "data_parallel_inner"}
+# configurations whose optimizer state is sharded over the processes that run the same stages
+# (useReplicatedTensorSharding; [Note: sharded optimizer state])
+SHARDED = {"4-interleaved-two-replicas-sharded-clip"}
 
 
 def layout(name, rank):
@@ -143,6 +148,8 @@ def options(name, spread):
     if spread:
         opts.Distributed.set_ipu_processes(ipus)
         opts.Distributed.set_process_order(ORDERS.get(name, "pipeline_inner"))
+        opts.TensorLocations.setOptimizerLocation(
+            poptorch.TensorLocationSettings().useReplicatedTensorSharding(name in SHARDED))
     elif replicas > 1:  # the reference: the same replicas in one process
         opts.replicationFactor(replicas)
     return opts
