@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import queue
+import signal
 import threading
 import types
 import weakref
@@ -124,6 +125,10 @@ class _Epoch:
         self.thread.start()
 
     def _run(self, source: Iterator[Any]) -> None:
+        # Ctrl-C is the main thread's. The worker processes torch's iterator forks from this
+        # thread inherit its signal mask, so a Ctrl-C cannot land in one still starting up
+        # (before torch's worker loop handles it), which printed the worker's traceback.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         index = 0
         try:
             for item in source:
