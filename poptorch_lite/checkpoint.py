@@ -228,8 +228,13 @@ def shard_path(path, rank: int, processes: int) -> pathlib.Path:
         >>> shard_path("ckpt.pt", 1, 2).name
         'ckpt.pt.shard1-of-2'
     """
+    return _beside(path, "shard", rank, processes)
+
+
+def _beside(path, what: str, rank: int, processes: int) -> pathlib.Path:
+    """The file ``<path>.<what><rank>-of-<processes>`` that one of several processes writes."""
     path = pathlib.Path(path)
-    return path.with_name(f"{path.name}.shard{rank}-of-{processes}")
+    return path.with_name(f"{path.name}.{what}{rank}-of-{processes}")
 
 
 def _shards(model: PoplarExecutor):
@@ -280,8 +285,7 @@ def part_path(path, rank: int, processes: int) -> pathlib.Path:
         >>> part_path("ckpt.pt", 1, 2).name
         'ckpt.pt.process1-of-2'
     """
-    path = pathlib.Path(path)
-    return path.with_name(f"{path.name}.process{rank}-of-{processes}")
+    return _beside(path, "process", rank, processes)
 
 
 def _spread(model: PoplarExecutor):
