@@ -59,7 +59,7 @@ from ..enums import ReductionType
 from ..errors import ExecutionError, OptionsError, warn_once
 from ..runtime.devices import process_gpu
 from .layout import Layout
-from .sharding import Shards, elementwise
+from .sharding import Shards, shardable
 
 TIMEOUT_ENV = "POPTORCH_LITE_DIST_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
@@ -317,12 +317,12 @@ class Processes:
             wanted = (self.options.TensorLocations.location_optimizer or {}).get(
                 "useReplicatedTensorSharding") and self.layout.pipelines > 1
             made = None
-            if wanted and not elementwise(optimizer):
+            if wanted and not shardable(optimizer):
                 warn_once(f"sharding {type(optimizer).__name__}", (
-                    f"useReplicatedTensorSharding: {type(optimizer).__name__}'s update of a "
-                    f"weight reads more than its own elements (or it is not an optimizer "
-                    f"poptorch_lite knows), so its state is not sharded: every process holds "
-                    f"it whole, and the numbers are the same"))
+                    f"useReplicatedTensorSharding: {type(optimizer).__name__} is not one of "
+                    f"the optimizer classes poptorch_lite steps in chunks (a subclass may change "
+                    f"the update), so its state is not sharded: every process holds it whole, "
+                    f"and the numbers are the same"))
             elif wanted:
                 # over the processes that run the same stages (all of them with n = 1)
                 made = Shards(self._replicas_group(), self.layout.pipeline,

@@ -30,9 +30,14 @@ A reduce-scatter and an all-gather send (N-1)/N of the padded gradients each: an
 all-reduce's bytes, plus the padding. This is right only for optimizers whose
 update of an element reads that element alone (its gradient and state) and
 scalars: of the optimizers ``trainingModel`` accepts, torch's SGD, Adam, AdamW and
-RMSprop, and poptorch_lite.optim's.
-LAMB's trust ratio is a norm of each whole weight, and an optimizer we do not
-know may be anything: those are not sharded (one warning). An optimizer state
+RMSprop, and poptorch_lite.optim's (the classes themselves: a subclass may change
+the update, and is not sharded, with one warning).
+LAMB's trust ratio is the norm of each whole weight and of its whole update: LAMB
+steps its chunks and asks for those norms, summed from every process's chunks
+([Note: LAMB on chunks] in ``optim/rules.py``; within fp32 rounding of the
+unsharded norms; with float16 moments the rounding of a moment can differ by one
+float16 ulp, which later steps carry into the weights: 1.6e-5 after 5 steps in the
+tests). An optimizer state
 the size of the parameter (one loaded from an unsharded checkpoint, or by
 ``load_state_dict``) is cut to the chunk at the next step. With the parameter's
 whole state gone, ``optimizer.state_dict()`` holds this process's chunks;
@@ -53,25 +58,29 @@ import torch.distributed as dist
 
 from ..optim import optimizers as poptorch_optim
 
-# The optimizers trainingModel accepts whose update is element-wise (poptorch_lite.optim's
-# SGD, Adam, AdamW and RMSprop are these classes too); LAMB is not.
-ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop)
+# The optimizers trainingModel accepts, by their exact classes (a subclass may change the
+# update): element-wise ones, and LAMB, which asks for its whole norms.
+SHARDABLE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop,
+             poptorch_optim.SGD, poptorch_optim.Adam, poptorch_optim.AdamW,
+             poptorch_optim.RMSprop, poptorch_optim.LAMB)
 # torch 2.14 renamed the tensor forms of the two collectives (the old names warn)
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def elementwise(optimizer) -> bool:
-    """Whether ``optimizer``'s update of an element reads that element alone ([Note: sharded
-    optimizer state]).
+def shardable(optimizer) -> bool:
+    """Whether ``optimizer`` can step chunks of weights ([Note: sharded optimizer state]):
+    its update of an element reads that element alone, or it is LAMB, which asks for its
+    whole norms ([Note: LAMB on chunks] in ``optim/rules.py``).
 
     Example:
         >>> net = torch.nn.Linear(2, 1)
-        >>> elementwise(torch.optim.Adam(net.parameters())), elementwise(
-        ...     poptorch_optim.LAMB(net.parameters()))
-        (True, False)
+        >>> shardable(torch.optim.Adam(net.parameters())), shardable(
+        ...     poptorch_optim.LAMB(net.parameters())), shardable(
+        ...     type("Mine", (torch.optim.SGD,), {})(net.parameters(), lr=0.1))
+        (True, True, False)
     """
-    return isinstance(optimizer, ELEMENTWISE) and not isinstance(optimizer, poptorch_optim.LAMB)
+    return type(optimizer) in SHARDABLE
 
 
 class Shards:
@@ -91,6 +100,7 @@ class Shards:
         self.group, self.rank, self.size, self.alone = group, rank, size, alone
         self._collective = collective
         self._chunks: dict = {}   # id(parameter) -> its chunk tensor (the optimizer steps it)
+        self._weights: dict = {}  # id(parameter) -> the parameter
         self._layout: list = []   # (parameters, dtype, device, chunk sizes, offsets, width)
         self._grads: list = []    # per layout entry: the reduced chunks of the gradients
         self.sent_bytes = 0       # what the collectives of the last step sent from here
@@ -194,6 +204,7 @@ class Shards:
                     chunk.copy_(p.detach().reshape(-1)[start:end])  # edits between steps count
                     chunk.grad = g[at:at + end - start].to(p.dtype)
                     chunk_of[id(p)] = chunk
+                    self._weights[id(p)] = p
                     stepped.append((p, chunk, start, end))
         saved_groups = [group["params"] for group in optimizer.param_groups]
         saved_state, state = optimizer.state, collections.defaultdict(dict)
@@ -213,8 +224,10 @@ class Shards:
                         p.grad = None
                 group["params"] = [chunk_of.get(id(p), p) for p in group["params"]]
             optimizer.state = state
+            optimizer._chunk_norms = self._whole_squares  # for LAMB: [Note: LAMB on chunks]
             optimizer.step()
         finally:
+            del optimizer._chunk_norms
             for group, params in zip(optimizer.param_groups, saved_groups):
                 group["params"] = params
             optimizer.state = saved_state
@@ -224,6 +237,20 @@ class Shards:
                 chunk.grad = None
             for p, g in grads:
                 p.grad = g
+
+    def _whole_squares(self, chunks: list) -> list:
+        """``[(chunk, ||p_chunk||², ||u_chunk||²)]`` -> each weight's whole squares, summed
+        over the processes (one all-reduce, which every process makes)."""
+        # every process numbers the weights alike: in the order of the reduce-scatter
+        place = {id(p): k for k, p in enumerate(p for ps, *_ in self._layout for p in ps)}
+        index = {id(chunk): place[id(p)] for id_p, chunk in self._chunks.items()
+                 for p in (self._weights[id_p],) if id(p) in place}
+        sums = torch.zeros(len(place), 2)
+        for chunk, p2, u2 in chunks:
+            sums[index[id(chunk)]] = torch.stack([p2.float().cpu(), u2.float().cpu()])
+        self._collective("summing LAMB's norms", dist.all_reduce, sums, group=self.group)
+        return [(sums[index[id(c)], 0].to(p2.device), sums[index[id(c)], 1].to(u2.device))
+                for c, p2, u2 in chunks]
 
     def gather(self) -> None:
         """Every process's new chunks into every process's parameters (step 4)."""

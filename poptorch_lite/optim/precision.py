@@ -32,6 +32,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from .rules import lamb_apply_chunks, lamb_chunk_norms
+
 _F32 = torch.float32
 
 
@@ -119,6 +121,7 @@ def adam_step(opt: Any, closure: Optional[Callable], decoupled: bool, bias_corre
     """One Adam (L2 weight decay), AdamW (decoupled) or LAMB update, state in its dtypes."""
     loss = _closure(closure)
     dtypes = state_dtypes(opt)
+    chunks = []  # LAMB on chunks of weights: [Note: LAMB on chunks] in ``rules``
     for group in opt.param_groups:
         (beta1, beta2), lr, eps = group["betas"], group["lr"], group["eps"]
         wd = group["weight_decay"]
@@ -135,13 +138,17 @@ def adam_step(opt: Any, closure: Optional[Callable], decoupled: bool, bias_corre
             u = (m / bc1).to(v.dtype).div_((v / bc2).sqrt_().add_(eps)).to(p.dtype)
             if decoupled and wd:
                 u.add_(p, alpha=wd)
-            if lamb:
+            if lamb and lamb_chunk_norms(opt) is not None:
+                chunks.append((p, u, group))
+            elif lamb:
                 r1 = p.float().norm().clamp(max=group["max_weight_norm"])
                 r2 = u.float().norm()
                 trust = torch.where((r1 == 0) | (r2 == 0), torch.ones_like(r1), r1 / r2)
                 p.sub_((u.float() * (lr * trust)).to(p.dtype))
             else:
                 p.add_(u, alpha=-lr)
+    if lamb:
+        lamb_apply_chunks(opt, chunks, float32=True)
     return loss
 
 

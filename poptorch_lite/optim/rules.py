@@ -95,6 +95,7 @@ def _lamb_init(opt: torch.optim.Optimizer, params: Any, lr: float = 1e-3,
 def _lamb_step(opt: torch.optim.Optimizer, closure: Callable | None) -> Any:
     """One LAMB update (the formulas in ``optim.LAMB``'s docstring)."""
     loss = _closure_loss(closure)
+    chunks = []  # (p, u, group) of chunks of weights: [Note: LAMB on chunks]
     for group in opt.param_groups:
         beta1, beta2 = group["betas"]
         for p, grad in _with_grads(group):
@@ -106,7 +107,42 @@ def _lamb_step(opt: torch.optim.Optimizer, closure: Callable | None) -> Any:
             bc1, bc2 = (1 - beta1**t, 1 - beta2**t) if opt.bias_correction else (1.0, 1.0)
             u = (m / bc1) / (v.sqrt() / math.sqrt(bc2)).add_(group["eps"])
             u.add_(p, alpha=group["weight_decay"])
+            if lamb_chunk_norms(opt) is not None:
+                chunks.append((p, u, group))
+                continue
             r1, r2 = p.norm().clamp(max=group["max_weight_norm"]), u.norm()  # phi(||p||)
             trust = torch.where((r1 == 0) | (r2 == 0), torch.ones_like(r1), r1 / r2)
             p.sub_(u * (group["lr"] * trust))
+    lamb_apply_chunks(opt, chunks, float32=False)
     return loss
+
+
+def lamb_chunk_norms(opt) -> Callable | None:
+    """The norm hook of a LAMB optimizer stepping chunks of weights, or None.
+
+    [Note: LAMB on chunks]
+    LAMB's trust ratio is the norm of a whole weight over the norm of its whole update.
+    Where each process steps only a chunk of every weight ([Note: sharded optimizer state]
+    in ``distributed/sharding.py``), the sharded step sets ``opt._chunk_norms`` for the
+    step: given ``[(chunk, ||p_chunk||², ||u_chunk||²), ...]`` it returns each weight's
+    whole squares, summed over the processes. LAMB then updates every chunk's moments
+    first, asks once (every process asks, also with no chunk), and applies the trust
+    ratios. Without the hook each weight is updated at once, as before.
+    """
+    return getattr(opt, "_chunk_norms", None)
+
+
+def lamb_apply_chunks(opt, chunks: list, float32: bool) -> None:
+    """The second half of LAMB on chunks ([Note: LAMB on chunks]): the whole norms, then
+    ``p -= lr · trust · u`` for each chunk."""
+    hook = lamb_chunk_norms(opt)
+    if hook is None:
+        return
+    squares = hook([(p, (p.float() ** 2).sum(), (u.float() ** 2).sum()) for p, u, _ in chunks])
+    for (p, u, group), (p2, u2) in zip(chunks, squares):
+        r1, r2 = p2.sqrt().clamp(max=group["max_weight_norm"]), u2.sqrt()
+        trust = torch.where((r1 == 0) | (r2 == 0), torch.ones_like(r1), r1 / r2)
+        if float32:
+            p.sub_((u.float() * (group["lr"] * trust)).to(p.dtype))
+        else:
+            p.sub_(u * (group["lr"] * trust))

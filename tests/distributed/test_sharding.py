@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import sharding_script as script
-from poptorch_lite.distributed.sharding import Shards, elementwise
+from poptorch_lite.distributed.sharding import Shards, shardable
 from processes import start
 
 ROOT = script.__file__.rsplit("/tests/", 1)[0]
@@ -26,10 +26,13 @@ def runs(tmp_path_factory):
 
 def test_five_sharded_steps_end_where_the_whole_state_does(runs):
     """Losses, weights and the optimizer state gathered whole: bit for bit, but where clipping
-    sums the gradients' squares by chunks (within 1e-6)."""
+    or LAMB's trust ratio sums squares by chunks (within 1e-6; 1e-4 with float16 moments)."""
     for rank, result in enumerate(runs):
         for name, (kind, _, _, clip) in script.CONFIGS.items():
-            atol = 1e-6 if clip else 0
+            # clipping's norm and LAMB's trust ratio sum squares by chunks: within 1e-6; with
+            # LAMB's first moment in float16, that rounding can move a moment by one float16
+            # ulp, which the next steps carry into the weights (measured: 1.6e-5)
+            atol = 1e-4 if kind == "lamb16" else 1e-6 if clip or kind == "lamb" else 0
             got = result[name]
             for whole, sharded in zip(*got["losses"]):
                 torch.testing.assert_close(sharded, whole, atol=atol, rtol=0)
@@ -48,24 +51,21 @@ def test_five_sharded_steps_end_where_the_whole_state_does(runs):
 
 def test_each_process_holds_its_half_of_the_state_plus_padding(runs):
     """Each weight of n elements leaves a process ceil(n/2) or floor(n/2) elements of each
-    state tensor; the step counts (scalars) stay whole. LAMB is not sharded (a warning)."""
+    state tensor; the step counts (scalars) stay whole."""
     for rank, result in enumerate(runs):
         for name, (kind, *_) in script.CONFIGS.items():
             sizes = [p.numel() for p in script.BlockMLP(
                 1, width=script.WIDTHS.get(name, script.WIDTH),
                 classes=script.CLASSES).parameters()]
             whole, sharded = result[name]["bytes"]
-            tensors = {"sgd": 1, "poptorch-sgd": 1}.get(kind, 2)  # momentum; Adam's two moments
-            scalars = 0 if tensors == 1 else 4 * len(sizes)  # Adam's and RMSprop's steps
-            if kind == "rmsprop":
-                tensors, scalars = 2, 4 * len(sizes)  # square_avg, momentum_buffer; step
-            assert whole == 4 * tensors * sum(sizes) + scalars, name
-            if kind == "lamb":
-                assert sharded == whole
-                continue
+            # bytes of state per element: SGD's momentum; two moments (LAMB16's first in
+            # float16; RMSprop's square_avg and momentum_buffer); and a step count per weight
+            per = {"sgd": 4, "poptorch-sgd": 4, "lamb16": 2 + 4}.get(kind, 8)
+            scalars = 0 if per == 4 else 4 * len(sizes)
+            assert whole == per * sum(sizes) + scalars, name
             mine = sum(math.ceil(n / 2) if rank == 0 else n // 2 for n in sizes)
-            assert sharded == 4 * tensors * mine + scalars, name
-            assert sharded <= whole / 2 + 4 * tensors * len(sizes) + scalars / 2, name
+            assert sharded == per * mine + scalars, name
+            assert sharded <= whole / 2 + per * len(sizes) + scalars / 2, name
 
 
 def test_a_sharded_checkpoint_resumes_exactly(runs):
@@ -80,13 +80,15 @@ def test_a_sharded_checkpoint_resumes_exactly(runs):
                    for k, v in straight["params"][1].items())
 
 
-def test_the_chunks_of_a_weight_cover_it_once_and_only_element_wise_optimizers_shard():
+def test_the_chunks_of_a_weight_cover_it_once_and_which_optimizers_shard():
     net = torch.nn.Linear(3, 1)  # a weight of 3 elements over 2 processes: chunks of 2
     spans = [Shards(None, k, 2, None)._spans(net.weight, 2) for k in range(2)]
     assert spans == [(0, 2), (2, 3)]
     assert Shards(None, 1, 4, None)._spans(torch.zeros(3), 1) == (1, 2)
     assert Shards(None, 3, 4, None)._spans(torch.zeros(3), 1) == (3, 3)  # owns nothing
-    assert [elementwise(o) for o in (
+    assert [shardable(o) for o in (
         torch.optim.SGD(net.parameters(), lr=0.1), torch.optim.RMSprop(net.parameters()),
         script.poptorch.optim.AdamW(net.parameters()),
-        script.poptorch.optim.LAMB(net.parameters()))] == [True, True, True, False]
+        script.poptorch.optim.LAMB(net.parameters()),
+        type("Mine", (torch.optim.Adam,), {})(net.parameters()))] == [True, True, True, True,
+                                                                       False]

@@ -34,6 +34,7 @@ CONFIGS = {
     "adam-als": ("adam-als", 1, False, False),
     "poptorch-sgd": ("poptorch-sgd", 1, False, False),
     "lamb": ("lamb", 1, False, False),
+    "lamb-float16-state": ("lamb16", 1, False, False),
     "adam-large": ("adam", 1, False, False),
 }
 # widths other than WIDTH: 512 makes 1 MB weights, which go on their own, in place
@@ -52,6 +53,9 @@ def optimizer(kind, params, clip):
                                                    use_combined_accum=True,
                                                    velocity_scaling=2.0),
         "lamb": lambda: poptorch.optim.LAMB(params, lr=0.01),
+        # moments in float16: LAMB's other step (optim/precision.py)
+        "lamb16": lambda: poptorch.optim.LAMB(params, lr=0.01,
+                                              first_order_momentum_accum_type=torch.float16),
     }[kind]()
 
 
@@ -94,9 +98,9 @@ def whole(model, state):
                 out[name][key] = value
                 continue
             c = -(-p.numel() // 2)
-            mine = torch.zeros(c)
+            mine = torch.zeros(c, dtype=value.dtype)
             mine[:value.numel()] = value
-            both = [torch.zeros(c) for _ in range(2)]
+            both = [torch.zeros(c, dtype=value.dtype) for _ in range(2)]
             dist.all_gather(both, mine)
             out[name][key] = torch.cat(both)[:p.numel()].view_as(p)
     return out
@@ -127,8 +131,7 @@ def main(out):
             "losses": (plain_losses, losses),
             "params": ({k: v.clone() for k, v in plain_model.state_dict().items()},
                        {k: v.clone() for k, v in model.state_dict().items()}),
-            "state": (state_of(plain_model, plain_opt),
-                      whole(model, chunked) if name != "lamb" else chunked),
+            "state": (state_of(plain_model, plain_opt), whole(model, chunked)),
             "bytes": (state_bytes(plain_opt), state_bytes(opt)),
         }
         w.destroy()
