@@ -331,9 +331,7 @@ def _read(path: pathlib.Path, model: PoplarExecutor, dataloader, layout) -> dict
     if state.get("version") != VERSION:
         raise CheckpointError(f"{str(path)!r} has checkpoint version {state.get('version')!r}; "
                               f"this poptorch_lite reads version {VERSION}")
-    saved = state.get("part")
-    if isinstance(saved, dict):  # parts written before set_process_order or sharding
-        saved = {"process_order": "pipeline_inner", "shards": None, **saved}
+    saved = _saved_part(state)
     mine = None if layout is None else _part(layout, _shards(model))
     if layout is not None and saved != mine:
         raise CheckpointError(
@@ -343,6 +341,21 @@ def _read(path: pathlib.Path, model: PoplarExecutor, dataloader, layout) -> dict
             f"and its optimizer state sharded or whole as it was")
     _check_fits(path, state, model, dataloader)
     return state
+
+
+def _saved_part(state: dict):
+    """The part of a pipeline's checkpoint ``state`` says it is (None: not a part). One
+    written before ``set_process_order`` and sharding was pipeline-inner and whole.
+
+    Example:
+        >>> part = _saved_part({"part": {"rank": 1, "processes": 2, "ipu_processes": [[0], [1]]}})
+        >>> part["process_order"], part["shards"], part["rank"]
+        ('pipeline_inner', None, 1)
+    """
+    saved = state.get("part")
+    if isinstance(saved, dict):
+        saved = {"process_order": "pipeline_inner", "shards": None, **saved}
+    return saved
 
 
 def _describe_part(part) -> str:

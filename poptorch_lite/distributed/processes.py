@@ -313,7 +313,7 @@ class Processes:
         """The chunks of ``optimizer``'s state this process holds, or None where its state is
         whole: [Note: sharded optimizer state] in ``sharding``."""
         key = id(optimizer)
-        if key not in self._shards or self._shards[key] is not None and not self._joined:
+        if key not in self._shards:
             wanted = (self.options.TensorLocations.location_optimizer or {}).get(
                 "useReplicatedTensorSharding") and self.layout.pipelines > 1
             made = None
@@ -325,7 +325,7 @@ class Processes:
                     f"and the numbers are the same"))
             elif wanted:
                 # over the processes that run the same stages (all of them with n = 1)
-                made = Shards(self._replicas_group(), self.layout.pipeline,
+                made = Shards(self._replicas_group, self.layout.pipeline,
                               self.layout.pipelines, self._collective, ALONE_BYTES)
             self._shards[key] = made
         return self._shards[key]

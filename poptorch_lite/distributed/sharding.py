@@ -5,9 +5,10 @@
 .useReplicatedTensorSharding(True))`` with N > 1 data-parallel processes gives each
 process 1/N of the optimizer state of every parameter it steps: the N are the
 processes that run the same stages (all of them without ``set_ipu_processes``;
-with it, the "replica" dimension of the layout's mesh, one process per pipeline). Parameter p, flattened to L
-elements, is cut into N chunks of c = ceil(L/N) elements; process k (its rank
-among the N) owns elements [k·c, min(L, (k+1)·c)). Each optimizer step:
+with it, the "replica" dimension of the layout's mesh, one process per pipeline).
+Parameter p, flattened to L elements, is cut into N chunks of c = ceil(L/N)
+elements; process k (its rank among the N) owns elements [k·c, min(L, (k+1)·c)).
+Each optimizer step:
 
 1. the gradients are reduce-scattered (``reduce_scatter_single``: a weight of
    1 MB or more that N divides evenly on its own, from its gradient; the others
@@ -57,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from ..optim import optimizers as poptorch_optim
+from ..runtime.channels import clip_coefficient
 
 # The optimizers trainingModel accepts, by their exact classes (a subclass may change the
 # update): element-wise ones, and LAMB, which asks for its whole norms.
@@ -87,7 +89,8 @@ class Shards:
     """This process's chunks of the stepped parameters, their gradients and their state.
 
     Args:
-        group: the N processes that share the state (None: all of them).
+        group: () -> the group of the N processes that share the state (None: all of
+            them); asked at each collective, since the group is made when the processes join.
         rank, size: this process's rank among them, and N.
         collective: ``(what, fn, *args, **kwargs)`` -> runs a collective, raising the
             processes' error on failure.
@@ -97,10 +100,9 @@ class Shards:
 
     def __init__(self, group, rank: int, size: int, collective: Callable,
                  alone: float = math.inf):
-        self.group, self.rank, self.size, self.alone = group, rank, size, alone
+        self._group, self.rank, self.size, self.alone = group, rank, size, alone
         self._collective = collective
         self._chunks: dict = {}   # id(parameter) -> its chunk tensor (the optimizer steps it)
-        self._weights: dict = {}  # id(parameter) -> the parameter
         self._layout: list = []   # (parameters, dtype, device, chunk sizes, offsets, width)
         self._grads: list = []    # per layout entry: the reduced chunks of the gradients
         self.sent_bytes = 0       # what the collectives of the last step sent from here
@@ -137,7 +139,7 @@ class Shards:
                         buffer[full, at:at + flat.numel() - full * c] = flat[full * c:]
             mine = torch.empty(width, dtype=dtype, device=device)
             self._collective("the gradient reduce-scatter", _REDUCE_SCATTER, mine,
-                             buffer.view(-1), group=self.group)
+                             buffer.view(-1), group=self._group())
             if divisor != 1:
                 mine.div_(divisor)
             self.sent_bytes += (N - 1) * width * buffer.element_size()
@@ -155,7 +157,7 @@ class Shards:
             if self._grads else torch.tensor(False)
         flag = bad.to(torch.int32).reshape(1)
         self._collective("agreeing on non-finite gradients", dist.all_reduce, flag,
-                         group=self.group)
+                         group=self._group())
         return bool(flag)
 
     def norms(self) -> dict:
@@ -171,15 +173,14 @@ class Shards:
             return {}
         total = torch.stack(squares)
         self._collective("summing the gradients' squares", dist.all_reduce, total,
-                         group=self.group)
+                         group=self._group())
         return dict(zip(ids, total.sqrt()))
 
     def clip(self, max_norm: float) -> None:
         """``clip_grad_norm_`` over the whole gradients, from their chunks (step 2)."""
         norms = list(self.norms().values())
         if norms:
-            total = torch.linalg.vector_norm(torch.stack(norms))
-            self.scale(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+            self.scale(clip_coefficient(torch.stack(norms), max_norm))
 
     def scale(self, coef: torch.Tensor) -> None:
         """Multiply the reduced chunks by ``coef`` (clipping's)."""
@@ -204,7 +205,6 @@ class Shards:
                     chunk.copy_(p.detach().reshape(-1)[start:end])  # edits between steps count
                     chunk.grad = g[at:at + end - start].to(p.dtype)
                     chunk_of[id(p)] = chunk
-                    self._weights[id(p)] = p
                     stepped.append((p, chunk, start, end))
         saved_groups = [group["params"] for group in optimizer.param_groups]
         saved_state, state = optimizer.state, collections.defaultdict(dict)
@@ -243,12 +243,11 @@ class Shards:
         over the processes (one all-reduce, which every process makes)."""
         # every process numbers the weights alike: in the order of the reduce-scatter
         place = {id(p): k for k, p in enumerate(p for ps, *_ in self._layout for p in ps)}
-        index = {id(chunk): place[id(p)] for id_p, chunk in self._chunks.items()
-                 for p in (self._weights[id_p],) if id(p) in place}
+        index = {id(chunk): place[key] for key, chunk in self._chunks.items() if key in place}
         sums = torch.zeros(len(place), 2)
         for chunk, p2, u2 in chunks:
             sums[index[id(chunk)]] = torch.stack([p2.float().cpu(), u2.float().cpu()])
-        self._collective("summing LAMB's norms", dist.all_reduce, sums, group=self.group)
+        self._collective("summing LAMB's norms", dist.all_reduce, sums, group=self._group())
         return [(sums[index[id(c)], 0].to(p2.device), sums[index[id(c)], 1].to(u2.device))
                 for c, p2, u2 in chunks]
 
@@ -260,7 +259,7 @@ class Shards:
             if self._alone(p) and p.is_contiguous() and id(p) in self._chunks:
                 with torch.no_grad():  # straight into the weight: no copy
                     self._collective("gathering the stepped weights", _ALL_GATHER,
-                                     p.view(-1), self._chunks[id(p)], group=self.group)
+                                     p.view(-1), self._chunks[id(p)], group=self._group())
                 self.sent_bytes += (N - 1) * width * p.element_size()
                 continue
             mine = torch.zeros(width, dtype=ps[0].dtype, device=ps[0].device)
@@ -270,15 +269,10 @@ class Shards:
                 mine[at:at + end - start] = chunk if end > start else p.reshape(-1)[start:end]
             everyone = torch.empty(N * width, dtype=mine.dtype, device=mine.device)
             self._collective("gathering the stepped weights", _ALL_GATHER, everyone,
-                             mine, group=self.group)
+                             mine, group=self._group())
             self.sent_bytes += (N - 1) * width * mine.element_size()
             rows = everyone.view(N, width)
             with torch.no_grad():
                 for p, c, at in zip(ps, chunks, offsets):
                     p.copy_(rows[:, at:at + c].reshape(-1)[:p.numel()].view_as(p))
         self._grads = []
-
-    def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
-        """The bytes of tensor state ``optimizer`` holds (in this process)."""
-        return sum(v.numel() * v.element_size() for s in optimizer.state.values()
-                   for v in s.values() if torch.is_tensor(v))

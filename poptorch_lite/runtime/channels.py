@@ -263,9 +263,7 @@ class Channels:
             if n in self.counted and n in norms:
                 places[0, k], places[1, k] = norms[n].cpu(), 1.0
         places = self.processes.pipeline_sum(places)
-        found = places[0][places[1] > 0]
-        total = torch.linalg.vector_norm(found) if len(found) else torch.tensor(0.0)
-        return torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        return clip_coefficient(places[0][places[1] > 0], max_norm)
 
     def reduce_tied(self, params: dict) -> None:
         """Sum the gradients of weights used in several processes over those processes."""
@@ -460,6 +458,18 @@ _RNG = _PackedStream()
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else ""
+
+
+def clip_coefficient(norms: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_``'s factor for gradients of these norms: the norm of the norms,
+    ``min(1, max_norm / (total + 1e-6))``.
+
+    Example:
+        >>> float(clip_coefficient(torch.tensor([3.0, 4.0]), 1.0))  # total 5
+        0.19999995827674866
+    """
+    total = torch.linalg.vector_norm(norms) if len(norms) else torch.tensor(0.0)
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
 
 def _norms(grads: list) -> list:

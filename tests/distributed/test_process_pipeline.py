@@ -332,9 +332,10 @@ def test_a_process_count_the_pipeline_does_not_divide_is_refused_when_wrapping(m
 def test_docstring_examples_run():
     import doctest
 
+    from poptorch_lite import checkpoint
     from poptorch_lite.compiler import rng, value_info
-    from poptorch_lite.distributed import layout
+    from poptorch_lite.distributed import layout, sharding
     from poptorch_lite.runtime import channels
-    for module in (layout, channels, value_info, rng):
+    for module in (layout, channels, value_info, rng, sharding, checkpoint):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__

@@ -82,10 +82,10 @@ def test_a_sharded_checkpoint_resumes_exactly(runs):
 
 def test_the_chunks_of_a_weight_cover_it_once_and_which_optimizers_shard():
     net = torch.nn.Linear(3, 1)  # a weight of 3 elements over 2 processes: chunks of 2
-    spans = [Shards(None, k, 2, None)._spans(net.weight, 2) for k in range(2)]
+    spans = [Shards(lambda: None, k, 2, None)._spans(net.weight, 2) for k in range(2)]
     assert spans == [(0, 2), (2, 3)]
-    assert Shards(None, 1, 4, None)._spans(torch.zeros(3), 1) == (1, 2)
-    assert Shards(None, 3, 4, None)._spans(torch.zeros(3), 1) == (3, 3)  # owns nothing
+    assert Shards(lambda: None, 1, 4, None)._spans(torch.zeros(3), 1) == (1, 2)
+    assert Shards(lambda: None, 3, 4, None)._spans(torch.zeros(3), 1) == (3, 3)  # owns nothing
     assert [shardable(o) for o in (
         torch.optim.SGD(net.parameters(), lr=0.1), torch.optim.RMSprop(net.parameters()),
         script.poptorch.optim.AdamW(net.parameters()),
