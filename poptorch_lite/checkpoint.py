@@ -22,8 +22,7 @@ there, fits, and is of the same step, so a refusal happens in all of them.
 With the optimizer state sharded over N data-parallel processes ([Note: sharded optimizer
 state] in ``distributed/sharding``), every process calls ``save_checkpoint``: the main
 process writes the file with its own chunks of the state, and process k its chunks to
-``<path>.shard<k>-of-<N>`` (:func:`shard_path`). Loading needs the same N, sharded; a whole
-state (saved unsharded) loads into a sharded run, which cuts it at its next step.
+``<path>.shard<k>-of-<N>`` (:func:`shard_path`).
 
 When the processes are data-parallel replicas of one whole pipeline, they hold the same
 weights and optimizer state (every step all-reduces their gradients), so one file holds
@@ -34,10 +33,36 @@ replica 0's where replicas keep their own ([Note: running statistics on replicas
 ``compiler/running_stats``), its random state (the processes share one under
 ``Options.randomSeed``, as the sharded shuffle requires) and its loader position (the same
 batch in every process: every process calls the model as often). Every process loads that
-file, and every replica starts again from those buffers. A position inside an epoch
-continues only with the process count it was saved with, since the rest of the epoch is
-split between the processes; at an epoch's end any count may go on
-(``DataLoader._check_position``); a refusal comes before anything loads.
+file, and every replica starts again from those buffers. The loader's position is global
+([Note: global loader position] in ``data/dataloader``): another process count continues
+the epoch, each sample read once; a refusal comes before anything loads.
+
+[Note: resharding checkpoints]
+A checkpoint loads at any process layout: other process counts, stages per process
+(``set_ipu_processes``), process order, replicas, its optimizer state sharded or whole.
+Where the files at ``path`` are of this run's layout, each process reads its own file
+or part. Elsewhere every process reads them all and puts the whole state together, as
+one process running every stage holds it: the weights of every part (of pipeline 0,
+where replicas keep their own buffers), the optimizer state of every parameter, its
+chunks joined in chunk order (chunk k is the replica k's: [Note: sharded optimizer
+state]), and the main process's random state, loss scale, step count and loader
+position; then it keeps what it runs (a process of a spread pipeline, the state of its
+own stages, once it knows them from a call; a sharded run cuts its chunks at its next
+step). Every process then agrees before any loads, so another model or optimizer is
+refused in every process. This reads every file in every process: a shared file system
+(as any restart on other hosts needs) and, for the moment it takes, the whole state in
+each process's host memory.
+
+One file set is at ``path``: the main process of a save removes the files that a save
+at another layout left there. Should two sets be found (a save that stopped before
+removing), the one written last is loaded, by the time its main file was written.
+
+Why not ``torch.distributed.checkpoint``: its planners reshard DTensors and
+ShardedTensors, but this state is neither: a weight's chunks of optimizer state are
+slices of its flattened elements, each process's random state and loader position are
+its own, and a checkpoint of one process is one ``torch.save`` file that is renamed into
+place whole. Expressing all of that in DCP would change the file format for every user
+for one benefit, reading only the bytes a process needs, which matters past host memory.
 
 The file is written to a temporary file in the same folder, flushed to disk
 and renamed over the target, so a crash leaves either the old checkpoint or
@@ -73,6 +98,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import glob
 import os
 import pathlib
 import random
@@ -81,6 +107,7 @@ from typing import Any, Optional
 
 import torch
 
+from .distributed.layout import Layout
 from .errors import CheckpointError, DataLoaderError
 from .wrapper import PoplarExecutor
 
@@ -135,14 +162,17 @@ def save_checkpoint(path, model: PoplarExecutor, dataloader=None, extra: Any = N
     }
     path = pathlib.Path(path)
     shards = _shards(model) if layout is None else None  # (a part holds its own chunks)
+    files = {path}  # the file set of this checkpoint
     if shards is not None:  # [Note: checkpoints]: each process's chunks of the state
         state["shards"] = shards.size
         if shards.rank != 0:
             _write({"format": FORMAT, "version": VERSION, "steps": model._steps,
                     "optimizer": state["optimizer"]}, shard_path(path, shards.rank, shards.size))
             return
+        files |= {shard_path(path, k, shards.size) for k in range(1, shards.size)}
     if layout is None and model._processes is not None and model._processes.rank != 0:
         return  # data-parallel processes: the main process writes the one file
+    target = path
     if layout is not None:  # [Note: checkpoints]: this process's part
         own = _own_keys(model)
         if not own:
@@ -152,8 +182,21 @@ def save_checkpoint(path, model: PoplarExecutor, dataloader=None, extra: Any = N
                 "save_checkpoint")
         state["model"] = {k: v for k, v in state["model"].items() if k in own}
         state["part"] = _part(layout, _shards(model))
-        path = part_path(path, layout.rank, layout.size)
-    _write(state, path)
+        files = {part_path(path, r, layout.size) for r in range(layout.size)}
+        target = part_path(path, layout.rank, layout.size)
+    _write(state, target)
+    if model._processes is None or model._processes.rank == 0:
+        _remove_other_sets(path, files)
+
+
+def _remove_other_sets(path: pathlib.Path, files: set) -> None:
+    """Remove the files that checkpoints at another layout wrote at ``path``, so that one
+    file set is there ([Note: resharding checkpoints])."""
+    others = [path] + list(path.parent.glob(glob.escape(path.name) + ".process*-of-*")) + \
+        list(path.parent.glob(glob.escape(path.name) + ".shard*-of-*"))
+    for other in others:
+        if other not in files and other.is_file():
+            other.unlink(missing_ok=True)
 
 
 def _write(state: dict, path: pathlib.Path) -> None:
@@ -173,10 +216,13 @@ def _write(state: dict, path: pathlib.Path) -> None:
 def load_checkpoint(path, model: PoplarExecutor, dataloader=None) -> CheckpointInfo:
     """Restore the training state saved by :func:`save_checkpoint` into ``model``.
 
-    Everything is checked first; on any error nothing has been loaded. When the
-    model's pipeline spans processes, every process calls it with the same ``path``
-    and loads its own part ([Note: checkpoints]); a part that is missing, unfitting
-    or from another step than the others is refused in every process.
+    Everything is checked first; on any error nothing has been loaded. The checkpoint may
+    have been saved at another process layout (other process counts, stages per process,
+    process order, sharding): the state is then put together from all its files and each
+    process takes its own ([Note: resharding checkpoints]). In a model whose pipeline spans
+    processes or whose optimizer state is sharded, and wherever the state is put together
+    anew, every process calls it with the same ``path``; a problem in any process is
+    refused in every process, before any loads.
 
     Args:
         path: the checkpoint file.
@@ -189,21 +235,23 @@ def load_checkpoint(path, model: PoplarExecutor, dataloader=None) -> CheckpointI
             fit the model, optimizer or loader.
     """
     _check_model(model)
-    layout = _spread(model)
-    if layout is None:
-        state = _read(pathlib.Path(path), model, dataloader, None)
-        _own_chunks(path, state, _shards(model))
-    else:  # every process reads its part; all of them agree before any loads
-        try:
-            state, problem = _read(part_path(path, layout.rank, layout.size), model, dataloader,
-                                   layout), None
-        except CheckpointError as e:
-            state, problem = None, str(e)
-        _agree_on_parts(model, path, problem, None if state is None else int(state["steps"]))
+    path = pathlib.Path(path)
+    layout, shards, processes = _spread(model), _shards(model), model._processes
+    found = _newest_set(path)
+    everyone = processes is not None and (
+        layout is not None or shards is not None or (found is not None and found[0] != "whole"))
+    try:
+        state, problem = _state_for(path, found, model, dataloader, layout, shards), None
+    except CheckpointError as e:
+        if not everyone:
+            raise
+        state, problem = None, str(e)
+    if everyone:  # every process agrees before any loads
+        _agree(model, path, problem, None if state is None else int(state["steps"]))
     undo = _current(model, dataloader)
     loader = state["dataloader"]
     try:
-        model.load_state_dict(state["model"], strict=layout is None)
+        model.load_state_dict(state["model"], strict="part" not in state)
         model._optimizer.load_state_dict(state["optimizer"])
         model._loss_scale.load_state_dict(state["loss_scale"])
         model._steps = int(state["steps"])
@@ -218,6 +266,126 @@ def load_checkpoint(path, model: PoplarExecutor, dataloader=None) -> CheckpointI
             f"was changed. Load it into the model, optimizer and loader it was saved from") from e
     return CheckpointInfo(model._steps, None if loader is None else int(loader["epoch"]),
                           state["extra"])
+
+
+def _state_for(path: pathlib.Path, found, model: PoplarExecutor, dataloader, layout,
+               shards) -> dict:
+    """The state this process loads from the newest file set at ``path``: its own file or
+    part where the set is of this layout, else the whole state put together from every
+    file ([Note: resharding checkpoints])."""
+    if found is None:
+        raise CheckpointError(f"no checkpoint at {str(path)!r}; check the path")
+    kind, W = found
+    if kind == "whole" and layout is None:
+        state = _read(path)
+        if state.get("shards") in (None, None if shards is None else shards.size):
+            _check_fits(path, state, model, dataloader)
+            _own_chunks(path, state, shards)
+            return state
+    elif kind == "parts" and layout is not None and W == layout.size:
+        own = part_path(path, layout.rank, layout.size)
+        state = _read(own)
+        if _saved_part(state) == _part(layout, shards):
+            _check_fits(own, state, model, dataloader)
+            return state
+    return _mine(_put_together(path, found, model, dataloader), model, layout)
+
+
+def _newest_set(path: pathlib.Path):
+    """``("whole", None)`` where the newest checkpoint at ``path`` is one file (with its
+    chunk files, where sharded); ``("parts", W)`` where it is the parts of W processes;
+    None where there is none. Newest: of the file, or of the part of process 0, the one
+    written last ([Note: resharding checkpoints])."""
+    sets = []
+    if path.is_file():
+        sets.append((path.stat().st_mtime_ns, "whole", None))
+    for first in path.parent.glob(glob.escape(path.name) + ".process0-of-*"):
+        count = first.name.rsplit("-of-", 1)[1]
+        if count.isdigit():
+            sets.append((first.stat().st_mtime_ns, "parts", int(count)))
+    return max(sets)[1:] if sets else None
+
+
+def _put_together(path: pathlib.Path, found, model: PoplarExecutor, dataloader) -> dict:
+    """The whole training state of the file set ``found`` at ``path``, as one process
+    running every stage holds it ([Note: resharding checkpoints])."""
+    kind, W = found
+    if kind == "whole":
+        main = _read(path)
+        N = main.get("shards")
+        files = [(path, main)] + [(shard_path(path, k, N), _chunks(path, k, N, main["steps"]))
+                                  for k in range(1, N or 1)]
+        pieces = [(k if N else None, state["optimizer"]) for k, (_, state) in enumerate(files)]
+        weights = main["model"]
+    else:
+        files = [(part_path(path, r, W), _read(part_path(path, r, W))) for r in range(W)]
+        main, saved = files[0][1], _saved_part(files[0][1])
+        if not isinstance(saved, dict) or saved["processes"] != W:
+            raise CheckpointError(f"{str(files[0][0])!r} is not process 0's part of a "
+                                  f"checkpoint of {W} processes; use the files "
+                                  f"poptorch_lite.save_checkpoint wrote")
+        ipus = tuple(map(tuple, saved["ipu_processes"])) if saved["ipu_processes"] else None
+        pieces, weights = [], {}
+        for r, (_, state) in enumerate(files):
+            where = Layout(r, W, ipus, saved["process_order"])
+            pieces.append((where.pipeline if saved["shards"] else None, state["optimizer"]))
+            for key, value in state["model"].items():
+                weights.setdefault(key, value)  # of pipeline 0 first (the main's replica)
+    steps = {str(f): int(state["steps"]) for f, state in files}
+    if len(set(steps.values())) > 1:
+        raise CheckpointError(
+            f"the files of the checkpoint {str(path)!r} are of different steps ("
+            f"{', '.join(f'{f}: step {s}' for f, s in steps.items())}): a process stopped "
+            f"while saving; resume from an earlier checkpoint")
+    state = {key: value for key, value in main.items() if key not in ("part", "shards")}
+    state["model"] = weights
+    state["optimizer"] = {"param_groups": main["optimizer"]["param_groups"],
+                          "state": _whole_optimizer_state(path, pieces, model)}
+    _check_fits(path, state, model, dataloader)
+    return state
+
+
+def _whole_optimizer_state(path, pieces: list, model: PoplarExecutor) -> dict:
+    """The optimizer's state of every parameter, whole, from ``pieces``: ``(chunk, state
+    dict)`` per file, ``chunk`` the index of the chunks it holds (None: whole states)."""
+    params = [p for group in model._optimizer.param_groups for p in group["params"]]
+    held: dict = {}
+    for chunk, optimizer in pieces:
+        for index, entry in optimizer["state"].items():
+            held.setdefault(int(index), {}).setdefault(chunk, entry)
+    whole = {}
+    for index, by_chunk in sorted(held.items()):
+        if index >= len(params):
+            raise CheckpointError(
+                f"the checkpoint {str(path)!r} holds optimizer state for parameter {index}, "
+                f"but the model's optimizer has {len(params)}; build the optimizer the same way")
+        p, chunks = params[index], sorted(k for k in by_chunk if k is not None)
+        first = by_chunk[chunks[0] if chunks else None]
+        whole[index] = {}
+        for key, value in first.items():
+            if chunks and torch.is_tensor(value) and value.dim() and value.shape != p.shape:
+                value = torch.cat([by_chunk[k][key].reshape(-1) for k in chunks])
+                if value.numel() != p.numel():
+                    raise CheckpointError(
+                        f"the chunks of {key!r} of optimizer parameter {index} in the "
+                        f"checkpoint {str(path)!r} hold {value.numel()} of its {p.numel()} "
+                        f"elements; use the files poptorch_lite.save_checkpoint wrote")
+                value = value.view(p.shape)
+            whole[index][key] = value
+    return whole
+
+
+def _mine(state: dict, model: PoplarExecutor, layout) -> dict:
+    """``state`` (whole) without the optimizer state of the stages other processes run,
+    where the pipeline spans processes and this process knows its stages."""
+    own = _own_keys(model) if layout is not None else set()
+    if not own:
+        return state
+    names = {id(p): n for n, p in model.model.named_parameters()}
+    params = [p for group in model._optimizer.param_groups for p in group["params"]]
+    state["optimizer"]["state"] = {i: entry for i, entry in state["optimizer"]["state"].items()
+                                   if names.get(id(params[i])) in own}
+    return state
 
 
 def shard_path(path, rank: int, processes: int) -> pathlib.Path:
@@ -245,22 +413,17 @@ def _shards(model: PoplarExecutor):
 
 
 def _own_chunks(path, state: dict, shards) -> None:
-    """Put this process's chunks of a sharded checkpoint's optimizer state into ``state``;
-    refuse a checkpoint whose state is sharded otherwise than this run's. A whole state
-    loads anywhere (a sharded run cuts it at its next step)."""
-    saved = state.get("shards")
-    if saved is None:
-        return
-    mine = None if shards is None else shards.size
-    if saved != mine:
-        raise CheckpointError(
-            f"{str(path)!r} holds an optimizer state sharded over {saved} processes "
-            f"(useReplicatedTensorSharding), but this run "
-            f"{'holds it whole' if mine is None else f'shards it over {mine}'}; resume with "
-            f"{saved} data-parallel processes and the state sharded")
-    if shards.rank == 0:
-        return
-    chunk_file = shard_path(path, shards.rank, shards.size)
+    """Put this process's chunks of a checkpoint's optimizer state sharded as this run
+    shards it into ``state`` (a whole state loads as it is: a sharded run cuts it at its
+    next step)."""
+    if state.get("shards") is not None and shards.rank != 0:
+        state["optimizer"] = _chunks(path, shards.rank, shards.size, state["steps"])["optimizer"]
+
+
+def _chunks(path, rank: int, processes: int, steps) -> dict:
+    """Process ``rank``'s file of chunks of the sharded optimizer state of the checkpoint
+    ``path`` of step ``steps``."""
+    chunk_file = shard_path(path, rank, processes)
     try:
         chunks = torch.load(chunk_file, weights_only=True, map_location="cpu")
     except FileNotFoundError:
@@ -269,12 +432,12 @@ def _own_chunks(path, state: dict, shards) -> None:
             f"useReplicatedTensorSharding every process calls save_checkpoint and writes its "
             f"own chunks beside {str(path)!r}") from None
     if not isinstance(chunks, dict) or chunks.get("format") != FORMAT or \
-            chunks.get("steps") != state["steps"]:
+            chunks.get("steps") != steps:
         raise CheckpointError(
-            f"{str(chunk_file)!r} is not process {shards.rank}'s chunk of the optimizer state "
-            f"of {str(path)!r} (of step {state['steps']}): a process stopped while saving; "
+            f"{str(chunk_file)!r} is not process {rank}'s chunk of the optimizer state "
+            f"of {str(path)!r} (of step {steps}): a process stopped while saving; "
             f"resume from an earlier checkpoint")
-    state["optimizer"] = chunks["optimizer"]
+    return chunks
 
 
 def part_path(path, rank: int, processes: int) -> pathlib.Path:
@@ -312,8 +475,8 @@ def _own_keys(model: PoplarExecutor) -> set:
     return keys
 
 
-def _read(path: pathlib.Path, model: PoplarExecutor, dataloader, layout) -> dict:
-    """The checkpoint at ``path``, checked against the model (and, for a part, the layout)."""
+def _read(path: pathlib.Path) -> dict:
+    """The checkpoint file at ``path``, refused unless it is one of this version."""
     try:
         state = torch.load(path, weights_only=True, map_location="cpu")
     except FileNotFoundError:
@@ -331,15 +494,6 @@ def _read(path: pathlib.Path, model: PoplarExecutor, dataloader, layout) -> dict
     if state.get("version") != VERSION:
         raise CheckpointError(f"{str(path)!r} has checkpoint version {state.get('version')!r}; "
                               f"this poptorch_lite reads version {VERSION}")
-    saved = _saved_part(state)
-    mine = None if layout is None else _part(layout, _shards(model))
-    if layout is not None and saved != mine:
-        raise CheckpointError(
-            f"{str(path)!r} was written by {_describe_part(saved)}, but this is "
-            f"{_describe_part(mine)}; resume with the processes, "
-            f"Options.Distributed.set_ipu_processes and set_process_order it was saved with, "
-            f"and its optimizer state sharded or whole as it was")
-    _check_fits(path, state, model, dataloader)
     return state
 
 
@@ -358,18 +512,9 @@ def _saved_part(state: dict):
     return saved
 
 
-def _describe_part(part) -> str:
-    if not isinstance(part, dict):
-        return "one process running every stage"
-    order = "" if part["process_order"] == "pipeline_inner" else f" in {part['process_order']} order"
-    shards = "" if part["shards"] is None else f", its optimizer state sharded over {part['shards']}"
-    return (f"process {part['rank']} of {part['processes']} with set_ipu_processes"
-            f"({part['ipu_processes']}){order}{shards}")
-
-
-def _agree_on_parts(model: PoplarExecutor, path, problem, steps) -> None:
-    """Every process of a spread model reports on its part; any problem, or parts of
-    different steps, is refused in every process before any of them loads."""
+def _agree(model: PoplarExecutor, path, problem, steps) -> None:
+    """Every process reports on what it would load; any problem, or parts of different
+    steps, is refused in every process before any of them loads."""
     processes = model._processes
     processes.join(model.model, model._optimizer)
     reports = processes.gather({processes.rank: (problem, steps)})

@@ -56,6 +56,25 @@ class _ProcessBlockSampler(torch.utils.data.Sampler):
         start = self._start + (self._leftovers if self.epoch % 2 else 0)
         return iter(order[start:start + self._length].tolist())
 
+    @classmethod
+    def steps(cls, n: int, combined: int, P: int, shuffle: bool, seed: Optional[int],
+              epoch: int) -> list:
+        """Epoch ``epoch`` of P processes' blocks (drop_last) as the steps read it: step t is
+        the t-th combined batch of process 0, then of process 1, ... ([Note: global loader
+        position]).
+
+        Example:
+            >>> _ProcessBlockSampler.steps(10, 2, 2, False, None, 0)
+            [[0, 1, 4, 5], [2, 3, 6, 7]]
+        """
+        blocks = []
+        for p in range(P):
+            sampler = cls(n, combined, p, P, True, shuffle, seed)
+            sampler.epoch = epoch
+            blocks.append(list(sampler))
+        return [[i for block in blocks for i in block[t * combined:(t + 1) * combined]]
+                for t in range(len(blocks[0]) // combined)]
+
 
 class _CombinedBatchSampler(torch.utils.data.Sampler):
     """Concatenates every ``factor`` consecutive batches of a user's batch sampler."""
@@ -138,6 +157,7 @@ class DataLoader(torch.utils.data.DataLoader):
         P, p = max(layout.pipelines, 1), layout.pipeline if layout.pipelines else 0
         distributed = P > 1 and auto_distributed_partitioning
         self._processes = P  # the data-parallel processes an epoch is split between
+        self._pipeline = p if distributed else 0  # this process's share of the epoch
         self._epoch_sampler: Optional[_ProcessBlockSampler] = None
         self._rebatched_size: Optional[int] = None
         self._rebatched_drop_last = drop_last
@@ -212,6 +232,12 @@ class DataLoader(torch.utils.data.DataLoader):
             self._rebatched_size = self._combined
             args.update(batch_size=rebatched_worker_size or self._combined, drop_last=False)
 
+        # [Note: global loader position]: how to rebuild an epoch's order in another split
+        self._order = None
+        if (batch_sampler is None and self._combined is not None and drop_last and not is_iterable
+                and not {"sampler", "generator"} & kwargs.keys() and (distributed or P == 1)):
+            self._order = {"n": len(dataset), "shuffle": shuffle, "seed": options.random_seed,
+                           "blocks": distributed}
         options._freeze()  # only once every argument is accepted
         if persistent_workers is None:
             persistent_workers = num_workers > 0
@@ -223,6 +249,10 @@ class DataLoader(torch.utils.data.DataLoader):
         # state its sampler started from, and a pending resume from load_state_dict().
         self._epoch, self._consumed, self._epoch_rng = 0, 0, None
         self._resume: Optional[tuple] = None
+        # [Note: global loader position]: the rest of an epoch saved in another split, read
+        # by the next epoch (pending) or by this one: (origin, samples of it read, my batches)
+        self._rest_next: Optional[tuple] = None
+        self._rest: Optional[tuple] = None
         if mode != DataLoaderMode.Sync:
             self._accessor = AsynchronousDataAccessor(self, **async_options,
                                                       rebatched_size=self._rebatched_size,
@@ -291,7 +321,9 @@ class DataLoader(torch.utils.data.DataLoader):
         if self._epoch_sampler is not None:
             self._epoch_sampler.epoch = self._next_epoch
         self._epoch, self._consumed = self._next_epoch, 0
+        self._rest, self._rest_next = self._rest_next, None
         if self._resume is not None:  # [Note: loader position]: restore after the skip
+            self._consumed = self._resume[1]  # the skipped batches were handed out before
             self._resume = (*self._resume[:2], torch.get_rng_state())
         self._next_epoch += 1
         return self._get_iterator() if own_iterator else super().__iter__()
@@ -319,39 +351,52 @@ class DataLoader(torch.utils.data.DataLoader):
             >>> loader = DataLoader(opts, torch.utils.data.TensorDataset(torch.arange(6.0)), 2)
             >>> batches = iter(loader)
             >>> _ = next(batches)
-            >>> {k: v for k, v in loader.state_dict().items() if k != "rng"}
-            {'epoch': 0, 'batches': 1, 'processes': 1, 'combined': 2, 'batches_per_epoch': 3}
+            >>> {k: v for k, v in loader.state_dict().items() if k not in ("rng", "order")}
+            {'epoch': 0, 'batches': 1, 'processes': 1, 'combined': 2, 'batches_per_epoch': 3, 'rest': None}
         """
         if self._accessor is not None:
             raise errors.DataLoaderError(
                 "the position of an Async-mode DataLoader cannot be saved: it reads ahead in a "
                 "thread, so its position is not the training's; use mode=DataLoaderMode.Sync")
+        rest = self._rest_next or self._rest
         return {"epoch": self._epoch, "batches": self._consumed, "rng": self._epoch_rng,
                 "processes": self._processes, "combined": self._combined,
-                "batches_per_epoch": self._batches_per_epoch()}
+                "batches_per_epoch": self._batches_per_epoch(), "order": self._order,
+                "rest": None if rest is None else {"origin": rest[0], "skip": rest[1]}}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state`` (:meth:`state_dict`): the next iteration reads the rest of
-        that epoch, in the same order, without loading the batches it skips.
+        that epoch, in the same order, without loading the batches it skips. Where the epoch
+        was split otherwise (another data-parallel process count or combined batch), the
+        processes share out the samples of the epoch that no process has read yet, step by
+        step in the order the saving processes would have read them ([Note: global loader
+        position]).
 
         Raises:
             errors.DataLoaderError: the state is not a loader position, the loader is not
                 in Sync mode, an IterableDataset would have to skip batches, or the position
-                is inside an epoch that this loader splits otherwise than the saving one.
+                is inside an epoch that this loader cannot continue in another split.
         """
-        epoch, batches, rng, total, finished = self._check_position(state)
+        epoch, batches, rng, total, finished, rest = self._check_position(state)
         self.set_epoch(epoch + 1 if finished else epoch)
+        if rest is not None:
+            self._epoch, self._consumed, self._epoch_rng = epoch, 0, rng
+            self._resume, self._rest_next = None, (*rest, self._share(*rest))
+            return
         self._epoch, self._consumed, self._epoch_rng = epoch, total if finished else batches, rng
         self._resume = (rng, batches) if 0 < batches < total and not finished else None
 
     def _check_position(self, state: dict) -> tuple:
-        """``(epoch, batches, rng, batches per epoch here, finished)`` of a position that this
-        loader can continue (it changes nothing; raises as :meth:`load_state_dict`).
+        """``(epoch, batches, rng, batches per epoch here, finished, rest)`` of a position that
+        this loader can continue (it changes nothing; raises as :meth:`load_state_dict`);
+        ``rest`` is ``(origin, samples read)`` where the rest of the epoch is shared out anew.
 
-        A position inside an epoch continues only where the epoch is split as the saving
-        loader split it (processes, each reading its shard; combined batch; batches per
-        epoch): elsewhere samples would be read twice or never. A finished epoch continues
-        anywhere. A position saved before its split was recorded is taken to be this one's.
+        A position inside an epoch continues in the same split by skipping the batches read;
+        in another split ([Note: global loader position]) only where both loaders read whole
+        combined batches (drop_last) of the same dataset through the epoch's own order
+        (no sampler of the user's); elsewhere samples would be read twice or never. A
+        finished epoch continues anywhere. A position saved before its split was recorded is
+        taken to be this one's.
         """
         self.state_dict()  # refuses Async mode
         try:
@@ -364,29 +409,61 @@ class DataLoader(torch.utils.data.DataLoader):
             raise errors.DataLoaderError(
                 f"an IterableDataset cannot skip to batch {batches} of epoch {epoch}; save "
                 f"checkpoints at epoch ends (or make the dataset resumable yourself)")
-        total = len(self) if batches else 0  # an IterableDataset may have no len()
+        saved_rest = state.get("rest")
+        total = len(self) if batches or saved_rest else 0  # an IterableDataset may have no len()
         saved = state.get("batches_per_epoch", total)
         finished = 0 < batches == saved
         split = (state.get("processes", self._processes), state.get("combined", self._combined))
-        if 0 < batches and not finished and (*split, saved) != (self._processes, self._combined,
-                                                                 total):
-            procs = f"{split[0]} process{'es' if split[0] != 1 else ''}"
-            raise errors.DataLoaderError(
-                f"the position (batch {batches} of {saved} of epoch {epoch}) was saved in the "
-                f"middle of an epoch by {procs}, each reading combined batches of {split[1]}, "
-                f"but this loader reads {total} combined batches of {self._combined} in "
-                f"{self._processes} process{'es' if self._processes != 1 else ''}: the rest of "
-                f"that epoch would be split otherwise and samples read twice or never. Resume "
-                f"with {procs} and the same dataset, batch size and options, or from a position "
-                f"saved at an epoch's end (the next epoch may use any)")
+        inside = not finished and (0 < batches or saved_rest is not None)
+        if inside and (saved_rest is not None or (*split, saved) != (
+                self._processes, self._combined, total)):
+            return epoch, batches, rng, total, False, self._rest_of(state, split, saved)
         if not finished and (not 0 <= batches <= total or (0 < batches < total and rng is None)):
             raise errors.DataLoaderError(
                 f"the position {batches} of epoch {epoch} does not fit this loader of {total} "
                 f"batches per epoch; load a position saved from a loader of the same dataset, "
                 f"batch size and options")
-        return epoch, batches, rng, total, finished
+        return epoch, batches, rng, total, finished, None
+
+    def _rest_of(self, state: dict, split: tuple, saved) -> tuple:
+        """``(origin, samples of its rest read)`` of a position inside an epoch saved in
+        another split, once this loader can share out its rest ([Note: global loader
+        position])."""
+        rest = state.get("rest")
+        origin = rest["origin"] if rest is not None else state
+        order = origin.get("order")
+        if self._order is None or state.get("order") is None or order is None or \
+                order["n"] != self._order["n"] or (order["shuffle"] and not order["blocks"]
+                                                   and origin.get("rng") is None):
+            procs = f"{split[0]} process{'es' if split[0] != 1 else ''}"
+            why = ("" if self._order is not None and order is not None else
+                   ": this loader or the saving one reads through a sampler of the user's, "
+                   "drop_last=False, unbatched or unsplit data")
+            raise errors.DataLoaderError(
+                f"the position (batch {state['batches']} of {saved} of epoch {state['epoch']}) "
+                f"was saved in the middle of an epoch by {procs}, each reading combined batches "
+                f"of {split[1]}, but this loader reads {len(self)} combined batches of "
+                f"{self._combined} in {self._processes} process"
+                f"{'es' if self._processes != 1 else ''}, and the rest of that epoch cannot be "
+                f"shared out anew{why}: samples would be read twice or never. Resume "
+                f"with {procs} and the same dataset, batch size and options, or from a position "
+                f"saved at an epoch's end (the next epoch may use any)")
+        if rest is None:  # the origin itself: its batches are counted in it
+            return origin, 0
+        return origin, int(rest["skip"]) + int(state["batches"]) * split[0] * split[1]
+
+    def _share(self, origin: dict, read: int) -> list:
+        """This process's batches of the rest of ``origin``'s epoch after ``read`` samples of
+        it ([Note: global loader position])."""
+        samples = [i for step in _epoch_steps(origin)[int(origin["batches"]):] for i in step]
+        samples = samples[read:]
+        width, mine = self._processes * self._combined, self._pipeline * self._combined
+        return [samples[t * width + mine:t * width + mine + self._combined]
+                for t in range(len(samples) // width)]
 
     def _batches_per_epoch(self) -> Optional[int]:
+        if self._rest_next is not None or self._rest is not None:
+            return len((self._rest_next or self._rest)[2])
         try:
             return len(self)
         except TypeError:  # an IterableDataset without a length
@@ -406,6 +483,27 @@ class _EpochIndices(torch.utils.data.Sampler):
     (dropout, say) are those of the uninterrupted run. Transforms that draw
     random numbers in worker processes are seeded per iteration and are not
     replayed.
+
+    [Note: global loader position]
+    The position is also global: it says which samples of the epoch every
+    data-parallel process has read, so that another split (other processes, or
+    another combined batch per process) can read the rest of that epoch, each
+    sample once. An epoch's order is rebuilt from the position: with P processes
+    each reading its block of the epoch (``_ProcessBlockSampler``: from
+    ``randomSeed + epoch``), step t reads the t-th combined batch of process 0,
+    then of process 1, ...; in one process, torch's ``RandomSampler`` from the
+    generator state the epoch began with (or the dataset in order). The samples
+    of the steps not yet taken, in that order, are the rest; a loader of another
+    split takes them P' × C' at a time (its processes × its combined batch) and
+    reads the p'-th C' of each, so a step after the change reads the samples of
+    the uninterrupted run's step wherever P' × C' = P × C. A rest that does not
+    fill a last step leaves those samples unread, as ``drop_last`` does. A
+    position saved inside such a rest records where it came from (the position
+    it began at, and the samples of it read before), so the rest can change
+    split again. This needs both loaders to read whole combined batches
+    (``drop_last``) of the same dataset through its own order (no sampler,
+    batch sampler or generator of the user's): elsewhere a position inside an
+    epoch continues only in the split it was saved in (E-DL-22).
     """
 
     def __init__(self, inner: Iterable, loader: "DataLoader"):
@@ -415,11 +513,23 @@ class _EpochIndices(torch.utils.data.Sampler):
         self.inner, self.loader = inner, weakref.ref(loader)
 
     def __len__(self) -> int:
+        loader = self.loader()
+        if loader is not None and loader._rest_next is not None:  # the next epoch's
+            return len(loader._rest_next[2])
+        if loader is not None and loader._rest is not None and \
+                loader._consumed < len(loader._rest[2]):  # this epoch's, still being read
+            return len(loader._rest[2])
         return len(self.inner)
 
     def __iter__(self) -> Iterator[Any]:
         loader = self.loader()
         if loader is None:  # collected: its thread is stopping
+            return
+        if loader._rest is not None:  # [Note: global loader position]: a shared-out rest
+            loader._epoch_rng = torch.get_rng_state()
+            batches = loader._rest[2]
+            del loader
+            yield from (list(batch) for batch in batches)
             return
         resume, loader._resume = loader._resume, None
         if resume is not None:
@@ -436,6 +546,32 @@ class _EpochIndices(torch.utils.data.Sampler):
 
 
 _END = object()
+
+
+def _epoch_steps(position: dict) -> list:
+    """The epoch of ``position`` (a loader's :meth:`DataLoader.state_dict`) as its steps read
+    it, each step its processes' combined batches in process order ([Note: global loader
+    position]).
+
+    Example:
+        >>> _epoch_steps({"epoch": 0, "processes": 1, "combined": 2, "rng": None,
+        ...               "order": {"n": 5, "shuffle": False, "seed": None, "blocks": False}})
+        [[0, 1], [2, 3]]
+    """
+    order, P, C = position["order"], int(position["processes"]), int(position["combined"])
+    if order["blocks"]:
+        return _ProcessBlockSampler.steps(order["n"], C, P, order["shuffle"], order["seed"],
+                                          int(position["epoch"]))
+    if order["shuffle"]:  # torch's RandomSampler, from the generator state it started from
+        now = torch.get_rng_state()
+        try:
+            torch.set_rng_state(position["rng"])
+            indices = list(torch.utils.data.RandomSampler(range(order["n"])))
+        finally:
+            torch.set_rng_state(now)
+    else:
+        indices = list(range(order["n"]))
+    return [indices[t * C:(t + 1) * C] for t in range(len(indices) // C)]
 
 
 def _check_mode(mode: Any, async_options: Optional[dict]) -> tuple[DataLoaderMode, dict]:

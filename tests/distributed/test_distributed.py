@@ -178,13 +178,13 @@ def test_a_buffer_write_of_the_models_own_is_refused_in_every_process(trained):
             "['steps'] and replicationFactor is 1 in each of 2 processes.)"), "unchanged": True}
 
 
-def test_a_run_saved_mid_epoch_by_2_processes_is_refused_by_1_and_resumed_at_the_epochs_end(
+def test_a_run_saved_mid_epoch_by_2_processes_is_resumed_by_1_reading_the_rest_once(
         trained_in, trained):
     """Data-parallel processes write one checkpoint file, the main process's (its replica 0's
     BatchNorm statistics, not process 1's, though process 1 saved after it). One process
-    refuses its mid-epoch position before changing anything (it would split the rest of the
-    epoch otherwise, reading samples twice or never); from the epoch's end it reads the next
-    epoch whole, every sample once."""
+    resumes its mid-epoch position by reading the rest of that epoch in the order the two
+    would have ([Note: global loader position]): each step of theirs, process 0's batch then
+    process 1's; from the epoch's end it reads the next epoch whole, every sample once."""
     ranks = [result["resume"] for result in trained]
     assert sorted(ranks[0]["read"] + ranks[1]["read"]) == list(range(64))  # the saved epoch
     for name in ("mid", "end"):
@@ -195,21 +195,15 @@ def test_a_run_saved_mid_epoch_by_2_processes_is_refused_by_1_and_resumed_at_the
 
     torch.manual_seed(5)
     model, wrapped, loader = resumable()  # one process
-
-    def state():
-        return ({k: v.clone() for k, v in model.state_dict().items()},
-                copy.deepcopy(wrapped._optimizer.state_dict()), loader.state_dict(),
-                torch.get_rng_state())
-    before = state()
-    with pytest.raises(poptorch.CheckpointError, match=re.escape(
-            "cannot be resumed by this loader: the position (batch 2 of 4 of epoch 0) was saved "
-            "in the middle of an epoch by 2 processes, each reading combined batches of 8, but "
-            "this loader reads 8 combined batches of 8 in 1 process: the rest of that epoch "
-            "would be split otherwise and samples read twice or never. Resume with 2 processes")):
-        poptorch.load_checkpoint(trained_in / "mid.pt", wrapped, loader)
-    after = state()
-    assert all(torch.equal(v, after[0][k]) for k, v in before[0].items())
-    assert before[1:3] == after[1:3] and torch.equal(before[3], after[3])
+    info = poptorch.load_checkpoint(trained_in / "mid.pt", wrapped, loader)
+    assert info.epoch == 0 and len(loader) == 4  # 2 steps of 2 processes' 8 samples are left
+    read = []
+    for x, y, index in loader:
+        wrapped(x, y)
+        read += index.tolist()
+    assert read == [i for batch in (2, 3) for rank in ranks
+                    for i in rank["read"][8 * batch:8 * batch + 8]]
+    assert loader.state_dict()["epoch"] == 0 and len(loader) == 8
 
     info = poptorch.load_checkpoint(trained_in / "end.pt", wrapped, loader)
     assert info.epoch == 0 and loader.state_dict()["batches"] == len(loader) == 8

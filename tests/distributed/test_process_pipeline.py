@@ -290,13 +290,9 @@ def test_each_process_checkpoints_its_part_and_a_resumed_run_continues_exactly(t
         assert result["steps"] == 4
         assert all(torch.equal(x, y) for x, y in zip(result["resumed"], result["losses"][2:]))
         assert all(torch.equal(result["resumed_final"][k], v) for k, v in result["final"].items())
-    for rank, result in enumerate(results):  # each process names its own part's problem
-        assert result["swapped"] == (
-            f"{str(tmp_path / f'b.pt.process{rank}-of-2')!r} was written by process {rank} of 2 "
-            f"with set_ipu_processes([[0], [1]]), but this is process {rank} of 2 with "
-            f"set_ipu_processes([[1], [0]]); resume with the processes, "
-            f"Options.Distributed.set_ipu_processes and set_process_order it was saved with, "
-            f"and its optimizer state sharded or whole as it was")
+        # B resumed with each process running the other's stage: the state put together
+        # from both parts ([Note: resharding checkpoints]), the same arithmetic
+        assert all(torch.equal(x, y) for x, y in zip(result["swapped"], result["losses"][2:]))
     missing = f"no checkpoint at {str(tmp_path / 'c.pt.process1-of-2')!r}; check the path"
     assert results[1]["missing"] == missing
     assert results[0]["missing"] == (f"process 1 cannot load its part of the checkpoint "

@@ -717,18 +717,88 @@ def test_a_loader_position_is_checked():
     assert loader.state_dict()["epoch"] == 4
 
 
-def sharded_loader(P, batch_size=2):
-    """Process 0 of P's loader of 32 numbered samples, shuffled."""
-    opts = poptorch.Options().randomSeed(3)
-    opts.Distributed.configureProcessId(0, P)
+def sharded_loader(P, batch_size=2, p=0, replicas=1, shuffle=True, **kwargs):
+    """Process p of P's loader of 32 numbered samples, shuffled."""
+    opts = poptorch.Options().randomSeed(3).replicationFactor(replicas)
+    opts.Distributed.configureProcessId(p, P)
     return poptorch.DataLoader(opts, torch.utils.data.TensorDataset(torch.arange(32)),
-                               batch_size=batch_size, shuffle=True)
+                               batch_size=batch_size, shuffle=shuffle, **kwargs)
 
 
-def test_a_position_inside_an_epoch_continues_only_where_the_epoch_is_split_alike():
-    """[Note: checkpoints]: the rest of 2 processes' epoch is not 1 process's (nor the
-    reverse, nor another batch size's): refused, the loader unchanged; from an epoch's end
-    any process count reads the next epoch whole."""
+def read_steps(loaders, steps=None):
+    """What each step reads (``steps`` of them, or to the epoch's end): the processes'
+    batches, in process order, one list a step."""
+    batches = zip(*(iter(loader) for loader in loaders))
+    return [[int(i) for (batch,) in step for i in batch]
+            for step in itertools.islice(batches, steps)]
+
+
+def resumed(position, P, **kwargs):
+    """P processes' loaders continuing ``position``."""
+    loaders = [sharded_loader(P, p=p, **kwargs) for p in range(P)]
+    for loader in loaders:
+        loader.load_state_dict(position)
+    return loaders
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_position_inside_an_epoch_continues_in_any_split(shuffle):
+    """[Note: global loader position]: 2 processes read 3 of their 8 steps; 1 process with 2
+    replicas, then 4 processes with batches of 1, then 2 processes again read the rest of
+    that epoch: every step reads the samples of the uninterrupted run's step, each sample of
+    the epoch once; the next epoch is the loader's own."""
+    straight = read_steps([sharded_loader(2, p=p, shuffle=shuffle) for p in range(2)])
+    assert sorted(i for step in straight for i in step) == list(range(32))
+    two = [sharded_loader(2, p=p, shuffle=shuffle) for p in range(2)]
+    steps = read_steps(two, 3)
+    one = resumed(two[0].state_dict(), 1, replicas=2, shuffle=shuffle)
+    assert len(one[0]) == 5 and one[0].state_dict()["batches_per_epoch"] == 5
+    steps += read_steps(one, 2)
+    four = resumed(one[0].state_dict(), 4, batch_size=1, shuffle=shuffle)
+    assert [len(loader) for loader in four] == [3] * 4
+    steps += read_steps(four, 1)
+    again = resumed(four[0].state_dict(), 2, shuffle=shuffle)
+    steps += read_steps(again)
+    assert steps == straight
+    assert again[0].state_dict()["batches"] == again[0].state_dict()["batches_per_epoch"] == 2
+    assert len(again[0]) == 8  # the next epoch: the loader's own split
+    fresh = [sharded_loader(2, p=p, shuffle=shuffle) for p in range(2)]
+    read_steps(fresh)
+    assert read_steps(again, 1) == read_steps(fresh, 1)
+
+
+def test_a_resumed_position_counts_the_batches_it_skipped():
+    """Resumed at batch 3 and read one more, a loader is at batch 4: a second checkpoint
+    continues from there, not from batch 1 again (which read batches 1-3 twice)."""
+    straight = read_steps([sharded_loader(1)])
+    first = [sharded_loader(1)]
+    steps = read_steps(first, 3)
+    second = resumed(first[0].state_dict(), 1)
+    steps += read_steps(second, 1)
+    assert second[0].state_dict()["batches"] == 4
+    steps += read_steps(resumed(second[0].state_dict(), 1))
+    assert steps == straight
+
+
+def test_one_process_rest_of_an_epoch_goes_to_two():
+    """A single process's shuffle (torch's RandomSampler, from the generator state its epoch
+    began with) is rebuilt and its rest shared out; a position saved at the rest's start
+    (nothing of it read yet) continues it too."""
+    torch.manual_seed(11)
+    straight = read_steps([sharded_loader(1, batch_size=4)])
+    torch.manual_seed(11)
+    one = [sharded_loader(1, batch_size=4)]
+    steps = read_steps(one, 5)
+    two = resumed(one[0].state_dict(), 2)
+    again = resumed(two[0].state_dict(), 2)  # saved before any of the rest was read
+    steps += read_steps(again)
+    assert steps == straight
+
+
+def test_a_position_inside_an_epoch_is_refused_where_its_rest_cannot_be_shared_out():
+    """A loader of another dataset, or one reading through a sampler of the user's, cannot
+    continue another split's epoch: refused, the loader unchanged; from an epoch's end any
+    split reads the next epoch whole."""
     two = sharded_loader(2)
     batches = iter(two)
     next(batches)
@@ -738,28 +808,22 @@ def test_a_position_inside_an_epoch_continues_only_where_the_epoch_is_split_alik
     end = two.state_dict()
     assert (mid["batches"], mid["processes"], end["batches"], end["batches_per_epoch"]) == (
         1, 2, 8, 8)
+    opts = poptorch.Options()
+    for other, why in ((poptorch.DataLoader(opts, torch.utils.data.TensorDataset(
+            torch.arange(32)), batch_size=2, sampler=range(32)), "a sampler of the user's"),
+                       (poptorch.DataLoader(opts, torch.utils.data.TensorDataset(
+                           torch.arange(40)), batch_size=2), "another dataset")):
+        fresh = other.state_dict()
+        with pytest.raises(poptorch.DataLoaderError, match=re.escape(
+                "the position (batch 1 of 8 of epoch 0) was saved in the middle of an epoch by "
+                "2 processes, each reading combined batches of 2, but this loader reads ")):
+            other.load_state_dict(mid)
+        assert other.state_dict() == fresh, why
     one = sharded_loader(1)
-    fresh = one.state_dict()
-    with pytest.raises(poptorch.DataLoaderError, match=re.escape(
-            "the position (batch 1 of 8 of epoch 0) was saved in the middle of an epoch by 2 "
-            "processes, each reading combined batches of 2, but this loader reads 16 combined "
-            "batches of 2 in 1 process: the rest of that epoch would be split otherwise and "
-            "samples read twice or never. Resume with 2 processes and the same dataset")):
-        one.load_state_dict(mid)
-    assert one.state_dict() == fresh
     one.load_state_dict(end)
     assert one.state_dict()["batches"] == len(one) == 16  # epoch 0 is over here too
     assert sorted(int(i) for (batch,) in one for i in batch) == list(range(32))
     assert one.state_dict()["epoch"] == 1
-
-    batches = iter(one)  # the reverse, and another batch size
-    next(batches)
-    for other, says in ((sharded_loader(2), "by 1 process, each reading combined batches of 2, "
-                         "but this loader reads 8 combined batches of 2 in 2 processes"),
-                        (sharded_loader(1, batch_size=4), "by 1 process, each reading combined "
-                         "batches of 2, but this loader reads 8 combined batches of 4 in 1")):
-        with pytest.raises(poptorch.DataLoaderError, match=re.escape(says)):
-            other.load_state_dict(one.state_dict())
 
 
 def test_docstring_examples_run():

@@ -386,7 +386,7 @@ class _Teacher(torch.nn.Module):
 def checkpointed(rank, out):
     """Four calls with checkpoints after the second (A and B) and, in process 0 alone, after
     the third (A again); then fresh models (other weights and random state) load A, which
-    is refused, and resume from B."""
+    is refused, and resume from B, and again with the processes' stages swapped."""
     name = "2-interleaved"
     a, b = os.path.join(out, "a.pt"), os.path.join(out, "b.pt")
     model = build("mlp")
@@ -420,19 +420,25 @@ def checkpointed(rank, out):
     result = {"losses": losses, "resumed": resumed, "steps": info.steps, "final": final,
               "resumed_final": {k: v.clone() for k, v in model.state_dict().items()},
               "refused": refused, "files": files}
-    # B loaded with the processes' IPUs swapped, then a checkpoint process 1 has no part of
+    # B loaded with the processes' IPUs swapped (each process's stage is the other's:
+    # [Note: resharding checkpoints]), resumed; then a checkpoint process 1 has no part of
     swapped = options(name, False)
     swapped.Distributed.set_ipu_processes([[1], [0]])
+    wrapped = poptorch.trainingModel(model, swapped, make_optimizer("sgd", model.parameters()))
+    poptorch.load_checkpoint(b, wrapped)
+    result["swapped"] = [wrapped(*call_data(name, c, 0))[1] for c in range(2, 4)]
+    wrapped.destroy()
     c = os.path.join(out, "c.pt")
     if rank == 0:
         shutil.copy(a + ".process0-of-2", c + ".process0-of-2")
-    for what, path, opts in (("swapped", b, swapped), ("missing", c, options(name, True))):
-        wrapped = poptorch.trainingModel(model, opts, make_optimizer("sgd", model.parameters()))
-        try:
-            poptorch.load_checkpoint(path, wrapped)
-        except poptorch.CheckpointError as e:
-            result[what] = str(e)
-        wrapped.destroy()
+    torch.distributed.barrier()  # process 1 sees process 0's part: its own is missing
+    wrapped = poptorch.trainingModel(model, options(name, True),
+                                     make_optimizer("sgd", model.parameters()))
+    try:
+        poptorch.load_checkpoint(c, wrapped)
+    except poptorch.CheckpointError as e:
+        result["missing"] = str(e)
+    wrapped.destroy()
     return result
 
 

@@ -1,0 +1,100 @@
+"""Checkpoints that cross process layouts ([Note: resharding checkpoints] in checkpoint.py):
+tests/support/reshard_script.py trains one epoch in 4 processes as 2 stages × 2 replicas,
+and again changing layout at each checkpoint: 4 processes → 2 data-parallel processes → 1
+process with 2 replicas → 4 processes, with the optimizer state whole and sharded.
+"""
+
+import pytest
+import torch
+
+import reshard_script as script
+from processes import start
+
+ROOT = script.__file__.rsplit("/tests/", 1)[0]
+PROCESSES = {"four": 4, "two": 2, "one": 1, "back": 4}
+VARIANTS = ("whole", "sharded")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("resharding")
+    results = {}
+    for phase, W in PROCESSES.items():  # one launch each, in order: each loads the last's
+        for rank, (code, _, stderr) in enumerate(start(
+                f"{ROOT}/tests/support/reshard_script.py", [phase, out], W)):
+            assert code == 0, f"{phase} rank {rank}:\n{stderr[-4000:]}"
+        results[phase] = [torch.load(out / f"{phase}-rank{r}.pt", weights_only=False)
+                          for r in range(W)]
+    return results
+
+
+def by_pipeline(ranks, variant, what):
+    """``what`` of each pipeline (from its first stage's process), by step."""
+    first = [r[variant][what] for r in ranks if r["layout"].position == 0]
+    return [list(steps) for steps in zip(*first)]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_layout_continues_the_run_that_never_stopped(runs, variant):
+    """The steps after each change of layout return the losses of the uninterrupted run's
+    steps, and every run ends with its weights (within 1e-6; measured: bit for bit)."""
+    straight = by_pipeline(runs["four"], variant, "losses")  # [step][pipeline]
+    for phase in ("two", "one", "back"):
+        first = script.PHASES[phase][0]
+        got = by_pipeline(runs[phase], variant, "losses")
+        assert len(got) == script.STEPS - first
+        for step, losses in enumerate(got, start=first):
+            torch.testing.assert_close(torch.cat(losses), torch.cat(straight[step]),
+                                       atol=1e-6, rtol=0, msg=f"{phase} step {step}")
+    final = {k: v for r in runs["four"] for k, v in r[variant]["weights"].items()}
+    assert len(final) == 8
+    for phase in ("two", "one", "back"):
+        weights = {k: v for r in runs[phase] for k, v in r[variant]["weights"].items()}
+        assert weights.keys() == final.keys()
+        for k, v in final.items():
+            torch.testing.assert_close(weights[k], v, atol=1e-6, rtol=0, msg=f"{phase} {k}")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_sample_of_the_epoch_is_read_once_across_the_changes(runs, variant):
+    """The loader's position is global ([Note: global loader position]): each step after a
+    change reads the samples of the uninterrupted run's step, and the epoch's 48 samples
+    are read once each."""
+    straight = [sorted(i for pipeline in step for i in pipeline)
+                for step in by_pipeline(runs["four"], variant, "read")]
+    read = straight[:script.PHASES["two"][0]]
+    for phase in ("two", "one", "back"):
+        first, *_, after = script.PHASES[phase]
+        steps = [sorted(i for pipeline in step for i in pipeline)
+                 for step in by_pipeline(runs[phase], variant, "read")]
+        assert steps == straight[first:], phase
+        read += steps[:(after if after is not None else first) - first + 1]
+    assert sorted(i for step in read for i in step) == list(range(script.N))
+
+
+def test_one_file_set_per_checkpoint(runs):
+    """4 processes write 4 parts; 2 data-parallel processes writing the same path replace
+    them with one file (and the second process's chunks, sharded)."""
+    for variant in VARIANTS:
+        files = runs["two"][0][variant]["files"]
+        same = [f for f in files if f.startswith(f"{variant}-same.pt")]
+        assert same == [f"{variant}-same.pt"] + (
+            [f"{variant}-same.pt.shard1-of-2"] if variant == "sharded" else [])
+        assert [f for f in runs["four"][0][variant]["files"] if "-same.pt" in f] == [
+            f"{variant}-same.pt.process{r}-of-4" for r in range(4)]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_another_model_or_optimizer_is_refused_in_every_process(runs, variant):
+    """C (1 process) loaded by 4 processes with another optimizer class, or another width:
+    every process refuses, its weights unchanged."""
+    for rank, result in enumerate(runs["back"]):
+        refused = result[variant]["refused"]
+        message, unchanged = refused["optimizer"]
+        assert unchanged and message.endswith(
+            "holds the state of a Adam optimizer, the model's is a SGD; use the same "
+            "optimizer class"), (rank, message)
+        message, unchanged = refused["model"]
+        assert unchanged and message.endswith(
+            "has layers.0.weight of shape (8, 8), the model (9, 9); wrap the same "
+            "architecture"), (rank, message)
