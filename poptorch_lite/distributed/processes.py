@@ -37,7 +37,9 @@ training wrapper, or any wrapper whose pipeline spans processes):
    ``ReductionType.Mean``: with the local division by G·R ([Note: gradient
    arithmetic] in ``update``) that divides by G·R·W/n in all. A gradient that
    is None in one process counts as zeros there; it stays None only where it is
-   None in every process.
+   None in every process. Where it can, each bucket goes as soon as the
+   backward has made its gradients instead ([Note: overlapped all-reduce] in
+   ``overlap``).
 
 A failed or hung collective raises ``ExecutionError`` naming the processes and
 the timeout. Every process must call the model the same number of times.
@@ -59,6 +61,7 @@ from ..enums import ReductionType
 from ..errors import ExecutionError, OptionsError, warn_once
 from ..runtime.devices import process_gpu
 from .layout import Layout
+from .overlap import Overlap, buckets_in_backward_order
 from .sharding import Shards, shardable
 
 TIMEOUT_ENV = "POPTORCH_LITE_DIST_TIMEOUT"
@@ -295,7 +298,7 @@ class Processes:
                     _unflat(flat, bucket)
         self._broadcast = True
 
-    def all_reduce_grads(self, params: dict) -> None:
+    def all_reduce_grads(self, params: dict, overlap=None) -> None:
         """Sum every parameter's gradient over the processes that run the same stages;
         Mean also divides by their count (W/n).
 
@@ -305,9 +308,18 @@ class Processes:
         replicas = self.layout.pipelines
         if replicas == 1:
             return
+        if overlap is not None and overlap.active:  # [Note: overlapped all-reduce]
+            overlap.finish(self._present, replicas if self.mean else 1)
+            return
         used = self._used(params)
         self.all_reduce([p.grad for p in used], self._replicas_group(),
                         "the gradient all-reduce", replicas if self.mean else 1)
+
+    def overlap(self, params: dict):
+        """An :class:`~poptorch_lite.distributed.overlap.Overlap` of ``params`` (name ->
+        trainable parameter) over the replicas ([Note: overlapped all-reduce])."""
+        return Overlap(params, buckets_in_backward_order(params, _buckets),
+                       self._replicas_group, self._collective)
 
     def shards(self, optimizer) -> Optional[Shards]:
         """The chunks of ``optimizer``'s state this process holds, or None where its state is
@@ -341,18 +353,23 @@ class Processes:
         """The trainable parameters that have a gradient in any of the processes that run the
         same stages; one where this process has none gets zeros."""
         trainable = [p for p in params.values() if p.requires_grad]
-        if not trainable:
-            return []
-        present = torch.tensor([p.grad is not None for p in trainable], dtype=torch.int32,
-                               device=trainable[0].device)
-        self._collective("the gradient all-reduce", dist.all_reduce, present,
-                         group=self._replicas_group())
-        used = [p for p, n in zip(trainable, present.tolist()) if n > 0]
+        used = self._present(trainable, {id(p) for p in trainable if p.grad is not None})
         with torch.no_grad():
             for p in used:
                 if p.grad is None:  # unused here, used elsewhere: contributes zeros
                     p.grad = torch.zeros_like(p)
         return used
+
+    def _present(self, trainable: list, had: set) -> list:
+        """Of ``trainable``, those with a gradient (``id`` in ``had``) in any of the processes
+        that run the same stages: one small all-reduce."""
+        if not trainable:
+            return []
+        present = torch.tensor([id(p) in had for p in trainable], dtype=torch.int32,
+                               device=trainable[0].device)
+        self._collective("the gradient all-reduce", dist.all_reduce, present,
+                         group=self._replicas_group())
+        return [p for p, n in zip(trainable, present.tolist()) if n > 0]
 
     def all_reduce(self, tensors: list, group, what: str, divisor: int = 1) -> None:
         """Sum ``tensors`` in place over ``group`` (in buckets: :func:`_buckets`), then

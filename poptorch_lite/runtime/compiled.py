@@ -341,6 +341,8 @@ class CompiledModel:
         self.unwatch()
         if self.placement is not None:
             self.placement.close()
+        for program in self.programs.values():  # [Note: overlapped all-reduce]'s hooks
+            program.executor.update.release()
         self.programs.clear()
         self._ran.clear()
         self.placement = self.weights = self.last_call = self.trainable = self.tables = None

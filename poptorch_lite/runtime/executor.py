@@ -32,7 +32,7 @@ from .schedule import Action, Kind, Schedule
 from .run import Run
 from .stage_work import StageWork, WorkState
 from .streams import ActionFailed, ActionStuck, StreamFailed, on_caller
-from .update import PartialUpdate, StepArithmetic, Update
+from .update import PartialUpdate, StepArithmetic, Update, overlappable
 from .weights import Weights
 
 
@@ -91,8 +91,10 @@ class Executor:
         stepped = {n: p for n, p in weights.params.items() if n in here}
         self._failure_lock = threading.Lock()
         # The reduction and the update ([Note: gradient arithmetic], [Note: commit point]).
+        overlapped = overlappable(stepped, weights, lowered.stages) \
+            if processes is not None and channels is None else None
         self.update = Update(weights, self.owned, stepped, channels, processes, self._describe,
-                             self._result)
+                             self._result, overlapped)
         self.undoable = False   # the caller snapshots whole calls (allOrNothingCalls)
         self.handlers = {Kind.FORWARD: self.work.forward, Kind.BACKWARD: self.work.backward,
                          Kind.BACKWARD_INPUT: self.work.backward_input,
@@ -165,7 +167,10 @@ class Executor:
             streams = [rng.Stream(rng.microbatch_seed(base, i)) for i in range(len(microbatches))]
         begun = self.placement.begin() if self.gpu_ipus else None  # before the inputs' copies
         run = self.start_run(call, microbatches, replica_of, streams, run_index, keep)
-        spans = self._launch(call, run, begun, watch)
+        try:
+            spans = self._launch(call, run, begun, watch)
+        finally:
+            self.update.end_run()
         for a, span in spans.items() if call.recorder is not None else ():  # [Note: GPU timeline]
             call.recorder.add_gpu(self._ipu(a), a.stage, a.microbatch, a.kind.value, *span,
                                   run_index)
@@ -196,6 +201,7 @@ class Executor:
             run.placed.update(placed)
         if schedule.training:
             self.weights.zero_grads()
+            self.update.begin_run(call.plan, call.step, len(microbatches))
             after_step.forget(self.weights)  # [Note: after-step averages]: this run's only
             if self.work.measures():  # only the stash's byte count reads it: skip the storages
                 run.work.excluded = self.weights.storages() | {

@@ -54,11 +54,12 @@ class Plan:
         ordered: this process's ``(ipu, action)`` in row order, an order that launches every
             action after those it depends on (what a captured step launches).
         step: the schedule's optimizer step (``U``) when this process runs one, else None.
+        split: whether a backward is split into I and W (zero bubble: [Note: split backward]).
         threads: the intra-op threads for ``here`` (None: the caller's).
     """
 
     __slots__ = ("schedule", "lists", "waits", "rows", "in_order", "ahead", "threads", "here",
-                 "launch", "ordered", "step")
+                 "launch", "ordered", "step", "split")
 
     def __init__(self, schedule: Schedule, lists: dict, waits: dict, rows: dict,
                  in_order: Optional[list], ahead: dict, threads: Optional[int],
@@ -67,6 +68,7 @@ class Plan:
         self.in_order, self.ahead, self.threads, self.here = in_order, ahead, threads, here
         self.launch, self.ordered = launch, ordered
         self.step = next((a for a in rows if a.kind is Kind.STEP), None)
+        self.split = any(a.kind is Kind.BACKWARD_WEIGHT for a in rows)
 
 
 def make_plan(schedule: Schedule, placement, ipu_of: Callable, runs_here: Callable,

@@ -104,12 +104,43 @@ class Update:
     """
 
     def __init__(self, weights, owned: list, stepped: dict, channels, processes, describe,
-                 result):
+                 result, overlapped: Optional[dict] = None):
         self.weights, self.owned, self._stepped = weights, owned, stepped
         self.channels, self.processes = channels, processes
         self._describe, self._result = describe, result
         self.steps_applied = 0
         self.ctrl_c: Optional[CtrlC] = None
+        # [Note: overlapped all-reduce]: the parameters it may overlap, and its buckets
+        self._overlapped, self._overlap = overlapped, None
+
+    def begin_run(self, plan, step: Optional[StepArithmetic], microbatches: int) -> None:
+        """A training run starts: its gradient all-reduce overlaps the backward where it can
+        ([Note: overlapped all-reduce] in ``distributed/overlap``)."""
+        if self._overlapped is None or step is None or plan.split or \
+                self.processes.layout.pipelines < 2 or \
+                self.processes.shards(step.optimizer) is not None:
+            return
+        trainable = {n: p for n, p in self._overlapped.items() if p.requires_grad}
+        if step.accum_dtype is not None and any(p.dtype != step.accum_dtype
+                                                for p in trainable.values()):
+            return  # gradients move to accumulators after each backward
+        overlap = self._overlap
+        if overlap is None or overlap.params.keys() != trainable.keys():
+            if overlap is not None:
+                overlap.remove()
+            overlap = self._overlap = self.processes.overlap(trainable)
+        overlap.begin(microbatches, step.loss_scaling * step.divisor)
+
+    def release(self) -> None:
+        """The program is dropped: its hooks leave the parameters."""
+        if self._overlap is not None:
+            self._overlap.remove()
+            self._overlap = None
+
+    def end_run(self) -> None:
+        """A run ended (its update took the overlap's gradients, or it failed)."""
+        if self._overlap is not None:
+            self._overlap.end()
 
     def reduce(self, a: Action, run: Run, step: StepArithmetic) -> None:
         """``sG``: stage ``a.stage``'s gradients, summed over the micro-batches, reduced."""
@@ -117,7 +148,11 @@ class Update:
         divisor = step.loss_scaling * step.divisor
         if divisor == 1 and not run.work.accum and not self.weights.shared():
             return  # the sum is the reduced gradient, already where the optimizer reads it
+        overlap = self._overlap
+        final = overlap.final if overlap is not None and overlap.active else ()
         for name in self.owned[a.stage]:
+            if name in final:  # reduced as its backward made it: [Note: overlapped all-reduce]
+                continue
             held = run.work.accum.pop(name, None)
             if held is not None:  # divide in the accumulator's dtype, then cast once
                 p, acc = held
@@ -169,7 +204,7 @@ class Update:
         if shards is not None:  # [Note: sharded optimizer state] in distributed/sharding.py
             return self._sharded_update(step, shards)
         if self.processes is not None:  # [Note: replicas across processes] global gradient first
-            self.processes.all_reduce_grads(self._stepped)
+            self.processes.all_reduce_grads(self._stepped, self._overlap)
         spread = self.channels is not None  # the stages' gradients are in several processes
         params = ([p for p in weights.params.values() if p.grad is not None]
                   if step.loss_scale.automatic or math.isfinite(step.max_grad_norm) else None)
@@ -339,3 +374,35 @@ def check_loss(loss: torch.Tensor, i: int) -> None:
             f"too; check that micro-batch's inputs and the learning rate, or, for float16, "
             f"turn on opts.Training.setAutomaticLossScaling(True), which skips such steps "
             f"(opts.Training.stopOnNonFiniteLoss(False) lets such losses through, as PopTorch does)")
+
+
+def overlappable(stepped: dict, weights, stages) -> Optional[dict]:
+    """The stepped parameters whose all-reduce may overlap the backward, or None where that
+    does not apply to this program ([Note: overlapped all-reduce] in ``distributed/overlap``):
+    each must be its own home on the CPU and a leaf of exactly one graph of the lowered
+    ``stages`` (one backward adds into it a micro-batch).
+
+    Example:
+        >>> import types
+        >>> p = torch.nn.Parameter(torch.zeros(2))
+        >>> weights = types.SimpleNamespace(shared=lambda: False, offload=False,
+        ...                                 home=lambda name: p)
+        >>> stage = types.SimpleNamespace(recompute=False, param_names=("w",))
+        >>> overlappable({"w": p}, weights, [stage]) == {"w": p}, overlappable(
+        ...     {"w": p}, weights, [stage, stage])
+        (True, None)
+    """
+    if not stepped or weights.shared() or weights.offload:
+        return None
+    for name, p in stepped.items():
+        if weights.home(name) is not p or p.device.type != "cpu" or _graphs(name, stages) != 1:
+            return None
+    return dict(stepped)
+
+
+def _graphs(name: str, stages) -> int:
+    """How many graphs of ``stages`` take parameter ``name``: a stage is one graph, a
+    recomputed stage one per segment that reads it."""
+    key = f"param:{name}"
+    return sum(sum(key in seg.inputs for seg in st.segments) if st.recompute
+               else name in st.param_names for st in stages)

@@ -830,9 +830,10 @@ def test_docstring_examples_run():
     import doctest
 
     from poptorch_lite import checkpoint
+    from poptorch_lite.data import dataloader
     from poptorch_lite.optim import loss_scale as loss_scaling
     from poptorch_lite.runtime import undo
-    for module in (checkpoint, loss_scaling, undo):
+    for module in (checkpoint, dataloader, loss_scaling, undo):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0
 

@@ -1,0 +1,173 @@
+"""The gradient all-reduce overlapped with the backward, in buckets, as torch's DDP does.
+
+[Note: overlapped all-reduce]
+Without it, the data-parallel processes sum their gradients in the update (``U``), after
+every stage's backward of every micro-batch: the all-reduce waits for the whole backward,
+and the backward for nothing. DDP instead all-reduces each bucket of gradients as soon as
+the last micro-batch's backward has made them, on gloo's (or NCCL's) own thread, while the
+backward goes on. This does the same:
+
+- the parameters this process steps are cut into buckets in the reverse of the model's
+  order (about the order the backward makes their gradients, as DDP's buckets): a tensor of
+  1 MB or more alone, reduced in place; smaller ones flattened together, up to 25 MB a
+  bucket (``processes._buckets``);
+- a hook on each parameter (``register_post_accumulate_grad_hook``) counts the gradients
+  autograd adds into its ``.grad`` in a run: one per micro-batch (every micro-batch of every
+  replica runs its stage's backward once). After the last, the sum is final: the hook divides
+  it as the stage's reduction (``sG``) would have (loss scaling, Mean's G·R), which then
+  leaves it alone, and marks it ready;
+- a bucket is launched (``all_reduce(async_op=True)``) once it and every bucket before it
+  are ready, so every process launches the buckets in the same order whatever the order
+  its stages' threads finish in;
+- the update launches the buckets not launched yet (a parameter that got no gradient here
+  gives zeros), agrees with the others on which parameters got a gradient anywhere (as
+  without overlap: one that got none anywhere keeps none), waits for every bucket, divides
+  by the processes for Mean, and steps.
+
+Each element is the same sum, of the same values, as the all-reduce in the update makes;
+only which elements travel together differs (and, with more than 2 processes, which rank a
+ring starts an element's sum at: fp32 rounding). It is used where a gradient is final after
+its last accumulation: every stage in this process, parameters that are their own homes on
+the CPU (gloo), each a leaf of exactly one graph of one stage (a weight shared by stages, or
+by two segments of a recomputed stage, gets several accumulations a micro-batch), no
+accumulator of another dtype (``accum_type``), a schedule without split backward (zero-bubble's W), and the optimizer
+state not sharded (its reduce-scatter still runs in the update). Elsewhere the update
+all-reduces as before. GPUs are left out until a GPU run checks NCCL's streams here.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+
+class Overlap:
+    """The buckets of this process's stepped parameters and the state of one run's reduction.
+
+    Args:
+        params: name -> the parameter (its own home) whose gradient is all-reduced.
+        buckets: the parameters in buckets, in launch order.
+        group: () -> the process group of the replicas (None: every process).
+        collective: ``(what, fn, *args)`` -> runs or waits, raising the processes' error.
+    """
+
+    def __init__(self, params: dict, buckets: list, group: Callable, collective: Callable):
+        self.params = params
+        self.buckets = buckets
+        self._group, self._collective = group, collective
+        self._bucket_of = {id(p): k for k, bucket in enumerate(buckets) for p in bucket}
+        self._name = {id(p): n for n, p in params.items()}
+        self._lock = threading.Lock()
+        self.active = False
+        self.final: set = set()  # names whose gradient the hooks reduced this run
+        # The hooks hold the overlap weakly: a wrapper that is dropped takes its hooks off
+        # the user's parameters with it.
+        mine = weakref.ref(self)
+
+        def accumulated(p: torch.Tensor) -> None:
+            overlap = mine()
+            if overlap is not None and overlap.active:
+                overlap._accumulated(p)
+        self._hooks = [p.register_post_accumulate_grad_hook(accumulated)
+                       for p in params.values()]
+        self._finalizer = weakref.finalize(self, _remove, self._hooks)
+
+    def remove(self) -> None:
+        """Take the hooks off the parameters."""
+        self._finalizer()
+
+    def begin(self, microbatches: int, divisor: float) -> None:
+        """A run of ``microbatches`` backward passes starts; its gradients are divided by
+        ``divisor`` (the reduction's) once final."""
+        with self._lock:
+            self._left = {id(p): microbatches for p in self.params.values()}
+            self._waiting = [len(bucket) for bucket in self.buckets]
+            self._launched: list = []
+            self._divisor = divisor
+            self.final = set()
+            self.active = True
+
+    def end(self) -> None:
+        """The run ended without its update (it failed): the hooks do nothing until the
+        next :meth:`begin`."""
+        self.active = False
+
+    def _accumulated(self, p: torch.Tensor) -> None:
+        """A gradient was added into ``p.grad``: after the run's last, reduce it, and launch
+        every bucket that is ready in order."""
+        key = id(p)
+        left = self._left[key] - 1
+        self._left[key] = left
+        if left:
+            return
+        if self._divisor != 1:
+            with torch.no_grad():
+                p.grad.div_(self._divisor)
+        with self._lock:
+            self.final.add(self._name[key])
+            self._waiting[self._bucket_of[key]] -= 1
+            while len(self._launched) < len(self.buckets) and \
+                    self._waiting[len(self._launched)] == 0:
+                self._launch()
+
+    def _launch(self) -> None:
+        """All-reduce the next bucket, asynchronously (under the lock)."""
+        bucket = self.buckets[len(self._launched)]
+        with torch.no_grad():
+            for p in bucket:
+                if p.grad is None:  # no gradient here: zeros, as without overlap
+                    p.grad = torch.zeros_like(p)
+            grads = [p.grad for p in bucket]
+            flat = grads[0] if len(grads) == 1 and grads[0].is_contiguous() else \
+                torch._utils._flatten_dense_tensors(grads)
+        holder = []
+        self._collective("the gradient all-reduce", lambda: holder.append(dist.all_reduce(
+            flat, group=self._group(), async_op=True)))
+        self._launched.append((holder[0], flat, grads))
+
+    def finish(self, used: Callable[[list], list], divisor: int) -> None:
+        """The update: launch what is left, agree on the parameters with a gradient anywhere
+        (``used``: the processes' agreement, given the parameters), wait, divide by
+        ``divisor``; a parameter with no gradient anywhere keeps none."""
+        with self._lock:
+            had = {id(p) for p in self.params.values() if p.grad is not None}
+            while len(self._launched) < len(self.buckets):
+                self._launch()
+            self.active = False
+        trainable = list(self.params.values())
+        present = {id(p) for p in used(trainable, had)}
+        with torch.no_grad():
+            for work, flat, grads in self._launched:
+                self._collective("the gradient all-reduce", work.wait)
+                if divisor != 1:
+                    flat.div_(divisor)
+                if flat is not grads[0]:
+                    for g, v in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                        g.copy_(v)
+        for p in trainable:
+            if id(p) not in present:
+                p.grad = None
+        self._launched = []
+
+
+def buckets_in_backward_order(params: dict, make_buckets: Callable) -> list:
+    """The parameters of ``params`` in buckets, last parameter first (about the order the
+    backward makes their gradients, as DDP's), by ``make_buckets`` (``processes._buckets``).
+
+    Example:
+        >>> ps = {"a": torch.zeros(2), "b": torch.zeros(3)}
+        >>> [[tuple(p.shape) for p in b] for b in buckets_in_backward_order(
+        ...     ps, lambda ts: [ts])]
+        [[(3,), (2,)]]
+    """
+    return make_buckets(list(reversed(list(params.values()))))
+
+
+def _remove(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()

@@ -1,0 +1,97 @@
+"""The gradient all-reduce overlapped with the backward ([Note: overlapped all-reduce]):
+tests/support/overlap_script.py trains each configuration in 2 processes (gloo on loopback)
+with the overlap and without it, from the same weights on the same data.
+"""
+
+import pytest
+import torch
+
+import overlap_script as script
+from poptorch_lite.distributed.overlap import buckets_in_backward_order
+from poptorch_lite.distributed.processes import _buckets
+from poptorch_lite.runtime.update import overlappable
+from processes import start
+
+ROOT = script.__file__.rsplit("/tests/", 1)[0]
+NOT_OVERLAPPED = {"sharded-not-overlapped", "accumulated-in-float16-not-overlapped"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("overlap")
+    for rank, (code, _, stderr) in enumerate(start(f"{ROOT}/tests/support/overlap_script.py",
+                                                   [out], 2)):
+        assert code == 0, f"rank {rank}:\n{stderr[-4000:]}"
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def test_the_overlapped_all_reduce_gives_the_same_numbers(runs):
+    """Every configuration: the losses, the weights and the gradients the last step used are
+    those of the all-reduce after the backward, bit for bit (2 processes: each element is
+    one sum of the same two values)."""
+    for rank, result in enumerate(runs):
+        for name in script.CONFIGS:
+            overlapped, plain = result[name]
+            assert all(torch.equal(a, b) for a, b in zip(overlapped["losses"], plain["losses"]))
+            for k, v in plain["weights"].items():
+                assert torch.equal(overlapped["weights"][k], v), (rank, name, k)
+            for k, g in plain["grads"].items():
+                got = overlapped["grads"][k]
+                assert (got is None) == (g is None) and (g is None or torch.equal(got, g)), \
+                    (rank, name, k)
+
+
+def test_buckets_go_while_the_backward_runs(runs):
+    """Every bucket goes before the update, in every step where the overlap applies: the
+    three 1.4 MB weights each alone, the small tensors together; the first (the last layer's
+    weight) while the backward has made the final gradients of the head and that layer only;
+    a frozen layer's weight is in no bucket; a sharded state or an accumulator of another
+    dtype keep the all-reduce in the update."""
+    for result in runs:
+        for name in script.CONFIGS:
+            early = result[name][0]["early"]
+            if name in NOT_OVERLAPPED:
+                assert early == [None] * script.STEPS, name
+            elif name == "frozen-layer":
+                assert early == [(3, 3, 4, 6)] * script.STEPS, name
+            else:
+                assert early == [(4, 4, 4, 8)] * script.STEPS, name
+        frozen = result["frozen-layer"]
+        assert frozen[0]["grads"]["layers.1.weight"] is None
+
+
+def test_which_parameters_are_overlapped_and_in_what_order():
+    """Every stepped parameter must be its own home and a leaf of exactly one graph; the
+    buckets go last parameter first (the backward's order)."""
+    net = torch.nn.Sequential(torch.nn.Linear(600, 600), torch.nn.Linear(600, 2))
+    params = dict(net.named_parameters())
+    buckets = buckets_in_backward_order(params, _buckets)
+    assert [[tuple(p.shape) for p in b] for b in buckets] == [[(600, 600)],
+                                                               [(2,), (2, 600), (600,)]]
+
+    class Weights:
+        offload = False
+
+        def shared(self):
+            return False
+
+        def home(self, name):
+            return params[name]
+
+    class Stage:
+        recompute, param_names = False, tuple(params)
+
+    assert overlappable(params, Weights(), [Stage()]) == params
+    assert overlappable(params, Weights(), [Stage(), Stage()]) is None  # shared by two
+    Weights.offload = True
+    assert overlappable(params, Weights(), [Stage()]) is None
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from poptorch_lite.distributed import overlap
+    from poptorch_lite.runtime import update
+    for module in (overlap, update):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__
