@@ -238,8 +238,9 @@ def load_checkpoint(path, model: PoplarExecutor, dataloader=None) -> CheckpointI
     path = pathlib.Path(path)
     layout, shards, processes = _spread(model), _shards(model), model._processes
     found = _newest_set(path)
-    everyone = processes is not None and (
-        layout is not None or shards is not None or (found is not None and found[0] != "whole"))
+    everyone = processes is not None and (  # every process reads the same files: one answer
+        layout is not None or shards is not None or (found is not None and found[0] != "whole")
+        or any(path.parent.glob(glob.escape(path.name) + ".shard*-of-*")))
     try:
         state, problem = _state_for(path, found, model, dataloader, layout, shards), None
     except CheckpointError as e:
@@ -276,8 +277,9 @@ def _state_for(path: pathlib.Path, found, model: PoplarExecutor, dataloader, lay
     if found is None:
         raise CheckpointError(f"no checkpoint at {str(path)!r}; check the path")
     kind, W = found
+    main = None
     if kind == "whole" and layout is None:
-        state = _read(path)
+        state = main = _read(path)
         if state.get("shards") in (None, None if shards is None else shards.size):
             _check_fits(path, state, model, dataloader)
             _own_chunks(path, state, shards)
@@ -288,7 +290,7 @@ def _state_for(path: pathlib.Path, found, model: PoplarExecutor, dataloader, lay
         if _saved_part(state) == _part(layout, shards):
             _check_fits(own, state, model, dataloader)
             return state
-    return _mine(_put_together(path, found, model, dataloader), model, layout)
+    return _mine(_put_together(path, found, model, dataloader, main), model, layout)
 
 
 def _newest_set(path: pathlib.Path):
@@ -306,12 +308,14 @@ def _newest_set(path: pathlib.Path):
     return max(sets)[1:] if sets else None
 
 
-def _put_together(path: pathlib.Path, found, model: PoplarExecutor, dataloader) -> dict:
-    """The whole training state of the file set ``found`` at ``path``, as one process
-    running every stage holds it ([Note: resharding checkpoints])."""
+def _put_together(path: pathlib.Path, found, model: PoplarExecutor, dataloader,
+                  main: Optional[dict] = None) -> dict:
+    """The whole training state of the file set ``found`` at ``path`` (``main``: its main
+    file, if read already), as one process running every stage holds it ([Note: resharding
+    checkpoints])."""
     kind, W = found
     if kind == "whole":
-        main = _read(path)
+        main = main if main is not None else _read(path)
         N = main.get("shards")
         files = [(path, main)] + [(shard_path(path, k, N), _chunks(path, k, N, main["steps"]))
                                   for k in range(1, N or 1)]

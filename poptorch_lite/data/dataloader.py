@@ -436,7 +436,9 @@ class DataLoader(torch.utils.data.DataLoader):
                 order["n"] != self._order["n"] or (order["shuffle"] and not order["blocks"]
                                                    and origin.get("rng") is None):
             procs = f"{split[0]} process{'es' if split[0] != 1 else ''}"
-            why = ("" if self._order is not None and order is not None else
+            why = (f": its dataset had {order['n']} samples, this loader's has "
+                   f"{self._order['n']}" if self._order is not None and order is not None and
+                   order["n"] != self._order["n"] else
                    ": this loader or the saving one reads through a sampler of the user's, "
                    "drop_last=False, unbatched or unsplit data")
             raise errors.DataLoaderError(

@@ -19,10 +19,11 @@ backward goes on. This does the same:
 - a bucket is launched (``all_reduce(async_op=True)``) once it and every bucket before it
   are ready, so every process launches the buckets in the same order whatever the order
   its stages' threads finish in;
+- with the last bucket goes one small all-reduce of which parameters got a gradient here;
 - the update launches the buckets not launched yet (a parameter that got no gradient here
-  gives zeros), agrees with the others on which parameters got a gradient anywhere (as
-  without overlap: one that got none anywhere keeps none), waits for every bucket, divides
-  by the processes for Mean, and steps.
+  gives zeros), waits for every bucket, divides by the processes for Mean, leaves a
+  parameter that got no gradient in any process without one (as without overlap), and
+  steps.
 
 Each element is the same sum, of the same values, as the all-reduce in the update makes;
 only which elements travel together differs (and, with more than 2 processes, which rank a
@@ -87,6 +88,8 @@ class Overlap:
             self._left = {id(p): microbatches for p in self.params.values()}
             self._waiting = [len(bucket) for bucket in self.buckets]
             self._launched: list = []
+            self._had: set = set()  # the parameters that had a gradient here
+            self._present = None
             self._divisor = divisor
             self.final = set()
             self.active = True
@@ -115,31 +118,37 @@ class Overlap:
                 self._launch()
 
     def _launch(self) -> None:
-        """All-reduce the next bucket, asynchronously (under the lock)."""
+        """All-reduce the next bucket, asynchronously (under the lock); after the last, the
+        flags of the parameters that had a gradient here."""
         bucket = self.buckets[len(self._launched)]
         with torch.no_grad():
             for p in bucket:
                 if p.grad is None:  # no gradient here: zeros, as without overlap
                     p.grad = torch.zeros_like(p)
+                else:
+                    self._had.add(id(p))
             grads = [p.grad for p in bucket]
             flat = grads[0] if len(grads) == 1 and grads[0].is_contiguous() else \
                 torch._utils._flatten_dense_tensors(grads)
+        self._launched.append((self._all_reduce(flat), flat, grads))
+        if len(self._launched) == len(self.buckets):  # beside the last bucket, not after it
+            flags = torch.tensor([id(p) in self._had for p in self.params.values()],
+                                 dtype=torch.int32)
+            self._present = (self._all_reduce(flags), flags)
+
+    def _all_reduce(self, t: torch.Tensor):
         holder = []
         self._collective("the gradient all-reduce", lambda: holder.append(dist.all_reduce(
-            flat, group=self._group(), async_op=True)))
-        self._launched.append((holder[0], flat, grads))
+            t, group=self._group(), async_op=True)))
+        return holder[0]
 
-    def finish(self, used: Callable[[list], list], divisor: int) -> None:
-        """The update: launch what is left, agree on the parameters with a gradient anywhere
-        (``used``: the processes' agreement, given the parameters), wait, divide by
-        ``divisor``; a parameter with no gradient anywhere keeps none."""
+    def finish(self, divisor: int) -> None:
+        """The update: launch what is left, wait, divide by ``divisor``; a parameter with no
+        gradient in any process keeps none."""
         with self._lock:
-            had = {id(p) for p in self.params.values() if p.grad is not None}
             while len(self._launched) < len(self.buckets):
                 self._launch()
             self.active = False
-        trainable = list(self.params.values())
-        present = {id(p) for p in used(trainable, had)}
         with torch.no_grad():
             for work, flat, grads in self._launched:
                 self._collective("the gradient all-reduce", work.wait)
@@ -148,10 +157,12 @@ class Overlap:
                 if flat is not grads[0]:
                     for g, v in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                         g.copy_(v)
-        for p in trainable:
-            if id(p) not in present:
+        work, flags = self._present
+        self._collective("the gradient all-reduce", work.wait)
+        for p, anywhere in zip(self.params.values(), flags.tolist()):
+            if not anywhere:
                 p.grad = None
-        self._launched = []
+        self._launched, self._present = [], None
 
 
 def buckets_in_backward_order(params: dict, make_buckets: Callable) -> list:

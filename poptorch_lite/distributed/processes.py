@@ -309,7 +309,7 @@ class Processes:
         if replicas == 1:
             return
         if overlap is not None and overlap.active:  # [Note: overlapped all-reduce]
-            overlap.finish(self._present, replicas if self.mean else 1)
+            overlap.finish(replicas if self.mean else 1)
             return
         used = self._used(params)
         self.all_reduce([p.grad for p in used], self._replicas_group(),

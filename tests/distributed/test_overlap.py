@@ -45,7 +45,8 @@ def test_buckets_go_while_the_backward_runs(runs):
     """Every bucket goes before the update, in every step where the overlap applies: the
     three 1.4 MB weights each alone, the small tensors together; the first (the last layer's
     weight) while the backward has made the final gradients of the head and that layer only;
-    a frozen layer's weight is in no bucket; a sharded state or an accumulator of another
+    a frozen layer's weight is in no bucket; a weight that gets no gradient holds its bucket
+    back to the update, and keeps no gradient; a sharded state or an accumulator of another
     dtype keep the all-reduce in the update."""
     for result in runs:
         for name in script.CONFIGS:
@@ -54,10 +55,12 @@ def test_buckets_go_while_the_backward_runs(runs):
                 assert early == [None] * script.STEPS, name
             elif name == "frozen-layer":
                 assert early == [(3, 3, 4, 6)] * script.STEPS, name
+            elif name == "a-weight-without-gradient":  # its bucket (the small one) goes last
+                assert early == [(3, 4, 4, 9)] * script.STEPS, name
             else:
                 assert early == [(4, 4, 4, 8)] * script.STEPS, name
-        frozen = result["frozen-layer"]
-        assert frozen[0]["grads"]["layers.1.weight"] is None
+        assert result["frozen-layer"][0]["grads"]["layers.1.weight"] is None
+        assert result["a-weight-without-gradient"][0]["grads"]["offset"] is None
 
 
 def test_which_parameters_are_overlapped_and_in_what_order():

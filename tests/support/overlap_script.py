@@ -31,15 +31,28 @@ CONFIGS = {
     "replicas-recomputed-adam": (2, 4, 2, {"pipelined": True, "recompute": True}, "adam"),
     "loss-scaling-sum": (1, 3, 1, {"als": True, "sum": True}, "sgd"),
     "frozen-layer": (1, 2, 1, {"frozen": True}, "adam"),
+    "a-weight-without-gradient": (1, 2, 1, {"detached": True}, "adam"),
     "sharded-not-overlapped": (1, 2, 1, {"sharded": True}, "adam"),
     "accumulated-in-float16-not-overlapped": (1, 2, 1, {"accum": True}, "poptorch-sgd"),
 }
 
 
+class Detached(BlockMLP):
+    """A weight the forward reads without a gradient: its gradient stays None everywhere."""
+
+    def __init__(self):
+        super().__init__(1, width=WIDTH)
+        self.offset = torch.nn.Parameter(torch.zeros(4))
+
+    def forward(self, x, y):
+        out, loss = super().forward(x, y)
+        return out + self.offset.detach(), loss
+
+
 def wrap(name):
     blocks, G, R, extra, kind = CONFIGS[name]
     torch.manual_seed(3)
-    model = BlockMLP(blocks, width=WIDTH)
+    model = Detached() if extra.get("detached") else BlockMLP(blocks, width=WIDTH)
     if extra.get("frozen"):
         model.layers[1].requires_grad_(False)
     opts = poptorch.Options().deviceIterations(1).replicationFactor(R)
@@ -85,9 +98,9 @@ FIRST = []  # launch, parameters) of the last step
 _finish, _launch = Overlap.finish, Overlap._launch
 
 
-def _recording_finish(self, used, divisor):
+def _recording_finish(self, divisor):
     EARLY.append((len(self._launched), len(self.buckets), *FIRST.pop()))
-    return _finish(self, used, divisor)
+    return _finish(self, divisor)
 
 
 def _recording_launch(self):
