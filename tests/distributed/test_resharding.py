@@ -72,6 +72,18 @@ def test_every_sample_of_the_epoch_is_read_once_across_the_changes(runs, variant
     assert sorted(i for step in read for i in step) == list(range(script.N))
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_checkpoint_resumes_at_its_own_layout_from_each_processs_part(runs, variant):
+    """A resumed by the 4 processes that saved it (each its own part; sharded, its own
+    chunks of the state): the last 3 steps are the run's, bit for bit."""
+    first = script.PHASES["two"][0]
+    for result in runs["four"]:
+        straight = result[variant]["losses"][first:]
+        resumed = result[variant]["resumed"]
+        assert len(resumed) == len(straight) == 3
+        assert all(torch.equal(a, b) for a, b in zip(resumed, straight))
+
+
 def test_one_file_set_per_checkpoint(runs):
     """4 processes write 4 parts; 2 data-parallel processes writing the same path replace
     them with one file (and the second process's chunks, sharded)."""

@@ -8,16 +8,18 @@ epoch of a shuffled DataLoader, with its optimizer state whole and sharded
 (``useReplicatedTensorSharding``), in four phases, each a launch of its own:
 
 - ``four``: 4 processes, 2 stages × 2 replicas (``set_ipu_processes([[0], [1]])``), the
-  run that never stops; it saves A after 3 steps (and ``same.pt``, as 4 parts);
+  run that never stops; it saves A after 3 steps (and ``same.pt``, as 4 parts); then a
+  fresh model resumes A at the same layout and trains to the end;
 - ``two``: 2 data-parallel processes running both stages load A, save B to ``same.pt``
   after their first step (one file set replaces the other), and train on to the end;
 - ``one``: 1 process with 2 replicas loads B, saves C after its first step, trains on;
 - ``back``: 4 processes as in ``four`` load C and train the last step; then a model with
   another optimizer, and one of another width, try to load C.
 
-Writes ``OUT_DIR/<phase>-<variant>-rank<r>.pt``: per step the loss each replica returned
+Writes ``OUT_DIR/<phase>-rank<r>.pt``: per variant, per step the loss each replica returned
 and the samples this process read; the final weights of the stages this process runs; the
-files of the checkpoints; what the refused loads raised.
+files of the checkpoints; the losses of A resumed at its own layout; what the refused loads
+raised.
 """
 
 import os
@@ -103,6 +105,12 @@ def run(phase, variant, out):
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # every process's files are written
     result["files"] = sorted(f for f in os.listdir(out) if f.startswith(variant))
+    if phase == "four":  # A resumed at its own layout: each process its own part (chunks)
+        model, wrapped = wrap(phase, sharded)
+        loader = poptorch.DataLoader(options(phase, sharded), dataset, batch_size=B, shuffle=True)
+        poptorch.load_checkpoint(where("a.pt"), wrapped, loader)
+        result["resumed"] = [wrapped(x, y)[1].clone() for x, y in loader]
+        wrapped.destroy()
     if phase == "back":  # another optimizer, another model: refused everywhere, nothing moved
         result["refused"] = {}
         for what, kwargs in (("optimizer", {"optimizer": "sgd"}), ("model", {"width": 9})):
