@@ -10,19 +10,14 @@ import overlap_script as script
 from poptorch_lite.distributed.overlap import buckets_in_backward_order
 from poptorch_lite.distributed.processes import _buckets
 from poptorch_lite.runtime.update import overlappable
-from processes import start
+from processes import ranks_results
 
-ROOT = script.__file__.rsplit("/tests/", 1)[0]
 NOT_OVERLAPPED = {"sharded-not-overlapped", "accumulated-in-float16-not-overlapped"}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("overlap")
-    for rank, (code, _, stderr) in enumerate(start(f"{ROOT}/tests/support/overlap_script.py",
-                                                   [out], 2)):
-        assert code == 0, f"rank {rank}:\n{stderr[-4000:]}"
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return ranks_results("overlap_script.py", tmp_path_factory.mktemp("overlap"), 2)
 
 
 def test_the_overlapped_all_reduce_gives_the_same_numbers(runs):

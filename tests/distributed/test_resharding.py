@@ -8,9 +8,8 @@ import pytest
 import torch
 
 import reshard_script as script
-from processes import start
+from processes import ranks_results
 
-ROOT = script.__file__.rsplit("/tests/", 1)[0]
 PROCESSES = {"four": 4, "two": 2, "one": 1, "back": 4}
 VARIANTS = ("whole", "sharded")
 
@@ -18,14 +17,9 @@ VARIANTS = ("whole", "sharded")
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("resharding")
-    results = {}
-    for phase, W in PROCESSES.items():  # one launch each, in order: each loads the last's
-        for rank, (code, _, stderr) in enumerate(start(
-                f"{ROOT}/tests/support/reshard_script.py", [phase, out], W)):
-            assert code == 0, f"{phase} rank {rank}:\n{stderr[-4000:]}"
-        results[phase] = [torch.load(out / f"{phase}-rank{r}.pt", weights_only=False)
-                          for r in range(W)]
-    return results
+    # one launch each, in order: each loads the last's checkpoint
+    return {phase: ranks_results("reshard_script.py", out, W, [phase], f"{phase}-rank{{r}}.pt")
+            for phase, W in PROCESSES.items()}
 
 
 def by_pipeline(ranks, variant, what):

@@ -10,18 +10,13 @@ import torch
 
 import sharding_script as script
 from poptorch_lite.distributed.sharding import Shards, shardable
-from processes import start
+from processes import ranks_results
 
-ROOT = script.__file__.rsplit("/tests/", 1)[0]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sharding")
-    for rank, (code, _, stderr) in enumerate(start(f"{ROOT}/tests/support/sharding_script.py",
-                                                   [out], 2)):
-        assert code == 0, f"rank {rank}:\n{stderr[-4000:]}"
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return ranks_results("sharding_script.py", tmp_path_factory.mktemp("sharding"), 2)
 
 
 def test_five_sharded_steps_end_where_the_whole_state_does(runs):

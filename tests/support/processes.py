@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from patience import limit
 
@@ -52,3 +53,13 @@ def start(script, args, W: int, timeout: float = 240, timeout_s: int = 60) -> li
                         f"hung for {timeout:.0f} s")
         results.append((p.returncode, stdout, stderr))
     return results
+
+
+def ranks_results(script: str, out, W: int, args=(), name: str = "rank{r}.pt") -> list:
+    """Run ``tests/support/<script> [*args] out`` in W processes (:func:`start`), every one
+    exiting 0, and load what each wrote to ``out/<name>`` (``{r}``: its rank)."""
+    for rank, (code, _, stderr) in enumerate(start(ROOT / "tests" / "support" / script,
+                                                   [*args, out], W)):
+        assert code == 0, f"{script} {' '.join(map(str, args))} rank {rank}:\n{stderr[-4000:]}"
+    return [torch.load(pathlib.Path(out) / name.format(r=r), weights_only=False)
+            for r in range(W)]
