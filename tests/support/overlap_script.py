@@ -32,6 +32,7 @@ CONFIGS = {
     "loss-scaling-sum": (1, 3, 1, {"als": True, "sum": True}, "sgd"),
     "frozen-layer": (1, 2, 1, {"frozen": True}, "adam"),
     "a-weight-without-gradient": (1, 2, 1, {"detached": True}, "adam"),
+    "compiled-stages": (2, 4, 1, {"pipelined": True, "compiled": True}, "adam"),
     "sharded-not-overlapped": (1, 2, 1, {"sharded": True}, "adam"),
     "accumulated-in-float16-not-overlapped": (1, 2, 1, {"accum": True}, "poptorch-sgd"),
 }
@@ -59,6 +60,8 @@ def wrap(name):
     opts.Training.gradientAccumulation(G)
     if extra.get("pipelined"):
         opts.setExecutionStrategy(poptorch.PipelinedExecution())
+    if extra.get("compiled"):  # AOTAutograd's graphs, run as they are ([Note: compiled stages])
+        opts.compileStages(True, backend="aot_eager")
     if extra.get("recompute"):
         opts._Popart.set("autoRecomputation", 3)
     if extra.get("als"):
