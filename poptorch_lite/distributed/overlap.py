@@ -1,4 +1,4 @@
-"""The gradient all-reduce overlapped with the backward, in buckets, as torch's DDP does.
+"""The gradient all-reduce (or reduce-scatter) overlapped with the backward, in buckets, as DDP.
 
 [Note: overlapped all-reduce]
 Without it, the data-parallel processes sum their gradients in the update (``U``), after
@@ -16,9 +16,11 @@ backward goes on. This does the same:
   replica runs its stage's backward once). After the last, the sum is final: the hook divides
   it as the stage's reduction (``sG``) would have (loss scaling, Mean's G·R), which then
   leaves it alone, and marks it ready;
-- a bucket is launched (``all_reduce(async_op=True)``) once it and every bucket before it
-  are ready, so every process launches the buckets in the same order whatever the order
-  its stages' threads finish in;
+- a bucket is launched (``all_reduce(async_op=True)``; with the optimizer state sharded,
+  the reduce-scatter of [Note: sharded optimizer state], its large weights alone and in
+  place as there) once it and every bucket before it are ready, so every process launches
+  the buckets in the same order whatever the order its stages' threads finish in (buckets
+  in the order of their last parameter);
 - with the last bucket goes one small all-reduce of which parameters got a gradient here;
 - the update launches the buckets not launched yet (a parameter that got no gradient here
   gives zeros), waits for every bucket, divides by the processes for Mean, leaves a
@@ -31,9 +33,9 @@ ring starts an element's sum at: fp32 rounding). It is used where a gradient is 
 its last accumulation: every stage in this process, parameters that are their own homes on
 the CPU (gloo), each a leaf of exactly one graph of one stage (a weight shared by stages, or
 by two segments of a recomputed stage, gets several accumulations a micro-batch), no
-accumulator of another dtype (``accum_type``), a schedule without split backward (zero-bubble's W), and the optimizer
-state not sharded (its reduce-scatter still runs in the update). Elsewhere the update
-all-reduces as before. GPUs are left out until a GPU run checks NCCL's streams here.
+accumulator of another dtype (``accum_type``) and a schedule without split backward
+(zero-bubble's W). Elsewhere the update all-reduces (or reduce-scatters) as before. GPUs
+are left out until a GPU run checks NCCL's streams here.
 """
 
 from __future__ import annotations
@@ -50,16 +52,21 @@ class Overlap:
     """The buckets of this process's stepped parameters and the state of one run's reduction.
 
     Args:
-        params: name -> the parameter (its own home) whose gradient is all-reduced.
+        params: name -> the parameter (its own home) whose gradient is reduced.
         buckets: the parameters in buckets, in launch order.
         group: () -> the process group of the replicas (None: every process).
         collective: ``(what, fn, *args)`` -> runs or waits, raising the processes' error.
+        reducer: what launches a bucket's collective and lands them all (:class:`AllReduce`,
+            or the sharded state's ``Shards``: its reduce-scatter).
     """
 
-    def __init__(self, params: dict, buckets: list, group: Callable, collective: Callable):
+    def __init__(self, params: dict, buckets: list, group: Callable, collective: Callable,
+                 reducer=None):
         self.params = params
         self.buckets = buckets
         self._group, self._collective = group, collective
+        self.reducer = reducer if reducer is not None else AllReduce(group, collective)
+        self.shards = reducer  # the sharded state's chunks it reduces into (None: all-reduce)
         self._bucket_of = {id(p): k for k, bucket in enumerate(buckets) for p in bucket}
         self._name = {id(p): n for n, p in params.items()}
         self._lock = threading.Lock()
@@ -118,7 +125,7 @@ class Overlap:
                 self._launch()
 
     def _launch(self) -> None:
-        """All-reduce the next bucket, asynchronously (under the lock); after the last, the
+        """Reduce the next bucket, asynchronously (under the lock); after the last, the
         flags of the parameters that had a gradient here."""
         bucket = self.buckets[len(self._launched)]
         with torch.no_grad():
@@ -127,20 +134,11 @@ class Overlap:
                     p.grad = torch.zeros_like(p)
                 else:
                     self._had.add(id(p))
-            grads = [p.grad for p in bucket]
-            flat = grads[0] if len(grads) == 1 and grads[0].is_contiguous() else \
-                torch._utils._flatten_dense_tensors(grads)
-        self._launched.append((self._all_reduce(flat), flat, grads))
+        self._launched.append(self.reducer.launch(bucket))
         if len(self._launched) == len(self.buckets):  # beside the last bucket, not after it
             flags = torch.tensor([id(p) in self._had for p in self.params.values()],
                                  dtype=torch.int32)
-            self._present = (self._all_reduce(flags), flags)
-
-    def _all_reduce(self, t: torch.Tensor):
-        holder = []
-        self._collective("the gradient all-reduce", lambda: holder.append(dist.all_reduce(
-            t, group=self._group(), async_op=True)))
-        return holder[0]
+            self._present = (_all_reduce(flags, self._group, self._collective), flags)
 
     def finish(self, divisor: int) -> None:
         """The update: launch what is left, wait, divide by ``divisor``; a parameter with no
@@ -149,33 +147,64 @@ class Overlap:
             while len(self._launched) < len(self.buckets):
                 self._launch()
             self.active = False
-        with torch.no_grad():
-            for work, flat, grads in self._launched:
-                self._collective("the gradient all-reduce", work.wait)
-                if divisor != 1:
-                    flat.div_(divisor)
-                if flat is not grads[0]:
-                    for g, v in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-                        g.copy_(v)
         work, flags = self._present
         self._collective("the gradient all-reduce", work.wait)
-        for p, anywhere in zip(self.params.values(), flags.tolist()):
-            if not anywhere:
+        absent = frozenset(id(p) for p, anywhere in zip(self.params.values(), flags.tolist())
+                           if not anywhere)
+        with torch.no_grad():
+            self.reducer.land(self._launched, divisor, absent)
+        for p in self.params.values():
+            if id(p) in absent:
                 p.grad = None
         self._launched, self._present = [], None
 
 
+class AllReduce:
+    """A bucket's gradients summed in every process: one all-reduce, of the gradient itself
+    where the bucket is one contiguous tensor, else of a flat copy."""
+
+    def __init__(self, group: Callable, collective: Callable):
+        self._group, self._collective = group, collective
+
+    def launch(self, bucket: list) -> tuple:
+        grads = [p.grad for p in bucket]
+        with torch.no_grad():
+            flat = grads[0] if len(grads) == 1 and grads[0].is_contiguous() else \
+                torch._utils._flatten_dense_tensors(grads)
+        return _all_reduce(flat, self._group, self._collective), flat, grads
+
+    def land(self, launched: list, divisor: int, absent: frozenset) -> None:
+        for work, flat, grads in launched:
+            self._collective("the gradient all-reduce", work.wait)
+            if divisor != 1:
+                flat.div_(divisor)
+            if flat is not grads[0]:
+                for g, v in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                    g.copy_(v)
+
+
+def _all_reduce(t: torch.Tensor, group: Callable, collective: Callable):
+    """Start the sum of ``t`` over ``group()``; its work."""
+    holder = []
+    collective("the gradient all-reduce", lambda: holder.append(dist.all_reduce(
+        t, group=group(), async_op=True)))
+    return holder[0]
+
+
 def buckets_in_backward_order(params: dict, make_buckets: Callable) -> list:
-    """The parameters of ``params`` in buckets, last parameter first (about the order the
-    backward makes their gradients, as DDP's), by ``make_buckets`` (``processes._buckets``).
+    """The parameters of ``params`` in buckets by ``make_buckets`` (given them last parameter
+    first, about the order the backward makes their gradients, as DDP's), in the order they
+    are expected to be ready: by their last parameter in that order.
 
     Example:
-        >>> ps = {"a": torch.zeros(2), "b": torch.zeros(3)}
+        >>> ps = {"a": torch.zeros(2), "b": torch.zeros(3), "c": torch.zeros(4)}
         >>> [[tuple(p.shape) for p in b] for b in buckets_in_backward_order(
-        ...     ps, lambda ts: [ts])]
-        [[(3,), (2,)]]
+        ...     ps, lambda ts: [[ts[0], ts[2]], [ts[1]]])]
+        [[(3,)], [(4,), (2,)]]
     """
-    return make_buckets(list(reversed(list(params.values()))))
+    ordered = list(reversed(list(params.values())))
+    at = {id(p): k for k, p in enumerate(ordered)}
+    return sorted(make_buckets(ordered), key=lambda bucket: max(at[id(p)] for p in bucket))
 
 
 def _remove(handles: list) -> None:

@@ -315,11 +315,16 @@ class Processes:
         self.all_reduce([p.grad for p in used], self._replicas_group(),
                         "the gradient all-reduce", replicas if self.mean else 1)
 
-    def overlap(self, params: dict):
+    def overlap(self, params: dict, shards: Optional[Shards] = None):
         """An :class:`~poptorch_lite.distributed.overlap.Overlap` of ``params`` (name ->
-        trainable parameter) over the replicas ([Note: overlapped all-reduce])."""
-        return Overlap(params, buckets_in_backward_order(params, _buckets),
-                       self._replicas_group, self._collective)
+        trainable parameter) over the replicas ([Note: overlapped all-reduce]): an
+        all-reduce, or ``shards``' reduce-scatter."""
+        if shards is None:
+            return Overlap(params, buckets_in_backward_order(params, _buckets),
+                           self._replicas_group, self._collective)
+        return Overlap(params, buckets_in_backward_order(
+            params, lambda ps: shards.buckets(ps, _buckets)), self._replicas_group,
+                       self._collective, shards)
 
     def shards(self, optimizer) -> Optional[Shards]:
         """The chunks of ``optimizer``'s state this process holds, or None where its state is
@@ -342,9 +347,12 @@ class Processes:
             self._shards[key] = made
         return self._shards[key]
 
-    def reduce_scatter_grads(self, params: dict, shards: Shards) -> None:
+    def reduce_scatter_grads(self, params: dict, shards: Shards, overlap=None) -> None:
         """As :meth:`all_reduce_grads`, but each process keeps only its chunk of each sum
         (``shards``: [Note: sharded optimizer state])."""
+        if overlap is not None and overlap.active:  # [Note: overlapped all-reduce]
+            overlap.finish(self.layout.pipelines if self.mean else 1)
+            return
         used = self._used(params)
         if used:
             shards.reduce_scatter(used, self.layout.pipelines if self.mean else 1)

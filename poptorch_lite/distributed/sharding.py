@@ -114,7 +114,6 @@ class Shards:
 
     def reduce_scatter(self, params: list, divisor: int) -> None:
         """Sum each gradient over the processes, this process keeping its chunk (step 1)."""
-        N = self.size
         by_kind: dict = {}
         for p in params:
             by_kind.setdefault((p.grad.dtype, p.grad.device), []).append(p)
@@ -122,29 +121,55 @@ class Shards:
         for ps in by_kind.values():
             small = [p for p in ps if not self._alone(p)]
             buckets += [[p] for p in ps if self._alone(p)] + ([small] if small else [])
+        self.land([self.launch(ps) for ps in buckets], divisor)
+
+    def buckets(self, params: list, make_buckets) -> list:
+        """``params`` in buckets by ``make_buckets`` (``processes._buckets``), with each
+        weight that is not communicated alone (:meth:`_alone`) in a bucket of the small
+        ones: what the overlapped reduce-scatter launches ([Note: overlapped all-reduce] in
+        ``overlap``)."""
+        small = [p for p in params if not self._alone(p)]
+        return [[p] for p in params if self._alone(p)] + (make_buckets(small) if small else [])
+
+    def launch(self, ps: list) -> tuple:
+        """Start the reduce-scatter of the gradients of ``ps`` (one dtype and device)."""
+        N = self.size
+        dtype, device = ps[0].grad.dtype, ps[0].grad.device
+        chunks = [math.ceil(p.numel() / N) for p in ps]
+        width = sum(chunks)
+        offsets = [sum(chunks[:k]) for k in range(len(ps))]
+        if len(ps) == 1 and self._alone(ps[0]):  # the gradient itself is the buffer: no copy
+            buffer = ps[0].grad.reshape(N, width)
+        else:
+            buffer = torch.zeros(N, width, dtype=dtype, device=device)
+            for p, c, at in zip(ps, chunks, offsets):
+                flat, full = p.grad.reshape(-1), p.numel() // c
+                buffer[:full, at:at + c] = flat[:full * c].view(full, c)
+                if full < N and full * c < flat.numel():
+                    buffer[full, at:at + flat.numel() - full * c] = flat[full * c:]
+        mine = torch.empty(width, dtype=dtype, device=device)
+        holder = []
+        self._collective("the gradient reduce-scatter", lambda: holder.append(_REDUCE_SCATTER(
+            mine, buffer.view(-1), group=self._group(), async_op=True)))
+        return holder[0], mine, (ps, chunks, offsets, width), (N - 1) * width * \
+            buffer.element_size()
+
+    def land(self, launched: list, divisor: int, absent: frozenset = frozenset()) -> None:
+        """Wait for the reduce-scatters :meth:`launch` started, in order; each process's
+        chunks, divided by ``divisor``, are what the step uses; a parameter in ``absent``
+        (no gradient in any process) is left out."""
         self._layout, self._grads, self.sent_bytes = [], [], 0
-        for ps in buckets:
-            dtype, device = ps[0].grad.dtype, ps[0].grad.device
-            chunks = [math.ceil(p.numel() / N) for p in ps]
-            width = sum(chunks)
-            offsets = [sum(chunks[:k]) for k in range(len(ps))]
-            if self._alone(ps[0]):  # the gradient itself is the buffer: no copy
-                buffer = ps[0].grad.reshape(N, width)
-            else:
-                buffer = torch.zeros(N, width, dtype=dtype, device=device)
-                for p, c, at in zip(ps, chunks, offsets):
-                    flat, full = p.grad.reshape(-1), p.numel() // c
-                    buffer[:full, at:at + c] = flat[:full * c].view(full, c)
-                    if full < N and full * c < flat.numel():
-                        buffer[full, at:at + flat.numel() - full * c] = flat[full * c:]
-            mine = torch.empty(width, dtype=dtype, device=device)
-            self._collective("the gradient reduce-scatter", _REDUCE_SCATTER, mine,
-                             buffer.view(-1), group=self._group())
+        for work, mine, (ps, chunks, offsets, width), sent in launched:
+            self._collective("the gradient reduce-scatter", work.wait)
             if divisor != 1:
                 mine.div_(divisor)
-            self.sent_bytes += (N - 1) * width * buffer.element_size()
-            self._layout.append((ps, chunks, offsets, width))
-            self._grads.append(mine)
+            self.sent_bytes += sent
+            if absent:
+                kept = [k for k, p in enumerate(ps) if id(p) not in absent]
+                ps, chunks, offsets = ([x[k] for k in kept] for x in (ps, chunks, offsets))
+            if ps:
+                self._layout.append((ps, chunks, offsets, width))
+                self._grads.append(mine)
 
     def _alone(self, p: torch.Tensor) -> bool:
         """Whether ``p`` is communicated on its own, in place: a large weight that the N

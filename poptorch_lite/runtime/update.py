@@ -117,18 +117,24 @@ class Update:
         """A training run starts: its gradient all-reduce overlaps the backward where it can
         ([Note: overlapped all-reduce] in ``distributed/overlap``)."""
         if self._overlapped is None or step is None or plan.split or \
-                self.processes.layout.pipelines < 2 or \
-                self.processes.shards(step.optimizer) is not None:
+                self.processes.layout.pipelines < 2:
             return
         trainable = {n: p for n, p in self._overlapped.items() if p.requires_grad}
         if step.accum_dtype is not None and any(p.dtype != step.accum_dtype
                                                 for p in trainable.values()):
             return  # gradients move to accumulators after each backward
+        shards = self.processes.shards(step.optimizer)
+        if shards is not None:  # the sharded step reduce-scatters the optimizer's own
+            held = {id(p) for g in step.optimizer.param_groups for p in g["params"]}
+            trainable = {n: p for n, p in trainable.items() if id(p) in held}
+        if not trainable:
+            return
         overlap = self._overlap
-        if overlap is None or overlap.params.keys() != trainable.keys():
+        if overlap is None or overlap.params.keys() != trainable.keys() or \
+                overlap.shards is not shards:
             if overlap is not None:
                 overlap.remove()
-            overlap = self._overlap = self.processes.overlap(trainable)
+            overlap = self._overlap = self.processes.overlap(trainable, shards)
         overlap.begin(microbatches, step.loss_scaling * step.divisor)
 
     def release(self) -> None:
@@ -237,7 +243,7 @@ class Update:
         arithmetic on the reduced gradients' chunks, then the weights gathered."""
         held = {id(p) for g in step.optimizer.param_groups for p in g["params"]}
         stepped = {n: p for n, p in self._stepped.items() if id(p) in held}
-        self.processes.reduce_scatter_grads(stepped, shards)
+        self.processes.reduce_scatter_grads(stepped, shards, self._overlap)
         if step.loss_scale.automatic:
             bad = torch.tensor([float(shards.nonfinite())])
             if self.channels is not None:  # in any of the pipeline's processes

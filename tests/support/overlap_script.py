@@ -1,5 +1,6 @@
-"""One of 2 processes training with the gradient all-reduce overlapped with the backward, and
-without (tests/distributed/test_overlap.py; [Note: overlapped all-reduce]).
+"""One of 2 processes training with the gradient all-reduce (or the sharded state's
+reduce-scatter) overlapped with the backward, and without (tests/distributed/test_overlap.py;
+[Note: overlapped all-reduce]).
 
     python overlap_script.py OUT_DIR     # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set
 
@@ -33,7 +34,9 @@ CONFIGS = {
     "frozen-layer": (1, 2, 1, {"frozen": True}, "adam"),
     "a-weight-without-gradient": (1, 2, 1, {"detached": True}, "adam"),
     "compiled-stages": (2, 4, 1, {"pipelined": True, "compiled": True}, "adam"),
-    "sharded-not-overlapped": (1, 2, 1, {"sharded": True}, "adam"),
+    "sharded": (1, 2, 1, {"sharded": True}, "adam"),
+    "sharded-two-stages-clipped": (2, 4, 1, {"sharded": True, "pipelined": True}, "adam-clip"),
+    "sharded-lamb": (1, 2, 1, {"sharded": True}, "lamb"),
     "accumulated-in-float16-not-overlapped": (1, 2, 1, {"accum": True}, "poptorch-sgd"),
 }
 
@@ -74,6 +77,8 @@ def wrap(name):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = {"sgd": lambda: torch.optim.SGD(params, lr=0.05, momentum=0.9),
            "adam": lambda: torch.optim.Adam(params, lr=0.01),
+           "adam-clip": lambda: poptorch.optim.Adam(params, lr=0.01, max_grad_norm=0.05),
+           "lamb": lambda: poptorch.optim.LAMB(params, lr=0.01),
            "poptorch-sgd": lambda: poptorch.optim.SGD(params, lr=0.05, loss_scaling=4.0,
                                                       accum_type=torch.float16)}[kind]()
     if extra.get("als"):
