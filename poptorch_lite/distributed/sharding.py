@@ -14,7 +14,9 @@ Each optimizer step:
    1 MB or more that N divides evenly on its own, from its gradient; the others
    through one buffer per dtype and device holding every chunk, padded to c): process
    k gets the sum over the processes of its own chunks, divided by N for
-   ``ReductionType.Mean``, as the all-reduce gives every process the whole sum;
+   ``ReductionType.Mean``, as the all-reduce gives every process the whole sum (bucket
+   by bucket while the backward runs, where it can: [Note: overlapped all-reduce] in
+   ``overlap``);
 2. automatic loss scaling's check for non-finite gradients and the clipping norm
    are taken over the chunks: each process adds its chunks' squares per
    parameter, one all-reduce sums them, and the norm of the per-parameter
