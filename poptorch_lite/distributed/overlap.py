@@ -56,17 +56,17 @@ class Overlap:
         buckets: the parameters in buckets, in launch order.
         group: () -> the process group of the replicas (None: every process).
         collective: ``(what, fn, *args)`` -> runs or waits, raising the processes' error.
-        reducer: what launches a bucket's collective and lands them all (:class:`AllReduce`,
-            or the sharded state's ``Shards``: its reduce-scatter).
+        reducer: ``launch(bucket) -> handle`` starts a bucket's collective and
+            ``land(handles, divisor, absent)`` finishes them in order: the processes'
+            all-reduce, or the sharded state's ``Shards`` (its reduce-scatter).
     """
 
     def __init__(self, params: dict, buckets: list, group: Callable, collective: Callable,
-                 reducer=None):
+                 reducer):
         self.params = params
         self.buckets = buckets
         self._group, self._collective = group, collective
-        self.reducer = reducer if reducer is not None else AllReduce(group, collective)
-        self.shards = reducer  # the sharded state's chunks it reduces into (None: all-reduce)
+        self.reducer = reducer
         self._bucket_of = {id(p): k for k, bucket in enumerate(buckets) for p in bucket}
         self._name = {id(p): n for n, p in params.items()}
         self._lock = threading.Lock()
@@ -159,32 +159,9 @@ class Overlap:
         self._launched, self._present = [], None
 
 
-class AllReduce:
-    """A bucket's gradients summed in every process: one all-reduce, of the gradient itself
-    where the bucket is one contiguous tensor, else of a flat copy."""
-
-    def __init__(self, group: Callable, collective: Callable):
-        self._group, self._collective = group, collective
-
-    def launch(self, bucket: list) -> tuple:
-        grads = [p.grad for p in bucket]
-        with torch.no_grad():
-            flat = grads[0] if len(grads) == 1 and grads[0].is_contiguous() else \
-                torch._utils._flatten_dense_tensors(grads)
-        return _all_reduce(flat, self._group, self._collective), flat, grads
-
-    def land(self, launched: list, divisor: int, absent: frozenset) -> None:
-        for work, flat, grads in launched:
-            self._collective("the gradient all-reduce", work.wait)
-            if divisor != 1:
-                flat.div_(divisor)
-            if flat is not grads[0]:
-                for g, v in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-                    g.copy_(v)
-
-
 def _all_reduce(t: torch.Tensor, group: Callable, collective: Callable):
-    """Start the sum of ``t`` over ``group()``; its work."""
+    """Start the sum of ``t`` (the flags of the weights that had a gradient) over
+    ``group()``; its work."""
     holder = []
     collective("the gradient all-reduce", lambda: holder.append(dist.all_reduce(
         t, group=group(), async_op=True)))

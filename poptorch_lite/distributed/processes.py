@@ -321,7 +321,7 @@ class Processes:
         all-reduce, or ``shards``' reduce-scatter."""
         if shards is None:
             return Overlap(params, buckets_in_backward_order(params, _buckets),
-                           self._replicas_group, self._collective)
+                           self._replicas_group, self._collective, _AllReduce(self))
         return Overlap(params, buckets_in_backward_order(
             params, lambda ps: shards.buckets(ps, _buckets)), self._replicas_group,
                        self._collective, shards)
@@ -361,23 +361,18 @@ class Processes:
         """The trainable parameters that have a gradient in any of the processes that run the
         same stages; one where this process has none gets zeros."""
         trainable = [p for p in params.values() if p.requires_grad]
-        used = self._present(trainable, {id(p) for p in trainable if p.grad is not None})
+        if not trainable:
+            return []
+        present = torch.tensor([p.grad is not None for p in trainable], dtype=torch.int32,
+                               device=trainable[0].device)
+        self._collective("the gradient all-reduce", dist.all_reduce, present,
+                         group=self._replicas_group())
+        used = [p for p, n in zip(trainable, present.tolist()) if n > 0]
         with torch.no_grad():
             for p in used:
                 if p.grad is None:  # unused here, used elsewhere: contributes zeros
                     p.grad = torch.zeros_like(p)
         return used
-
-    def _present(self, trainable: list, had: set) -> list:
-        """Of ``trainable``, those with a gradient (``id`` in ``had``) in any of the processes
-        that run the same stages: one small all-reduce."""
-        if not trainable:
-            return []
-        present = torch.tensor([id(p) in had for p in trainable], dtype=torch.int32,
-                               device=trainable[0].device)
-        self._collective("the gradient all-reduce", dist.all_reduce, present,
-                         group=self._replicas_group())
-        return [p for p, n in zip(trainable, present.tolist()) if n > 0]
 
     def all_reduce(self, tensors: list, group, what: str, divisor: int = 1) -> None:
         """Sum ``tensors`` in place over ``group`` (in buckets: :func:`_buckets`), then
@@ -507,6 +502,31 @@ def _mesh(layout: Layout, failed: Callable) -> DeviceMesh:
         except Exception as exc:
             raise failed(f"making the process mesh {[list(r) for r in grid]}", exc) from exc
     return _MESHES[grid]
+
+
+class _AllReduce:
+    """The overlap's reducer of whole gradients ([Note: overlapped all-reduce] in ``overlap``):
+    a bucket summed in place (:func:`_flat`), started by :meth:`launch`, finished in order
+    by :meth:`land`, as :meth:`Processes.all_reduce` sums its buckets."""
+
+    def __init__(self, processes: Processes):
+        self._processes = processes
+
+    def launch(self, bucket: list) -> tuple:
+        grads = [p.grad for p in bucket]
+        with torch.no_grad():
+            flat = _flat(grads)
+        holder = []
+        self._processes._collective("the gradient all-reduce", lambda: holder.append(
+            dist.all_reduce(flat, group=self._processes._replicas_group(), async_op=True)))
+        return holder[0], flat, grads
+
+    def land(self, launched: list, divisor: int, absent: frozenset) -> None:
+        for work, flat, grads in launched:
+            self._processes._collective("the gradient all-reduce", work.wait)
+            if divisor != 1:
+                flat.div_(divisor)
+            _unflat(flat, grads)
 
 
 def _flat(bucket: list) -> torch.Tensor:

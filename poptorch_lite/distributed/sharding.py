@@ -116,14 +116,7 @@ class Shards:
 
     def reduce_scatter(self, params: list, divisor: int) -> None:
         """Sum each gradient over the processes, this process keeping its chunk (step 1)."""
-        by_kind: dict = {}
-        for p in params:
-            by_kind.setdefault((p.grad.dtype, p.grad.device), []).append(p)
-        buckets = []
-        for ps in by_kind.values():
-            small = [p for p in ps if not self._alone(p)]
-            buckets += [[p] for p in ps if self._alone(p)] + ([small] if small else [])
-        self.land([self.launch(ps) for ps in buckets], divisor)
+        self.land([self.launch(ps) for ps in self.buckets(params, _by_kind)], divisor)
 
     def buckets(self, params: list, make_buckets) -> list:
         """``params`` in buckets by ``make_buckets`` (``processes._buckets``), with each
@@ -303,3 +296,11 @@ class Shards:
                 for p, c, at in zip(ps, chunks, offsets):
                     p.copy_(rows[:, at:at + c].reshape(-1)[:p.numel()].view_as(p))
         self._grads = []
+
+
+def _by_kind(params: list) -> list:
+    """``params`` in one bucket per dtype and device of their gradients."""
+    kinds: dict = {}
+    for p in params:
+        kinds.setdefault((p.grad.dtype, p.grad.device), []).append(p)
+    return list(kinds.values())

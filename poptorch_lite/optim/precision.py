@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from .rules import lamb_apply_chunks, lamb_chunk_norms
+from .rules import lamb_apply_chunks, lamb_chunk_norms, lamb_trust
 
 _F32 = torch.float32
 
@@ -141,9 +141,8 @@ def adam_step(opt: Any, closure: Optional[Callable], decoupled: bool, bias_corre
             if lamb and lamb_chunk_norms(opt) is not None:
                 chunks.append((p, u, group))
             elif lamb:
-                r1 = p.float().norm().clamp(max=group["max_weight_norm"])
-                r2 = u.float().norm()
-                trust = torch.where((r1 == 0) | (r2 == 0), torch.ones_like(r1), r1 / r2)
+                trust = lamb_trust(p.float().norm().clamp(max=group["max_weight_norm"]),
+                                   u.float().norm())
                 p.sub_((u.float() * (lr * trust)).to(p.dtype))
             else:
                 p.add_(u, alpha=-lr)

@@ -111,10 +111,21 @@ def _lamb_step(opt: torch.optim.Optimizer, closure: Callable | None) -> Any:
                 chunks.append((p, u, group))
                 continue
             r1, r2 = p.norm().clamp(max=group["max_weight_norm"]), u.norm()  # phi(||p||)
-            trust = torch.where((r1 == 0) | (r2 == 0), torch.ones_like(r1), r1 / r2)
+            trust = lamb_trust(r1, r2)
             p.sub_(u * (group["lr"] * trust))
     lamb_apply_chunks(opt, chunks, float32=False)
     return loss
+
+
+def lamb_trust(r1: torch.Tensor, r2: torch.Tensor) -> torch.Tensor:
+    """LAMB's trust ratio ``phi(||p||) / ||u||``, 1 where either norm is 0.
+
+    Example:
+        >>> float(lamb_trust(torch.tensor(2.0), torch.tensor(4.0))), float(
+        ...     lamb_trust(torch.tensor(0.0), torch.tensor(4.0)))
+        (0.5, 1.0)
+    """
+    return torch.where((r1 == 0) | (r2 == 0), torch.ones_like(r1), r1 / r2)
 
 
 def lamb_chunk_norms(opt) -> Callable | None:
@@ -140,8 +151,7 @@ def lamb_apply_chunks(opt, chunks: list, float32: bool) -> None:
         return
     squares = hook([(p, (p.float() ** 2).sum(), (u.float() ** 2).sum()) for p, u, _ in chunks])
     for (p, u, group), (p2, u2) in zip(chunks, squares):
-        r1, r2 = p2.sqrt().clamp(max=group["max_weight_norm"]), u2.sqrt()
-        trust = torch.where((r1 == 0) | (r2 == 0), torch.ones_like(r1), r1 / r2)
+        trust = lamb_trust(p2.sqrt().clamp(max=group["max_weight_norm"]), u2.sqrt())
         if float32:
             p.sub_((u.float() * (group["lr"] * trust)).to(p.dtype))
         else:

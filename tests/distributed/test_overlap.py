@@ -58,6 +58,8 @@ def test_buckets_go_while_the_backward_runs(runs):
             else:
                 assert early == [(4, 4, 4, 8)] * script.STEPS, name
         assert result["frozen-layer"][0]["grads"]["layers.1.weight"] is None
+        # destroy() takes the hooks off the user's parameters
+        assert all(result[name][0]["hooks_left"] == 0 for name in script.CONFIGS)
         assert result["a-weight-without-gradient"][0]["grads"]["offset"] is None
 
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from poptorch_lite import errors
 from poptorch_lite import optim
-from poptorch_lite.optim import accepted, optimizers
+from poptorch_lite.optim import accepted, optimizers, rules
 from poptorch_lite.errors import OptimizerError, PoptorchLiteWarning
 from poptorch_lite.optim.optimizers import LAMB, SGD, Adam, AdamW, RMSprop
 
@@ -451,7 +451,7 @@ def test_copy_hyperparameters_refuses_mismatches():
         optim.copy_hyperparameters(Adam(model.parameters()), SGD(model.parameters(), lr=0.1))
 
 
-@pytest.mark.parametrize("module", [optimizers, accepted], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [optimizers, accepted, rules], ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0

@@ -704,6 +704,32 @@ def test_a_load_that_fails_part_way_puts_back_what_it_changed(tmp_path):
     model.destroy()
 
 
+def test_the_newest_file_set_at_a_path_loads_and_a_save_removes_the_others(tmp_path):
+    """[Note: resharding checkpoints]: where a checkpoint of one process and the parts of
+    two are both at the path (a save stopped before removing the other), the one written
+    last loads; a save there leaves its own file set alone."""
+    torch.manual_seed(0)
+    net = BlockMLP(1)
+    model = poptorch.trainingModel(net, options("grouped", 4),
+                                   torch.optim.SGD(net.parameters(), lr=0.1))
+    model(*data(16))
+    path = tmp_path / "ckpt.pt"
+    poptorch.save_checkpoint(path, model)  # step 1
+    state = torch.load(path, weights_only=True)
+    part = {"rank": 0, "processes": 2, "ipu_processes": None,
+            "process_order": "pipeline_inner", "shards": None}
+    for rank in range(2):  # the same state as 2 data-parallel parts, of step 7
+        torch.save({**state, "steps": 7, "part": {**part, "rank": rank}},
+                   f"{path}.process{rank}-of-2")
+    os.utime(path, ns=(1, 1))  # the single file is older
+    assert poptorch.load_checkpoint(path, model).steps == 7
+    os.utime(f"{path}.process0-of-2", ns=(1, 1))  # now the parts are
+    assert poptorch.load_checkpoint(path, model).steps == 1
+    poptorch.save_checkpoint(path, model)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
+    model.destroy()
+
+
 def test_a_loader_position_is_checked():
     loader = poptorch.DataLoader(poptorch.Options(),
                                  torch.utils.data.TensorDataset(torch.arange(8.0)), batch_size=2)

@@ -98,7 +98,9 @@ def train(name, rank):
     grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     wrapped.destroy()
-    return {"losses": losses, "weights": weights, "grads": grads, "early": early}
+    hooks = sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+    return {"losses": losses, "weights": weights, "grads": grads, "early": early,
+            "hooks_left": hooks}
 
 
 EARLY = []  # (buckets launched before the update, buckets, parameters final at the first
