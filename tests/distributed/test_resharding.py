@@ -91,6 +91,14 @@ def test_one_file_set_per_checkpoint(runs):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+def test_a_spread_process_keeps_the_optimizer_state_of_its_own_stage(runs, variant):
+    """Loading C (1 process: every weight's state) into processes that know their stage
+    (compiled first), each keeps the state of its stage's 4 weights; one process, all 8."""
+    assert [r[variant]["state_held"] for r in runs["back"]] == [4, 4, 4, 4]
+    assert runs["one"][0][variant]["state_held"] == 8
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_another_model_or_optimizer_is_refused_in_every_process(runs, variant):
     """C (1 process) loaded by 4 processes with another optimizer class, or another width:
     every process refuses, its weights unchanged."""

@@ -13,8 +13,9 @@ epoch of a shuffled DataLoader, with its optimizer state whole and sharded
 - ``two``: 2 data-parallel processes running both stages load A, save B to ``same.pt``
   after their first step (one file set replaces the other), and train on to the end;
 - ``one``: 1 process with 2 replicas loads B, saves C after its first step, trains on;
-- ``back``: 4 processes as in ``four`` load C and train the last step; then a model with
-  another optimizer, and one of another width, try to load C.
+- ``back``: 4 processes as in ``four``, compiled first, load C (each keeping the optimizer
+  state of its own stage) and train the last step; then a model with another optimizer,
+  and one of another width, try to load C.
 
 Writes ``OUT_DIR/<phase>-rank<r>.pt``: per variant, per step the loss each replica returned
 and the samples this process read; the final weights of the stages this process runs; the
@@ -84,9 +85,12 @@ def run(phase, variant, out):
     dataset = Indexed()
     loader = poptorch.DataLoader(options(phase, sharded), dataset, batch_size=B, shuffle=True)
     where = lambda name: os.path.join(out, f"{variant}-{name}")  # noqa: E731
+    result = {"losses": [], "read": [], "files": {}}
+    if phase == "back":  # compiled first: each process knows its stage when C loads
+        wrapped.compile(dataset.x[:B * G], dataset.y[:B * G])
     if loads:
         poptorch.load_checkpoint(where(loads), wrapped, loader)
-    result = {"losses": [], "read": [], "files": {}}
+        result["state_held"] = len(wrapped._optimizer.state)  # weights with optimizer state
     batches = iter(loader)
     for step in range(first, STEPS):
         dataset.read.clear()
