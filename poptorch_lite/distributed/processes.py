@@ -22,8 +22,8 @@ training wrapper, or any wrapper whose pipeline spans processes):
    with stages in other processes, gloo for CPU tensors and NCCL for CUDA
    ones), and the collective timeout of ``POPTORCH_LITE_DIST_TIMEOUT`` (seconds,
    default 300, below the 600 s default watchdog). A group the user initialised
-   already is used as it is. A group poptorch_lite made is destroyed at
-   interpreter exit.
+   already is used as it is. The groups poptorch_lite made are destroyed at
+   interpreter exit ([Note: process groups at exit]).
 2. all-gathers the options every process must agree on and refuses
    (``OptionsError``, on every process) when they differ;
 3. a training wrapper broadcasts each parameter and buffer from the process of
@@ -43,6 +43,25 @@ training wrapper, or any wrapper whose pipeline spans processes):
 
 A failed or hung collective raises ``ExecutionError`` naming the processes and
 the timeout. Every process must call the model the same number of times.
+
+[Note: process groups at exit]
+A gloo group's worker threads let go of each collective's work after it
+completes. Where Python dropped the work's tensors first, letting go of them
+takes the GIL; a worker that does so while the interpreter finalizes is ended
+by Python (``pthread_exit``) inside a C++ destructor, and the process aborts
+with "terminate called without an active exception" (pytorch issue 190489; a
+CI run of the multi-node test died so, at its exit, after the run had passed).
+The threads stop only when the group's C++ object is destroyed:
+``destroy_process_group`` shuts a group down but leaves its threads running
+while any Python object still holds it. So poptorch_lite holds every group it
+makes (its own ``new_group``s and the mesh's) in one registry, ``_GROUPS``,
+and nowhere else: every other object asks :meth:`Processes.group` (or the
+mesh's accessors) for a group each time it uses one. At exit, before the
+interpreter finalizes (``atexit``), :func:`shutdown` destroys those groups, and
+the default group where poptorch_lite made it, then empties the registry:
+their threads are joined while the interpreter is whole, whatever objects of
+the program are still alive. A default group the user made is the user's to
+destroy, as torch asks of every program (``destroy_process_group``).
 """
 
 from __future__ import annotations
@@ -70,8 +89,10 @@ BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
 ALONE_BYTES = 1024 * 1024  # tensors this large are reduced in place, unflattened
 
 _owned_group = False  # whether poptorch_lite initialised the default group (and destroys it)
-_GROUPS: dict = {}  # (ranks, purpose) -> process group, made by every process in one order
-_MESHES: dict = {}  # grid -> its DeviceMesh
+_at_exit = False  # whether shutdown() is registered with atexit
+# (ranks, purpose) or (grid, mesh dimension) -> process group, made by every process in one
+# order; the only reference poptorch_lite keeps to a group ([Note: process groups at exit])
+_GROUPS: dict = {}
 
 
 def is_main_process() -> bool:
@@ -112,13 +133,34 @@ def collective_timeout() -> float:
 
 
 def shutdown() -> None:
-    """Destroy the process group if poptorch_lite made it (registered with ``atexit``)."""
+    """Destroy the process groups poptorch_lite made, and the default group where it made it,
+    and let go of them, so that their threads end now (registered with ``atexit``, which
+    runs before the interpreter finalizes: [Note: process groups at exit])."""
     global _owned_group
-    if _owned_group and dist.is_initialized():
-        dist.destroy_process_group()
-    _owned_group = False
+    made = list(_GROUPS.values())
     _GROUPS.clear()
-    _MESHES.clear()
+    if dist.is_available() and dist.is_initialized():
+        if _owned_group:
+            dist.destroy_process_group()
+        else:
+            default = dist.group.WORLD
+            for group in made:
+                if group is default:  # a mesh dimension of every process: the user's group
+                    continue
+                try:
+                    dist.destroy_process_group(group)
+                except ValueError:  # destroyed already (the user's destroy_process_group())
+                    pass
+    _owned_group = False
+    del made  # the last references: each group's threads are joined here
+
+
+def _destroy_at_exit() -> None:
+    """Register :func:`shutdown` with ``atexit``, once."""
+    global _at_exit
+    if not _at_exit:
+        atexit.register(shutdown)
+        _at_exit = True
 
 
 def join_default_group(rank: int, size: int, backend: Optional[str]) -> None:
@@ -155,9 +197,8 @@ def join_default_group(rank: int, size: int, backend: Optional[str]) -> None:
                                 timeout=datetime.timedelta(seconds=timeout))
     except Exception as exc:
         raise failed("joining the process group", rank, size, timeout, exc) from exc
-    if not _owned_group:
-        atexit.register(shutdown)
     _owned_group = True
+    _destroy_at_exit()
 
 
 def agreed_options(options, optimizer, model) -> dict:
@@ -211,7 +252,7 @@ class Processes:
         self.rank, self.size = self.layout.rank, self.layout.size
         self.mean = options.Training.reduction_type == ReductionType.Mean
         self.timeout = collective_timeout()
-        self.mesh = None  # the pipelines × stages DeviceMesh, when a pipeline spans processes
+        self._grid = None  # the pipelines × stages grid of ranks, when a pipeline spans processes
         self._joined = self._broadcast = False
         self._shards: dict = {}  # id(optimizer) -> its Shards, or None where it is not sharded
 
@@ -253,7 +294,7 @@ class Processes:
         self._joined = True
         self._check_same(agreed_options(self.options, optimizer, model))
         if self.layout.spans_processes:
-            self.mesh = _mesh(self.layout, self._failed)
+            self._grid = _mesh(self.layout, self._failed)
 
     def group(self, ranks: tuple, purpose: str):
         """The process group of ``ranks`` for ``purpose`` (made on first use).
@@ -268,11 +309,13 @@ class Processes:
                     seconds=self.timeout))
             except Exception as exc:
                 raise self._failed(f"making the process group {list(ranks)}", exc) from exc
+            _destroy_at_exit()
         return _GROUPS[key]
 
     def _replicas_group(self):
-        """The processes that run this process's stages: all of them with n = 1."""
-        return self.mesh.get_group("replica") if self.mesh is not None else None
+        """The processes that run this process's stages: all of them with n = 1 (None:
+        the default group)."""
+        return self._mesh_group("replica") if self._grid is not None else None
 
     def broadcast_from_main(self, model: torch.nn.Module,
                             owner: Optional[Callable[[str], Optional[int]]] = None) -> None:
@@ -387,7 +430,15 @@ class Processes:
 
     def pipeline_group(self):
         """This process's pipeline: the "stage" dimension of the mesh."""
-        return self.mesh.get_group("stage")
+        return self._mesh_group("stage")
+
+    def _mesh_group(self, dimension: str):
+        """A dimension's group of the mesh; made again where :func:`shutdown` let go of it
+        (``popdist.finalizeBackend()``), which fails clearly (E-PROC-05) without a default
+        group."""
+        if (self._grid, dimension) not in _GROUPS:
+            _mesh(self.layout, self._failed)
+        return _GROUPS[self._grid, dimension]
 
     def pipeline_sum(self, values: torch.Tensor) -> torch.Tensor:
         """``values`` summed over the processes of this pipeline (in place; returned)."""
@@ -482,26 +533,32 @@ def failed(what: str, rank: int, size: int, timeout: float, exc: BaseException) 
         f"{TIMEOUT_ENV}=seconds)")
 
 
-def _mesh(layout: Layout, failed: Callable) -> DeviceMesh:
-    """The pipelines × stages ``DeviceMesh`` of ``layout`` (one per grid and process group).
+def _mesh(layout: Layout, failed: Callable) -> tuple:
+    """Make the pipelines × stages ``DeviceMesh`` of ``layout`` (once per grid and process
+    group); returns the grid, whose groups are then ``_GROUPS[grid, "replica"]`` and
+    ``_GROUPS[grid, "stage"]``.
 
     Its "stage" dimension's group is this process's pipeline and its "replica" dimension's
     the processes that run the same stages as this one. torch makes them: one
     ``split_group`` per dimension where the default group is bound to a GPU, else one
     ``new_group`` per pipeline and per position in every process (gloo's, and torch
     2.14's only way: only the members build a communicator; the others only count the
-    group, microseconds each: docs/PERFORMANCE.md (p)).
+    group, microseconds each: docs/PERFORMANCE.md (p)). The mesh itself is not kept: it
+    would hold the groups too ([Note: process groups at exit]).
     """
     grid = layout.grid()
-    if grid not in _MESHES:
+    if (grid, "stage") not in _GROUPS:
         try:
             # "cpu": the mesh's groups take the default group's backends, NCCL included;
             # a "cuda" mesh would also pick this process's GPU, which is process_gpu's.
-            _MESHES[grid] = DeviceMesh("cpu", torch.tensor(grid), mesh_dim_names=(
-                "replica", "stage"))
+            mesh = DeviceMesh("cpu", torch.tensor(grid), mesh_dim_names=("replica", "stage"))
+            groups = {dim: mesh.get_group(dim) for dim in ("replica", "stage")}
         except Exception as exc:
             raise failed(f"making the process mesh {[list(r) for r in grid]}", exc) from exc
-    return _MESHES[grid]
+        for dim, group in groups.items():
+            _GROUPS[grid, dim] = group
+        _destroy_at_exit()
+    return grid
 
 
 class _AllReduce:

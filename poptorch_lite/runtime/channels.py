@@ -82,17 +82,15 @@ class Channels:
         for (s, t), names in sorted(edges.items()):
             cuda = kinds.get(stages[s].ipu) == kinds.get(stages[t].ipu) == "cuda" and \
                 "nccl" in str(dist.get_backend()).lower()
-            groups = None
             for k in range(layout.pipelines):  # every process makes every group
                 ranks = (layout.rank_of(k, self.position[s]), layout.rank_of(k, self.position[t]))
-                made = (processes.group(ranks, f"values {s}>{t}"),
-                        processes.group(ranks, f"gradients {t}>{s}") if training else None)
-                if k == layout.pipeline:
-                    groups = made
+                processes.group(ranks, f"values {s}>{t}")
+                if training:
+                    processes.group(ranks, f"gradients {t}>{s}")
             self.edges[s, t] = _Edge(s, t, names, [partition.values[n] for n in names],
                                      torch.device("cuda") if cuda else torch.device("cpu"),
                                      layout.rank_of(layout.pipeline, self.position[s]),
-                                     layout.rank_of(layout.pipeline, self.position[t]), *groups)
+                                     layout.rank_of(layout.pipeline, self.position[t]))
         # The returned values each position computes, sent at the end of a run (``settle``);
         # weights and values of data-dependent shape are broadcast after it instead.
         producer_position = {name: self.position[s] for name, s in producer.items()}
@@ -140,12 +138,13 @@ class Channels:
         # Each parameter and buffer: the position of the first process whose stage uses it.
         self.weight_owner = {n.split(":", 1)[1]: self.position[s] for n, s in first.items()
                              if n.startswith(("param:", "buffer:"))}
-        self.tied = []  # (group, names) of the weights this process shares
+        self.tied = []  # (ranks, names) of the weights this process shares
         for positions, names in sorted(shared.items()):
             for k in range(layout.pipelines):
-                group = processes.group(tuple(layout.rank_of(k, j) for j in positions), "tied")
+                ranks = tuple(layout.rank_of(k, j) for j in positions)
+                processes.group(ranks, "tied")
                 if k == layout.pipeline and mine in positions:
-                    self.tied.append((group, names))
+                    self.tied.append((ranks, names))
 
     # -- around an action ------------------------------------------------------------------
 
@@ -168,16 +167,16 @@ class Channels:
         if a.kind is Kind.FORWARD:
             for e in self.into[a.stage]:
                 for name, info in zip(e.names, e.infos):
-                    posted.append((e.value_group, e.src, info, e.device, name,
+                    posted.append((e.values, e.src, info, e.device, name,
                                    f"{name} of micro-batch {i} (stage {e.s})", e))
                 if self.random and e.s == e.t - 1:
-                    posted.append((e.value_group, e.src, _RNG, e.device, None,
+                    posted.append((e.values, e.src, _RNG, e.device, None,
                                    f"the random stream of micro-batch {i} (stage {e.s})", e))
         elif a.kind.input_grads:
             for e in self.out_of[a.stage]:
                 for name, info in zip(e.names, e.infos):
                     if info.differentiable:
-                        posted.append((e.grad_group, e.dst, info, e.device, name,
+                        posted.append((e.gradients, e.dst, info, e.device, name,
                                        f"the gradient of {name} of micro-batch {i} (stage {e.t})",
                                        e))
         if not self.ahead:  # a header first: receive every value in turn, in before()
@@ -192,8 +191,8 @@ class Channels:
             return
         self.post(a, run)
         i = a.microbatch
-        for group, src, info, device, name, what, e, *pending in run.messages.posted.pop(a):
-            t = self._wait(*pending[0], what) if pending else self._recv(group, src, info, device,
+        for key, src, info, device, name, what, e, *pending in run.messages.posted.pop(a):
+            t = self._wait(*pending[0], what) if pending else self._recv(key, src, info, device,
                                                                       what)
             if a.kind is Kind.FORWARD:
                 if name is None:  # the micro-batch's random stream
@@ -217,10 +216,10 @@ class Channels:
         if a.kind is Kind.FORWARD:
             for e in self.out_of[a.stage]:
                 for name, info in zip(e.names, e.infos):
-                    self._send(e.value_group, e.dst, run.values[i].get(name), info, e.device, run,
+                    self._send(e.values, e.dst, run.values[i].get(name), info, e.device, run,
                                f"{name} of micro-batch {i} (stage {e.t})")
                 if self.random and e.t == e.s + 1:
-                    self._send(e.value_group, e.dst, rng.pack(run.rng[i]), _RNG, e.device, run,
+                    self._send(e.values, e.dst, rng.pack(run.rng[i]), _RNG, e.device, run,
                                f"the random stream of micro-batch {i} (stage {e.t})")
         elif a.kind.input_grads:
             made = run.messages.outbox.pop((a.stage, i), {})
@@ -228,7 +227,7 @@ class Channels:
                 for name, info in zip(e.names, e.infos):
                     if info.differentiable:
                         shape = run.messages.shapes.get((e.t, i, name), info.shape)
-                        self._send(e.grad_group, e.src, made.get(name), info, e.device, run,
+                        self._send(e.gradients, e.src, made.get(name), info, e.device, run,
                                    f"the gradient of {name} of micro-batch {i} (stage {e.s})",
                                    shape)
 
@@ -267,12 +266,13 @@ class Channels:
 
     def reduce_tied(self, params: dict) -> None:
         """Sum the gradients of weights used in several processes over those processes."""
-        for group, names in self.tied:
+        for ranks, names in self.tied:
             tensors = [params[n] for n in names if params[n].requires_grad]
             for p in tensors:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            self.processes.all_reduce([p.grad for p in tensors], group,
+            self.processes.all_reduce([p.grad for p in tensors],
+                                      self.processes.group(ranks, "tied"),
                                       "summing the gradients of weights used in several processes")
 
     def finish(self, run) -> None:
@@ -287,7 +287,7 @@ class Channels:
 
     # -- the messages ----------------------------------------------------------------------
 
-    def _send(self, group, dst: int, t: Optional[torch.Tensor], info, device: torch.device,
+    def _send(self, key: tuple, dst: int, t: Optional[torch.Tensor], info, device: torch.device,
               run, what: str, shape: Optional[tuple] = None) -> None:
         # a process that failed this run sends zeros, so that its peers are not left waiting
         if t is None or (run.messages.failed is not None and info is not _RNG):
@@ -295,34 +295,35 @@ class Channels:
         else:
             t = t.detach().to(device).contiguous()
         if info.dynamic:
-            self._post(group, dst, torch.tensor(t.shape, dtype=torch.int64, device=device), run,
+            self._post(key, dst, torch.tensor(t.shape, dtype=torch.int64, device=device), run,
                        what)
-        self._post(group, dst, t, run, what)
+        self._post(key, dst, t, run, what)
 
-    def _post(self, group, dst: int, t: torch.Tensor, run, what: str) -> None:
+    def _post(self, key: tuple, dst: int, t: torch.Tensor, run, what: str) -> None:
         try:
-            run.messages.sends.append((dist.isend(t, dst, group=group), t, dst, what))
+            run.messages.sends.append((dist.isend(t, dst, group=self.processes.group(*key)), t,
+                                        dst, what))
         except Exception as exc:
             raise _lost(f"sending {what} to", dst, exc, self.processes.timeout) from exc
 
-    def _recv(self, group, src: int, info, device: torch.device, what: str) -> torch.Tensor:
+    def _recv(self, key: tuple, src: int, info, device: torch.device, what: str) -> torch.Tensor:
         """Receive one value now (after its shape, for a value of data-dependent shape)."""
         shape = info.shape
         if info.dynamic:
             header = torch.empty(len(info.shape), dtype=torch.int64, device=device)
-            self._wait(src, self._post_recv(group, src, header, what), header, what)
+            self._wait(src, self._post_recv(key, src, header, what), header, what)
             shape = tuple(header.tolist())
         t = torch.empty(shape, dtype=info.dtype, device=device)
-        return self._wait(src, self._post_recv(group, src, t, what), t, what)
+        return self._wait(src, self._post_recv(key, src, t, what), t, what)
 
-    def _irecv(self, group, src: int, info, device: torch.device, what: str) -> tuple:
+    def _irecv(self, key: tuple, src: int, info, device: torch.device, what: str) -> tuple:
         """``(src, work, tensor)`` of a receive of a value of fixed shape, posted now."""
         t = torch.empty(info.shape, dtype=info.dtype, device=device)
-        return src, self._post_recv(group, src, t, what), t
+        return src, self._post_recv(key, src, t, what), t
 
-    def _post_recv(self, group, src: int, t: torch.Tensor, what: str):
+    def _post_recv(self, key: tuple, src: int, t: torch.Tensor, what: str):
         try:
-            return dist.irecv(t, src, group=group)
+            return dist.irecv(t, src, group=self.processes.group(*key))
         except Exception as exc:
             raise _lost(f"receiving {what} from", src, exc, self.processes.timeout) from exc
 
@@ -435,12 +436,16 @@ def _padded(info) -> int:
 
 
 class _Edge:
-    """The messages between stage s and stage t (in another process) in this pipeline."""
+    """The messages between stage s and stage t (in another process) in this pipeline.
 
-    def __init__(self, s, t, names, infos, device, src, dst, value_group, grad_group):
+    Its groups are asked for at each use, not held ([Note: process groups at exit] in
+    ``distributed/processes.py``)."""
+
+    def __init__(self, s, t, names, infos, device, src, dst):
         self.s, self.t, self.names, self.infos, self.device = s, t, names, infos, device
         self.src, self.dst = src, dst          # the ranks of stage s's and stage t's processes
-        self.value_group, self.grad_group = value_group, grad_group
+        self.values = ((src, dst), f"values {s}>{t}")       # Processes.group's arguments
+        self.gradients = ((src, dst), f"gradients {t}>{s}")
 
 
 class _PackedStream:

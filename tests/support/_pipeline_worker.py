@@ -9,10 +9,15 @@ unset: the same configuration without ``set_ipu_processes``). Scenarios (``W`` p
 ``train`` runs every configuration of ``CONFIGS`` for this W; ``fail`` makes one
 process's action raise in the second call; ``refuse`` wraps with options that differ
 between processes and with a placement that misses an IPU; ``checkpoint`` saves in the
-middle of training and resumes in fresh models. Each writes ``OUT_DIR/<scenario>-rank<r>.pt``.
+middle of training and resumes in fresh models; ``exit-ours-CONFIG`` and
+``exit-users-CONFIG`` count gloo's threads left at exit. Each writes
+``OUT_DIR/<scenario>-rank<r>.pt``.
 """
 
+import atexit
+import importlib
 import os
+import pathlib
 import shutil
 import sys
 
@@ -474,10 +479,50 @@ def sharded_refusals(rank, out):
     return result
 
 
+_KEPT = []  # the "exit" scenarios' wrappers: alive until the interpreter finalizes
+
+
+def gloo_threads() -> int:
+    """gloo's worker threads in this process (torch names them pt_gloo_runloop)."""
+    tasks = pathlib.Path("/proc/self/task")
+    return sum((t / "comm").read_text().strip() == "pt_gloo_runloop" for t in tasks.iterdir())
+
+
+def at_exit(name, groups, rank, out):
+    """Train configuration ``name`` and keep its wrapper alive to the end, as a script's
+    global would be. With ``groups`` "users" this script makes the default group and
+    destroys it at its end, as torch asks of a program. The exit handler registered here,
+    first, runs last (``atexit`` runs them in reverse): it writes how many of gloo's worker
+    threads are left once poptorch_lite's handler ran ([Note: process groups at exit])."""
+    atexit.register(lambda: torch.save({"after": gloo_threads()},
+                                       os.path.join(out, f"left-rank{rank}.pt")))
+    if groups == "users":
+        # torch.distributed.nn.functional takes the default group as its functions' default
+        # argument when it is first imported (torch._dynamo imports it, at the first
+        # optimizer), which would keep the user's group alive whatever poptorch_lite does
+        importlib.import_module("torch.distributed.nn")
+        torch.distributed.init_process_group("gloo", rank=rank, world_size=CONFIGS[name][0])
+    model = build(CONFIGS[name][1])
+    wrapped = poptorch.trainingModel(model, options(name, True),
+                                     make_optimizer(CONFIGS[name][-1], model.parameters()))
+    for c in range(2):
+        torch.manual_seed(1000 + c)
+        wrapped(*call_data(name, c, layout(name, rank).pipeline))
+    wrapped.copyWeightsToHost()
+    _KEPT.append(wrapped)
+    result = {"before": gloo_threads()}
+    if groups == "users":
+        torch.distributed.destroy_process_group()
+    return result
+
+
 def main():
     scenario, out = sys.argv[1], sys.argv[2]
     rank, W = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if scenario == "train":
+    if scenario.startswith("exit"):  # exit-ours-CONFIG or exit-users-CONFIG
+        _, groups, name = scenario.split("-", 2)
+        result = at_exit(name, groups, rank, out)
+    elif scenario == "train":
         result = scenario_train(W)
     elif scenario == "fail":
         result = failing(rank)
