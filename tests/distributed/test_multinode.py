@@ -36,6 +36,7 @@ def launch(scenario, out, per_node=2, **env):
     port = free_port()
     base = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     base.update(OMP_NUM_THREADS="1", POPTORCH_LITE_DIST_TIMEOUT=str(collective_s(60)),
+                PYTHONFAULTHANDLER="1",  # an abort prints every thread's Python stack
                 PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests" / "support")]),
                 **env)
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",

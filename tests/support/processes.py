@@ -37,8 +37,9 @@ def start(script, args, W: int, timeout: float = 240, timeout_s: int = 60) -> li
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "WORLD_SIZE": str(W), "LOCAL_WORLD_SIZE": str(W),
            "POPTORCH_LITE_DIST_TIMEOUT": str(timeout_s), "OMP_NUM_THREADS": "1",
-           # a process that aborts (the rare exit-time abort the suite has seen) prints
-           # every thread's Python stack into the stderr a failing test shows
+           # a process that aborts prints every thread's Python stack into the stderr a
+           # failing test shows (how the exit-time abort of [Note: process groups at exit]
+           # was first narrowed down: no Python frame, a thread of gloo's)
            "PYTHONFAULTHANDLER": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "support")])}
     procs = [subprocess.Popen([sys.executable, str(script), *map(str, args)],
