@@ -66,6 +66,7 @@ from ..compiler.compiled_stages import CompiledGraph
 from ..compiler.lowered import Lowered
 from ..errors import Error
 from . import recompute
+from .inputs import memory_copy
 from .placement import Placement
 from .run import Entry, Run, RunStats
 from .schedule import Action
@@ -170,7 +171,7 @@ class StageWork:
                 produced = received[name] if name in received else run.values[i][name]
                 v = self.gpu.arrive(produced.detach(), device)  # [Note: values crossing streams]
                 if separate and self.producer[name] != ipu and v.device == produced.device:
-                    v = v.clone()  # useIpuModel: the value crosses into another IPU's memory
+                    v = memory_copy(v) if v.is_cpu else v.clone()  # into another IPU's memory
                 if torch.is_grad_enabled() and produced.requires_grad:
                     v.requires_grad_(True)
                     boundary[name] = v
@@ -341,7 +342,7 @@ class StageWork:
                 if g is not None:  # made by a later stage: [Note: values crossing streams]
                     g = self.gpu.arrive(g, o.device if gpu is None else gpu)
                     if name in crossing:
-                        g = g.clone()  # useIpuModel: it crosses back into this IPU's memory
+                        g = memory_copy(g) if g.is_cpu else g.clone()  # back into this IPU's
                 if name == self.loss:
                     seed = torch.full_like(o, step.loss_scaling)  # loss scaling: the one place
                     g = seed if g is None else g + seed

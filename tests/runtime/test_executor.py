@@ -127,7 +127,7 @@ class Loss(torch.nn.Module):
 def test_runtime_docstring_examples_run():
     import doctest
 
-    from poptorch_lite.runtime import batch, gpu, placement
-    for module in (batch, gpu, placement):
+    from poptorch_lite.runtime import batch, gpu, inputs, placement
+    for module in (batch, gpu, inputs, placement):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__

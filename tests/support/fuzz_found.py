@@ -141,4 +141,9 @@ FOUND = [
           Program(ops=(Op("batchnorm"),)), KerasConfig(R=2)),
     Found("keras_replicated_spectral_norm", "keras_replicated_buffers",
           Program(ops=(Op("spectral_norm"),)), KerasConfig(R=2)),
+    # -- found by the 20-minute profile of 2026-11-29 (seed 57): a copy into an IPU's own
+    #    memory was 64-byte aligned where plain PyTorch's micro-batch view is not, and
+    #    F.linear rounded otherwise ([Note: copies keep their alignment] in runtime/inputs)
+    Found("input_copy_aligned_otherwise_ipu_model", "vary_batch=True&device=ipu_model",
+          Program(), Config(D=2, device="ipu_model", vary_batch=True)),
 ]
