@@ -88,6 +88,8 @@ from .trace_state import version_of
 
 _LAYER_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
 _UPDATING = (F.batch_norm, F.instance_norm)  # both take running_mean, running_var at 1, 2
+# whether a normalisation updates its running statistics: its argument at 5, and its default
+_TRAINING = {F.batch_norm: ("training", False), F.instance_norm: ("use_input_stats", True)}
 
 
 def unread_by_training_backwards(gm: fx.GraphModule) -> None:
@@ -184,6 +186,8 @@ class StatisticsWatch(TorchFunctionMode):
         ...     _ = make_fx(bn, tracing_mode="real")(torch.randn(4, 2))
         >>> sorted(watch.statistics(["running_mean", "num_batches_tracked"]))
         ['num_batches_tracked', 'running_mean']
+        >>> sorted(watch.updated())
+        ['running_mean', 'running_var']
     """
 
     def __init__(self, buffers: dict, values: Optional[dict] = None):
@@ -195,6 +199,7 @@ class StatisticsWatch(TorchFunctionMode):
         self._open: dict = {}  # id(buffer) -> windows open on it
         self._left: dict = {}  # id(buffer) -> (version, value) as its last window left it
         self._outside: set = set()  # id(buffer): written outside every window
+        self._updated: set = set()  # id(buffer): a normalisation in training updated it
         self._hooks: tuple = ()
 
     def statistics(self, written) -> frozenset:
@@ -204,6 +209,13 @@ class StatisticsWatch(TorchFunctionMode):
                 self._outside.add(key)
         return frozenset(n for n in written if id(self._buffers[n]) in self._left
                          and id(self._buffers[n]) not in self._outside)
+
+    def updated(self) -> frozenset:
+        """The buffer names a normalisation in training mode was given to update: written,
+        though an update may leave a value as it was, as the trace's first batch can (a
+        batch mean of exactly 0 after a normalisation), where comparing values would miss
+        the write."""
+        return frozenset(n for n, b in self._buffers.items() if id(b) in self._updated)
 
     def __enter__(self):
         self._hooks = (register_module_forward_pre_hook(self._layer_enters),
@@ -226,6 +238,9 @@ class StatisticsWatch(TorchFunctionMode):
         self._enter(watched)
         out = func(*args, **kwargs)
         self._leave(watched)
+        name, default = _TRAINING[func]
+        if args[5] if len(args) > 5 else kwargs.get(name, default):
+            self._updated.update(id(t) for t in watched)
         return out
 
     # -- windows ----------------------------------------------------------------------------

@@ -283,7 +283,8 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
         ``mutated_buffers`` names the buffers the forward wrote in place:
         their version counter moved or their values changed (op schemas do not
         announce every write: ``native_batch_norm`` updates its running
-        statistics without bumping a version). ``statistics`` names those of them that
+        statistics without bumping a version), or a normalisation in training mode
+        was given them to update (an update can leave a value as it was). ``statistics`` names those of them that
         only normalisations updated ([Note: running statistics on replicas] in
         ``running_stats``). ``reads``: the model's plain Python attributes the forward read
         (``python_attributes.Reads``: [Note: Python attributes of the model]).
@@ -367,7 +368,7 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
             gm = make_fx(run, decomposition_table={}, tracing_mode="real",
                          record_stack_traces=True, _error_on_data_dependent_ops=False)(*flat)
             mutated = frozenset(n for n, b in buffers.items() if version_of(b) != versions[n]
-                                or not same_values(b, before[id(b)]))
+                                or not same_values(b, before[id(b)])) | watch.updated()
             statistics = watch.statistics(mutated)
     except Error as exc:
         raise exc.with_traceback(_user_traceback(exc.__traceback__))

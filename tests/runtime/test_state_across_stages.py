@@ -335,3 +335,50 @@ def test_shared_state_across_processes_is_refused():
     with pytest.raises(poptorch.Error, match=r"buffer 'ema' is written in forward by stage 1 .*"
                                              r"those stages run in different processes"):
         check_shared_state(part, model, opts, lambda ipu: ipu == 0)
+
+
+class _ZeroThenNorm(torch.nn.Module):
+    """A BatchNorm after a zero-initialised layer: at the trace its batch mean is exactly 0,
+    so its running_mean keeps its value, though the layer learns and later means are not."""
+
+    def __init__(self):
+        super().__init__()
+        self.zero = torch.nn.Linear(4, 4)
+        torch.nn.init.zeros_(self.zero.weight)
+        torch.nn.init.zeros_(self.zero.bias)
+        self.bn = torch.nn.BatchNorm1d(4)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x, y):
+        with poptorch.Block("b0", ipu_id=0):
+            out = self.head(self.bn(self.zero(x)) + x)
+            return out, F.cross_entropy(out, y)
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
+def test_statistics_the_trace_left_unchanged_move_once_a_forward_as_in_plain_pytorch(recompute):
+    """The trace finds a buffer written by the values it changed, and a batch norm's first
+    update may change none (a batch mean of exactly 0): the running statistics a
+    normalisation in training updates are written all the same, so a recomputed stage's
+    recompute writes a copy of them ([Note: recomputation]), and they move once a forward,
+    as in plain PyTorch (before, the recompute moved them a second time)."""
+    torch.manual_seed(0)
+    net = _ZeroThenNorm()
+    plain = copy.deepcopy(net)
+    opts = poptorch.Options().setExecutionStrategy(
+        poptorch.PipelinedExecution(schedule="grouped"))
+    if recompute:
+        opts._Popart.set("autoRecomputation", 3)
+    wrapped = poptorch.trainingModel(net, opts, torch.optim.SGD(net.parameters(), lr=0.5))
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.5)
+    x = torch.randn(8, 4)
+    y = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    for call in range(3):
+        wrapped(x, y)
+        optimizer.zero_grad()
+        plain(x, y)[1].backward()
+        optimizer.step()
+    wrapped.copyWeightsToHost()
+    assert plain.bn.num_batches_tracked.item() == 3
+    for name, value in plain.state_dict().items():
+        assert torch.equal(net.state_dict()[name], value), name
