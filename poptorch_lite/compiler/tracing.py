@@ -284,9 +284,10 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
         their version counter moved or their values changed (op schemas do not
         announce every write: ``native_batch_norm`` updates its running
         statistics without bumping a version), or a normalisation in training mode
-        was given them to update (an update can leave a value as it was). ``statistics`` names those of them that
-        only normalisations updated ([Note: running statistics on replicas] in
-        ``running_stats``). ``reads``: the model's plain Python attributes the forward read
+        was given them to update (an update can leave a value as it was).
+        ``statistics`` names those of them that only normalisations updated
+        ([Note: running statistics on replicas] in ``running_stats``). ``reads``:
+        the model's plain Python attributes the forward read
         (``python_attributes.Reads``: [Note: Python attributes of the model]).
 
     Raises:
