@@ -55,7 +55,8 @@ class Overlap:
         params: name -> the parameter (its own home) whose gradient is reduced.
         buckets: the parameters in buckets, in launch order.
         group: () -> the process group of the replicas (None: every process).
-        collective: ``(what, fn, *args)`` -> runs or waits, raising the processes' error.
+        collective: ``(what, fn, *args, **kwargs)`` -> ``fn``'s result (a work, or a wait's),
+            raising the processes' error.
         reducer: ``launch(bucket) -> handle`` starts a bucket's collective and
             ``land(handles, divisor, absent)`` finishes them in order: the processes'
             all-reduce, or the sharded state's ``Shards`` (its reduce-scatter).
@@ -162,10 +163,8 @@ class Overlap:
 def _all_reduce(t: torch.Tensor, group: Callable, collective: Callable):
     """Start the sum of ``t`` (the flags of the weights that had a gradient) over
     ``group()``; its work."""
-    holder = []
-    collective("the gradient all-reduce", lambda: holder.append(dist.all_reduce(
-        t, group=group(), async_op=True)))
-    return holder[0]
+    return collective("the gradient all-reduce", dist.all_reduce, t, group=group(),
+                      async_op=True)
 
 
 def buckets_in_backward_order(params: dict, make_buckets: Callable) -> list:

@@ -512,9 +512,11 @@ class Processes:
                         f"(rank {self.rank}) but {theirs.get(name)!r} in rank {rank}; every "
                         f"process must use the same options, optimizer and model")
 
-    def _collective(self, what: str, fn, *args, **kwargs) -> None:
+    def _collective(self, what: str, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` (a collective, or a wait), its result; a failure raised
+        as the processes' error (:meth:`_failed`)."""
         try:
-            fn(*args, **kwargs)
+            return fn(*args, **kwargs)
         except Exception as exc:
             raise self._failed(what, exc) from exc
 
@@ -573,10 +575,10 @@ class _AllReduce:
         grads = [p.grad for p in bucket]
         with torch.no_grad():
             flat = _flat(grads)
-        holder = []
-        self._processes._collective("the gradient all-reduce", lambda: holder.append(
-            dist.all_reduce(flat, group=self._processes._replicas_group(), async_op=True)))
-        return holder[0], flat, grads
+        work = self._processes._collective("the gradient all-reduce", dist.all_reduce, flat,
+                                           group=self._processes._replicas_group(),
+                                           async_op=True)
+        return work, flat, grads
 
     def land(self, launched: list, divisor: int, absent: frozenset) -> None:
         for work, flat, grads in launched:

@@ -94,8 +94,8 @@ class Shards:
         group: () -> the group of the N processes that share the state (None: all of
             them); asked at each collective, since the group is made when the processes join.
         rank, size: this process's rank among them, and N.
-        collective: ``(what, fn, *args, **kwargs)`` -> runs a collective, raising the
-            processes' error on failure.
+        collective: ``(what, fn, *args, **kwargs)`` -> runs a collective, its result (a
+            work where asynchronous), raising the processes' error on failure.
         alone: a weight of this many bytes or more that N divides evenly is communicated
             on its own, in place; the others together, through one buffer per dtype.
     """
@@ -143,10 +143,9 @@ class Shards:
                 if full < N and full * c < flat.numel():
                     buffer[full, at:at + flat.numel() - full * c] = flat[full * c:]
         mine = torch.empty(width, dtype=dtype, device=device)
-        holder = []
-        self._collective("the gradient reduce-scatter", lambda: holder.append(_REDUCE_SCATTER(
-            mine, buffer.view(-1), group=self._group(), async_op=True)))
-        return holder[0], mine, (ps, chunks, offsets, width), (N - 1) * width * \
+        work = self._collective("the gradient reduce-scatter", _REDUCE_SCATTER, mine,
+                                buffer.view(-1), group=self._group(), async_op=True)
+        return work, mine, (ps, chunks, offsets, width), (N - 1) * width * \
             buffer.element_size()
 
     def land(self, launched: list, divisor: int, absent: frozenset = frozenset()) -> None:

@@ -131,7 +131,7 @@ class Update:
             return
         overlap = self._overlap
         if overlap is None or overlap.params.keys() != trainable.keys() or \
-                (shards is not None) != (overlap.reducer is shards):
+                (shards is not None and overlap.reducer is not shards):
             if overlap is not None:
                 overlap.remove()
             overlap = self._overlap = self.processes.overlap(trainable, shards)
