@@ -350,8 +350,13 @@ def processes(pipelines: int, short: bool) -> list[dict]:
     if result.returncode != 0:
         raise SystemExit(f"torchrun ended with status {result.returncode}:\n"
                          f"{result.stderr[-3000:]}")
-    return [json.loads(line.split(" ", 1)[1]) for line in result.stdout.splitlines()
-            if line.startswith("FIGURES ")]
+    figures = [json.loads(line.split(" ", 1)[1]) for line in result.stdout.splitlines()
+               if line.startswith("FIGURES ")]
+    if len(figures) != 2:  # seen once under a loaded suite: say what torchrun printed
+        raise SystemExit(f"torchrun ended with status 0 but {len(figures)} of its 2 processes "
+                         f"printed their figures; its stdout:\n{result.stdout[-2000:]}\n"
+                         f"its stderr:\n{result.stderr[-2000:]}")
+    return figures
 
 
 def process_interrupt(rng: random.Random, short: bool) -> float:
