@@ -171,9 +171,15 @@ def _function_node(call: _FunctionCall, random: bool):
     def apply(*tensors):
         return call(*tensors)
     apply.__name__ = apply.__qualname__ = f"apply_{call.cls.__name__}"
+    apply.autograd_function = call.cls
     if random:  # rng.seed_random_ops gives it the micro-batch's stream
         apply.tags = (torch.Tag.nondeterministic_seeded,)
     return apply
+
+
+def calls_function(target) -> bool:
+    """Whether a graph node's ``target`` calls a custom autograd Function (:func:`traced_apply`)."""
+    return hasattr(target, "autograd_function")
 
 
 # -- trace time ----------------------------------------------------------------------------

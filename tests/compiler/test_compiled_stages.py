@@ -21,8 +21,8 @@ from poptorch_lite.compiler import compile_cache, compiled_stages, split_graphs
 from poptorch_lite.errors import OptionsError
 
 from conftest import DEVICE_MARKS
-from models import (BlockMLP, data, microbatch_seeds, on_device, reference_training,
-                    trained_grads, twin)
+from models import (BlockMLP, ScaledBackward, data, microbatch_seeds, on_device,
+                    reference_training, trained_grads, twin)
 
 STEPS = 20
 
@@ -414,6 +414,50 @@ def test_an_lstm_trains_compiled_as_its_composite_ops(device, backend, schedule,
     assert set(program.compiled.summary().values()) <= (
         {"compiled", "reused"} if device != "gpu_twin" else {"compiled", "reused", "failed"})
     train.destroy()
+
+class Reversed(torch.nn.Module):
+    """A gradient reversal layer (a custom Function whose output is a view of its input)
+    whose output and input both go on to the next stage."""
+
+    def __init__(self):
+        super().__init__()
+        self.l0, self.head = torch.nn.Linear(8, 6), torch.nn.Linear(6, 4)
+
+    def forward(self, x, y):
+        poptorch.Block.start("b0", ipu_id=0)
+        h = torch.tanh(self.l0(x))
+        reversed_ = ScaledBackward.apply(h, -0.5)
+        poptorch.Block.start("b1", ipu_id=1)
+        out = self.head(h * reversed_)
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_custom_functions_view_output_keeps_its_backward_when_compiled(backend,
+                                                                       every_stage_compiles):
+    """AOTAutograd returns an output that views an intermediate another output shares as
+    that intermediate, and views it again outside its graph, without the Function's own
+    backward between them: the reversal's -0.5 was lost, l0's gradient far from plain
+    PyTorch's. Compiled stages read a Function's outputs through a copy, and train as plain
+    PyTorch does."""
+    torch.manual_seed(0)
+    model = Reversed()
+    ref = twin(model, "cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opts = compiled_opts("grouped", 3, 1, backend=backend)
+    train = poptorch.trainingModel(model, opts.outputMode(poptorch.OutputMode.All), opt)
+    x, y = data(6, seed=0)
+    out, loss = train(x, y)
+    ref_outs, ref_losses, ref_grads = reference_training(ref, ref_opt, x, y, 1, 3, 1)
+    assert relative(out, torch.cat(ref_outs)) < 1e-5
+    grads = trained_grads(train)
+    for name, p in model.named_parameters():
+        assert relative(grads[name], ref_grads[name]) < 1e-5, name
+        assert relative(p, ref.get_parameter(name)) < 1e-5, name
+    assert set(program_of(train).compiled.summary().values()) == {"compiled"}
+    train.destroy()
+
 
 # -- when a stage stays eager ---------------------------------------------------------------
 

@@ -21,9 +21,6 @@ from fuzz_grammar import EDITS, FEATURES, LOSSES, OPTIMIZERS, TWO_STAGE, Edit, O
 
 PENDING = {
     # found by the fuzzer (tests/support/fuzz_found.py); fixes on their way
-    "compiled=True&function&penalty&stages=3":
-        "a gradient penalty through a custom autograd.Function, in compiled stages: the "
-        "step's gradients differ from plain PyTorch's by 0.0245 (found 2026-11-29, seed 63)",
 }
 
 

@@ -146,7 +146,9 @@ FOUND = [
     #    F.linear rounded otherwise ([Note: copies keep their alignment] in runtime/inputs)
     Found("input_copy_aligned_otherwise_ipu_model", "vary_batch=True&device=ipu_model",
           Program(), Config(D=2, device="ipu_model", vary_batch=True)),
-    # -- found by the 14-minute profile after those fixes (seed 63): pending -------------
+    # -- found by the 14-minute profile after those fixes (seed 63): AOTAutograd made a
+    #    Function's view output again outside its graph, without the Function's backward
+    #    ([Note: compiled stages]: custom Functions' outputs are copies)
     Found("penalty_through_a_function_in_compiled_stages",
           "compiled=True&function&penalty&stages=3",
           Program(stages=3, ops=(Op("function", 1, 0), Op("penalty", 0, 0))),
