@@ -153,4 +153,9 @@ FOUND = [
           "compiled=True&function&penalty&stages=3",
           Program(stages=3, ops=(Op("function", 1, 0), Op("penalty", 0, 0))),
           Config(G=5, compiled=True)),
+    # -- found by the same run (seed 62): a refusal the catalogue's message did not cover
+    #    (a buffer written by two stages; docs/ERRORS.md had only "written ... and read
+    #    before that by" for E-PART-25/26)
+    Found("state_written_by_two_stages_refused_as_catalogued", "spectral_norm&tied",
+          Program(stages=2, ops=(Op("spectral_norm", 1, 0), Op("tied", 1, 0))), Config(G=3)),
 ]
