@@ -282,6 +282,9 @@ class CompiledGraph:
                            if isinstance(a, torch.Tensor) and a.requires_grad and (
                                o is None or k in written and _tangent(o)))
 
+        def reached() -> tuple:  # the weights W gives gradients: a cut one gets none
+            return tuple(k for k in positions if k not in cut)
+
         # The backward compiles now too, not at its first call: its time is counted, and a
         # refusal comes before anything ran. A split backward's saved values are not the
         # input half's to reuse ("donated buffers"): the weight half reads them later.
@@ -300,7 +303,7 @@ class CompiledGraph:
                         def one(g, ex, first):
                             more = dict(kw) if first else {**kw, "static_input_idxs": ()}
                             return compile_fx_inner(g, ex, **more)
-                        return split_backward(gm, example_inputs, positions, one, split)
+                        return split_backward(gm, example_inputs, reached(), one, split)
                     return compile_fx_inner(gm, example_inputs, **kw)
                 fn = compile_fx(plain, list(args), inner_compile=inner,
                                 config_patches={"fallback_random": True} if self.random else None)
@@ -310,7 +313,7 @@ class CompiledGraph:
                 def backward(gm, example_inputs):
                     unreached(gm)
                     if split is not None:
-                        return split_backward(gm, example_inputs, positions,
+                        return split_backward(gm, example_inputs, reached(),
                                               lambda g, ex, first: _boxed(g), split)
                     return _boxed(gm)
                 fn = aot_module_simplified(plain, list(args), fw_compiler=lambda g, _: _boxed(g),

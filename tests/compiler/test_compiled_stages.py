@@ -363,6 +363,41 @@ def test_a_hook_on_a_parameter_no_gradient_reaches_is_not_called(device, backend
     train.destroy()
 
 
+class ClampedBeforeAStop(StoppedInside):
+    """StoppedInside whose unreached bias is also clamped in place in the forward (a weight
+    clip): the compiled backward passes on the gradient of the written value as the bias's."""
+
+    def forward(self, x, y):
+        with torch.no_grad():
+            self.l0.bias.clamp_(-0.1, 0.1)
+        return super().forward(x, y)
+
+
+def test_a_weight_written_in_forward_that_no_gradient_reaches_gets_none_from_a_split_backward(
+        every_stage_compiles):
+    """Its compiled weight half gave the clamped bias a gradient of zeros (the written
+    value's), where plain PyTorch's graph has no path to it: None, and the optimizer leaves
+    it alone (found by the fuzzer: a weight clip after a detach, zero bubble, compiled)."""
+    torch.manual_seed(0)
+    model = ClampedBeforeAStop()
+    ref = twin(model, "cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    train = poptorch.trainingModel(model, compiled_opts("zero_bubble", 3, 1, backend="aot_eager"),
+                                   opt)
+    for call in range(2):
+        x, y = data(6, seed=call)
+        train(x, y)
+        _, _, ref_grads = reference_training(ref, ref_opt, x, y, 1, 3, 1)
+        grads = trained_grads(train)
+        assert ref_grads["l0.bias"] is None and grads["l0.bias"] is None
+        assert model.l0.bias not in opt.state
+        for name, p in model.named_parameters():
+            assert relative(p, ref.get_parameter(name)) < 1e-5, name
+    assert set(program_of(train).compiled.summary().values()) == {"compiled"}
+    train.destroy()
+
+
 class Recurrent(torch.nn.Module):
     """An LSTM over a short sequence made from each sample, in the first of two stages."""
 

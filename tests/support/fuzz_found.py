@@ -158,4 +158,10 @@ FOUND = [
     #    before that by" for E-PART-25/26)
     Found("state_written_by_two_stages_refused_as_catalogued", "spectral_norm&tied",
           Program(stages=2, ops=(Op("spectral_norm", 1, 0), Op("tied", 1, 0))), Config(G=3)),
+    # -- found by --prove of the new skip features (seed 70), without them: a weight clip
+    #    after a detach, compiled, zero bubble: the weight half gave the clipped bias the
+    #    written value's gradient (zeros) where plain PyTorch gives None
+    Found("weight_clip_after_a_stop_in_a_compiled_split_backward", "stop&weight_clip",
+          Program(ops=(Op("stop"), Op("weight_clip"))),
+          Config(schedule="zero_bubble", compiled=True)),
 ]
