@@ -17,7 +17,8 @@ from __future__ import annotations
 from hypothesis import assume, strategies as st
 
 from fuzz_config import DEVICES, SCHEDULES, Config
-from fuzz_grammar import EDITS, FEATURES, LOSSES, OPTIMIZERS, TWO_STAGE, Edit, Op, Program
+from fuzz_grammar import (EDITS, FEATURES, LATER, LOSSES, OPTIMIZERS, TWO_STAGE, Edit, Op,
+                          Program)
 
 PENDING = {
     # found by the fuzzer (tests/support/fuzz_found.py); fixes on their way
@@ -35,6 +36,8 @@ def _op(draw, stages: int, kinds: list) -> Op:
     to = 0
     if kind == "buffer_across":
         to = draw(st.sampled_from([t for t in range(stages) if t != stage]))
+    elif kind in LATER:
+        to = draw(st.integers(stage, stages - 1))
     elif kind in TWO_STAGE:
         to = draw(st.integers(0, stages - 1))
     return Op(kind, stage, to)

@@ -122,6 +122,10 @@ FEATURES = {
     "param_hook": Feature(init="self.l{s}.bias.register_hook(lambda g: g.clamp(-0.01, 0.01))"),
     "frozen": Feature(init="self.l{s}.bias.requires_grad_(False)"),
     "input_inplace": Feature("x.mul_(0.5)"),
+    # a penalty on the gradient with respect to the input (R1 regularization of a GAN's critic)
+    "input_penalty": Feature("x = x.detach().requires_grad_()",
+                             post="gx{i}, = torch.autograd.grad(out.sum(), x, create_graph=True)"
+                                  "\nloss = loss + 0.1 * gx{i}.pow(2).sum()"),
     # second-order gradients: a gradient penalty, a gradient used as a value
     "penalty": Feature("anchor{i} = h",
                        post="g{i}, = torch.autograd.grad(out.sum(), anchor{i}, "
@@ -184,16 +188,40 @@ FEATURES = {
                                 "batch_first=True)",
                            imports=("from torch.nn.utils.rnn import pack_padded_sequence",),
                            refused="E-PART-24"),
+    "conv": Feature("h = h + 0.1 * self.conv{i}(h.unsqueeze(1)).mean(1)",
+                    init="self.conv{i} = torch.nn.Conv1d(1, 2, 3, padding=1)"),
+    "attention": Feature("tokens{i} = h.reshape(-1, 2, 3)\n"
+                         "h = h + F.scaled_dot_product_attention(tokens{i}, tokens{i}, "
+                         "tokens{i}).reshape(-1, 6)"),
+    # activations a later stage reads again (``to`` >= ``stage``): a residual across stages,
+    # views of one base (a split) and a view that is not contiguous (a transpose)
+    "skip": Feature("skip{i} = h", read="h = h + skip{i}"),
+    "split_skip": Feature("part{i}, rest{i} = h.split([2, 4], 1)",
+                          read="h = h + torch.cat([rest{i}, part{i}], 1)"),
+    "transpose_skip": Feature("ht{i} = h.t()", read="h = h + 0.5 * ht{i}.t()"),
+    # everyday layers and modes of real models
+    "relu_inplace": Feature("h = F.relu(h * 1.5 - 0.2, inplace=True)"),
+    "layernorm": Feature("h = self.ln{i}(h)", init=f"self.ln{{i}} = torch.nn.LayerNorm({WIDTH})"),
+    "autocast": Feature("with torch.autocast(\"cpu\", dtype=torch.bfloat16):\n"
+                        "    low{i} = F.linear(h, self.l{s}.weight)\n"
+                        "h = h + 0.1 * low{i}.float()"),
     # what the forward returns beside the loss
     "metric": Feature(post="with torch.no_grad():\n    metric{i} = F.cross_entropy(out, y)",
                       output="metric{i}"),
     "accuracy": Feature(post="accuracy{i} = (out.argmax(1) == y).float().mean()",
                         output="accuracy{i}"),
+    "prediction": Feature(post="prediction{i} = out.argmax(1)", output="prediction{i}"),
+    # a layer the forward never calls (a pretrained model's unused pooler): no gradient
+    "unused": Feature(init=f"self.unused{{i}} = torch.nn.Linear({WIDTH}, {WIDTH})"),
 }
 
 #: Features acting at a second stage (``Op.to``; "buffer_across": another one); the rest
 #: ignore ``to`` ("buffer" writes, then reads, at its own stage).
-TWO_STAGE = {"buffer_across", "tied", "shared_module"}
+TWO_STAGE = {"buffer_across", "tied", "shared_module", "skip", "split_skip", "transpose_skip"}
+#: Features whose forward line comes first, before stage 0 reads the input ``x``.
+FIRST = {"input_inplace", "input_penalty"}
+#: Two-stage features whose second stage reads a value the first made: ``to`` >= ``stage``.
+LATER = {"skip", "split_skip", "transpose_skip"}
 #: Features that change l<s>'s weight into a computed one (edits then touch its bias).
 PARAMETRIZED = {"weight_norm", "spectral_norm", "parametrize"}
 
@@ -327,7 +355,7 @@ def source(program: Program) -> str:
                  f"h = torch.tanh(self.l{s}({'x' if s == 0 else 'h'}))"]
         for i, op in enumerate(program.ops):
             f = FEATURES[op.kind]
-            if op.stage == s and f.forward and op.kind != "input_inplace":
+            if op.stage == s and f.forward and op.kind not in FIRST:
                 body += _fill(f.forward, op, i, program).split("\n")
             if f.read and (op.to if op.kind in TWO_STAGE else op.stage) == s:
                 body += _fill(f.read, op, i, program).split("\n")
@@ -345,8 +373,8 @@ def source(program: Program) -> str:
     body += ["out = self.head(h)"] + head
     body += LOSSES[program.loss].split("\n") + post
     body.append("return " + ", ".join(["out", "loss"] + outputs))
-    if "input_inplace" in {o.kind for o in program.ops}:  # first thing: x is still unused
-        body.insert(1, FEATURES["input_inplace"].forward)
+    for kind in sorted(FIRST & {o.kind for o in program.ops}, reverse=True):  # x unused yet
+        body.insert(1, FEATURES[kind].forward)
     head = "\n".join(sorted(i for i in imports if i.startswith("import"))
                      + sorted(i for i in imports if i.startswith("from")))
     symmetric = _SYMMETRIC if "parametrize" in {o.kind for o in program.ops} else ""
