@@ -53,6 +53,12 @@ stash, recomputation and the schedules are unchanged.
   (:func:`_functions_copied`): views of the copy are made again from the copy, whose
   gradient goes through the Function's backward inside the compiled graph. It costs one
   copy of each Function output a micro-batch.
+- **Views of arguments keep their gradients.** An output that views one of the graph's
+  arguments (a parameter's ``weight.t()``, an activation's transpose, that a later stage
+  reads) is made again outside the graph from the argument itself, and its gradient
+  reaches the argument that way, not through the compiled backward; such an argument is
+  never given detached as one no gradient reaches (:func:`_viewed_arguments`; it was: the
+  layer trained as if frozen after its first stage).
 
 The first call of a wrapper logs what it compiled and how long it took
 (:meth:`CompileReport.flush`); ``benchmarks/tax.py --compiled`` measures the speed.
@@ -70,6 +76,7 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
+from torch.utils import _pytree as pytree
 
 from ..options.options import BACKENDS  # noqa: F401 - the backends, read here too
 from . import compile_cache, grad_semantics, rng, tracing
@@ -274,13 +281,14 @@ class CompiledGraph:
 
         written = {k for k, ph in enumerate(n for n in plain.graph.nodes if n.op == "placeholder")
                    if written_in_place(ph)}
+        viewed = _viewed_arguments(plain)
 
         def unreached(bw: fx.GraphModule) -> None:  # its outputs: one per forward argument
             outs = bw.graph.output_node().args[0]
             if len(outs) == len(args):
                 cut.extend(k for k, (o, a) in enumerate(zip(outs, args))
-                           if isinstance(a, torch.Tensor) and a.requires_grad and (
-                               o is None or k in written and _tangent(o)))
+                           if isinstance(a, torch.Tensor) and a.requires_grad and k not in viewed
+                           and (o is None or k in written and _tangent(o)))
 
         def reached() -> tuple:  # the weights W gives gradients: a cut one gets none
             return tuple(k for k in positions if k not in cut)
@@ -365,6 +373,29 @@ def _tangent(value) -> bool:
     path to the argument."""
     return isinstance(value, fx.Node) and value.op == "placeholder" and \
         value.name.startswith("tangents")
+
+
+def _viewed_arguments(gm: fx.GraphModule) -> set:
+    """The positions of ``gm``'s arguments that one of its outputs views (a parameter's
+    ``weight.t()`` that a later stage multiplies by): AOTAutograd makes such an output again
+    outside its graph, from the argument itself, so the argument's gradient comes through
+    that view, not from the compiled backward, and it must not be cut (:func:`_cutting`)."""
+    position = {n: k for k, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    viewed = set()
+    for value in pytree.tree_leaves(gm.graph.output_node().args[0]):
+        while isinstance(value, fx.Node) and value not in position:
+            if value.target is operator.getitem:  # an item of a split, a chunk, an unbind
+                value = value.args[0]
+                continue
+            schema = getattr(base_op(value.target), "_schema", None)
+            returns = schema.returns if schema is not None else ()
+            if value.op != "call_function" or not value.args or not returns \
+                    or returns[0].alias_info is None:
+                break
+            value = value.args[0]
+        if value in position:
+            viewed.add(position[value])
+    return viewed
 
 
 def _cutting(fn, cut: tuple):

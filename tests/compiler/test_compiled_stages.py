@@ -398,6 +398,58 @@ def test_a_weight_written_in_forward_that_no_gradient_reaches_gets_none_from_a_s
     train.destroy()
 
 
+class ViewsAcross(torch.nn.Module):
+    """Three stages; the middle one's only use of a value it is given is a view that the
+    last stage reads: a parameter's transpose (``view="param"``) or another activation's
+    (``view="activation"``)."""
+
+    def __init__(self, view):
+        super().__init__()
+        self.view = view
+        self.l0, self.l1, self.l2 = (torch.nn.Linear(8, 8) for _ in range(3))
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x, y):
+        poptorch.Block.start("b0", ipu_id=0)
+        h, a = torch.tanh(self.l0(x)), torch.tanh(self.l2(x))
+        poptorch.Block.start("b1", ipu_id=1)
+        v = self.l2.weight.t() if self.view == "param" else a.t()
+        h = torch.tanh(self.l1(h))
+        poptorch.Block.start("b2", ipu_id=2)
+        h = h + (h @ v if self.view == "param" else v.t())
+        out = self.head(h)
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+@pytest.mark.parametrize("view", ["param", "activation"])
+@pytest.mark.parametrize("schedule", ["grouped", "zero_bubble"])
+def test_a_view_of_a_stage_argument_that_a_later_stage_reads_keeps_its_gradient(
+        view, schedule, every_stage_compiles):
+    """AOTAutograd makes an output that views an argument again outside its graph, so the
+    argument's gradient comes through that view; the compiled backward gives it none, and
+    the argument was given detached (as one no gradient reaches): l2 trained as if frozen
+    after its first stage. Such an argument is not cut."""
+    torch.manual_seed(0)
+    model = ViewsAcross(view)
+    ref = twin(model, "cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    train = poptorch.trainingModel(model, compiled_opts(schedule, 5, 1, backend="aot_eager"),
+                                   opt)
+    x, y = data(10, seed=0)
+    train(x, y)
+    _, _, ref_grads = reference_training(ref, ref_opt, x, y, 1, 5, 1)
+    grads = trained_grads(train)
+    for name, p in model.named_parameters():
+        if ref_grads[name] is None:  # l2's bias, where only its weight's view is read
+            assert grads[name] is None, name
+        else:
+            assert relative(grads[name], ref_grads[name]) < 1e-5, name
+        assert relative(p, ref.get_parameter(name)) < 1e-5, name
+    assert set(program_of(train).compiled.summary().values()) == {"compiled"}
+    train.destroy()
+
+
 class Recurrent(torch.nn.Module):
     """An LSTM over a short sequence made from each sample, in the first of two stages."""
 

@@ -199,6 +199,9 @@ FEATURES = {
     "split_skip": Feature("part{i}, rest{i} = h.split([2, 4], 1)",
                           read="h = h + torch.cat([rest{i}, part{i}], 1)"),
     "transpose_skip": Feature("ht{i} = h.t()", read="h = h + 0.5 * ht{i}.t()"),
+    # a view of what a stage is given ({h}: its input), taken first thing and read later:
+    # a stage whose output views its own argument
+    "view_relay": Feature("relay{i} = {h}.t()", read="h = h + 0.5 * relay{i}.t()"),
     # everyday layers and modes of real models
     "relu_inplace": Feature("h = F.relu(h * 1.5 - 0.2, inplace=True)"),
     "layernorm": Feature("h = self.ln{i}(h)", init=f"self.ln{{i}} = torch.nn.LayerNorm({WIDTH})"),
@@ -217,11 +220,14 @@ FEATURES = {
 
 #: Features acting at a second stage (``Op.to``; "buffer_across": another one); the rest
 #: ignore ``to`` ("buffer" writes, then reads, at its own stage).
-TWO_STAGE = {"buffer_across", "tied", "shared_module", "skip", "split_skip", "transpose_skip"}
+TWO_STAGE = {"buffer_across", "tied", "shared_module", "skip", "split_skip", "transpose_skip",
+             "view_relay"}
+#: Two-stage features whose second stage reads a value the first made: ``to`` >= ``stage``.
+LATER = {"skip", "split_skip", "transpose_skip", "view_relay"}
 #: Features whose forward line comes first, before stage 0 reads the input ``x``.
 FIRST = {"input_inplace", "input_penalty"}
-#: Two-stage features whose second stage reads a value the first made: ``to`` >= ``stage``.
-LATER = {"skip", "split_skip", "transpose_skip"}
+#: Features whose forward comes first in their stage, before ``h = tanh(l<s>(h))``.
+AT_START = {"view_relay"}
 #: Features that change l<s>'s weight into a computed one (edits then touch its bias).
 PARAMETRIZED = {"weight_norm", "spectral_norm", "parametrize"}
 
@@ -334,7 +340,8 @@ def param_of(program: Program, stage: int) -> str:
 
 
 def _fill(text: str, op: Op, i: int, program: Program) -> str:
-    return text.format(i=i, s=op.stage, t=op.to, p=param_of(program, op.stage))
+    return text.format(i=i, s=op.stage, t=op.to, p=param_of(program, op.stage),
+                       h="x" if op.stage == 0 else "h")
 
 
 def _block(lines: list, indent: int) -> str:
@@ -351,11 +358,14 @@ def source(program: Program) -> str:
     body, head, post, outputs = [], [], [], []
     for s in range(program.stages):
         ipu = s % 2 if program.ipus == "loop" else s
-        body += [f"poptorch.Block.start(\"s{s}\", ipu_id={ipu})",
-                 f"h = torch.tanh(self.l{s}({'x' if s == 0 else 'h'}))"]
+        body.append(f"poptorch.Block.start(\"s{s}\", ipu_id={ipu})")
+        for i, op in enumerate(program.ops):
+            if op.stage == s and op.kind in AT_START:
+                body += _fill(FEATURES[op.kind].forward, op, i, program).split("\n")
+        body.append(f"h = torch.tanh(self.l{s}({'x' if s == 0 else 'h'}))")
         for i, op in enumerate(program.ops):
             f = FEATURES[op.kind]
-            if op.stage == s and f.forward and op.kind not in FIRST:
+            if op.stage == s and f.forward and op.kind not in FIRST | AT_START:
                 body += _fill(f.forward, op, i, program).split("\n")
             if f.read and (op.to if op.kind in TWO_STAGE else op.stage) == s:
                 body += _fill(f.read, op, i, program).split("\n")
