@@ -53,6 +53,11 @@ stash, recomputation and the schedules are unchanged.
   (:func:`_functions_copied`): views of the copy are made again from the copy, whose
   gradient goes through the Function's backward inside the compiled graph. It costs one
   copy of each Function output a micro-batch.
+- **Outputs that view one intermediate are copies.** Where several outputs view the same
+  intermediate (two splits of a value, one of them after a ``detach``, that a later stage
+  reads), AOTAutograd made them again outside its graph from the wrong base and the stage
+  failed ("split_with_sizes expects split_sizes to sum exactly to 2", torch 2.14.1); each
+  such view is returned as a copy (:func:`_views_apart`), the rest as they are.
 - **Views of arguments keep their gradients.** An output that views one of the graph's
   arguments (a parameter's ``weight.t()``, an activation's transpose, that a later stage
   reads) is made again outside the graph from the argument itself, and its gradient
@@ -250,7 +255,7 @@ class CompiledGraph:
         """``(function, SplitState or None, reused, cache key, graph, cut)`` for ``args`` in
         grad mode ``grad``: another wrapper's, or compiled now; None where the stage runs
         eagerly. ``cut``: the positions of the arguments no gradient reaches (:func:`_cutting`)."""
-        plain = _functions_copied(_without_seeding(self.gm))
+        plain = _views_apart(_functions_copied(_without_seeding(self.gm)))
         d = self.decision
         if d.compile is None:
             d.compile = self._pays(plain, args)
@@ -375,27 +380,56 @@ def _tangent(value) -> bool:
         value.name.startswith("tangents")
 
 
+def _root(value, position: dict):
+    """What ``value`` views: the first value up its chain of views (``t``, ``split``'s
+    items, ``detach``, ``alias``: an op whose result aliases its first argument) that is
+    not one; ``position``: the graph's arguments, where a chain stops too."""
+    while isinstance(value, fx.Node) and value not in position:
+        if value.target is operator.getitem:  # an item of a split, a chunk, an unbind
+            value = value.args[0]
+            continue
+        schema = getattr(base_op(value.target), "_schema", None)
+        returns = schema.returns if schema is not None else ()
+        if value.op != "call_function" or not value.args or not returns \
+                or returns[0].alias_info is None:
+            break
+        value = value.args[0]
+    return value
+
+
+def _views_apart(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` (a copy, changed in place) with each output that views an intermediate another
+    output views too, or is, returned as a copy ([Note: compiled stages]): AOTAutograd makes
+    such views again outside its graph from one base, and with a ``detach`` among them it
+    made them from the wrong one (a split of 2 columns where 6 were split)."""
+    position = {n: k for k, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    output = gm.graph.output_node()
+    leaves = [v for v in pytree.tree_leaves(output.args[0]) if isinstance(v, fx.Node)]
+    roots: dict = {}
+    for v in leaves:
+        root = _root(v, position)
+        if root not in position:
+            roots.setdefault(root, []).append(v)
+    views = {v for root, vs in roots.items() if len(vs) > 1 for v in vs if v is not root}
+    if not views:
+        return gm
+    copies = {}
+    with gm.graph.inserting_before(output):
+        for v in views:
+            copies[v] = gm.graph.call_function(torch.ops.aten.clone.default, (v,))
+    output.args = fx.node.map_arg(output.args, lambda n: copies.get(n, n))
+    gm.recompile()
+    return gm
+
+
 def _viewed_arguments(gm: fx.GraphModule) -> set:
     """The positions of ``gm``'s arguments that one of its outputs views (a parameter's
     ``weight.t()`` that a later stage multiplies by): AOTAutograd makes such an output again
     outside its graph, from the argument itself, so the argument's gradient comes through
     that view, not from the compiled backward, and it must not be cut (:func:`_cutting`)."""
     position = {n: k for k, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
-    viewed = set()
-    for value in pytree.tree_leaves(gm.graph.output_node().args[0]):
-        while isinstance(value, fx.Node) and value not in position:
-            if value.target is operator.getitem:  # an item of a split, a chunk, an unbind
-                value = value.args[0]
-                continue
-            schema = getattr(base_op(value.target), "_schema", None)
-            returns = schema.returns if schema is not None else ()
-            if value.op != "call_function" or not value.args or not returns \
-                    or returns[0].alias_info is None:
-                break
-            value = value.args[0]
-        if value in position:
-            viewed.add(position[value])
-    return viewed
+    roots = (_root(v, position) for v in pytree.tree_leaves(gm.graph.output_node().args[0]))
+    return {position[r] for r in roots if isinstance(r, fx.Node) and r in position}
 
 
 def _cutting(fn, cut: tuple):

@@ -394,7 +394,7 @@ def test_a_weight_written_in_forward_that_no_gradient_reaches_gets_none_from_a_s
         assert model.l0.bias not in opt.state
         for name, p in model.named_parameters():
             assert relative(p, ref.get_parameter(name)) < 1e-5, name
-    assert set(program_of(train).compiled.summary().values()) == {"compiled"}
+    assert set(program_of(train).compiled.summary().values()) <= {"compiled", "reused"}
     train.destroy()
 
 
@@ -446,7 +446,7 @@ def test_a_view_of_a_stage_argument_that_a_later_stage_reads_keeps_its_gradient(
         else:
             assert relative(grads[name], ref_grads[name]) < 1e-5, name
         assert relative(p, ref.get_parameter(name)) < 1e-5, name
-    assert set(program_of(train).compiled.summary().values()) == {"compiled"}
+    assert set(program_of(train).compiled.summary().values()) <= {"compiled", "reused"}
     train.destroy()
 
 
@@ -542,7 +542,7 @@ def test_a_custom_functions_view_output_keeps_its_backward_when_compiled(backend
     for name, p in model.named_parameters():
         assert relative(grads[name], ref_grads[name]) < 1e-5, name
         assert relative(p, ref.get_parameter(name)) < 1e-5, name
-    assert set(program_of(train).compiled.summary().values()) == {"compiled"}
+    assert set(program_of(train).compiled.summary().values()) <= {"compiled", "reused"}
     train.destroy()
 
 

@@ -164,4 +164,14 @@ FOUND = [
     Found("weight_clip_after_a_stop_in_a_compiled_split_backward", "stop&weight_clip",
           Program(ops=(Op("stop"), Op("weight_clip"))),
           Config(schedule="zero_bubble", compiled=True)),
+    # -- found by the 25-minute profile with the new features (seed 73): two splits of one
+    #    value, one after a detach, read by the next stage: AOTAutograd made the views again
+    #    from the wrong base and the compiled stage failed ([Note: compiled stages])
+    Found("views_of_one_value_across_a_detach_compiled", "split_skip&stop",
+          Program(stages=2, ops=(Op("split_skip", 0, 1), Op("stop"), Op("split_skip", 0, 1))),
+          Config(G=3, compiled=True)),
+    Found("transposes_of_one_value_across_a_detach_compiled", "transpose_skip&stop",
+          Program(stages=2, ops=(Op("transpose_skip", 0, 1), Op("stop"),
+                                 Op("transpose_skip", 0, 1))),
+          Config(G=3, compiled=True)),
 ]
