@@ -10,8 +10,10 @@ torch's CPU kernels take paths that depend on where a tensor's first element lie
 and of a copy of those rows (64-byte aligned, as torch allocates) differ in the last bit
 (2.98e-08 in the fuzzer's finding). Plain PyTorch computes a micro-batch on a view of the
 user's batch, so a copy into an IPU's own memory (``useIpuModel``: inputs, and values
-crossing between IPUs) is made at the same offset in its line as the tensor it copies
-(:func:`memory_copy`), and the kernels round as they do in plain PyTorch.
+crossing between IPUs) and a copy that the forward writes in place instead of the value it
+was given ([Note: edited arguments] in ``stage_work``: ``x.mul_(0.5)`` on a micro-batch) are
+made at the same offset in their line as the tensor they copy (:func:`memory_copy`), and the
+kernels round as they do in plain PyTorch.
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ _LINE = 64  # bytes: torch's CPU allocator aligns every allocation to this
 
 
 def memory_copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy of CPU tensor ``t`` for another IPU's memory whose first element lies at the
-    same offset in its 64-byte line as ``t``'s ([Note: copies keep their alignment]); a copy
-    of a tensor that is not contiguous keeps its strides instead.
+    """A copy of CPU tensor ``t`` whose first element lies at the same offset in its 64-byte
+    line as ``t``'s ([Note: copies keep their alignment]); a copy of a tensor that is not
+    contiguous keeps its strides instead, and a GPU tensor's is its clone.
 
     Example:
         >>> x = torch.arange(18.).view(6, 3)[1:3]
@@ -35,7 +37,7 @@ def memory_copy(t: torch.Tensor) -> torch.Tensor:
         >>> torch.equal(x, y), y.data_ptr() % 64 == x.data_ptr() % 64, y.data_ptr() != x.data_ptr()
         (True, True, True)
     """
-    offset = t.data_ptr() % _LINE
+    offset = t.data_ptr() % _LINE if t.is_cpu else 0
     if not offset or not t.is_contiguous() or offset % t.element_size():
         return t.clone()
     skip = offset // t.element_size()

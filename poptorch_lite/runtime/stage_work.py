@@ -166,17 +166,17 @@ class StageWork:
                 if ready is not None:  # its copy to this GPU, enqueued by the caller
                     self.gpu.current_stream(device).wait_event(ready)
                 if edited:  # [Note: edited arguments]
-                    v = run.edited[i, key] = v.clone()
+                    v = run.edited[i, key] = memory_copy(v)
             else:  # computed by an earlier stage: [Note: autograd boundary]
                 produced = received[name] if name in received else run.values[i][name]
                 v = self.gpu.arrive(produced.detach(), device)  # [Note: values crossing streams]
                 if separate and self.producer[name] != ipu and v.device == produced.device:
-                    v = memory_copy(v) if v.is_cpu else v.clone()  # into another IPU's memory
+                    v = memory_copy(v)  # into another IPU's memory
                 if torch.is_grad_enabled() and produced.requires_grad:
                     v.requires_grad_(True)
                     boundary[name] = v
                 if edited:  # written in place: leave the producer's value
-                    v = v.clone()
+                    v = memory_copy(v)
             args[at] = v
         return args, boundary
 
@@ -342,7 +342,7 @@ class StageWork:
                 if g is not None:  # made by a later stage: [Note: values crossing streams]
                     g = self.gpu.arrive(g, o.device if gpu is None else gpu)
                     if name in crossing:
-                        g = memory_copy(g) if g.is_cpu else g.clone()  # back into this IPU's
+                        g = memory_copy(g)  # back into this IPU's
                 if name == self.loss:
                     seed = torch.full_like(o, step.loss_scaling)  # loss scaling: the one place
                     g = seed if g is None else g + seed
