@@ -23,6 +23,7 @@ import torch
 
 from ..compiler import rng
 from ..errors import Error
+from .inputs import memory_copy
 from .run import Entry
 
 
@@ -47,11 +48,11 @@ def rebuild(st, entry: Entry) -> list:
     for name, v in zip(st.inputs, entry.args):
         if name in entry.buffers:  # writes land in a copy: statistics move once
             before = entry.buffers[name]
-            v = _AsBefore.apply(v, before) if v.requires_grad else before.clone()
+            v = _AsBefore.apply(v, before) if v.requires_grad else memory_copy(before)
         elif name in entry.boundary:
             v = entry.boundary[name]
             if name in st.written_inputs:
-                v = v.clone()
+                v = memory_copy(v)
         env[name] = v
     segments = []
     with rng.use(entry.rng.snapshot() if entry.rng is not None else None):
@@ -63,7 +64,7 @@ def rebuild(st, entry: Entry) -> list:
                     v = value.detach().requires_grad_(requires_grad)
                     if requires_grad:
                         leaves[name] = v
-                    args.append(v.clone() if requires_grad and name in seg.written else v)
+                    args.append(memory_copy(v) if requires_grad and name in seg.written else v)
                 else:
                     args.append(env[name])
             segments.append((seg.module(*args), seg.outputs, leaves))
@@ -76,7 +77,7 @@ class _AsBefore(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, param, before):
-        return before.clone()
+        return memory_copy(before)
 
     @staticmethod
     def backward(ctx, grad):

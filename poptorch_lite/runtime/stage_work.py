@@ -195,8 +195,8 @@ class StageWork:
         if st.recompute:  # [Note: recomputation]
             entry.args = args
             entry.rng = stream.snapshot() if stream is not None else None
-            entry.buffers = {n: args[st.inputs.index(n)].detach().clone()
-                             for n in st.written_state}
+            entry.buffers = {n: memory_copy(args[st.inputs.index(n)].detach())
+                             for n in st.written_state}  # as plain PyTorch's view lies
             env = dict(zip(st.inputs, args))
             with rng.use(stream), recompute.dropping():
                 for seg in st.segments:

@@ -179,4 +179,8 @@ FOUND = [
     #    alignment] in runtime/inputs)
     Found("input_written_in_place_rounds_as_its_view", "input_inplace&B=3&D=2",
           Program(ops=(Op("input_inplace"),)), Config(D=2, B=3)),
+    # -- the next run (seed 92): a recompute started from an aligned copy of that input
+    Found("recomputed_input_written_in_place_rounds_as_its_view",
+          "input_inplace&recompute=True&D=2",
+          Program(ops=(Op("input_inplace"),)), Config(D=2, B=3, recompute=True)),
 ]
