@@ -171,7 +171,7 @@ class StageWork:
                 produced = received[name] if name in received else run.values[i][name]
                 v = self.gpu.arrive(produced.detach(), device)  # [Note: values crossing streams]
                 if separate and self.producer[name] != ipu and v.device == produced.device:
-                    v = memory_copy(v)  # into another IPU's memory
+                    v = memory_copy(v)  # useIpuModel: into another IPU's memory
                 if torch.is_grad_enabled() and produced.requires_grad:
                     v.requires_grad_(True)
                     boundary[name] = v
@@ -342,7 +342,7 @@ class StageWork:
                 if g is not None:  # made by a later stage: [Note: values crossing streams]
                     g = self.gpu.arrive(g, o.device if gpu is None else gpu)
                     if name in crossing:
-                        g = memory_copy(g)  # back into this IPU's
+                        g = memory_copy(g)  # useIpuModel: back into this IPU's memory
                 if name == self.loss:
                     seed = torch.full_like(o, step.loss_scaling)  # loss scaling: the one place
                     g = seed if g is None else g + seed
