@@ -233,7 +233,7 @@ class Channels:
 
     def clip_grad_norm_(self, params: dict, max_norm: float) -> None:
         """``torch.nn.utils.clip_grad_norm_`` over the gradients of ``params`` (name ->
-        parameter: those the optimizer holds, in the model's order), which the pipeline's
+        parameter: those the optimizer holds, in its groups' order), which the pipeline's
         processes hold between them: each process takes the norm of each gradient it counts
         (a weight used in several processes counts in the first) as torch does
         (``_norms``), :meth:`clip_coefficient` makes the coefficient, and each process

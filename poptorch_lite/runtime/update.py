@@ -212,9 +212,8 @@ class Update:
         if self.processes is not None:  # [Note: replicas across processes] global gradient first
             self.processes.all_reduce_grads(self._stepped, self._overlap)
         spread = self.channels is not None  # the stages' gradients are in several processes
-        params = ([p for p in weights.params.values() if p.grad is not None]
-                  if step.loss_scale.automatic or math.isfinite(step.max_grad_norm) else None)
         if step.loss_scale.automatic:  # one sync per step
+            params = [p for p in weights.params.values() if p.grad is not None]
             bad = torch.stack([(~torch.isfinite(p.grad)).any().to(params[0].device)
                                for p in params]).sum().cpu() if params else torch.zeros(())
             if spread:  # a non-finite gradient in any of the pipeline's processes
@@ -222,16 +221,12 @@ class Update:
             if not step.loss_scale.update(not bool(bad)):
                 return False
         if math.isfinite(step.max_grad_norm):
-            # The norm of what the optimizer steps (PopART clips the weights it updates):
-            # a parameter outside its groups keeps its gradient and adds nothing.
-            held = {id(p) for g in step.optimizer.param_groups for p in g["params"]}
+            held = _held(weights.params, step.optimizer)
             if spread:  # the global norm, over the pipeline's processes
-                self.channels.clip_grad_norm_(
-                    {n: p for n, p in weights.params.items() if id(p) in held},
-                    step.max_grad_norm)
+                self.channels.clip_grad_norm_(held, step.max_grad_norm)
             else:
-                torch.nn.utils.clip_grad_norm_([p for p in params if id(p) in held],
-                                               step.max_grad_norm)
+                torch.nn.utils.clip_grad_norm_(
+                    [p for p in held.values() if p.grad is not None], step.max_grad_norm)
         try:  # [Note: commit point]: from here parameters and optimizer state change
             step.optimizer.step()
         except Exception as exc:
@@ -253,8 +248,8 @@ class Update:
         if math.isfinite(step.max_grad_norm):
             if self.channels is not None:  # the global norm, over the pipeline's processes
                 norms = shards.norms()
-                held_params = {n: p for n, p in self.weights.params.items() if id(p) in held}
-                shards.scale(self.channels.clip_coefficient(held_params, step.max_grad_norm, {
+                shards.scale(self.channels.clip_coefficient(
+                    _held(self.weights.params, step.optimizer), step.max_grad_norm, {
                     n: norms[id(p)] for n, p in stepped.items() if id(p) in norms}))
             else:
                 shards.clip(step.max_grad_norm)
@@ -337,6 +332,17 @@ class _Installed:
                          "landed (a finalizer or callback that ignores exceptions), so the call "
                          "ran to its end; raised here, with the model as after the call")
             raise exc
+
+
+def _held(params: dict, optimizer: torch.optim.Optimizer) -> dict:
+    """The model's parameters (name -> parameter) that ``optimizer`` steps, in its groups'
+    order: what clipping takes the norm of. PopART clips the weights it updates, so a
+    parameter outside the groups keeps its gradient and adds nothing; and the order is the
+    one a plain loop over ``optimizer.param_groups`` (Lightning's, for one) hands
+    ``clip_grad_norm_``, which sums the norms in it."""
+    names = {id(p): n for n, p in params.items()}
+    return {names[id(p)]: p for g in optimizer.param_groups for p in g["params"]
+            if id(p) in names}
 
 
 def graph_refusal(step: StepArithmetic) -> Optional[str]:

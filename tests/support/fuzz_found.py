@@ -183,4 +183,11 @@ FOUND = [
     Found("recomputed_input_written_in_place_rounds_as_its_view",
           "input_inplace&recompute=True&D=2",
           Program(ops=(Op("input_inplace"),)), Config(D=2, B=3, recompute=True)),
+    # -- the next run (seed 101): clipping summed the gradients' norms in the model's order
+    #    where the norm of what the optimizer steps sums them in its groups' order (the
+    #    batchnorm's weights come after the head in the model, before it in the groups)
+    Found("clipping_sums_norms_in_the_optimizers_order",
+          "batchnorm_cumulative&optimizer=clipped&groups=two",
+          Program(ops=(Op("batchnorm_cumulative"),), optimizer="clipped", groups="two"),
+          Config()),
 ]
