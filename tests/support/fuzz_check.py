@@ -25,6 +25,18 @@ from, and replays it in every later forward of that program, so those examples a
 compared in full as well. A program plain PyTorch cannot run is :class:`fuzz_plain.Invalid`
 (its first call fails) or ends early (a later call or edit fails).
 
+[Note: the twin's inputs]
+On a GPU a step's inputs are a copy made for the device (poptorch_lite's GPU path moves a
+run's micro-batches in one transfer, each reading its rows of it; a plain loop moves each
+step's batch with ``.to(device)``), a fresh allocation where plain PyTorch on the CPU reads
+views into the user's batch. torch's CPU kernels round by where a tensor starts in its
+64-byte line ([Note: copies keep their alignment] in poptorch_lite/runtime/inputs), and the
+twin computes with them, so on the twin the plain side reads each step's micro-batches from
+a copy of that step's rows too (and a forward's write to them reaches the caller's batch
+after the step, as poptorch_lite's copy back does). That is the arithmetic a GPU does; the
+rounding a CPU kernel adds to an offset is not a GPU's, and a captured step's static slots
+could not keep per-run offsets anyway.
+
 Each wrapped call must then be **exact**: every output of every micro-batch, the gradient
 each step used (``models.trained_grads``) for every parameter the optimizer holds, the
 host ``.grad`` left as the user left it (None, or what an edit put there), every weight

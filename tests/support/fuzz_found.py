@@ -190,4 +190,14 @@ FOUND = [
           "batchnorm_cumulative&optimizer=clipped&groups=two",
           Program(ops=(Op("batchnorm_cumulative"),), optimizer="clipped", groups="two"),
           Config()),
+    # -- the same run and seed 110: on the twin the plain side read views into the user's
+    #    batch where a GPU reads the device's copy of each step's rows; the CPU kernels
+    #    the twin computes with rounded the offset otherwise (the oracle's error: [Note: the
+    #    twin's inputs] in fuzz_check)
+    *(Found(f"twin_steps_read_the_devices_copy{'_captured' if graph else ''}{suffix}",
+            f"{kinds}device=gpu_twin&graph={graph}",
+            Program(ops=ops), Config(D=2, B=3, device="gpu_twin", graph=graph))
+      for graph in (False, True)
+      for suffix, kinds, ops in (("", "", ()),
+                                 ("_written", "input_inplace&", (Op("input_inplace"),)))),
 ]

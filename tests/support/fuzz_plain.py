@@ -96,6 +96,11 @@ def _plain_call(net, opt, x, y, config: Config, seeds: list, replicas: list,
     buffers = dict(net.named_buffers())
     for d in range(config.D):
         opt.zero_grad(set_to_none=True)
+        step = slice(d * m * b, (d + 1) * m * b)
+        if config.device == "gpu_twin":  # [Note: the twin's inputs] in fuzz_check
+            xs, ys = x[step].clone(), y[step].clone()
+        else:
+            xs, ys = x[step], y[step]
         for j in range(m):
             k, r = d * m + j, j % config.R
             if replicas:  # broadcastBuffers(False): replica r's own buffers
@@ -104,7 +109,7 @@ def _plain_call(net, opt, x, y, config: Config, seeds: list, replicas: list,
                         replicas[0][name] = t.clone()
                         t.copy_(replicas[r][name])
             torch.manual_seed(seeds[k])
-            xk, yk = x[k * b:(k + 1) * b], y[k * b:(k + 1) * b]
+            xk, yk = xs[j * b:(j + 1) * b], ys[j * b:(j + 1) * b]
             with draws.forward(b) if draws else contextlib.nullcontext():
                 result = net(xk, y=yk) if config.keyword else net(xk, yk)
             loss = result[1]
@@ -116,6 +121,8 @@ def _plain_call(net, opt, x, y, config: Config, seeds: list, replicas: list,
                     for name, t in buffers.items():
                         replicas[r][name] = t.clone()
                         t.copy_(replicas[0][name])
+        if config.device == "gpu_twin":  # a forward's write to its input reaches the caller's
+            x[step].copy_(xs)
         divisor = (m if config.reduction == "mean" else 1) * scale  # as the reduction divides
         if divisor != 1:
             for p in net.parameters():
