@@ -103,7 +103,8 @@ class Config:
         the plain side computes on the GPU too, held to the float32 rule (not yet checked
         to the bit on a GPU)."""
         kinds = {o.kind for o in program.ops}
-        through_checkpoint = "checkpoint" in kinds and kinds & {"penalty", "saliency"}
+        through_checkpoint = "checkpoint" in kinds and kinds & {"penalty", "saliency",
+                                                                "input_penalty"}
         if program.stages == 1 and self.G * self.R == 1 and not self.compiled \
                 and not through_checkpoint and self.device != "cuda":
             return 0.0
