@@ -132,6 +132,8 @@ class Two(torch.nn.Module):
                 self.calls += 1
             if self.tail == "scaled":  # a Python attribute the forward reads
                 h = h * self.scale
+            if self.tail == "own_mode":  # the model's own train/eval flag
+                h = torch.nn.functional.dropout(h, 0.5, self.training)
             if self.tail == "packed":  # by lengths from the data
                 torch.nn.utils.rnn.pack_padded_sequence(
                     h.unsqueeze(1).repeat(1, 2, 1), (y[:, 0] > 0).long().cpu() + 1,
@@ -279,6 +281,25 @@ def attribute_changed_every_call():
     for k in range(6):
         model.scale = 1.0 + k
         train(torch.randn(2, 4), torch.randn(2, 4))
+    train.destroy()
+
+
+def normalisation_frozen_between_calls():
+    """A BatchNorm put in eval mode after the training model's first call."""
+    model = Two(bn=True)
+    train = poptorch.trainingModel(model, opts())
+    train(torch.randn(2, 4), torch.randn(2, 4))
+    model.bn.eval()
+    train(torch.randn(2, 4), torch.randn(2, 4))
+    train.destroy()
+
+
+def own_mode_changed_after_wrapping():
+    """``model.eval()`` after wrapping a model whose forward reads ``self.training``."""
+    model = Two(tail="own_mode")
+    train = poptorch.trainingModel(model, opts())
+    model.eval()
+    train(torch.randn(2, 4), torch.randn(2, 4))
     train.destroy()
 
 
@@ -1336,6 +1357,8 @@ T = {
     "W-LITE-15": attribute_changed_every_call,
     "W-LITE-16": missing_op_library,
     "W-LITE-17": lambda: poptorch.Options().Jit.traceModel(True),
+    "W-LITE-18": normalisation_frozen_between_calls,
+    "W-LITE-19": own_mode_changed_after_wrapping,
     "W-LITE-08": lambda: keras_model(spe=1).fit(torch.randn(10, 4), torch.randn(10, 2),
                                                batch_size=4, verbose=0, drop_remainder=True),
 }

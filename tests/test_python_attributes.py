@@ -18,7 +18,7 @@ from torch.testing import assert_close
 
 import poptorch_lite as poptorch
 
-from models import data, on_device, reference_training, trained_grads, twin
+from models import data, microbatch_seeds, on_device, reference_training, trained_grads, twin
 
 ATOL = 1e-5
 ROWS = [(1, 2), (2, 3)]  # blocks, G: one stage, and a pipeline of two
@@ -278,4 +278,140 @@ def test_a_replacement_while_detached_is_refused_at_attach():
         train.attachToDevice()
     with pytest.raises(poptorch.WrapError, match="parameter 'b.bias' is another object"):
         train(*data(4))  # a new signature: refused before it traces
+    train.destroy()
+
+
+# -- train and eval modes ([Note: train and eval modes] in runtime/compiled.py) -----------
+
+class Normalised(torch.nn.Module):
+    """A Linear layer, a BatchNorm, dropout and a head, in 1 or 2 blocks; the loss comes
+    back only while the model itself trains (``if self.training``), as in Graphcore's
+    models, whose validation calls the same module without labels."""
+
+    def __init__(self, blocks: int):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+        self.bn, self.drop = torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.3)
+        self.blocks = blocks
+
+    def forward(self, x, y):
+        poptorch.Block.start("b0", ipu_id=0)
+        h = self.drop(torch.relu(self.bn(self.a(x))))
+        if self.blocks == 2:
+            poptorch.Block.start("b1", ipu_id=1)
+        out = self.b(h)
+        return (out, F.cross_entropy(out, y)) if self.training else out
+
+
+def _step_both(train, ref, ref_opt, G: int, call: int):
+    """One call of ``train`` and plain PyTorch's step on ``ref`` with the same dropout
+    masks: outputs and losses agree; returns nothing."""
+    x, y = data(2 * G, seed=call)
+    torch.manual_seed(100 + call)
+    out, loss = train(x, y)
+    torch.manual_seed(100 + call)
+    outs, losses, _ = reference_training(ref, ref_opt, x, y, 1, G, 1,
+                                         seeds=microbatch_seeds(1, G))
+    assert_close(out, torch.cat(outs), atol=ATOL, rtol=0, msg=f"call {call}")
+    assert_close(loss, torch.stack(losses), atol=ATOL, rtol=0, msg=f"call {call}")
+
+
+def _same_state(model, ref, where: str):
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert_close(a, b.cpu(), atol=ATOL, rtol=0, msg=f"{name}, {where}")
+
+
+@pytest.mark.parametrize("blocks, G", ROWS)
+def test_normalisation_and_dropout_frozen_between_calls_train_as_plain_pytorch(blocks, G,
+                                                                              device):
+    """``bn.eval(); drop.eval()`` after a call (freezing them, as a fine-tune does): the next
+    calls run them in eval mode, as plain PyTorch does (the running statistics used and left
+    alone), with a warning that PopTorch kept its first modes; back in train mode, the first
+    program runs again."""
+    torch.manual_seed(0)
+    model = Normalised(blocks)
+    ref = twin(model, device)
+    opt, ref_opt = sgd(model), sgd(ref)
+    train = poptorch.trainingModel(model, options(blocks, G, device), opt)
+    _step_both(train, ref, ref_opt, G, 0)
+    for m in (model, ref):
+        m.bn.eval()
+        m.drop.eval()
+    statistics = model.bn.running_mean.clone()
+    with pytest.warns(poptorch.PoptorchLiteWarning, match=re.escape(
+            "model.bn, model.drop went to eval mode since the training model was traced: it "
+            "compiles again and trains with them in eval mode")):
+        _step_both(train, ref, ref_opt, G, 1)
+    assert torch.equal(model.bn.running_mean, statistics)
+    _same_state(model, ref, "frozen")
+    for m in (model, ref):
+        m.train()
+    _step_both(train, ref, ref_opt, G, 2)
+    _same_state(model, ref, "unfrozen")
+    assert len(train._programs) == 2
+    train.destroy()
+
+
+def test_a_validation_model_wrapped_while_the_model_trains_validates_in_eval_mode(device):
+    """Graphcore's CNN application wraps its validation model while the model trains, then
+    calls ``model.eval()`` before each validation pass and ``model.train()`` after it: the
+    validation uses the running statistics and leaves them alone, and training goes on as
+    plain PyTorch's (the training model never runs in eval mode: no W-LITE-18). The
+    wrapper's own flag is the model's when wrapped (PopTorch's shallow copy), so the forward
+    returns its loss too, and says so (W-LITE-19)."""
+    torch.manual_seed(0)
+    model = Normalised(1)
+    ref = twin(model, device)
+    opt, ref_opt = sgd(model), sgd(ref)
+    train = poptorch.trainingModel(model, options(1, 2, device), opt)
+    validation = poptorch.inferenceModel(model, on_device(poptorch.Options(), device)
+                                         .deviceIterations(2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for call in range(3):
+            _step_both(train, ref, ref_opt, 2, call)
+            x, y = data(4, seed=10 + call)
+            model.eval()
+            statistics = model.bn.running_mean.clone()
+            got = validation(x, y)[0]  # wrapped in train mode: its own flag says so
+            model.train()
+            with torch.no_grad():
+                ref.eval()
+                ref.training = True
+                want = torch.cat([ref(x[k:k + 2].to(ref.a.weight.device),
+                                      y[k:k + 2].to(ref.a.weight.device))[0]
+                                  for k in (0, 2)]).cpu()
+                ref.train()
+            assert_close(got, want, atol=ATOL, rtol=0, msg=f"validation {call}")
+            assert torch.equal(model.bn.running_mean, statistics)
+    _same_state(model, ref, "after")
+    ours = [str(w.message) for w in caught if w.category is poptorch.PoptorchLiteWarning]
+    assert not [m for m in ours if "went to eval mode" in m]
+    assert [m for m in ours if m.startswith(
+        "the model is in eval mode, but its forward reads self.training, which is the "
+        "inferenceModel's own flag")]
+    train.destroy()
+    validation.destroy()
+
+
+def test_the_models_own_mode_is_the_wrappers_as_wrapped():
+    """PopTorch wraps a shallow copy: ``model.eval()`` after ``trainingModel`` puts the
+    submodules in eval mode, but the wrapper's own flag stays as it was (the forward's
+    ``if self.training`` still returns the loss), with a warning that plain PyTorch would
+    read the user's."""
+    torch.manual_seed(0)
+    model = Normalised(1)
+    ref = twin(model)
+    opt, ref_opt = sgd(model), sgd(ref)
+    train = poptorch.trainingModel(model, options(1, 2, "cpu"), opt)
+    model.eval()
+    ref.eval()
+    ref.training = True  # the wrapper's copy of the flag
+    with pytest.warns(poptorch.PoptorchLiteWarning, match=re.escape(
+            "the model is in eval mode, but its forward reads self.training, which is the "
+            "trainingModel's own flag, set when it wrapped the model: it runs the forward in "
+            "train mode")):
+        _step_both(train, ref, ref_opt, 2, 0)
+    _same_state(model, ref, "after")
+    assert not model.training  # the user's flag, as the user set it
     train.destroy()

@@ -8,9 +8,10 @@ PyTorch reads it again in every forward, so the trace finds which ones it read a
 program is kept for those values only: while it traces, ``nn.Module.__getattribute__``
 notes each read of an attribute of one of the model's modules whose value is plain and
 immutable (bool, int, float, complex, str, bytes, None, an enum member, a numpy scalar, a
-``torch.dtype`` or ``torch.device``, or a tuple of them); ``training`` follows PopTorch's
-wrap-time modes instead, and the names ``nn.Module`` itself keeps (its hook tables,
-``_compiled_call_impl``, ...) are its machinery, not the model's. A user's private names
+``torch.dtype`` or ``torch.device``, or a tuple of them); a submodule's ``training`` flag
+too, but not the model's own, which is the wrapper's, fixed when it wrapped ([Note: train
+and eval modes] in ``runtime/compiled``); the names ``nn.Module`` itself keeps (its hook
+tables, ``_compiled_call_impl``, ...) are its machinery, not the model's. A user's private names
 (``self._scale``) are read like any other. :class:`Reads` is what one trace read: a call
 compares those values (one C-level getter per module, by type and value: ``0.0`` and
 ``-0.0`` are one value) and a changed one traces again ([Note: attributes the forward
@@ -51,8 +52,8 @@ from .trace_modes import _user_frame
 _SCALARS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
             enum.Enum, np.generic)
 # nn.Module's own machinery (its instances' hook tables, its class's ``_compiled_call_impl``
-# and ``_version``, ...), and ``training``, which follows the wrap-time modes.
-_NOT_WATCHED = frozenset(vars(torch.nn.Module())) | frozenset(vars(torch.nn.Module)) | {
+# and ``_version``, ...); ``training`` is the user's flag (the root's aside: _getattribute).
+_NOT_WATCHED = (frozenset(vars(torch.nn.Module())) | frozenset(vars(torch.nn.Module))) - {
     "training"}
 _MISSING = object()
 _call = getattr(operator, "call", lambda f, x: f(x))  # operator.call: Python 3.11
@@ -80,11 +81,15 @@ class Reads:
     Args:
         read: module -> {attribute name: the value the trace read}.
         names: module -> its qualified name in the model ("" for the model itself).
+        own_mode: whether the trace read the model's own ``training`` flag, which is the
+            wrapper's and keys nothing ([Note: train and eval modes] in runtime/compiled).
     """
 
-    __slots__ = ("entries", "key", "names", "_getters", "_sources", "_want", "_kinds")
+    __slots__ = ("entries", "key", "names", "own_mode", "_getters", "_sources", "_want",
+                 "_kinds")
 
-    def __init__(self, read: dict, names: dict):
+    def __init__(self, read: dict, names: dict, own_mode: bool = False):
+        self.own_mode = own_mode
         entries = []  # (module, where it is read from, names, getter)
         for module, values in read.items():
             own = vars(module)
@@ -150,7 +155,10 @@ def _getattribute(self, name):
     value = object.__getattribute__(self, name)
     watch = getattr(_local, "watch", None)
     if watch is not None and id(self) in watch.modules and _watched(name) and plain(value):
-        watch.reads.setdefault(self, {}).setdefault(name, value)
+        if name == "training" and self is watch.model:  # the wrapper's own flag, not watched
+            watch.own_mode_read = True
+        else:
+            watch.reads.setdefault(self, {}).setdefault(name, value)
     return value
 
 
@@ -178,6 +186,7 @@ class AttributeWatch:
         self.modules = {id(m) for m in self.names}
         self.reads: dict = {}   # module -> {name: the value first read}
         self.lines: dict = {}   # (id(module), name) -> the user's frame of its first write
+        self.own_mode_read = False  # whether the forward read the model's own ``training``
 
     def _plain_attributes(self) -> dict:
         return {(m, n): v for m in self.names for n, v in vars(m).items()
@@ -216,7 +225,8 @@ class AttributeWatch:
             for name, value in list(values.items()):
                 if (m, name) in self.written or not same(value, getattr(m, name, _MISSING)):
                     del values[name]
-        self.reads = Reads({m: v for m, v in self.reads.items() if v}, self.names)
+        self.reads = Reads({m: v for m, v in self.reads.items() if v}, self.names,
+                           self.own_mode_read)
 
     def _put_back(self) -> list:
         """Put back each plain attribute the forward changed (made, deleted, or gave another

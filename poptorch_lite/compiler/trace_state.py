@@ -27,7 +27,8 @@ from .trace_modes import _user_line
 @contextlib.contextmanager
 def preserved_state(model: torch.nn.Module, modes: dict, inputs: list,
                     generators: "UserGenerators", written: "WrittenParameters"):
-    """Run the trace with the wrap-time train/eval modes; undo every change it makes.
+    """Run the trace with the train/eval flags of ``modes`` (module -> flag; the others as
+    they are); undo every change it makes.
 
     The trace really runs the forward once, so RNG draws (torch's generators and the
     ``generators`` the forward draws from), buffer updates (BatchNorm statistics, counters)

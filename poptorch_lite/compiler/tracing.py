@@ -264,7 +264,8 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
 
     Args:
         model: the user's model (its state is restored after the trace).
-        modes: module -> train/eval flag to trace with (the wrap-time modes).
+        modes: module -> train/eval flag to trace with (the model's own, as wrapped; the
+            others as they are: [Note: train and eval modes] in ``runtime/compiled``).
         args, kwargs: one micro-batch of the call's arguments.
         training: trace with autograd enabled; otherwise trace an inference
             session, where dropout is the identity ([Note: inference session] in ``trace_modes``).

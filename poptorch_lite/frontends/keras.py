@@ -40,6 +40,7 @@ module keeps its weights and the optimizer its state.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Optional, Sequence
 
@@ -291,11 +292,12 @@ class Model:
             hooks.on_epoch_begin(epoch)
             order = None if seed is None else torch.randperm(
                 data.samples, generator=torch.Generator().manual_seed(seed + epoch))
-            logs = self._run(train, data, order, count, spe, hooks.on_train_batch_begin,
-                             hooks.on_train_batch_end, verbose, f"Epoch {epoch + 1}/{epochs}")
+            logs = self._run("train", train, data, order, count, spe,
+                             hooks.on_train_batch_begin, hooks.on_train_batch_end, verbose,
+                             f"Epoch {epoch + 1}/{epochs}")
             if val is not None:
-                val_logs = self._run(self._wrapper("evaluate", R, val_spe), val, None, val_count,
-                                     val_spe, None, None, 0, "")
+                val_logs = self._run("evaluate", self._wrapper("evaluate", R, val_spe), val,
+                                     None, val_count, val_spe, None, None, 0, "")
                 logs.update({f"val_{k}": v for k, v in val_logs.items()})
             hooks.on_epoch_end(epoch, logs)
             if verbose == 2:
@@ -327,7 +329,7 @@ class Model:
                                             "steps", sample_weight)
         hooks = CallbackList(callbacks, self, {"steps": count, "verbose": verbose})
         hooks.on_test_begin()
-        logs = self._run(self._wrapper("evaluate", R, spe), data, None, count, spe,
+        logs = self._run("evaluate", self._wrapper("evaluate", R, spe), data, None, count, spe,
                          hooks.on_test_batch_begin, hooks.on_test_batch_end, verbose, "evaluate")
         hooks.on_test_end(logs)
         if return_dict:
@@ -354,7 +356,7 @@ class Model:
         hooks = CallbackList(callbacks, self, {"steps": count, "verbose": verbose})
         hooks.on_predict_begin()
         outputs = []
-        self._run(self._wrapper("predict", R, spe), data, None, count, spe,
+        self._run("predict", self._wrapper("predict", R, spe), data, None, count, spe,
                   hooks.on_predict_batch_begin, hooks.on_predict_batch_end, verbose, "predict",
                   outputs)
         hooks.on_predict_end()
@@ -580,17 +582,25 @@ class Model:
         steps per execution (see :meth:`_plan`)."""
         if (kind, spe) not in self._wrappers:
             module = self.module if kind == "predict" else self._step
-            modes = {m: m.training for m in self.module.modules()}
-            self.module.train(kind == "train")  # Keras' training flag; traced with these modes
             opts = self._ipu.options(kind, spe, R)
-            try:
+            with self._mode(kind):
                 self._wrappers[(kind, spe)] = (
                     trainingModel(module, opts, self.optimizer) if kind == "train"
                     else inferenceModel(module, opts))
-            finally:
-                for m, flag in modes.items():
-                    m.training = flag
         return self._wrappers[(kind, spe)]
+
+    @contextlib.contextmanager
+    def _mode(self, kind: str):
+        """The layers in Keras' training flag for ``kind`` (train mode for fit's steps, eval
+        mode else) while a wrapper of that kind is made or runs, which reads the flags at
+        each call ([Note: train and eval modes] in runtime/compiled); the user's after."""
+        modes = {m: m.training for m in self.module.modules()}
+        self.module.train(kind == "train")
+        try:
+            yield
+        finally:
+            for m, flag in modes.items():
+                m.training = flag
 
     def _release(self) -> None:
         """Destroy the PopTorch models; the next call wraps again ([Note: Keras face])."""
@@ -598,9 +608,16 @@ class Model:
             wrapper.destroy()
         self._wrappers.clear()
 
-    def _run(self, wrapper, data: Data, order, count: int, spe: int, begin, end, verbose: int,
-             desc: str, outputs: Optional[list] = None) -> dict:
-        """Run ``count`` steps, ``spe`` per call; return the running logs."""
+    def _run(self, kind: str, wrapper, data: Data, order, count: int, spe: int, begin, end,
+             verbose: int, desc: str, outputs: Optional[list] = None) -> dict:
+        """Run ``count`` steps, ``spe`` per call, of ``wrapper`` (made for ``kind``); return
+        the running logs."""
+        with self._mode(kind):
+            return self._steps(wrapper, data, order, count, spe, begin, end, verbose, desc,
+                               outputs)
+
+    def _steps(self, wrapper, data: Data, order, count: int, spe: int, begin, end,
+               verbose: int, desc: str, outputs: Optional[list]) -> dict:
         b = data.batch_size
         running = RunningLogs(self._metrics or [] if outputs is None else [], outputs is None)
         bar = tqdm(total=count, desc=desc, unit="batch", disable=verbose != 1)

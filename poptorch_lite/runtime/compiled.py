@@ -49,6 +49,24 @@ alone are kept (the least recently used dropped, with its memory), and once one
 attribute has keyed more than that, a warning says so and suggests a buffer
 (``register_buffer``), which a program reads at every call. A step graph belongs to its
 program ([Note: step graphs] in ``step_graph``), so no replay bakes an old value either.
+
+[Note: train and eval modes]
+PopTorch wraps a shallow copy of the model: the wrapper's own ``training`` flag is the
+model's at wrap time (``model.eval()`` afterwards does not reach it), while the submodules,
+and their flags, are the user's, read when the first call traces. So the model's own flag
+is traced as it was when wrapped, and every submodule's as it is when the call traces; a
+submodule's flag is an attribute the forward reads (a dropout's, a normalisation's), so a
+call after ``model.eval()`` or ``bn.eval()`` runs the program of the modes it finds, as
+plain PyTorch does, traced again if none has them. Graphcore's CNN application wraps its
+validation model while the model trains and calls ``model.eval()`` before each validation
+pass: the normalisations must use their running statistics there, and leave them as they
+are. PopTorch keeps the modes of its first trace after that; where a training model finds a
+submodule gone to eval mode it compiles again and warns once (W-LITE-18), since a program
+that counted on PopTorch's freeze would now train that module in eval mode, as plain
+PyTorch would. A forward that reads the model's own flag (``if self.training: return out,
+loss``, ``F.dropout(h, p, self.training)``) reads the wrapper's, as in PopTorch; where the
+user has since set the model's to the other mode, each such call warns once (W-LITE-19),
+since plain PyTorch would read the user's.
 """
 
 from __future__ import annotations
@@ -94,7 +112,7 @@ class CompiledModel:
     def __init__(self, model: torch.nn.Module, options: Options, training: bool, processes,
                  generator: Optional[torch.Generator]):
         self.model, self.options, self.training = model, options, training
-        self.modes = {m: m.training for m in model.modules()}  # traced with wrap-time modes
+        self.modes = {model: model.training}  # [Note: train and eval modes]
         self.processes = processes
         self.generator = generator  # [Note: micro-batch RNG]
         self.replica_values: dict = {}  # [Note: per-replica variables] in replica_groups
@@ -170,6 +188,8 @@ class CompiledModel:
                 program = self.compile(key, mbs, optimizer)
                 self.compiled_args = (args, kwargs)
             self._ran[key] = program
+        if program.partition.reads.own_mode and self.model.training is not self.modes[self.model]:
+            _own_mode_differs(self.model.training, self.training)
         if self.training and program.shared:  # a hook registered since the last call too
             backward_hooks.refuse_hooks_on_shared_parameters(program.shared, self.weights.params)
         if key[1] != self.trainable:  # [Note: trainable parameters]
@@ -232,6 +252,17 @@ class CompiledModel:
                   "compiles again for them and keeps the other program",
                   "trainingModel" if self.training else "inferenceModel",
                   ", ".join(f"{n}: {shown(a)} -> {shown(b)}" for n, a, b in changed))
+        gone = [n for n, old, new in changed if n.endswith(".training") and old is True
+                and new is False]
+        if self.training and gone:  # [Note: train and eval modes]
+            warn_once(f"modes.eval_in_training:{','.join(gone)}",
+                      f"{', '.join(n[:-len('.training')] for n in gone)} went to eval mode "
+                      f"since the training model was traced: it compiles again and trains "
+                      f"with {'them' if len(gone) > 1 else 'it'} in eval mode (no dropout, "
+                      f"normalisations on their running statistics), as plain PyTorch does, "
+                      f"where PopTorch kept the modes of its first compile. Call model.train() "
+                      f"before the training model's next call to train in train mode",
+                      PoptorchLiteWarning)
         for name, _, _ in changed:
             n = self._retraced[name] = self._retraced.get(name, 1) + 1
             if n > _KEPT:
@@ -365,3 +396,16 @@ def _trainable_note(programs: dict, key: tuple, params: dict) -> str:
     return (f"trainingModel: the parameters that require grad changed (frozen: "
             f"{frozen or 'none'}; unfrozen: {unfrozen or 'none'}): compiles again for them "
             f"and keeps the other program")
+
+
+def _own_mode_differs(user: bool, training: bool) -> None:
+    """Warn once that the forward reads the wrapper's own ``training`` flag, the other one
+    than the user's model's now, ``user`` ([Note: train and eval modes])."""
+    kind = "trainingModel" if training else "inferenceModel"
+    now, wrapped = ("train", "eval") if user else ("eval", "train")
+    warn_once(f"modes.own:{kind}:{user}",
+              f"the model is in {now} mode, but its forward reads self.training, which is the "
+              f"{kind}'s own flag, set when it wrapped the model: it runs the forward in "
+              f"{wrapped} mode, as PopTorch does (it wraps a shallow copy, which "
+              f"model.{now}() no longer reaches), where plain PyTorch would run it in {now} "
+              f"mode. Wrap the model in {now} mode to run it so", PoptorchLiteWarning)

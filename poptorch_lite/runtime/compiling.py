@@ -43,7 +43,8 @@ def compile_program(model: torch.nn.Module, modes: dict, options: Options, train
     """Trace, split, place and plan the program of ``mbs``'s signature.
 
     Args:
-        model: the user's model; modes: its modules' wrap-time train/eval flags.
+        model: the user's model; modes: module -> the train/eval flag it is traced with
+            (the model's own as wrapped: [Note: train and eval modes] in ``compiled``).
         options: the wrapper's frozen options; training: a training wrapper.
         mbs: the call's micro-batches (micro-batch 0 is traced).
         replicas: the in-process replicas R / g (R with per-replica variables).

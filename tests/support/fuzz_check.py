@@ -22,7 +22,10 @@ numpy's random is drawn at the trace and reused, as PopTorch does (W-LITE-13): t
 side draws it in the first forward of each program (a micro-batch size and a set of
 trainable parameters: what the wrapper traces again for) from the state the trace draws
 from, and replays it in every later forward of that program, so those examples are
-compared in full as well. A program plain PyTorch cannot run is :class:`fuzz_plain.Invalid`
+compared in full as well. The forward's own ``self.training`` is the wrapper's flag as
+wrapped and the submodules' are the user's ([Note: train and eval modes] in
+poptorch_lite/runtime/compiled.py), so the plain side runs each call with the model's own
+flag as it was before the first. A program plain PyTorch cannot run is :class:`fuzz_plain.Invalid`
 (its first call fails) or ends early (a later call or edit fails).
 
 [Note: the twin's inputs]

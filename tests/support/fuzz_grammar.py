@@ -292,6 +292,12 @@ EDITS = {
     "host_grad": "for p in net.parameters():\n    p.grad = torch.full_like(p, 0.5)",
     "host_forward": f"with torch.no_grad():\n    net(torch.ones(2, {WIDTH}), "
                     "torch.zeros(2, dtype=torch.long))",
+    # modes: the submodules' flags are the user's ([Note: train and eval modes])
+    "eval_mode": "net.eval()",
+    "train_mode": "net.train()",
+    "freeze_norm": "for m in net.modules():\n"
+                   "    if isinstance(m, (torch.nn.modules.batchnorm._BatchNorm, "
+                   "torch.nn.Dropout)):\n        m.eval()",
 }
 
 OPTIMIZERS = {

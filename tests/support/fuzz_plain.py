@@ -213,6 +213,7 @@ def plain(program: Program, config: Config):
         replicas = [{n: b.clone() for n, b in net.named_buffers()} for _ in range(config.R)]
     draws = _TracedDraws(net) if fuzz_refusals.warns(program) else None
     on_gpu = config.device == "cuda"  # the GPU check: plain PyTorch on the GPU too
+    wrapped = net.training
     if on_gpu:
         net.cuda()
         for b in replicas:
@@ -223,12 +224,17 @@ def plain(program: Program, config: Config):
             x, y = x.cuda(), y.cuda()
         seeds = _seeds(config, own, call)
         seed_host(call)
+        # The forward's self.training is the wrapper's, as wrapped; the submodules' are the
+        # user's ([Note: train and eval modes] in poptorch_lite/runtime/compiled.py)
+        users, net.training = net.training, wrapped
         try:
             outputs, grads = _plain_call(net, opt, x, y, config, seeds, replicas, draws)
         except Exception as e:  # the program itself is wrong in plain PyTorch
             if call == 0:
                 raise Invalid(f"{type(e).__name__}: {e}") from e
             return
+        finally:
+            net.training = users
         yield dict(state(net, opt, x), outputs=outputs, grads=grads)
         seed_host(1000 + call)
         try:
