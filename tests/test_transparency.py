@@ -1,6 +1,7 @@
 """Transparency: a wrapped training model does plain PyTorch's arithmetic, over a matrix."""
 
 import itertools
+import logging
 import os
 
 import pytest
@@ -153,6 +154,39 @@ def test_several_calls_keep_matching(device):
     for p, q in zip(model.parameters(), ref.parameters()):
         assert_close(p.detach(), q.detach().cpu(), atol=ATOL, rtol=0)
     assert_same_state(opt, ref_opt)
+
+
+@pytest.mark.parametrize("blocks, G", [(1, 1), (2, 3)])
+@pytest.mark.parametrize("first", [True, False])
+def test_autocast_around_a_call_casts_as_around_plain_pytorchs_forward(blocks, G, first,
+                                                                       caplog):
+    """Calls made in and out of ``torch.autocast`` (bfloat16) in turn: each computes as plain
+    PyTorch's forward does in the same context ([Note: autocast around a call] in
+    runtime/batch.py); the second context traces once more, logged, and later calls reuse
+    the two programs."""
+    torch.manual_seed(0)
+    model = BlockMLP(blocks)
+    ref = twin(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, ref))
+    opts = sharded(G, "cpu") if blocks == 2 else on_device(poptorch.Options(), "cpu")
+    train = poptorch.trainingModel(model, opts.outputMode(poptorch.OutputMode.All), opt)
+    caplog.set_level(logging.INFO, logger="poptorch_lite")
+    for call in range(4):
+        on = (call % 2 == 0) == first
+        x, y = data(2 * G, seed=call)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=on):
+            out, loss = train(x, y)
+            outs, losses, _ = reference_training(ref, ref_opt, x, y, 1, G, 1)
+        assert out.dtype == (torch.bfloat16 if on else torch.float32)
+        assert_close(out, torch.cat(outs), atol=ATOL, rtol=0, msg=f"call {call}")
+        assert_close(loss.reshape(-1), torch.stack(losses), atol=ATOL, rtol=0,
+                     msg=f"call {call}")
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_close(p.detach(), q.detach(), atol=ATOL, rtol=0)
+    change = "cpu bfloat16 -> off" if first else "off -> cpu bfloat16"
+    assert caplog.text.count(f"a call whose autocast differs from the compiled one "
+                             f"(autocast: {change}) compiles again") == 1
+    assert caplog.text.count("trainingModel compiled") == 2
 
 
 @pytest.mark.parametrize("schedule,recompute", VARIANTS)

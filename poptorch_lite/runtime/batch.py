@@ -131,7 +131,8 @@ class MicroBatches:
         return pytree.tree_unflatten(leaves, self.spec)
 
     def signature(self) -> tuple:
-        """What a traced graph is specialised on: structure, constants, micro-batch shapes."""
+        """What a traced graph is specialised on: structure, constants, micro-batch shapes,
+        and the autocast the call is made under (:func:`ambient_autocast`)."""
         parts: list = [self._spec_text or str(self.spec)]
         for k, leaf in enumerate(self.leaves):
             if isinstance(leaf, torch.Tensor):  # a micro-batch's shape, without slicing one
@@ -139,7 +140,38 @@ class MicroBatches:
                 parts.append((shape, leaf.dtype, leaf.device))
             else:
                 parts.append(("const", type(leaf).__name__, repr(leaf)))
+        autocast = ambient_autocast()
+        if autocast:
+            parts.append(("autocast", autocast))
         return tuple(parts)
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def ambient_autocast() -> tuple:
+    """``(device type, dtype)`` of each device type whose autocast is on around the call;
+    () outside any (two C calls, 0.3 µs).
+
+    [Note: autocast around a call]
+    A call made under ``torch.autocast`` is traced under it, so the program holds the casts
+    it made (the forward's own ``torch.autocast`` blocks are the forward's, and always
+    traced). Plain PyTorch casts at every forward by the autocast in force then, so the
+    state is part of the call's signature: a call outside autocast after one inside it runs
+    a program traced without it (one more trace, logged), not the first call's lower
+    precision. A program run under the autocast it was traced with casts again where it
+    runs on the caller's thread, which changes nothing: each cast is to the dtype it
+    already has.
+
+    Example:
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     ambient_autocast()
+        (('cpu', torch.bfloat16),)
+    """
+    if not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
+        return ()
+    return tuple((d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES
+                 if torch.is_autocast_enabled(d))
 
 
 def recompile_note(training: bool, old: tuple, new: tuple) -> str:
@@ -154,23 +186,40 @@ def recompile_note(training: bool, old: tuple, new: tuple) -> str:
     signature logs one warning on the ``poptorch_lite`` logger saying what changed.
     """
     kind = "trainingModel" if training else "inferenceModel"
-    return (f"{kind}: a call whose input signature differs from the compiled one "
-            f"({signature_change(old, new)}) compiles again and keeps both programs; PopTorch "
-            f"would refuse it until destroy()")
+    inputs = _without_autocast(old)[0] != _without_autocast(new)[0]
+    return (f"{kind}: a call whose {'input signature' if inputs else 'autocast'} differs from "
+            f"the compiled one ({signature_change(old, new)}) compiles again and keeps both "
+            f"programs; PopTorch would " + ("refuse it until destroy()" if inputs else
+                                          "run the program it compiled first"))
+
+
+def _without_autocast(signature: tuple) -> tuple:
+    """``(signature without its autocast part, the autocast part's state or ())``."""
+    last = signature[-1] if len(signature) > 1 else None
+    if type(last) is tuple and len(last) == 2 and last[0] == "autocast":
+        return signature[:-1], last[1]
+    return signature, ()
+
+
+def _shown_autocast(state: tuple) -> str:
+    return ", ".join(f"{d} {str(t).replace('torch.', '')}" for d, t in state) or "off"
 
 
 def signature_change(old: tuple, new: tuple) -> str:
     """What differs between two :meth:`MicroBatches.signature` values, for the log line of a
-    recompile: the arguments' structure, or each leaf whose shape, dtype, device or value did.
+    recompile: the arguments' structure, or each leaf whose shape, dtype, device or value did,
+    and the autocast around the call.
 
     Example:
         >>> a = ("spec", ((2, 4), torch.float32, torch.device("cpu")))
         >>> signature_change(a, ("spec", ((3, 4), torch.float32, torch.device("cpu"))))
         'argument leaf 0: shape (2, 4) -> (3, 4)'
     """
+    (old, old_cast), (new, new_cast) = _without_autocast(old), _without_autocast(new)
+    changes = [] if old_cast == new_cast else [
+        f"autocast: {_shown_autocast(old_cast)} -> {_shown_autocast(new_cast)}"]
     if old[0] != new[0] or len(old) != len(new):
-        return f"the arguments' structure: {old[0]} -> {new[0]}"
-    changes = []
+        return "; ".join([f"the arguments' structure: {old[0]} -> {new[0]}", *changes])
     for k, (a, b) in enumerate(zip(old[1:], new[1:])):
         if a == b:
             continue

@@ -174,12 +174,13 @@ def shared_traces(monkeypatch):
     A matrix compiles the same model (a fresh copy per configuration) on the same one
     micro-batch signature many times: only the schedule, accumulation, replication and
     optimizer differ, and none of them changes what is traced. The first compile of a
-    (model structure, modes, signature, execution strategy, training) traces; later ones
+    (model structure, modes, signature, autocast, execution strategy, training) traces; later ones
     get a deep copy of that partition (each wrapper rewrites its own graphs for its
     devices). Only for models whose forward depends on nothing but their structure and
     plain attributes (``BlockMLP``); a test that checks what tracing warns must not use it.
     """
     import poptorch_lite.runtime.compiling as program
+    from poptorch_lite.runtime.batch import ambient_autocast
     traced = program.partition
 
     def key(model, modes, args, kwargs, strategy, training, generic=False, replica_values=None):
@@ -190,7 +191,8 @@ def shared_traces(monkeypatch):
                       for n, t in model.state_dict(keep_vars=True).items())
         plain = tuple(sorted((k, v) for k, v in vars(model).items()
                              if isinstance(v, (bool, int, float, str, type(None)))))
-        return (type(model), repr(model), plain, state, tuple(modes.values()), signature,
+        flags = tuple(modes.get(m, m.training) for m in model.modules())  # as traced
+        return (type(model), repr(model), plain, state, flags, signature, ambient_autocast(),
                 repr(strategy), training, generic, repr(sorted((replica_values or {}).items())))
 
     def partition(model, modes, args, kwargs, strategy, training, generic=False,
