@@ -15,7 +15,11 @@ behaviour". Its lowering has two rules, followed here op for op:
   with them here, because torch's kernels need them of one type (a training
   BatchNorm's update is written back into the model's own buffers). So a model made
   ``.half()`` and called with ``float32`` inputs, as the YOLOv4 backbone and neck
-  tests do, computes in ``float32`` and returns ``float32``.
+  tests do, computes in ``float32`` and returns ``float32``. A normalisation of a
+  ``bfloat16`` or ``float16`` input with ``float32`` weights, bias and statistics is
+  left alone: plain PyTorch runs it as it is (mixed precision keeps its norms in
+  ``float32``, and ``torch.autocast`` hands them such inputs), and casting the weights
+  down would round them (a BatchNorm under autocast: outputs 1.2e-02 off).
 - **Products promote.** ``linear``, ``matmul``, ``mm``, ``bmm``, ``addmm`` and
   ``baddbmm`` (PopART ``matmul``/``gemm``, ``ImplicitCast::All``) cast every tensor
   input to the type torch's own ``torch.result_type`` gives for them
@@ -49,6 +53,11 @@ _TO_INPUT_TYPE = {
     F.group_norm: ((2, "weight"), (3, "bias")),
 }
 
+# Normalisations plain PyTorch runs on a bfloat16 or float16 input with float32 weights, bias
+# and statistics (mixed precision's usual normalisation, and torch.autocast's): left alone.
+_MIXED = {F.batch_norm, F.instance_norm, F.layer_norm, F.group_norm}
+_LOW = (torch.bfloat16, torch.float16)
+
 # Ops whose tensor inputs are all promoted to torch.result_type of them.
 _PROMOTED = {F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm,
              torch.Tensor.mm, torch.bmm, torch.Tensor.bmm, torch.addmm, torch.baddbmm}
@@ -66,6 +75,9 @@ def _to_input_type(func, args: tuple, kwargs: dict):
     first = args[0] if args else kwargs.get("input")
     if not isinstance(first, torch.Tensor) or not first.is_floating_point():
         return func(*args, **kwargs)
+    if func in _MIXED and first.dtype in _LOW and all(
+            t.dtype == torch.float32 for t in _floats(_weight_like(func, args, kwargs))):
+        return func(*args, **kwargs)  # plain PyTorch's mixed normalisation
     args, kwargs, swapped = list(args), dict(kwargs), []
     for position, name in _TO_INPUT_TYPE[func]:
         if position < len(args):
@@ -85,6 +97,12 @@ def _to_input_type(func, args: tuple, kwargs: dict):
         for original, cast in swapped:  # a training norm updated the cast copy
             original.copy_(cast)
     return out
+
+
+def _weight_like(func, args: tuple, kwargs: dict) -> list:
+    """The arguments of ``func`` that :data:`_TO_INPUT_TYPE` names, as given."""
+    return [args[position] if position < len(args) else kwargs.get(name)
+            for position, name in _TO_INPUT_TYPE[func]]
 
 
 def _promoted(func, args: tuple, kwargs: dict):

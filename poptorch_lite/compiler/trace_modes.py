@@ -250,9 +250,10 @@ class _TraceMode(TorchFunctionMode):
     """Marks torch losses' results; refuses values read into Python and ``one_hot`` without a
     width; tells ``saw`` of each user's generator a random op draws from."""
 
-    def __init__(self, saw=lambda generator: None):
+    def __init__(self, saw=lambda generator: None, generic: bool = False):
         super().__init__()
         self.saw = saw
+        self.generic = generic  # the graph may run on a GPU: dropout as the fused op
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -268,7 +269,7 @@ class _TraceMode(TorchFunctionMode):
                 f"{_user_line(traceback.extract_stack()[:-1])} has no num_classes, so its width "
                 f"would be the first micro-batch's largest class; pass num_classes=<classes>")
         if func is F.dropout:
-            return _dropout(*args, **kwargs)
+            return _dropout(self.generic, *args, **kwargs)
         # [Note: gradients the forward shapes] in ``grad_semantics``
         if func == grad_semantics.DATA_GET:
             return grad_semantics.traced_data(func, args)
@@ -283,16 +284,21 @@ class _TraceMode(TorchFunctionMode):
         return out
 
 
-def _dropout(input, p=0.5, training=True, inplace=False):
-    """``F.dropout`` as the one op that both devices' plain PyTorch agree with.
+def _dropout(generic: bool, input, p=0.5, training=True, inplace=False):
+    """``F.dropout`` as the op plain PyTorch runs where the graph will run.
 
     On a GPU, ``F.dropout`` runs the fused ``native_dropout`` kernel; on the CPU it
-    decomposes into ``bernoulli_`` and a multiply, which draws different numbers on a
-    GPU. A graph traced on the CPU and run on a GPU would then mask differently from
-    plain PyTorch there. ``native_dropout`` on the CPU draws and computes exactly what
-    the decomposition does, so the trace records it wherever plain PyTorch would fuse.
+    decomposes into ``bernoulli_``, a division and a multiply, which draws different
+    numbers on a GPU. A graph traced on the CPU to run on a GPU (``generic``) would then
+    mask differently from plain PyTorch there, so it records ``native_dropout``. So does a
+    graph for the CPU in float32 or float64, where ``native_dropout`` draws and computes
+    exactly what the decomposition does, in one op. In bfloat16 and float16 it does not:
+    its backward scales by ``1 / (1 - p)`` in float where the decomposition multiplies by
+    the mask divided in the low precision (bfloat16 under ``torch.autocast``: 15 of 20
+    gradients differed), so there the trace keeps the decomposition.
     """
-    if training and not inplace and 0 < p < 1 and input.numel() > 0:
+    if training and not inplace and 0 < p < 1 and input.numel() > 0 and (
+            generic or input.dtype in (torch.float32, torch.float64)):
         return torch.ops.aten.native_dropout(input, p, True)[0]
     return F.dropout(input, p, training, inplace)
 

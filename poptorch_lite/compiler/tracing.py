@@ -361,7 +361,7 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
                 AttributeWatch(model) as attributes, PythonDraws(model.forward), \
                 trace_context() as state, _export_style(model), \
                 grad, _quiet_torch_trace_log(), grad_semantics.recording(training), \
-                _TraceMode(generators.saw), _ImplicitCasting(), session, \
+                _TraceMode(generators.saw, generic), _ImplicitCasting(), session, \
                 StatisticsWatch(buffers, before) as watch, cumulative_averages(model):
             state.on_loss = on_loss
             versions = {n: version_of(b) for n, b in buffers.items()}

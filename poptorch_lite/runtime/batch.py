@@ -27,6 +27,7 @@ inputs'.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Sequence
 
 import torch
@@ -159,9 +160,17 @@ def ambient_autocast() -> tuple:
     traced). Plain PyTorch casts at every forward by the autocast in force then, so the
     state is part of the call's signature: a call outside autocast after one inside it runs
     a program traced without it (one more trace, logged), not the first call's lower
-    precision. A program run under the autocast it was traced with casts again where it
-    runs on the caller's thread, which changes nothing: each cast is to the dtype it
-    already has.
+    precision. Each step casts the weights it has then, as a plain loop with autocast
+    around each forward does, as PyTorch asks (autocast around a whole plain loop would
+    reuse its casts of the weights after ``optimizer.step()``). The program runs with
+    autocast off (:func:`outside_autocast`), as its
+    stages on worker threads do anyway (autocast is per thread): its casts are its ops, and
+    autocast over the traced ops would cast again by the policies of the ops the trace
+    decomposed them into, not of those plain PyTorch's forward met, and would reach the
+    backward, which runs inside the call. What the trace itself does under autocast must
+    match plain PyTorch's forward too: a normalisation of a ``bfloat16`` input with
+    ``float32`` weights runs as it is ([Note: implicit casting] in ``compiler/casting``),
+    and a ``bfloat16`` dropout keeps its decomposition (``compiler/trace_modes._dropout``).
 
     Example:
         >>> with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -191,6 +200,17 @@ def recompile_note(training: bool, old: tuple, new: tuple) -> str:
             f"the compiled one ({signature_change(old, new)}) compiles again and keeps both "
             f"programs; PopTorch would " + ("refuse it until destroy()" if inputs else
                                           "run the program it compiled first"))
+
+
+def outside_autocast():
+    """A context with autocast off on every device type where a call is made under one
+    ([Note: autocast around a call]); a no-op context otherwise."""
+    if not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for d in _AUTOCAST_DEVICES:
+        stack.enter_context(torch.autocast(d, enabled=False))
+    return stack
 
 
 def _without_autocast(signature: tuple) -> tuple:

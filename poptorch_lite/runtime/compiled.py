@@ -85,7 +85,7 @@ from ..errors import (PoptorchLiteWarning, UnrecoverableError,
                       hide_when_refused as __tracebackhide__, warn_once)
 from ..options.options import Options, batch_arithmetic, batch_factor
 from ..profiling.run_statistics import RunStatistics, run_statistics
-from .batch import MicroBatches, recompile_note
+from .batch import MicroBatches, outside_autocast, recompile_note
 from .compiling import compile_program
 from .host_sync import check_unchanged, tables, watch
 from .merge import Outputs
@@ -294,9 +294,10 @@ class CompiledModel:
         if training:
             weights.optimizer_state_to_homes(optimizer)
         try:
-            outputs, record = program.run(
-                mbs, opts, training, self.replicas(), optimizer, loss_scale, weights,
-                self.outputs().kept, not full, self.generator)
+            with outside_autocast():  # [Note: autocast around a call] in batch
+                outputs, record = program.run(
+                    mbs, opts, training, self.replicas(), optimizer, loss_scale, weights,
+                    self.outputs().kept, not full, self.generator)
         except BaseException as exc:
             applied = ex.update.steps_applied - applied
             if restore is not None:

@@ -10,7 +10,7 @@ import torch
 
 import poptorch_lite as poptorch
 
-from models import trained_grads
+from models import microbatch_seeds, trained_grads
 
 
 class Adder(torch.nn.Module):
@@ -96,3 +96,62 @@ def test_training_a_half_model_on_float32_inputs_reaches_its_half_parameters():
                                rtol=0)
     torch.testing.assert_close(model[1].running_var, ref[1].running_var.half(), atol=1e-3,
                                rtol=0)
+
+
+class MixedPrecision(torch.nn.Module):
+    """A bfloat16 network whose normalisations stay in float32 (mixed precision's usual
+    layout, which plain PyTorch runs as it is), with dropout in bfloat16."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+        self.bn, self.ln = torch.nn.BatchNorm1d(8), torch.nn.LayerNorm(8)
+        self.drop = torch.nn.Dropout(0.3)
+
+    def forward(self, x, y):
+        h = self.drop(self.ln(torch.relu(self.bn(self.a(x)))))
+        out = self.b(h)
+        return out, torch.nn.functional.cross_entropy(out.float(), y)
+
+
+@pytest.mark.parametrize("how", ["bfloat16_with_float32_norms", "autocast"])
+def test_mixed_precision_norms_and_dropout_train_bit_for_bit(how):
+    """A normalisation of a bfloat16 input with float32 weights and statistics runs as plain
+    PyTorch runs it, not with its weights cast down, and a bfloat16 dropout's gradient is
+    the decomposition's (``native_dropout``'s backward rounds otherwise), for a model made
+    so and for one under ``torch.autocast``: outputs, gradients, weights and statistics
+    equal plain PyTorch's to the bit over two steps."""
+    torch.manual_seed(0)
+    model = MixedPrecision()
+    if how != "autocast":
+        model = model.bfloat16()
+        model.bn.float()
+        model.ln.float()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    wrapped = poptorch.trainingModel(model, poptorch.Options(), opt)
+    context = torch.autocast("cpu", dtype=torch.bfloat16, enabled=how == "autocast")
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g)
+        x = x if how == "autocast" else x.bfloat16()
+        torch.manual_seed(10 + step)
+        with context:
+            out, loss = wrapped(x, y)
+        torch.manual_seed(10 + step)
+        seed = microbatch_seeds(1, 1)[0]
+        ref_opt.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        with context:
+            ref_out, ref_loss = ref(x, y)
+        ref_loss.backward()
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out, ref_out.detach(), atol=0, rtol=0)
+        torch.testing.assert_close(loss, ref_loss.detach(), atol=0, rtol=0)
+        for name, grad in trained_grads(wrapped).items():
+            torch.testing.assert_close(grad, dict(ref.named_parameters())[name].grad, atol=0,
+                                       rtol=0, msg=f"{name}, step {step}")
+        ref_opt.step()
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
+    wrapped.destroy()

@@ -65,7 +65,11 @@ four steps of gradient penalties summed over 7 micro-batches, turns them into 6e
 float32 difference in numbers alone counts only if the same example run in float64 (with
 torch's own optimizer for poptorch.optim's, whose accumulators stay float32) differs too,
 beyond 1e-7, at the same call or an earlier one: rounding vanishes there (a model that blows
-up may diverge in float64 too, calls later), a semantic difference does not.
+up may diverge in float64 too, calls later), a semantic difference does not. One limit:
+``torch.autocast`` casts no float64 tensor, so an example under autocast (``Config.autocast``)
+is checked to the bit where it is exact and otherwise within float32's rule before its
+float64 run drops the casts; its bfloat16 roundings, which fp32 sums in another order move
+by an ulp, cannot be told from a wrong cast there.
 """
 
 from __future__ import annotations
@@ -255,7 +259,8 @@ def _run(program: Program, config: Config) -> tuple:
                 before = dict(fuzz_plain.state(net, opt, x), torch_random=torch.get_rng_state())
                 host_grads = _host_grads(net)
                 try:
-                    result = train(x, y=y) if config.keyword else train(x, y)
+                    with config.ambient(call):
+                        result = train(x, y=y) if config.keyword else train(x, y)
                 except (errors.ExecutionError, errors.UnrecoverableError) as e:
                     found = [f"call {call}: failed while running, where plain PyTorch runs: "
                              f"{_where(e)}"]

@@ -20,6 +20,8 @@ import dataclasses
 import os
 from typing import Optional
 
+import torch
+
 import poptorch_lite as poptorch
 
 import models
@@ -51,6 +53,14 @@ class Config:
     vary_batch: bool = False  # the second call's micro-batches hold B + 1 samples
     dtype: str = "float32"
     graph: bool = False  # on a GPU (or its twin): the steps captured as one CUDA graph, replayed
+    autocast: str = "off"  # the calls under torch.autocast (bfloat16): "off", "on", "second"
+
+    def ambient(self, call: int):
+        """The autocast the user puts around call ``call`` (both sides): bfloat16 on the
+        device type the model computes on, in every call ("on") or in the second only."""
+        on = self.autocast == "on" or (self.autocast == "second" and call == 1)
+        return torch.autocast("cuda" if self.device == "cuda" else "cpu", dtype=torch.bfloat16,
+                              enabled=on)
 
     def code(self, program: Program) -> str:
         """The Options as a user writes them."""
@@ -81,6 +91,10 @@ class Config:
         if self.random_seed is not None:
             lines.append(f"opts.randomSeed({self.random_seed})")
         lines.append(f"models.on_device(opts, {self.device!r})")
+        if self.autocast != "off":
+            lines.append(f"# {'every call' if self.autocast == 'on' else 'call 1'} under "
+                         f"torch.autocast({'cuda' if self.device == 'cuda' else 'cpu'!r}, "
+                         f"dtype=torch.bfloat16), on both sides")
         if self.dtype != "float32":
             lines.append(f"# the model and the inputs in torch.{self.dtype}: net = Net().to(torch."
                          f"{self.dtype})")

@@ -105,7 +105,8 @@ def configs(draw, program: Program, require=frozenset()) -> Config:
         keyword=pick("keyword", st.booleans()),
         offload=pick("offload", st.booleans()),
         vary_batch=pick("vary_batch", st.booleans()),
-        graph=graph)
+        graph=graph,
+        autocast=pick("autocast", st.sampled_from(["off", "on", "second"])))
 
 
 def atoms(program: Program, config: Config) -> frozenset:

@@ -204,4 +204,13 @@ FOUND = [
     #    (5.55e-17 in float64), as a parameter's does: the oracle's tolerance rule missed it
     Found("input_penalty_through_a_checkpoint", "checkpoint&input_penalty",
           Program(ops=(Op("checkpoint"), Op("input_penalty"))), Config()),
+    # -- found by hand (2026-11-30), then the grammar's new ``autocast`` factor: a call under
+    #    torch.autocast after one outside it ran the first program; under it, a BatchNorm's
+    #    and a LayerNorm's float32 weights were cast to the bfloat16 input's type (PopTorch's
+    #    rule for mixed inputs plain PyTorch refuses, not these), and a bfloat16 dropout's
+    #    native_dropout backward rounded otherwise than the decomposition plain PyTorch runs
+    *(Found(f"{kind}_under_autocast", f"{kind}&autocast={when}", Program(ops=(Op(kind),)),
+            Config(autocast=when, calls=3 if when == "second" else 2))
+      for kind, when in (("batchnorm", "on"), ("layernorm", "on"), ("dropout", "on"),
+                         ("batchnorm_cumulative", "second"))),
 ]

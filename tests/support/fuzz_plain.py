@@ -87,8 +87,10 @@ def state(net, opt, x) -> dict:
 
 
 def _plain_call(net, opt, x, y, config: Config, seeds: list, replicas: list,
-                draws: Optional["_TracedDraws"]) -> tuple:
-    """One call's D steps in plain PyTorch; returns (per-output values, last step's grads)."""
+                draws: Optional["_TracedDraws"], call: int) -> tuple:
+    """One call's D steps in plain PyTorch; returns (per-output values, last step's grads).
+    The autocast around the call (``Config.autocast``) is around each forward, as PyTorch
+    asks (one around a whole call would reuse its casts of the weights after a step)."""
     m = config.G * config.R
     b = len(x) // (config.D * m)
     scale = getattr(opt, "loss_scaling", 1.0)  # poptorch.optim's: the loss's, undone below
@@ -110,7 +112,7 @@ def _plain_call(net, opt, x, y, config: Config, seeds: list, replicas: list,
                         t.copy_(replicas[r][name])
             torch.manual_seed(seeds[k])
             xk, yk = xs[j * b:(j + 1) * b], ys[j * b:(j + 1) * b]
-            with draws.forward(b) if draws else contextlib.nullcontext():
+            with config.ambient(call), draws.forward(b) if draws else contextlib.nullcontext():
                 result = net(xk, y=yk) if config.keyword else net(xk, yk)
             loss = result[1]
             loss.backward(torch.full_like(loss, scale))
@@ -144,14 +146,19 @@ class _TracedDraws:
     """Python's and numpy's random as the wrapped side's traces draw them (W-LITE-13): the
     first forward of a program draws for real, as its trace does, and every later forward
     of that program gets the same numbers. A program is what the wrapper keys one by: the
-    micro-batch size and the wrap-time parameters' requires_grad."""
+    micro-batch size, the parameters' requires_grad, the autocast around the call and the
+    train/eval flags of the submodules whose forward reads theirs (a dropout's, a
+    normalisation's, an LSTM's)."""
 
     def __init__(self, net):
         self.params, self.drawn = tuple(net.parameters()), {}
+        self.moded = [m for m in net.modules() if m is not net and "training" in getattr(
+            getattr(type(m).forward, "__code__", None), "co_names", ())]
 
     @contextlib.contextmanager
     def forward(self, batch: int):
-        key = (batch, tuple(p.requires_grad for p in self.params))
+        key = (batch, tuple(p.requires_grad for p in self.params),
+               torch.is_autocast_enabled("cpu"), tuple(m.training for m in self.moded))
         drawn = self.drawn.get(key)
         if drawn is None:  # this program's trace: real draws, recorded
             drawn = self.drawn[key] = []
@@ -228,7 +235,7 @@ def plain(program: Program, config: Config):
         # user's ([Note: train and eval modes] in poptorch_lite/runtime/compiled.py)
         users, net.training = net.training, wrapped
         try:
-            outputs, grads = _plain_call(net, opt, x, y, config, seeds, replicas, draws)
+            outputs, grads = _plain_call(net, opt, x, y, config, seeds, replicas, draws, call)
         except Exception as e:  # the program itself is wrong in plain PyTorch
             if call == 0:
                 raise Invalid(f"{type(e).__name__}: {e}") from e
