@@ -320,10 +320,18 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
         a, kw = pytree.tree_unflatten(call_leaves, in_spec)
         buffer_values = {n: values[n] for n in buffers}
         check = model.register_forward_hook(lambda *_: _check_buffers_kept(model, buffer_values))
+        cached = torch.is_autocast_cache_enabled()
+        if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+            # [Note: autocast around a call] in runtime/batch: make_fx turns autocast's
+            # cache off, and a forward under autocast casts each weight once, not per use
+            torch.set_autocast_cache_enabled(True)
         try:
             out = functional_call(model, values, a, kw)
         finally:
             check.remove()
+            if cached is not torch.is_autocast_cache_enabled():
+                torch.clear_autocast_cache()  # the casts of the trace's tensors
+                torch.set_autocast_cache_enabled(cached)
         lifted = structures.lift(out)
         out_leaves, result["spec"] = pytree.tree_flatten(lifted)
         _check_output(lifted, out_leaves)
