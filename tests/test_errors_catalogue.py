@@ -118,6 +118,7 @@ class Two(torch.nn.Module):
         self.ids, self.ipus, self.tail = ids, ipus, tail
         self.g = torch.Generator().manual_seed(0)
         self.calls, self.scale = 0, 1.0
+        self.count = torch.zeros(())  # a tensor kept as a plain attribute
 
     def forward(self, x, y):
         with poptorch.Block(self.ids[0], ipu_id=self.ipus[0]):
@@ -132,6 +133,8 @@ class Two(torch.nn.Module):
                 self.calls += 1
             if self.tail == "scaled":  # a Python attribute the forward reads
                 h = h * self.scale
+            if self.tail == "count":  # written in place: a plain tensor attribute
+                h = h * self.count.add_(1)
             if self.tail == "own_mode":  # the model's own train/eval flag
                 h = torch.nn.functional.dropout(h, 0.5, self.training)
             if self.tail == "packed":  # by lengths from the data
@@ -292,6 +295,14 @@ def normalisation_frozen_between_calls():
     model.bn.eval()
     train(torch.randn(2, 4), torch.randn(2, 4))
     train.destroy()
+
+
+def constant_written_on_a_gpu():
+    """A stage on the GPU twin whose forward writes a tensor kept as a plain attribute."""
+    from gpu_twin import TWIN, TwinGpu
+    from poptorch_lite.runtime import gpu
+    with gpu.installed(TwinGpu()):
+        first_call(Two(tail="count"), opts().set_ipu_devices(TWIN))
 
 
 def own_mode_changed_after_wrapping():
@@ -1357,6 +1368,7 @@ T = {
     "W-LITE-15": attribute_changed_every_call,
     "W-LITE-16": missing_op_library,
     "W-LITE-17": lambda: poptorch.Options().Jit.traceModel(True),
+    "E-PART-28": constant_written_on_a_gpu,
     "W-LITE-18": normalisation_frozen_between_calls,
     "W-LITE-19": own_mode_changed_after_wrapping,
     "W-LITE-08": lambda: keras_model(spe=1).fit(torch.randn(10, 4), torch.randn(10, 2),

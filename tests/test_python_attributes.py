@@ -169,6 +169,73 @@ def test_an_attribute_the_forward_reads_changed_between_calls_trains_as_plain_py
     train.destroy()
 
 
+class Masked(Annealed):
+    """:class:`Annealed` whose first layer's output is multiplied by ``mask``, a tensor kept
+    as a plain attribute (not a buffer), as user code often keeps one."""
+
+    def __init__(self, blocks: int):
+        super().__init__(blocks)
+        self.mask = torch.ones(8)
+
+    def forward(self, x, y):
+        return super().forward(x * self.mask, y)
+
+
+def _new_mask(model, call):
+    if call == 0:
+        model.mask = torch.tensor([1.0, 0.0] * 4)  # another tensor
+    elif call == 1:
+        model.mask.mul_(0.5)  # the same tensor, edited in place
+
+
+@pytest.mark.parametrize("blocks, G", ROWS)
+def test_a_tensor_attribute_replaced_or_edited_between_calls_trains_as_plain_pytorch(
+        blocks, G, device, caplog):
+    """A tensor kept as a plain attribute, replaced by another between calls, then edited in
+    place: each next call computes with it as it is, as plain PyTorch does (traced again,
+    logged: a stage on a GPU holds a copy made when it compiled)."""
+    torch.manual_seed(0)
+    model = Masked(blocks)
+    ref = twin(model, device)
+    caplog.set_level(logging.INFO, logger="poptorch_lite")
+    train = calls_like_plain_pytorch(model, ref, blocks, G, device, edit=_new_mask)
+    for change in ("another tensor of shape (8,)", "the same tensor, edited in place"):
+        assert f"attributes the forward reads changed since it was traced (model.mask: a " \
+               f"tensor of shape (8,) -> {change})" in caplog.text
+    assert caplog.text.count("trainingModel compiled") == 3
+    train.destroy()
+
+
+class Counting(Annealed):
+    """:class:`Annealed` scaled by ``1 + 0.1 * count``, a tensor kept as a plain attribute
+    that the forward adds one to in place."""
+
+    def __init__(self, blocks: int):
+        super().__init__(blocks)
+        self.count = torch.zeros(())
+
+    def forward(self, x, y):
+        self.count.add_(1)
+        return super().forward(x * (1 + 0.1 * self.count), y)
+
+
+@pytest.mark.parametrize("device", ["cpu", "ipu_model"])
+@pytest.mark.parametrize("blocks, G", ROWS)
+def test_a_tensor_attribute_the_forward_writes_counts_each_forward_once(blocks, G, device,
+                                                                        caplog):
+    """The trace puts back what the forward wrote into a tensor kept as a plain attribute,
+    as it does a buffer's: each micro-batch's forward adds its one, as in plain PyTorch
+    (the trace's own add stayed before), and the write keys nothing (one trace)."""
+    torch.manual_seed(0)
+    model = Counting(blocks)
+    ref = twin(model, device)
+    caplog.set_level(logging.INFO, logger="poptorch_lite")
+    train = calls_like_plain_pytorch(model, ref, blocks, G, device)
+    assert float(model.count) == float(ref.count) == 3 * G
+    assert caplog.text.count("trainingModel compiled") == 1
+    train.destroy()
+
+
 def test_an_attribute_changed_at_every_call_keeps_four_programs_and_is_warned_of():
     """Each new value traces again; the programs of the last four values are kept (a
     return to an older one traces again, exactly), and a warning suggests a buffer."""

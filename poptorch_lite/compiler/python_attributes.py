@@ -8,10 +8,15 @@ PyTorch reads it again in every forward, so the trace finds which ones it read a
 program is kept for those values only: while it traces, ``nn.Module.__getattribute__``
 notes each read of an attribute of one of the model's modules whose value is plain and
 immutable (bool, int, float, complex, str, bytes, None, an enum member, a numpy scalar, a
-``torch.dtype`` or ``torch.device``, or a tuple of them); a submodule's ``training`` flag
-too, but not the model's own, which is the wrapper's, fixed when it wrapped ([Note: train
-and eval modes] in ``runtime/compiled``); the names ``nn.Module`` itself keeps (its hook
-tables, ``_compiled_call_impl``, ...) are its machinery, not the model's. A user's private names
+``torch.dtype`` or ``torch.device``, or a tuple of them), or a tensor kept as a plain
+attribute (``self.scale = torch.tensor(2.0)``, not a buffer), which the graph holds
+(a stage on a GPU a copy, [Note: graphs on their devices] in ``retarget``) and which is
+compared as the object and its version (:class:`Held`: another tensor put there, or one
+edited in place, traces again; one the forward writes keys nothing, and is written where
+plain PyTorch's would be or refused, E-PART-28 in ``retarget``); a submodule's
+``training`` flag too, but not the model's own, which is the wrapper's, fixed when it
+wrapped ([Note: train and eval modes] in ``runtime/compiled``); the names ``nn.Module`` itself keeps (its hook tables,
+``_compiled_call_impl``, ...) are its machinery, not the model's. A user's private names
 (``self._scale``) are read like any other. :class:`Reads` is what one trace read: a call
 compares those values (one C-level getter per module, by type and value: ``0.0`` and
 ``-0.0`` are one value) and a changed one traces again ([Note: attributes the forward
@@ -67,8 +72,47 @@ def plain(value) -> bool:
 
 
 def same(a, b) -> bool:
-    """Whether two plain values are the same value (type and value; NaN is itself)."""
-    return a is b or (type(a) is type(b) and a == b)
+    """Whether two plain values are the same value (type and value; NaN is itself); a
+    tensor attribute (:class:`Held`) is the same object."""
+    return a is b or (a == b if type(a) is Held else type(a) is type(b) and a == b)
+
+
+class Held:
+    """A tensor the forward reads from a plain attribute (``self.scale = torch.tensor(2.0)``,
+    not a buffer), as a program's key: the object itself (held, so that its ``id`` is never
+    another's) at its version when traced. Another tensor put there, or an edit in place
+    (which a stage on a GPU, holding the copy it made when it compiled, would not see),
+    traces again."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor, self.version = tensor, tensor._version
+
+    def __eq__(self, other) -> bool:
+        if type(other) is Held:
+            return other.tensor is self.tensor and other.version == self.version
+        return other is self.tensor and other._version == self.version
+
+    def __hash__(self) -> int:
+        return hash((id(self.tensor), self.version))
+
+    def __repr__(self) -> str:
+        return f"a tensor of shape {tuple(self.tensor.shape)}"
+
+    def now(self, value) -> "_Text":
+        """What ``value``, the attribute now, is to this one, for a message."""
+        return _Text("the same tensor, edited in place" if value is self.tensor else
+                     shown(value))
+
+
+class _Text(str):
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _kind(value) -> type:
+    return type(value.tensor) if type(value) is Held else type(value)
 
 
 def _watched(name: str) -> bool:
@@ -104,7 +148,7 @@ class Reads:
         self._sources = tuple(e[1] for e in entries)
         self._want = tuple(tuple(read[m][a] for a in (*attrs, *attrs[:len(attrs) < 2]))
                            for m, _, attrs, _ in entries)
-        self._kinds = tuple(map(type, itertools.chain.from_iterable(self._want)))
+        self._kinds = tuple(map(_kind, itertools.chain.from_iterable(self._want)))
         # hashable (the values are plain), and 1 is not 1.0
         self.key = tuple((id(m), attrs) for m, _, attrs, _ in entries) + (self._want, self._kinds)
         self.names = {id(m): names.get(m, "?") for m in read}
@@ -121,14 +165,16 @@ class Reads:
             got = tuple(map(_call, self._getters, self._sources))
         except (KeyError, AttributeError):  # deleted since, or moved between instance and class
             return False
-        return got == self._want and tuple(map(type, itertools.chain.from_iterable(got))) \
+        return self._want == got and tuple(map(type, itertools.chain.from_iterable(got))) \
             == self._kinds
 
     def changed(self) -> list:
         """``(qualified attribute name, value traced, value now)`` of those that changed."""
-        return [(_qualified(self.names[id(m)], name), old, getattr(m, name, _MISSING))
+        return [(_qualified(self.names[id(m)], name), old,
+                 old.now(now) if type(old) is Held else now)
                 for (m, _, attrs, _), want in zip(self.entries, self._want)
-                for name, old in zip(attrs, want) if not same(old, getattr(m, name, _MISSING))]
+                for name, old in zip(attrs, want)
+                for now in (getattr(m, name, _MISSING),) if not same(old, now)]
 
     def attributes(self) -> list:
         """``(qualified name, module, attribute name)`` of every attribute read."""
@@ -138,6 +184,8 @@ class Reads:
 
 def shown(value) -> str:
     """A value of :meth:`Reads.changed` for a message."""
+    if isinstance(value, torch.Tensor):  # what replaced a tensor the trace held
+        return f"another tensor of shape {tuple(value.shape)}"
     return "(deleted)" if value is _MISSING else repr(value)
 
 
@@ -154,11 +202,13 @@ _patched = {"lock": threading.Lock(), "traces": 0, "saved": {}}
 def _getattribute(self, name):
     value = object.__getattribute__(self, name)
     watch = getattr(_local, "watch", None)
-    if watch is not None and id(self) in watch.modules and _watched(name) and plain(value):
+    if watch is not None and id(self) in watch.modules and _watched(name):
         if name == "training" and self is watch.model:  # the wrapper's own flag, not watched
             watch.own_mode_read = True
-        else:
+        elif plain(value):
             watch.reads.setdefault(self, {}).setdefault(name, value)
+        elif type(value) is torch.Tensor:  # (parameters and buffers come by __getattr__)
+            watch.reads.setdefault(self, {}).setdefault(name, Held(value))
     return value
 
 
@@ -220,7 +270,8 @@ class AttributeWatch:
         if kind is None:
             for m, name, old, new in changed:
                 self._warn(m, name, old, new)
-        # What the forward changed, and what it read other than it is now, keys nothing.
+        # What the forward changed, and what it read other than it is now (a tensor it
+        # wrote in place too), keys nothing.
         for m, values in list(self.reads.items()):
             for name, value in list(values.items()):
                 if (m, name) in self.written or not same(value, getattr(m, name, _MISSING)):

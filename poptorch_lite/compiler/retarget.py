@@ -103,6 +103,83 @@ def missing_kernels(modules: Iterable[fx.GraphModule], device: torch.device) -> 
     return missing
 
 
+def constants(gm: fx.GraphModule) -> list:
+    """``(node, tensor)`` of each tensor constant ``gm`` holds (``get_attr``): a tensor the
+    model keeps as a plain attribute, or one the forward made from Python data."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            owner, _, name = node.target.rpartition(".")
+            value = getattr(gm.get_submodule(owner) if owner else gm, name)
+            if isinstance(value, torch.Tensor):
+                found.append((node, value))
+    return found
+
+
+def written_constants(gm: fx.GraphModule) -> list:
+    """``(tensor, source line)`` of each in-place write in ``gm`` into a tensor constant.
+
+    Example:
+        >>> from torch.fx.experimental.proxy_tensor import make_fx
+        >>> count = torch.zeros(())
+        >>> gm = make_fx(lambda x: x * count.add_(1))(torch.ones(2))
+        >>> [t is count for t, _ in written_constants(gm)]
+        [True]
+    """
+    found = []
+    for node, value in constants(gm):
+        for user in node.users:
+            schema = getattr(_op(user), "_schema", None)
+            if schema is None:
+                continue
+            for argument, given in zip(schema.arguments, user.args):
+                if given is node and argument.alias_info is not None \
+                        and argument.alias_info.is_write:
+                    found.append((value, _line(user)))
+    return found
+
+
+def check_written_constants(stages: Iterable, recompute: tuple, compiled: bool) -> None:
+    """Refuse a write into a tensor constant that would not be plain PyTorch's: in a stage
+    that is recomputed (the recompute would write it again) or compiled, or into a tensor
+    that another stage holds too (a pipeline would hand it the write of another micro-batch).
+    Such a tensor belongs in a buffer, whose writes the runtime orders ([Note: state across
+    stages] in ``state``). ``recompute``: per stage, whether it is recomputed.
+
+    Raises:
+        TraceError: E-PART-28.
+    """
+    stages = list(stages)
+    held = {}  # id(tensor) -> the stages whose graphs hold it
+    for st in stages:
+        for gm in _graphs(st):
+            for _, t in constants(gm):
+                held.setdefault(id(t), set()).add(st.index)
+    for st in stages:
+        for gm in _graphs(st):
+            for t, line in written_constants(gm):
+                if recompute and recompute[st.index]:
+                    raise _constant_written(st, line, "the stage is recomputed, which would "
+                                                      "write it again")
+                if compiled:
+                    raise _constant_written(st, line, "the stage is compiled "
+                                                      "(compileStages), which keeps no such "
+                                                      "write")
+                if len(held[id(t)]) > 1:
+                    raise _constant_written(st, line, f"stages {sorted(held[id(t)])} hold it, "
+                                                      f"which a pipeline runs out of step")
+
+
+def _constant_written(st, line: str, reason: str) -> TraceError:
+    return TraceError(
+        f"stage {st.index}'s forward writes in place into a tensor its graph holds as a "
+        f"constant, one the model keeps as a plain attribute rather than a buffer, or one "
+        f"made from Python data ({line}), and {reason}: plain PyTorch's forward writes it "
+        f"once per micro-batch, where the model keeps it. Register it as a buffer "
+        f"(self.register_buffer(name, tensor)), whose writes every call makes where the "
+        f"stage runs, or make it anew in the forward")
+
+
 def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
     """``aten.scaled_dot_product_attention`` in the shape of its device variants: a tuple
     whose first item is the output (the graph reads only that one)."""
@@ -252,7 +329,8 @@ def place(stages: Iterable, devices: dict) -> None:
     """Rewrite every stage's graphs for its IPU's device ([Note: graphs on their devices]).
 
     Raises:
-        TraceError: an op has no kernel on its stage's device (checked before any
+        TraceError: an op has no kernel on its stage's device, or a stage on another
+            device than the trace's writes into a tensor constant (checked before any
             graph is rewritten).
     """
     stages = list(stages)
@@ -266,6 +344,13 @@ def place(stages: Iterable, devices: dict) -> None:
             f"(the model is traced on the host model's device and that op exists only "
             f"there); map IPU {st.ipu} to that device with opts.set_ipu_devices(...), or "
             f"compute that part of the model with ops that {device.type} has")
+    for st in stages:
+        device = devices[st.ipu]
+        for gm in _graphs(st):
+            for t, line in written_constants(gm):
+                if t.device != device:
+                    raise _constant_written(st, line, f"it runs on {device} (IPU {st.ipu}), "
+                                                      f"where it would write a copy of its own")
     for st in stages:
         for gm in _graphs(st):
             to_device(gm, devices[st.ipu])

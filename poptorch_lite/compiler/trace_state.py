@@ -32,7 +32,8 @@ def preserved_state(model: torch.nn.Module, modes: dict, inputs: list,
 
     The trace really runs the forward once, so RNG draws (torch's generators and the
     ``generators`` the forward draws from), buffer updates (BatchNorm statistics, counters)
-    and in-place writes to the inputs (``x += 1``) are rolled back afterwards: tracing must
+    and in-place writes to the inputs (``x += 1``) and to tensors the modules keep as plain
+    attributes (``self.count.add_(1)``) are rolled back afterwards: tracing must
     change no state ([Note: partition]); the call's own run then writes them once, as plain
     PyTorch's forward does.
     """
@@ -40,7 +41,9 @@ def preserved_state(model: torch.nn.Module, modes: dict, inputs: list,
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    given = [(t, version_of(t), t.detach().clone()) for t in inputs]
+    # the inputs, and tensors kept as plain attributes (a counter the forward adds to)
+    given = [(t, version_of(t), t.detach().clone()) for t in [*inputs, *_tensor_attributes(
+        model)]]
     # Which tensors each module registers: a refused forward may delete or reassign one.
     tables = {m: (list(m._buffers.items()), set(m._non_persistent_buffers_set))
               for m in model.modules()}
@@ -75,6 +78,17 @@ def preserved_state(model: torch.nn.Module, modes: dict, inputs: list,
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
         generators.put_back()
+
+
+def _tensor_attributes(model: torch.nn.Module) -> list:
+    """The tensors the model's modules keep as plain attributes (not parameters or
+    buffers), once each."""
+    seen: dict = {}
+    for m in model.modules():
+        for value in vars(m).values():
+            if type(value) is torch.Tensor:
+                seen.setdefault(id(value), value)
+    return list(seen.values())
 
 
 def version_of(t: torch.Tensor):

@@ -95,6 +95,8 @@ def _compiled(model, modes, options, training, mbs, weights, placement, replicas
             "in one process (replicas may span processes)")
     P = processes.layout.pipelines if processes is not None else 1  # data-parallel processes
     recompute = tuple(recomputed(o, st) for st in part.stages) if training else ()
+    retarget.check_written_constants(part.stages, recompute,
+                                     o.compile_stages and o.compile_backend != "eager")
     rng.check_user_generators(part.stages, recompute,
                               o.execution_strategy.schedule is PipelineSchedule.Sequential,
                               o.replication_factor, processes is not None)

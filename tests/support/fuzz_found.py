@@ -208,9 +208,23 @@ FOUND = [
     #    torch.autocast after one outside it ran the first program; under it, a BatchNorm's
     #    and a LayerNorm's float32 weights were cast to the bfloat16 input's type (PopTorch's
     #    rule for mixed inputs plain PyTorch refuses, not these), and a bfloat16 dropout's
-    #    native_dropout backward rounded otherwise than the decomposition plain PyTorch runs
+    #    native_dropout backward rounded otherwise than the decomposition plain PyTorch runs;
+    #    and (seed 140) a weight used twice was cast once per use, where autocast's cache casts
+    #    it once (make_fx turns the cache off)
     *(Found(f"{kind}_under_autocast", f"{kind}&autocast={when}", Program(ops=(Op(kind),)),
             Config(autocast=when, calls=3 if when == "second" else 2))
       for kind, when in (("batchnorm", "on"), ("layernorm", "on"), ("dropout", "on"),
-                         ("batchnorm_cumulative", "second"))),
+                         ("batchnorm_cumulative", "second"), ("tied", "on"))),
+    # -- found by hand (2026-11-30), then by the grammar's tensor attributes: a tensor kept as
+    #    a plain attribute and replaced between calls was the trace's in every later call (an
+    #    edit in place too, on a GPU); one the forward adds to was added to by the trace too,
+    #    and twice per micro-batch under recomputation (now E-PART-28 there)
+    Found("tensor_attribute_replaced_then_scaled", "tensor_attr&mask_replace&mask_inplace",
+          Program(ops=(Op("tensor_attr"),), edits=(Edit("mask_replace"),
+                                                   Edit("mask_inplace", call=1))),
+          Config(calls=3, device="gpu_twin")),
+    Found("tensor_attribute_counted_by_the_forward", "tensor_counter",
+          Program(ops=(Op("tensor_counter"),)), Config()),
+    Found("tensor_attribute_counted_under_recomputation", "tensor_counter&recompute=True",
+          Program(ops=(Op("tensor_counter"),)), Config(G=3, recompute=True)),
 ]

@@ -148,6 +148,11 @@ FEATURES = {
     "counter": Feature("self.count{i} += 1\nh = h * (1 + 0.1 * self.count{i})",
                        init="self.register_buffer(\"count{i}\", torch.zeros(()))",
                        buffers="own"),
+    # tensors kept as plain attributes, not buffers: read (a mask an edit replaces or
+    # scales), and written in place by the forward (a counter)
+    "tensor_attr": Feature("h = h * self.mask{s}", init=f"self.mask{{s}} = torch.ones({WIDTH})"),
+    "tensor_counter": Feature("h = h * (1 + 0.1 * self.tally{i}.add_(1))",
+                              init="self.tally{i} = torch.zeros(())", refused="E-PART-28"),
     "tied": Feature(read="h = h + 0.1 * F.linear(h, self.l{s}.weight)"),
     "weight_norm": Feature(init="self.l{s} = torch.nn.utils.parametrizations.weight_norm("
                                 "self.l{s})"),
@@ -292,6 +297,10 @@ EDITS = {
     "host_grad": "for p in net.parameters():\n    p.grad = torch.full_like(p, 0.5)",
     "host_forward": f"with torch.no_grad():\n    net(torch.ones(2, {WIDTH}), "
                     "torch.zeros(2, dtype=torch.long))",
+    # a tensor attribute (tensor_attr's) replaced, or scaled in place
+    "mask_replace": "if hasattr(net, \"mask{s}\"):\n"
+                    f"    net.mask{{s}} = torch.linspace(0.5, 1.5, {WIDTH})",
+    "mask_inplace": "if hasattr(net, \"mask{s}\"):\n    net.mask{s}.mul_(0.5)",
     # modes: the submodules' flags are the user's ([Note: train and eval modes])
     "eval_mode": "net.eval()",
     "train_mode": "net.train()",

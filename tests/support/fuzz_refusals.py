@@ -9,6 +9,8 @@ notes state, worked out here from the program and the configuration:
   (a normalisation's running statistics are not one: each replica keeps its own, [Note:
   running statistics on replicas] in poptorch_lite/compiler/running_stats.py);
 - E-PART-11 (``item``), E-PART-24 (``packed_lstm``): always, at the trace;
+- E-PART-28: a tensor attribute the forward writes in place (``tensor_counter``), on a GPU
+  (or its twin), recomputed or compiled;
 - E-PART-27: a gradient hook on a parameter whose layer another stage uses again;
 - E-WRAP-21: a parameter replaced by another object between calls (``REFUSABLE_EDITS``);
 - E-OPT-41: a generator of the model's own with replicas or recomputation (each grammar
@@ -98,6 +100,9 @@ def acceptable(program: Program, config: Config) -> dict:
             ok["E-PART-25"] = f"{state}: state across stages, overlapping micro-batches"
         elif config.device != "cpu" and len({ipu(s) for s in stages}) > 1:
             ok["E-PART-26"] = f"{state}: state across stages on separate memories"
+    if "tensor_counter" in kinds and (config.device in ("gpu_twin", "cuda") or config.recompute
+                                      or config.compiled):
+        ok["E-PART-28"] = "a tensor attribute the forward writes, on a GPU, recomputed or compiled"
     hooked = {o.stage for o in program.ops if o.kind == "param_hook"}
     if any(o.kind == "shared_module" and o.to != o.stage and o.stage in hooked
            for o in program.ops):
