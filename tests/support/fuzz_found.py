@@ -225,6 +225,14 @@ FOUND = [
           Config(calls=3, device="gpu_twin")),
     Found("tensor_attribute_counted_by_the_forward", "tensor_counter",
           Program(ops=(Op("tensor_counter"),)), Config()),
+    # -- seed 141: an input's penalty with Python's random drawn in a program the temperature
+    #    keys (the oracle replayed the old draw); seed 143: an input's penalty through a
+    #    LayerNorm sums its second-order terms in another order (1 ulp, the float rule)
+    Found("python_draw_in_a_program_an_attribute_keys", "python_random&temperature&anneal",
+          Program(stages=2, ops=(Op("python_random"), Op("temperature")),
+                  edits=(Edit("anneal"),)), Config(G=3)),
+    Found("input_penalty_through_a_layernorm", "input_penalty&layernorm",
+          Program(ops=(Op("input_penalty"), Op("layernorm"))), Config()),
     Found("tensor_attribute_counted_under_recomputation", "tensor_counter&recompute=True",
           Program(ops=(Op("tensor_counter"),)), Config(G=3, recompute=True)),
 ]

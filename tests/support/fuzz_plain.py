@@ -146,19 +146,21 @@ class _TracedDraws:
     """Python's and numpy's random as the wrapped side's traces draw them (W-LITE-13): the
     first forward of a program draws for real, as its trace does, and every later forward
     of that program gets the same numbers. A program is what the wrapper keys one by: the
-    micro-batch size, the parameters' requires_grad, the autocast around the call and the
+    micro-batch size, the parameters' requires_grad, the autocast around the call, the
     train/eval flags of the submodules whose forward reads theirs (a dropout's, a
-    normalisation's, an LSTM's)."""
+    normalisation's, an LSTM's) and the plain attributes the forward reads (the grammar's
+    ``temperature``)."""
 
     def __init__(self, net):
-        self.params, self.drawn = tuple(net.parameters()), {}
+        self.net, self.params, self.drawn = net, tuple(net.parameters()), {}
         self.moded = [m for m in net.modules() if m is not net and "training" in getattr(
             getattr(type(m).forward, "__code__", None), "co_names", ())]
 
     @contextlib.contextmanager
     def forward(self, batch: int):
         key = (batch, tuple(p.requires_grad for p in self.params),
-               torch.is_autocast_enabled("cpu"), tuple(m.training for m in self.moded))
+               torch.is_autocast_enabled("cpu"), tuple(m.training for m in self.moded),
+               getattr(self.net, "temperature", None))  # the grammar's read attribute
         drawn = self.drawn.get(key)
         if drawn is None:  # this program's trace: real draws, recorded
             drawn = self.drawn[key] = []
