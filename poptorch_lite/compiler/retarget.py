@@ -105,7 +105,9 @@ def missing_kernels(modules: Iterable[fx.GraphModule], device: torch.device) -> 
 
 def constants(gm: fx.GraphModule) -> list:
     """``(node, tensor)`` of each tensor constant ``gm`` holds (``get_attr``): a tensor the
-    model keeps as a plain attribute, or one the forward made from Python data."""
+    model keeps as a plain attribute, or one the forward made from Python data (which the
+    graph copies afresh before any write, ``lift_fresh_copy``, as plain PyTorch makes it
+    anew)."""
     found = []
     for node in gm.graph.nodes:
         if node.op == "get_attr":
@@ -172,12 +174,11 @@ def check_written_constants(stages: Iterable, recompute: tuple, compiled: bool) 
 
 def _constant_written(st, line: str, reason: str) -> TraceError:
     return TraceError(
-        f"stage {st.index}'s forward writes in place into a tensor its graph holds as a "
-        f"constant, one the model keeps as a plain attribute rather than a buffer, or one "
-        f"made from Python data ({line}), and {reason}: plain PyTorch's forward writes it "
-        f"once per micro-batch, where the model keeps it. Register it as a buffer "
-        f"(self.register_buffer(name, tensor)), whose writes every call makes where the "
-        f"stage runs, or make it anew in the forward")
+        f"stage {st.index}'s forward writes in place into a tensor the model keeps as a "
+        f"plain attribute rather than a buffer ({line}), and {reason}: plain PyTorch's "
+        f"forward writes it once per micro-batch, where the model keeps it. Register it as "
+        f"a buffer (self.register_buffer(name, tensor)), whose writes every call makes "
+        f"where the stage runs, or make it anew in the forward")
 
 
 def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
