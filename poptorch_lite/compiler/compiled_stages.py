@@ -288,15 +288,22 @@ class CompiledGraph:
                    if written_in_place(ph)}
         viewed = _viewed_arguments(plain)
 
+        lifted = [0]  # the graph's own tensors AOTAutograd lifts ahead of the arguments
+
         def unreached(bw: fx.GraphModule) -> None:  # its outputs: one per forward argument
             outs = bw.graph.output_node().args[0]
+            # a tensor the graph holds (a tensor attribute of the model: get_attr) is
+            # lifted as an input before the arguments, and has a gradient slot there
+            lifted[0] = max(0, len(outs) - len(args))
+            outs = outs[lifted[0]:]
             if len(outs) == len(args):
                 cut.extend(k for k, (o, a) in enumerate(zip(outs, args))
                            if isinstance(a, torch.Tensor) and a.requires_grad and k not in viewed
                            and (o is None or k in written and _tangent(o)))
 
-        def reached() -> tuple:  # the weights W gives gradients: a cut one gets none
-            return tuple(k for k in positions if k not in cut)
+        def reached() -> tuple:  # the weights W gives gradients (in the backward's outputs,
+            # after the lifted tensors'): a cut one gets none
+            return tuple(lifted[0] + k for k in positions if k not in cut)
 
         # The backward compiles now too, not at its first call: its time is counted, and a
         # refusal comes before anything ran. A split backward's saved values are not the
@@ -316,7 +323,8 @@ class CompiledGraph:
                         def one(g, ex, first):
                             more = dict(kw) if first else {**kw, "static_input_idxs": ()}
                             return compile_fx_inner(g, ex, **more)
-                        return split_backward(gm, example_inputs, reached(), one, split)
+                        return split_backward(gm, example_inputs, reached(), one, split,
+                                              lifted[0])
                     return compile_fx_inner(gm, example_inputs, **kw)
                 fn = compile_fx(plain, list(args), inner_compile=inner,
                                 config_patches={"fallback_random": True} if self.random else None)
@@ -327,7 +335,7 @@ class CompiledGraph:
                     unreached(gm)
                     if split is not None:
                         return split_backward(gm, example_inputs, reached(),
-                                              lambda g, ex, first: _boxed(g), split)
+                                              lambda g, ex, first: _boxed(g), split, lifted[0])
                     return _boxed(gm)
                 fn = aot_module_simplified(plain, list(args), fw_compiler=lambda g, _: _boxed(g),
                                            bw_compiler=backward)

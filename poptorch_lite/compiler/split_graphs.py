@@ -64,14 +64,17 @@ class WeightHalf:
 
 
 def split_backward(bw: fx.GraphModule, example_inputs, positions: tuple, compile_one,
-                   state: SplitState):
+                   state: SplitState, lifted: int = 0):
     """AOTAutograd's backward graph ``bw`` (its outputs: one gradient per forward argument)
     as two graphs: I, the gradients of the arguments but the parameters at ``positions``,
     and W, the parameters' gradients from the saved values and what I computed on the way
     (the gradient of each value a weight multiplies: ``dW = dy.T @ x`` reads I's ``dy``), so
     W never runs the chain back to the inputs again. Each is compiled by
-    ``compile_one(graph, example inputs, is_i)``. Returns the backward AOTAutograd calls
-    (boxed: a list of the saved values and the output gradients)."""
+    ``compile_one(graph, example inputs, is_i)``. ``positions`` index the backward's
+    outputs, whose first ``lifted`` are the gradients of tensors the graph holds, which
+    AOTAutograd lifts ahead of the arguments; a deferred :class:`WeightHalf` names argument
+    positions. Returns the backward AOTAutograd calls (boxed: a list of the saved values and
+    the output gradients)."""
     outs = list(bw.graph.output_node().args[0])
     w_at = tuple(k for k in positions if k < len(outs) and isinstance(outs[k], fx.Node))
     i_at = tuple(k for k, o in enumerate(outs) if isinstance(o, fx.Node) and k not in w_at)
@@ -106,17 +109,18 @@ def split_backward(bw: fx.GraphModule, example_inputs, positions: tuple, compile
                          [example_inputs[placeholders.index(n)] for n in held]
                          + [n.meta["val"] for n in boundary], False)
     take = tuple(placeholders.index(n) for n in held)
-    return _SplitBackward(half_i, half_w, len(outs), i_at, w_at, take, state)
+    return _SplitBackward(half_i, half_w, len(outs), i_at, w_at, take, state, lifted)
 
 
 class _SplitBackward:
     """The boxed backward of :func:`split_backward`."""
 
-    def __init__(self, half_i, half_w, n, i_at, w_at, take, state):
+    def __init__(self, half_i, half_w, n, i_at, w_at, take, state, lifted):
         # On the instance: wrappers (functools.wraps) copy an instance's attributes only.
         self._boxed_call = True
         self.half_i, self.half_w, self.n, self.i_at, self.w_at = half_i, half_w, n, i_at, w_at
         self.take, self.state = take, state
+        self.arguments = tuple(k - lifted for k in w_at)  # W's positions among the arguments
 
     def __call__(self, args: list):
         kept = [args[k] for k in self.take]
@@ -127,7 +131,7 @@ class _SplitBackward:
             grads[k] = g
         inputs = kept + list(got[len(self.i_at):])
         if self.state.splitting:
-            self.state.deferred.append(WeightHalf(self.half_w, inputs, self.w_at))
+            self.state.deferred.append(WeightHalf(self.half_w, inputs, self.arguments))
         else:
             for k, g in zip(self.w_at, self.half_w(inputs)):
                 grads[k] = g

@@ -16,6 +16,7 @@ the same CUDA generator on both sides.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from typing import Optional
@@ -59,8 +60,9 @@ class Config:
         """The autocast the user puts around call ``call`` (both sides): bfloat16 on the
         device type the model computes on, in every call ("on") or in the second only."""
         on = self.autocast == "on" or (self.autocast == "second" and call == 1)
-        return torch.autocast("cuda" if self.device == "cuda" else "cpu", dtype=torch.bfloat16,
-                              enabled=on)
+        if not on:  # no context at all: even a disabled autocast counts in autocast's
+            return contextlib.nullcontext()  # nesting, which keeps the forward's casts cached
+        return torch.autocast("cuda" if self.device == "cuda" else "cpu", dtype=torch.bfloat16)
 
     def code(self, program: Program) -> str:
         """The Options as a user writes them."""

@@ -153,6 +153,8 @@ class _TracedDraws:
 
     def __init__(self, net):
         self.net, self.params, self.drawn = net, tuple(net.parameters()), {}
+        self.reads = hasattr(net, "temperature")  # the temperature feature's (anneal may set
+        # one the forward never reads)
         self.moded = [m for m in net.modules() if m is not net and "training" in getattr(
             getattr(type(m).forward, "__code__", None), "co_names", ())]
 
@@ -160,7 +162,7 @@ class _TracedDraws:
     def forward(self, batch: int):
         key = (batch, tuple(p.requires_grad for p in self.params),
                torch.is_autocast_enabled("cpu"), tuple(m.training for m in self.moded),
-               getattr(self.net, "temperature", None))  # the grammar's read attribute
+               self.net.temperature if self.reads else None)  # the grammar's read attribute
         drawn = self.drawn.get(key)
         if drawn is None:  # this program's trace: real draws, recorded
             drawn = self.drawn[key] = []
