@@ -206,6 +206,18 @@ def test_a_tensor_attribute_replaced_or_edited_between_calls_trains_as_plain_pyt
     train.destroy()
 
 
+def test_a_tensor_attribute_made_in_inference_mode_is_read_as_any_other():
+    """A tensor made under ``torch.inference_mode()`` keeps no version counter: the key holds
+    it by identity alone (the trace read its version, and failed), and the calls train as
+    plain PyTorch's."""
+    torch.manual_seed(0)
+    model = Masked(1)
+    with torch.inference_mode():
+        model.mask = torch.linspace(0.5, 1.5, 8)
+    ref = twin(model, "cpu")
+    calls_like_plain_pytorch(model, ref, 1, 2, "cpu").destroy()
+
+
 class Counting(Annealed):
     """:class:`Annealed` scaled by ``1 + 0.1 * count``, a tensor kept as a plain attribute
     that the forward adds one to in place."""
@@ -233,6 +245,42 @@ def test_a_tensor_attribute_the_forward_writes_counts_each_forward_once(blocks, 
     train = calls_like_plain_pytorch(model, ref, blocks, G, device)
     assert float(model.count) == float(ref.count) == 3 * G
     assert caplog.text.count("trainingModel compiled") == 1
+    train.destroy()
+
+
+class CountedAcross(Counting):
+    """:class:`Counting` whose second block reads the count too."""
+
+    def forward(self, x, y):
+        out, loss = super().forward(x, y)
+        return out, loss * self.count
+
+
+@pytest.mark.parametrize("how, why", [
+    ("recompute", "the stage is recomputed, which would write it again"),
+    ("compiled", "the stage is compiled (compileStages), which keeps no such write"),
+    ("across", "a later stage reads it as it is, which a pipeline runs out of step")])
+def test_a_tensor_attribute_the_forward_writes_is_refused_where_the_write_would_differ(
+        how, why, every_stage_compiles):
+    """E-PART-28 at the first call, before anything changes: a tensor kept as a plain
+    attribute that the forward writes, in a recomputed or compiled stage, or read as it is by
+    a later stage of a pipeline (the value it sent was the tensor itself, which the next
+    micro-batch's write changed before that stage read it: the loss was off)."""
+    torch.manual_seed(0)
+    model = CountedAcross(2) if how == "across" else Counting(2)
+    opts = options(2, 3, "cpu")
+    if how == "recompute":
+        opts._Popart.set("autoRecomputation", 3)
+    elif how == "compiled":
+        opts.compileStages(True, "aot_eager")
+    train = poptorch.trainingModel(model, opts, sgd(model))
+    before = copy.deepcopy(model.state_dict())
+    x, y = data(6)
+    with pytest.raises(poptorch.TraceError, match=re.escape(why)):
+        train(x, y)
+    assert float(model.count) == 0
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
     train.destroy()
 
 

@@ -15,8 +15,9 @@ compared as the object and its version (:class:`Held`: another tensor put there,
 edited in place, traces again; one the forward writes keys nothing, and is written where
 plain PyTorch's would be or refused, E-PART-28 in ``retarget``); a submodule's
 ``training`` flag too, but not the model's own, which is the wrapper's, fixed when it
-wrapped ([Note: train and eval modes] in ``runtime/compiled``); the names ``nn.Module`` itself keeps (its hook tables,
-``_compiled_call_impl``, ...) are its machinery, not the model's. A user's private names
+wrapped ([Note: train and eval modes] in ``runtime/compiled``); the names ``nn.Module``
+itself keeps (its hook tables, ``_compiled_call_impl``, ...) are its machinery, not the
+model's. A user's private names
 (``self._scale``) are read like any other. :class:`Reads` is what one trace read: a call
 compares those values (one C-level getter per module, by type and value: ``0.0`` and
 ``-0.0`` are one value) and a changed one traces again ([Note: attributes the forward
@@ -53,6 +54,7 @@ import torch
 
 from ..errors import PoptorchLiteWarning, warn_once
 from .trace_modes import _user_frame
+from .trace_state import version_of
 
 _SCALARS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
             enum.Enum, np.generic)
@@ -87,12 +89,12 @@ class Held:
     __slots__ = ("tensor", "version")
 
     def __init__(self, tensor: torch.Tensor):
-        self.tensor, self.version = tensor, tensor._version
+        self.tensor, self.version = tensor, version_of(tensor)  # None: an inference tensor
 
     def __eq__(self, other) -> bool:
         if type(other) is Held:
             return other.tensor is self.tensor and other.version == self.version
-        return other is self.tensor and other._version == self.version
+        return other is self.tensor and version_of(other) == self.version
 
     def __hash__(self) -> int:
         return hash((id(self.tensor), self.version))

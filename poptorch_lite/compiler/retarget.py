@@ -119,16 +119,19 @@ def constants(gm: fx.GraphModule) -> list:
 
 
 def written_constants(gm: fx.GraphModule) -> list:
-    """``(tensor, source line)`` of each in-place write in ``gm`` into a tensor constant.
+    """``(tensor, source line, sent)`` of each in-place write in ``gm`` into a tensor
+    constant; ``sent``: the graph returns the tensor itself (the constant, or the write's
+    result, which is it), for a later stage to read.
 
     Example:
         >>> from torch.fx.experimental.proxy_tensor import make_fx
         >>> count = torch.zeros(())
-        >>> gm = make_fx(lambda x: x * count.add_(1))(torch.ones(2))
-        >>> [t is count for t, _ in written_constants(gm)]
-        [True]
+        >>> gm = make_fx(lambda x: (x * count.add_(1),))(torch.ones(2))
+        >>> [(t is count, sent) for t, _, sent in written_constants(gm)]
+        [(True, False)]
     """
     found = []
+    returned = set(gm.graph.output_node().all_input_nodes)
     for node, value in constants(gm):
         for user in node.users:
             schema = getattr(_op(user), "_schema", None)
@@ -137,14 +140,15 @@ def written_constants(gm: fx.GraphModule) -> list:
             for argument, given in zip(schema.arguments, user.args):
                 if given is node and argument.alias_info is not None \
                         and argument.alias_info.is_write:
-                    found.append((value, _line(user)))
+                    found.append((value, _line(user), bool({node, user} & returned)))
     return found
 
 
 def check_written_constants(stages: Iterable, recompute: tuple, compiled: bool) -> None:
     """Refuse a write into a tensor constant that would not be plain PyTorch's: in a stage
     that is recomputed (the recompute would write it again) or compiled, or into a tensor
-    that another stage holds too (a pipeline would hand it the write of another micro-batch).
+    that another stage holds too, or is sent as it is (a pipeline would hand it the write
+    of another micro-batch).
     Such a tensor belongs in a buffer, whose writes the runtime orders ([Note: state across
     stages] in ``state``). ``recompute``: per stage, whether it is recomputed.
 
@@ -159,7 +163,7 @@ def check_written_constants(stages: Iterable, recompute: tuple, compiled: bool) 
                 held.setdefault(id(t), set()).add(st.index)
     for st in stages:
         for gm in _graphs(st):
-            for t, line in written_constants(gm):
+            for t, line, sent in written_constants(gm):
                 if recompute and recompute[st.index]:
                     raise _constant_written(st, line, "the stage is recomputed, which would "
                                                       "write it again")
@@ -167,9 +171,9 @@ def check_written_constants(stages: Iterable, recompute: tuple, compiled: bool) 
                     raise _constant_written(st, line, "the stage is compiled "
                                                       "(compileStages), which keeps no such "
                                                       "write")
-                if len(held[id(t)]) > 1:
-                    raise _constant_written(st, line, f"stages {sorted(held[id(t)])} hold it, "
-                                                      f"which a pipeline runs out of step")
+                if len(held[id(t)]) > 1 or (sent and len(stages) > 1):
+                    raise _constant_written(st, line, "a later stage reads it as it is, "
+                                                      "which a pipeline runs out of step")
 
 
 def _constant_written(st, line: str, reason: str) -> TraceError:
@@ -348,7 +352,7 @@ def place(stages: Iterable, devices: dict) -> None:
     for st in stages:
         device = devices[st.ipu]
         for gm in _graphs(st):
-            for t, line in written_constants(gm):
+            for t, line, _ in written_constants(gm):
                 if t.device != device:
                     raise _constant_written(st, line, f"it runs on {device} (IPU {st.ipu}), "
                                                       f"where it would write a copy of its own")

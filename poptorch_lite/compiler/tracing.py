@@ -57,7 +57,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import RAISED_IN_TRACE, Error, TraceError, hide_when_refused as __tracebackhide__
 from . import backward_hooks, grad_semantics, losses, markers, structures
-from .casting import _ImplicitCasting
+from .casting import _ImplicitCasting, ambient_autocast
 from .markers import _current, trace_context
 from .python_attributes import AttributeWatch
 from .running_stats import (StatisticsWatch, cumulative_averages, same_values,
@@ -321,9 +321,8 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
         buffer_values = {n: values[n] for n in buffers}
         check = model.register_forward_hook(lambda *_: _check_buffers_kept(model, buffer_values))
         cached = torch.is_autocast_cache_enabled()
-        if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
-            # [Note: autocast around a call] in runtime/batch: make_fx turns autocast's
-            # cache off, and a forward under autocast casts each weight once, not per use
+        if ambient_autocast():  # [Note: autocast around a call] in runtime/batch: make_fx
+            # turns autocast's cache off, and a forward under it casts each weight once
             torch.set_autocast_cache_enabled(True)
         try:
             out = functional_call(model, values, a, kw)

@@ -34,6 +34,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..compiler import structures
+from ..compiler.casting import ambient_autocast
 from ..enums import SyntheticDataMode
 from ..errors import BatchSizeError, InputError, warn_once, PoptorchLiteWarning
 
@@ -133,7 +134,8 @@ class MicroBatches:
 
     def signature(self) -> tuple:
         """What a traced graph is specialised on: structure, constants, micro-batch shapes,
-        and the autocast the call is made under (:func:`ambient_autocast`)."""
+        and the autocast the call is made under ([Note: autocast around a call] at
+        :func:`outside_autocast`)."""
         parts: list = [self._spec_text or str(self.spec)]
         for k, leaf in enumerate(self.leaves):
             if isinstance(leaf, torch.Tensor):  # a micro-batch's shape, without slicing one
@@ -145,42 +147,6 @@ class MicroBatches:
         if autocast:
             parts.append(("autocast", autocast))
         return tuple(parts)
-
-
-_AUTOCAST_DEVICES = ("cpu", "cuda")
-
-
-def ambient_autocast() -> tuple:
-    """``(device type, dtype)`` of each device type whose autocast is on around the call;
-    () outside any (two C calls, 0.3 µs).
-
-    [Note: autocast around a call]
-    A call made under ``torch.autocast`` is traced under it, so the program holds the casts
-    it made (the forward's own ``torch.autocast`` blocks are the forward's, and always
-    traced). Plain PyTorch casts at every forward by the autocast in force then, so the
-    state is part of the call's signature: a call outside autocast after one inside it runs
-    a program traced without it (one more trace, logged), not the first call's lower
-    precision. Each step casts the weights it has then, as a plain loop with autocast
-    around each forward does, as PyTorch asks (autocast around a whole plain loop would
-    reuse its casts of the weights after ``optimizer.step()``). The program runs with
-    autocast off (:func:`outside_autocast`), as its
-    stages on worker threads do anyway (autocast is per thread): its casts are its ops, and
-    autocast over the traced ops would cast again by the policies of the ops the trace
-    decomposed them into, not of those plain PyTorch's forward met, and would reach the
-    backward, which runs inside the call. What the trace itself does under autocast must
-    match plain PyTorch's forward too: a normalisation of a ``bfloat16`` input with
-    ``float32`` weights runs as it is ([Note: implicit casting] in ``compiler/casting``),
-    and a ``bfloat16`` dropout keeps its decomposition (``compiler/trace_modes._dropout``).
-
-    Example:
-        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
-        ...     ambient_autocast()
-        (('cpu', torch.bfloat16),)
-    """
-    if not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
-        return ()
-    return tuple((d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES
-                 if torch.is_autocast_enabled(d))
 
 
 def recompile_note(training: bool, old: tuple, new: tuple) -> str:
@@ -203,12 +169,33 @@ def recompile_note(training: bool, old: tuple, new: tuple) -> str:
 
 
 def outside_autocast():
-    """A context with autocast off on every device type where a call is made under one
-    ([Note: autocast around a call]); a no-op context otherwise."""
-    if not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
+    """A context with autocast off on every device type whose autocast is on around the
+    call; a no-op context otherwise.
+
+    [Note: autocast around a call]
+    A call made under ``torch.autocast`` is traced under it, so the program holds the casts
+    it made (the forward's own ``torch.autocast`` blocks are the forward's, and always
+    traced). Plain PyTorch casts at every forward by the autocast in force then, so the
+    state is part of the call's signature: a call outside autocast after one inside it runs
+    a program traced without it (one more trace, logged), not the first call's lower
+    precision. Each step casts the weights it has then, as a plain loop with autocast
+    around each forward does, as PyTorch asks (autocast around a whole plain loop would
+    reuse its casts of the weights after ``optimizer.step()``). The program runs with
+    autocast off (this context), as its stages on worker threads do anyway (autocast is
+    per thread): its casts are its ops, and autocast over the traced ops would cast again
+    by the policies of the ops the trace decomposed them into, not of those plain
+    PyTorch's forward met, and would reach the backward, which runs inside the call. What
+    the trace itself does under autocast must match plain PyTorch's forward too: each
+    weight is cast once (``make_fx`` turns autocast's cache off; ``tracing`` turns it on),
+    a normalisation of a ``bfloat16`` input with ``float32`` weights runs as it is ([Note:
+    implicit casting] in ``compiler/casting``), and a ``bfloat16`` dropout keeps its
+    decomposition (``compiler/trace_modes._dropout``).
+    """
+    on = ambient_autocast()
+    if not on:
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
-    for d in _AUTOCAST_DEVICES:
+    for d, _ in on:
         stack.enter_context(torch.autocast(d, enabled=False))
     return stack
 

@@ -236,8 +236,8 @@ class Update:
     def _sharded_update(self, step: StepArithmetic, shards) -> bool:
         """:meth:`_update` with each process stepping its chunks of the state: the same
         arithmetic on the reduced gradients' chunks, then the weights gathered."""
-        held = {id(p) for g in step.optimizer.param_groups for p in g["params"]}
-        stepped = {n: p for n, p in self._stepped.items() if id(p) in held}
+        held = _held(self.weights.params, step.optimizer)
+        stepped = {n: p for n, p in self._stepped.items() if n in held}
         self.processes.reduce_scatter_grads(stepped, shards, self._overlap)
         if step.loss_scale.automatic:
             bad = torch.tensor([float(shards.nonfinite())])
@@ -248,8 +248,7 @@ class Update:
         if math.isfinite(step.max_grad_norm):
             if self.channels is not None:  # the global norm, over the pipeline's processes
                 norms = shards.norms()
-                shards.scale(self.channels.clip_coefficient(
-                    _held(self.weights.params, step.optimizer), step.max_grad_norm, {
+                shards.scale(self.channels.clip_coefficient(held, step.max_grad_norm, {
                     n: norms[id(p)] for n, p in stepped.items() if id(p) in norms}))
             else:
                 shards.clip(step.max_grad_norm)

@@ -180,7 +180,7 @@ def shared_traces(monkeypatch):
     plain attributes (``BlockMLP``); a test that checks what tracing warns must not use it.
     """
     import poptorch_lite.runtime.compiling as program
-    from poptorch_lite.runtime.batch import ambient_autocast
+    from poptorch_lite.compiler.casting import ambient_autocast
     traced = program.partition
 
     def key(model, modes, args, kwargs, strategy, training, generic=False, replica_values=None):
