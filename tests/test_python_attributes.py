@@ -284,6 +284,68 @@ def test_a_tensor_attribute_the_forward_writes_is_refused_where_the_write_would_
     train.destroy()
 
 
+class Hooked(Annealed):
+    """:class:`Annealed` whose first layer's output goes through ``act``, a function kept as
+    a plain attribute (``self.act = torch.tanh``), as user code often keeps one."""
+
+    def __init__(self, blocks: int):
+        super().__init__(blocks)
+        self.act = torch.tanh
+
+    def forward(self, x, y):
+        return super().forward(self.act(x), y)
+
+
+def _rehook(model, call):
+    """Between calls: a forward hook registered, then removed with a forward patched onto
+    the last layer and the activation replaced, then the layer's own forward again."""
+    if call == 0:
+        model.handle = model.a.register_forward_hook(lambda m, i, o: o * 2)
+    elif call == 1:
+        model.handle.remove()
+        model.b.forward = lambda t, m=model.b: F.linear(t, m.weight) * 0.5
+        model.act = torch.sigmoid
+    elif call == 2:
+        del model.b.forward
+
+
+@pytest.mark.parametrize("blocks, G", ROWS)
+def test_hooks_and_functions_changed_between_calls_train_as_plain_pytorch(blocks, G, device,
+                                                                          caplog):
+    """A forward hook registered, then removed; a forward patched onto a layer, then taken
+    off; a function kept as an attribute replaced: each next call computes as plain
+    PyTorch's forward does (traced again, logged), and a return finds the kept program."""
+    torch.manual_seed(0)
+    model = Hooked(blocks)
+    ref = twin(model, device)
+    caplog.set_level(logging.INFO, logger="poptorch_lite")
+    train = calls_like_plain_pytorch(model, ref, blocks, G, device, calls=4, edit=_rehook)
+    for change in ("model.a.forward_hooks: 0 hooks -> 1 hook",
+                   "model.a.forward_hooks: 1 hook -> 0 hooks",
+                   "model.b.forward: its class's -> its own",
+                   "model.act: <built-in method tanh",
+                   "model.b.forward: its own -> its class's"):
+        assert change in caplog.text
+    assert caplog.text.count("trainingModel compiled") == 4
+    train.destroy()
+
+
+def test_hooks_registered_and_removed_elsewhere_do_not_trace_again(caplog):
+    """A hook on a tensor, or on a module of another model, numbers a registration too:
+    the tables the model's forward reads are compared, found unchanged, and nothing traces."""
+    torch.manual_seed(0)
+    model, other = Hooked(1), torch.nn.Linear(2, 2)
+    train = poptorch.trainingModel(model)
+    caplog.set_level(logging.INFO, logger="poptorch_lite")
+    for _ in range(3):
+        train(*data(2))
+        other.register_forward_hook(lambda *_: None).remove()
+        torch.ones(1, requires_grad=True).register_hook(lambda g: g)
+    assert caplog.text.count("trainingModel compiled") == 1
+    assert len(train._programs) == 1
+    train.destroy()
+
+
 def test_an_attribute_changed_at_every_call_keeps_four_programs_and_is_warned_of():
     """Each new value traces again; the programs of the last four values are kept (a
     return to an older one traces again, exactly), and a warning suggests a buffer."""

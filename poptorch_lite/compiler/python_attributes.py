@@ -13,7 +13,9 @@ attribute (``self.scale = torch.tensor(2.0)``, not a buffer), which the graph ho
 (a stage on a GPU a copy, [Note: graphs on their devices] in ``retarget``) and which is
 compared as the object and its version (:class:`Held`: another tensor put there, or one
 edited in place, traces again; one the forward writes keys nothing, and is written where
-plain PyTorch's would be or refused, E-PART-28 in ``retarget``); a submodule's
+plain PyTorch's would be or refused, E-PART-28 in ``retarget``), or a callable kept in
+a module's own ``__dict__`` (a ``forward`` patched onto an instance, ``self.act =
+F.gelu``), compared as the object (:class:`Same`); a submodule's
 ``training`` flag too, but not the model's own, which is the wrapper's, fixed when it
 wrapped ([Note: train and eval modes] in ``runtime/compiled``); the names ``nn.Module``
 itself keeps (its hook tables, ``_compiled_call_impl``, ...) are its machinery, not the
@@ -23,6 +25,13 @@ compares those values (one C-level getter per module, by type and value: ``0.0``
 ``-0.0`` are one value) and a changed one traces again ([Note: attributes the forward
 reads] in ``runtime/compiled``). Values reached through other objects
 (``self.config.scale``) and globals are not watched: they stay as traced.
+
+The forward and backward hooks of the model's modules and torch's global module hooks
+are read too, and whether a module has a ``forward`` of its own: ``Module.__call__``
+reads them in every forward of plain PyTorch, and the trace bakes in those of its time,
+so a hook registered or removed between calls (a feature probe, ``poptorch.BeginBlock``
+or ``removeBlocks`` after wrapping), or a forward patched onto a module, traces again,
+keyed like an attribute (:class:`Hooks`). What a hook's own code reads stays as traced.
 
 An attribute the forward itself changes (``self.steps += 1``) cannot be made exact: plain
 PyTorch changes it once per micro-batch, and the program, traced once, computes every
@@ -51,6 +60,7 @@ import types
 
 import numpy as np
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from ..errors import PoptorchLiteWarning, warn_once
 from .trace_modes import _user_frame
@@ -75,8 +85,28 @@ def plain(value) -> bool:
 
 def same(a, b) -> bool:
     """Whether two plain values are the same value (type and value; NaN is itself); a
-    tensor attribute (:class:`Held`) is the same object."""
-    return a is b or (a == b if type(a) is Held else type(a) is type(b) and a == b)
+    tensor attribute (:class:`Held`) or a callable (:class:`Same`) is the same object."""
+    return a is b or (a == b if type(a) in _BY_OBJECT else type(a) is type(b) and a == b)
+
+
+class Same:
+    """A callable the forward reads from a module's own ``__dict__`` (a ``forward`` patched
+    onto an instance, ``self.act = F.gelu``), as a program's key: the object itself (held,
+    so that its ``id`` is never another's). Another one put there traces again."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __eq__(self, other) -> bool:
+        return (other.value if type(other) is Same else other) is self.value
+
+    def __hash__(self) -> int:
+        return id(self.value)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
 
 
 class Held:
@@ -108,17 +138,100 @@ class Held:
                      shown(value))
 
 
+_BY_OBJECT = (Held, Same)
+
+
 class _Text(str):
     def __repr__(self) -> str:
         return str(self)
 
 
 def _kind(value) -> type:
-    return type(value.tensor) if type(value) is Held else type(value)
+    if type(value) is Held:
+        return type(value.tensor)
+    return type(value.value) if type(value) is Same else type(value)
 
 
 def _watched(name: str) -> bool:
     return name not in _NOT_WATCHED and not (name.startswith("__") and name.endswith("__"))
+
+
+_MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_GLOBAL_HOOKS = tuple(f"_global{name}" for name in _MODULE_HOOKS)
+
+
+class Hooks:
+    """What ``Module.__call__`` reads of the model's modules besides their attributes, as it
+    was when a trace began: each module's forward (pre-)hooks and backward (pre-)hooks,
+    torch's global ones, and whether a module has a ``forward`` of its own (one patched onto
+    the instance, which its class's gives way to).
+
+    A call's check costs nothing for the hooks where none was registered anywhere since
+    (``RemovableHandle`` numbers every registration), as a removal can only shrink a table
+    that held one; otherwise the tables' keys (the handles' numbers) are compared. Whether
+    each module has its own forward is one C-level lookup a module.
+
+    Args:
+        names: module -> its qualified name in the model ("" for the model itself).
+    """
+
+    __slots__ = ("tables", "keys", "where", "names", "_held", "_epoch", "_dicts", "_own")
+
+    def __init__(self, names: dict):
+        module = torch.nn.modules.module
+        where = [(name, table) for name in names.values() for table in _MODULE_HOOKS]
+        self.tables = tuple(getattr(m, table) for m in names for table in _MODULE_HOOKS) + \
+            tuple(getattr(module, table) for table in _GLOBAL_HOOKS)
+        self.where = tuple(where) + tuple((None, table) for table in _GLOBAL_HOOKS)
+        self.keys = tuple(map(tuple, self.tables))
+        self._held = tuple((t, len(t)) for t in self.tables if t)
+        self._epoch = RemovableHandle.next_id
+        self.names = tuple(names.values())
+        self._dicts = tuple(object.__getattribute__(m, "__dict__") for m in names)
+        self._own = tuple(map(dict.__contains__, self._dicts, _FORWARD))
+
+    def same(self) -> bool:
+        """Whether every table holds the hooks it held, and every module's forward is its
+        class's or its own as it was."""
+        if tuple(map(dict.__contains__, self._dicts, _FORWARD)) != self._own:
+            return False
+        if RemovableHandle.next_id == self._epoch:
+            return all(len(t) == n for t, n in self._held)
+        if tuple(map(tuple, self.tables)) != self.keys:
+            return False
+        self._epoch = RemovableHandle.next_id  # (hooks of tensors, or made and removed)
+        return True
+
+    def changed(self) -> list:
+        """``(what, when traced, now)`` of each table and module forward that changed."""
+        own = [(_qualified(name, "forward"), _Text(_FORWARDS[was]),
+                _Text(_FORWARDS["forward" in d]))
+               for name, d, was in zip(self.names, self._dicts, self._own)
+               if ("forward" in d) != was]
+        return own + [
+            (_qualified(name, table[1:]) if name is not None
+             else f"torch.nn.modules.module.{table}", _Text(_count(len(keys))),
+             _Text(_count(len(t)) if len(t) != len(keys) else f"{len(t)} other"))
+            for (name, table), t, keys in zip(self.where, self.tables, self.keys)
+            if tuple(t) != keys]
+
+
+_FORWARD = itertools.repeat("forward")
+_FORWARDS = {False: "its class's", True: "its own"}
+
+
+def _count(n: int) -> str:
+    return f"{n} hook{'s' * (n != 1)}"
+
+
+def is_hooks(name: str) -> bool:
+    """Whether a name of :meth:`Reads.changed` is a hook table's or a module's forward
+    (:meth:`Hooks.changed`)."""
+    return name.rpartition(".")[2] in _TABLE_NAMES
+
+
+_TABLE_NAMES = frozenset(table[1:] for table in _MODULE_HOOKS) | frozenset(_GLOBAL_HOOKS) | {
+    "forward"}
 
 
 class Reads:
@@ -129,13 +242,15 @@ class Reads:
         names: module -> its qualified name in the model ("" for the model itself).
         own_mode: whether the trace read the model's own ``training`` flag, which is the
             wrapper's and keys nothing ([Note: train and eval modes] in runtime/compiled).
+        hooks: the hook tables when the trace began (None: none watched).
     """
 
-    __slots__ = ("entries", "key", "names", "own_mode", "_getters", "_sources", "_want",
-                 "_kinds")
+    __slots__ = ("entries", "key", "names", "own_mode", "hooks", "_getters", "_sources",
+                 "_want", "_kinds")
 
-    def __init__(self, read: dict, names: dict, own_mode: bool = False):
-        self.own_mode = own_mode
+    def __init__(self, read: dict, names: dict, own_mode: bool = False,
+                 hooks: "Hooks | None" = None):
+        self.own_mode, self.hooks = own_mode, hooks
         entries = []  # (module, where it is read from, names, getter)
         for module, values in read.items():
             own = vars(module)
@@ -152,7 +267,8 @@ class Reads:
                            for m, _, attrs, _ in entries)
         self._kinds = tuple(map(_kind, itertools.chain.from_iterable(self._want)))
         # hashable (the values are plain), and 1 is not 1.0
-        self.key = tuple((id(m), attrs) for m, _, attrs, _ in entries) + (self._want, self._kinds)
+        self.key = tuple((id(m), attrs) for m, _, attrs, _ in entries) + (
+            self._want, self._kinds, hooks.keys if hooks is not None else ())
         self.names = {id(m): names.get(m, "?") for m in read}
 
     def __len__(self) -> int:
@@ -160,7 +276,10 @@ class Reads:
 
     def same(self) -> bool:
         """Whether every attribute still has the value the trace read, by value and type (a
-        call's check: one C-level getter per module; nothing where the trace read none)."""
+        call's check: one C-level getter per module; nothing where the trace read none),
+        and every hook table holds the hooks it held."""
+        if self.hooks is not None and not self.hooks.same():
+            return False
         if not self.entries:
             return True
         try:
@@ -171,8 +290,10 @@ class Reads:
             == self._kinds
 
     def changed(self) -> list:
-        """``(qualified attribute name, value traced, value now)`` of those that changed."""
-        return [(_qualified(self.names[id(m)], name), old,
+        """``(qualified attribute name, value traced, value now)`` of those that changed,
+        and of the hook tables that changed (:meth:`Hooks.changed`)."""
+        hooks = self.hooks.changed() if self.hooks is not None else []
+        return hooks + [(_qualified(self.names[id(m)], name), old,
                  old.now(now) if type(old) is Held else now)
                 for (m, _, attrs, _), want in zip(self.entries, self._want)
                 for name, old in zip(attrs, want)
@@ -204,13 +325,20 @@ _patched = {"lock": threading.Lock(), "traces": 0, "saved": {}}
 def _getattribute(self, name):
     value = object.__getattribute__(self, name)
     watch = getattr(_local, "watch", None)
-    if watch is not None and id(self) in watch.modules and _watched(name):
-        if name == "training" and self is watch.model:  # the wrapper's own flag, not watched
+    if watch is not None and id(self) in watch.modules and not (
+            name.startswith("__") and name.endswith("__")):
+        if name in _NOT_WATCHED:  # nn.Module's machinery, but a forward of the instance's
+            if name == "forward" and name in object.__getattribute__(self, "__dict__"):
+                watch.reads.setdefault(self, {}).setdefault(name, Same(value))
+        elif name == "training" and self is watch.model:  # the wrapper's own flag
             watch.own_mode_read = True
         elif plain(value):
             watch.reads.setdefault(self, {}).setdefault(name, value)
         elif type(value) is torch.Tensor:  # (parameters and buffers come by __getattr__)
             watch.reads.setdefault(self, {}).setdefault(name, Held(value))
+        elif callable(value) and not isinstance(value, torch.nn.Module) and \
+                name in object.__getattribute__(self, "__dict__"):
+            watch.reads.setdefault(self, {}).setdefault(name, Same(value))
     return value
 
 
@@ -224,7 +352,8 @@ def _setattr(self, name, value):
 
 class AttributeWatch:
     """Context manager around a trace ([Note: Python attributes of the model]): notes the
-    plain attributes the forward reads (:attr:`reads`, a :class:`Reads` once it exits), and
+    plain attributes the forward reads (:attr:`reads`, a :class:`Reads` once it exits, with
+    ``hooks``, the hook tables as the trace began, taken before the trace's own), and
     warns of those it changes and puts them back (a failed trace puts them back silently).
 
     ``nn.Module``'s ``__getattribute__`` and ``__setattr__`` are replaced while any thread
@@ -232,8 +361,8 @@ class AttributeWatch:
     thread's reads of its model's modules.
     """
 
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
+    def __init__(self, model: torch.nn.Module, hooks: "Hooks | None" = None):
+        self.model, self.hooks = model, hooks
         self.names = {m: name for name, m in model.named_modules()}
         self.modules = {id(m) for m in self.names}
         self.reads: dict = {}   # module -> {name: the value first read}
@@ -279,7 +408,7 @@ class AttributeWatch:
                 if (m, name) in self.written or not same(value, getattr(m, name, _MISSING)):
                     del values[name]
         self.reads = Reads({m: v for m, v in self.reads.items() if v}, self.names,
-                           self.own_mode_read)
+                           self.own_mode_read, self.hooks)
 
     def _put_back(self) -> list:
         """Put back each plain attribute the forward changed (made, deleted, or gave another

@@ -59,7 +59,7 @@ from ..errors import RAISED_IN_TRACE, Error, TraceError, hide_when_refused as __
 from . import backward_hooks, grad_semantics, losses, markers, structures
 from .casting import _ImplicitCasting, ambient_autocast
 from .markers import _current, trace_context
-from .python_attributes import AttributeWatch
+from .python_attributes import AttributeWatch, Hooks
 from .running_stats import (StatisticsWatch, cumulative_averages, same_values,
                             unread_by_training_backwards)
 from .subgraphs import wrap_target
@@ -355,6 +355,7 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
         [leaves[k] for k in tensor_pos]
     grad = torch.enable_grad() if training else torch.no_grad()
     session = contextlib.nullcontext() if training else _InferenceSession()
+    hooks = Hooks({m: name for name, m in model.named_modules()})  # the user's, before ours
     hook = torch.nn.modules.module.register_module_forward_hook(record_block)
     onednn = torch._C._get_mkldnn_enabled()
     if generic:
@@ -365,7 +366,7 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
         # Mixed float16/float32 ops are resolved as PopTorch does ([Note: implicit casting]).
         given, generators = [leaves[k] for k in tensor_pos], UserGenerators()
         with preserved_state(model, modes, given, generators, written) as before, \
-                AttributeWatch(model) as attributes, PythonDraws(model.forward), \
+                AttributeWatch(model, hooks) as attributes, PythonDraws(model.forward), \
                 trace_context() as state, _export_style(model), \
                 grad, _quiet_torch_trace_log(), grad_semantics.recording(training), \
                 _TraceMode(generators.saw, generic), _ImplicitCasting(), session, \

@@ -49,6 +49,9 @@ alone are kept (the least recently used dropped, with its memory), and once one
 attribute has keyed more than that, a warning says so and suggests a buffer
 (``register_buffer``), which a program reads at every call. A step graph belongs to its
 program ([Note: step graphs] in ``step_graph``), so no replay bakes an old value either.
+The modules' forward and backward hooks key a program the same way (``Hooks``): one
+registered or removed between calls finds or traces the program that runs it, as plain
+PyTorch's next forward runs it.
 
 [Note: train and eval modes]
 PopTorch wraps a shallow copy of the model: the wrapper's own ``training`` flag is the
@@ -80,7 +83,7 @@ import torch
 
 from . import anchors
 from ..compiler import backward_hooks, trace_modes
-from ..compiler.python_attributes import shown
+from ..compiler.python_attributes import is_hooks, shown
 from ..errors import (PoptorchLiteWarning, UnrecoverableError,
                       hide_when_refused as __tracebackhide__, warn_once)
 from ..options.options import Options, batch_arithmetic, batch_factor
@@ -263,9 +266,17 @@ class CompiledModel:
                       f"where PopTorch kept the modes of its first compile. Call model.train() "
                       f"before the training model's next call to train in train mode",
                       PoptorchLiteWarning)
+        hook_tables = {n for n, _, _ in changed if is_hooks(n)}
         for name, _, _ in changed:
             n = self._retraced[name] = self._retraced.get(name, 1) + 1
-            if n > _KEPT:
+            if n > _KEPT and name in hook_tables:
+                warn_once(f"attributes.rehook:{name}",
+                          f"the hooks of {name} have changed {n - 1} times since the model "
+                          f"was first traced, and each change traces and compiles it again "
+                          f"(the programs of the last {_KEPT} are kept): register a hook once "
+                          f"and let it read a flag of your own to switch it on and off",
+                          PoptorchLiteWarning)
+            elif n > _KEPT:
                 path, _, attr = name.rpartition(".")
                 warn_once(
                     f"attributes.retrace:{name}",

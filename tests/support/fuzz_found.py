@@ -242,4 +242,15 @@ FOUND = [
           Program(ops=(Op("input_penalty"), Op("layernorm"))), Config()),
     Found("tensor_attribute_counted_under_recomputation", "tensor_counter&recompute=True",
           Program(ops=(Op("tensor_counter"),)), Config(G=3, recompute=True)),
+    # -- found by the grammar's hooks and callables (2026-11-30): a forward hook registered
+    #    or removed between calls, a forward patched onto a layer, and a function kept as an
+    #    attribute and replaced were each the trace's in every later call
+    Found("forward_hook_registered_between_calls", "hook_add",
+          Program(edits=(Edit("hook_add"),)), Config()),
+    Found("forward_hook_removed_between_calls", "removable_hook&hook_remove",
+          Program(ops=(Op("removable_hook"),), edits=(Edit("hook_remove"),)), Config()),
+    Found("forward_patched_onto_a_layer", "forward_replace",
+          Program(edits=(Edit("forward_replace"),)), Config()),
+    Found("activation_function_replaced", "act_attr&act_replace",
+          Program(ops=(Op("act_attr"),), edits=(Edit("act_replace"),)), Config()),
 ]

@@ -120,6 +120,8 @@ FEATURES = {
                         "lambda m, go: (go[0] * 3,))"),
     "forward_hook": Feature(init="self.l{s}.register_forward_hook(lambda m, i, o: o * 2)"),
     "param_hook": Feature(init="self.l{s}.bias.register_hook(lambda g: g.clamp(-0.01, 0.01))"),
+    "removable_hook": Feature(init="self.handle{i} = self.l{s}.register_forward_hook("
+                              "lambda m, i, o: o * 2)"),
     "frozen": Feature(init="self.l{s}.bias.requires_grad_(False)"),
     "input_inplace": Feature("x.mul_(0.5)"),
     # a penalty on the gradient with respect to the input (R1 regularization of a GAN's critic)
@@ -164,6 +166,7 @@ FEATURES = {
                            imports=("import torch.nn.utils.parametrize",)),
     # random numbers
     "dropout": Feature("h = F.dropout(h, 0.3, self.training)"),
+    "dropout_module": Feature("h = self.drop{i}(h)", init="self.drop{i} = torch.nn.Dropout(0.3)"),
     "rand_like": Feature("h = h + 0.1 * torch.rand_like(h)"),
     "generator": Feature("h = h + 0.1 * torch.randn(h.shape, generator=self.gen{i})",
                          init="self.gen{i} = torch.Generator().manual_seed(5)",
@@ -176,6 +179,7 @@ FEATURES = {
     "item": Feature("h = h * float(h.mean())", refused="E-PART-11"),
     "python_counter": Feature("self.steps{i} += 1\nh = h * (1 + 0.1 * self.steps{i})",
                               init="self.steps{i} = 0", warned="W-LITE-14"),
+    "act_attr": Feature("h = self.act{s}(h)", init="self.act{s} = torch.tanh"),
     "temperature": Feature("h = h / self.temperature", init="self.temperature = 1.0"),
     # sequences
     "embedding": Feature("h = h + self.emb{i}(y)", init=f"self.emb{{i}} = torch.nn.Embedding("
@@ -219,6 +223,21 @@ FEATURES = {
     "accuracy": Feature(post="accuracy{i} = (out.argmax(1) == y).float().mean()",
                         output="accuracy{i}"),
     "prediction": Feature(post="prediction{i} = out.argmax(1)", output="prediction{i}"),
+    # indexing, masks and constants the forward makes (position ids, class weights)
+    "slice_inplace": Feature("h = h * 1.0\nh[:, :2] *= 2"),
+    "index_put": Feature("h = h.clone()\nh[:, 0] = h[:, 1] * 0.5"),
+    "arange": Feature(f"h = h + 0.01 * torch.arange({WIDTH}, dtype=h.dtype, device=h.device)"),
+    "new_tensor": Feature("h = h * h.new_tensor([1.0, 2.0, 0.5, 1.0, 1.0, 1.0])"),
+    "gather": Feature(f"h = h + 0.1 * h.gather(1, (y % {WIDTH}).unsqueeze(1))"),
+    "scatter": Feature(f"h = h.scatter_add(1, (y % {WIDTH}).unsqueeze(1), h[:, :1])"),
+    "where_mask": Feature("h = torch.where((y > 1).unsqueeze(1), h, -h)"),
+    "masked_softmax": Feature(f"h = h.masked_fill(torch.arange({WIDTH}, device=h.device) == 0, "
+                              f"float(\"-inf\")).softmax(1) * {WIDTH}"),
+    "topk": Feature("h = h + 0.1 * h.topk(2, 1).values.sum(1, keepdim=True)"),
+    "cumsum": Feature(f"h = h.cumsum(1) / {WIDTH}"),
+    "batch_center": Feature("h = h - h.mean(0, keepdim=True)"),
+    "double_roundtrip": Feature("h = h.double().sin().to(h.dtype)"),
+    "einsum": Feature("h = h + 0.1 * torch.einsum(\"bi,ji->bj\", h, self.l{s}.weight)"),
     # a layer the forward never calls (a pretrained model's unused pooler): no gradient
     "unused": Feature(init=f"self.unused{{i}} = torch.nn.Linear({WIDTH}, {WIDTH})"),
 }
@@ -263,6 +282,15 @@ LOSSES = {
                             + ", reduction=\"none\")",
     "identity_two": "loss = poptorch.identity_loss(" + _CE.format("") + " + F.mse_loss(out, "
                     f"F.one_hot(y, {CLASSES}).to(out.dtype)), reduction=\"none\")",
+    # losses real programs write: a sum over the batch the forward sees, logits against
+    # one-hot targets, class weights made in forward, a distillation's KL divergence
+    "ce_sum_batch": "loss = " + _CE.format(", reduction=\"sum\"") + " / x.shape[0]",
+    "bce": f"loss = F.binary_cross_entropy_with_logits(out, F.one_hot(y, {CLASSES}).to(out.dtype))",
+    "weighted_ce": "loss = " + _CE.format(", weight=torch.tensor([1.0, 2.0, 0.5, 1.0], "
+                                          "dtype=out.dtype, device=out.device)"),
+    "smooth_l1": f"loss = F.smooth_l1_loss(out, F.one_hot(y, {CLASSES}).to(out.dtype))",
+    "kl_div": "loss = F.kl_div(F.log_softmax(out, 1), F.softmax(out.detach() * 2, 1), "
+              "reduction=\"batchmean\")",
 }
 
 # {p}: the edited stage's parameter; ``train`` is None on the plain PyTorch side.
@@ -301,6 +329,19 @@ EDITS = {
     "mask_replace": "if hasattr(net, \"mask{s}\"):\n"
                     f"    net.mask{{s}} = torch.linspace(0.5, 1.5, {WIDTH})",
     "mask_inplace": "if hasattr(net, \"mask{s}\"):\n    net.mask{s}.mul_(0.5)",
+    # a parameter's tensor swapped under it (old code's loading and pruning), an initialiser
+    "data_assign": "net.{p}.data = net.{p}.data * 0.5",
+    "init_zeros": "torch.nn.init.zeros_(net.l{s}.bias)",
+    # hooks added between calls, a layer replaced, the optimizer's state dropped
+    "hook_add": "net.l{s}.register_forward_hook(lambda m, i, o: o * 0.5)",
+    "hook_remove": "for name, handle in list(vars(net).items()):\n"
+                   "    if name.startswith(\"handle\"):\n        handle.remove()",
+    "forward_replace": "net.l{s}.forward = lambda t, m=net.l{s}: F.linear(t, m.weight) * 0.5",
+    "act_replace": "if hasattr(net, \"act{s}\"):\n    net.act{s} = torch.sigmoid",
+    "dropout_p": "for m in net.modules():\n    if isinstance(m, torch.nn.Dropout):\n"
+                 "        m.p = 0.1",
+    "module_replace": f"net.l{{s}} = torch.nn.Linear({WIDTH}, {WIDTH})",
+    "opt_state_clear": "opt.state.clear()",
     # modes: the submodules' flags are the user's ([Note: train and eval modes])
     "eval_mode": "net.eval()",
     "train_mode": "net.train()",
@@ -312,7 +353,11 @@ EDITS = {
 OPTIMIZERS = {
     "sgd": "torch.optim.SGD({}, lr=0.1)",
     "sgd_momentum": "torch.optim.SGD({}, lr=0.1, momentum=0.9)",
+    "sgd_nesterov": "torch.optim.SGD({}, lr=0.1, momentum=0.9, nesterov=True)",
+    "sgd_decay": "torch.optim.SGD({}, lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01)",
     "adam": "torch.optim.Adam({}, lr=0.01)",
+    "adam_decay": "torch.optim.Adam({}, lr=0.01, weight_decay=0.01)",
+    "rmsprop_centered": "torch.optim.RMSprop({}, lr=0.01, momentum=0.5, centered=True)",
     "adamw": "torch.optim.AdamW({}, lr=0.01)",
     "rmsprop": "torch.optim.RMSprop({}, lr=0.01)",
     "poptorch_sgd": "poptorch.optim.SGD({}, lr=0.1, momentum=0.9)",
@@ -324,8 +369,8 @@ OPTIMIZERS = {
     "clipped": "poptorch.optim.SGD({}, lr=0.1, momentum=0.9, max_grad_norm=0.1)",
 }
 #: Edits a documented refusal may meet at the next call: edit -> its docs/ERRORS.md id (a
-#: parameter replaced by another object than the one the wrapper took: E-WRAP-21).
-REFUSABLE_EDITS = {"replace_param": "E-WRAP-21"}
+#: parameter or a layer replaced by another object than the one the wrapper took: E-WRAP-21).
+REFUSABLE_EDITS = {"replace_param": "E-WRAP-21", "module_replace": "E-WRAP-21"}
 _GROUPS = {
     "one": "net.parameters()",
     "two": "[{\"params\": [p for n, p in net.named_parameters() if not n.startswith(\"head\")]},\n"

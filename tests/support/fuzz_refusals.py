@@ -12,7 +12,7 @@ notes state, worked out here from the program and the configuration:
 - E-PART-28: a tensor attribute the forward writes in place (``tensor_counter``), on a GPU
   (or its twin), recomputed or compiled;
 - E-PART-27: a gradient hook on a parameter whose layer another stage uses again;
-- E-WRAP-21: a parameter replaced by another object between calls (``REFUSABLE_EDITS``);
+- E-WRAP-21: a parameter or a layer replaced by another object between calls (``REFUSABLE_EDITS``);
 - E-OPT-41: a generator of the model's own with replicas or recomputation (each grammar
   generator is drawn from in one stage);
 - E-PART-25 / E-PART-26: state written in forward that a stage reads before its writer, or
