@@ -90,7 +90,7 @@ from poptorch_lite.runtime import gpu
 import fuzz_plain
 import fuzz_refusals
 from fuzz_config import Config
-from fuzz_grammar import Program, build, source
+from fuzz_grammar import Program, build, outputs_of, source, structure
 from fuzz_plain import plain
 from gpu_twin import TwinGpu
 from models import trained_grads
@@ -184,8 +184,9 @@ def _compare(call: int, train, net, opt, x, result, want: dict, tol: float,
     got = fuzz_plain.state(net, opt, x)
     grads = trained_grads(train)
     used = {n: grads.get(n) for n in want["grads"]}
-    found = _differences("outputs", list(result) if isinstance(result, (tuple, list))
-                         else [result], want["outputs"], tol)
+    found = [] if structure(result) == want["returned"] else [
+        f"returned {structure(result)}, plain PyTorch {want['returned']}"]
+    found += _differences("outputs", outputs_of(result), want["outputs"], tol)
     found += _differences("the gradient the step used", used, want["grads"], tol)
     found += _differences("the host .grad (as the user left it)", _host_grads(net), host_grads,
                           0.0)

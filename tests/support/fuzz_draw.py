@@ -17,8 +17,8 @@ from __future__ import annotations
 from hypothesis import assume, strategies as st
 
 from fuzz_config import DEVICES, SCHEDULES, Config
-from fuzz_grammar import (EDITS, FEATURES, LATER, LOSSES, OPTIMIZERS, TWO_STAGE, Edit, Op,
-                          Program)
+from fuzz_grammar import (EDITS, FEATURES, LATER, LOSSES, OPTIMIZERS, RETURNS, TWO_STAGE, Edit,
+                          Op, Program)
 
 PENDING = {
     # found by the fuzzer (tests/support/fuzz_found.py); fixes on their way
@@ -66,7 +66,8 @@ def programs(draw, pending=frozenset(PENDING), require=frozenset()) -> Program:
     else:
         groups = forced.get("groups") or draw(st.sampled_from(["one", "two", "partial"]))
     ipus = draw(st.sampled_from(["distinct", "loop"])) if stages > 2 else "distinct"
-    return Program(stages, ops, loss, optimizer, groups, edits, ipus)
+    returns = forced.get("returns") or draw(st.sampled_from(RETURNS))
+    return Program(stages, ops, loss, optimizer, groups, edits, ipus, returns)
 
 
 @st.composite

@@ -50,7 +50,8 @@ class Program:
 
     ``groups``: "one" param group, "two" (the head at another lr) or "partial" (the head's
     bias left out, for ``add_param_group``). ``ipus``: "distinct" (stage s on IPU s) or
-    "loop" (stage s on IPU s % 2: virtual stages, ``AutoStage.AutoIncrement``).
+    "loop" (stage s on IPU s % 2: virtual stages, ``AutoStage.AutoIncrement``). ``returns``:
+    how forward returns its outputs (:data:`RETURNS`).
     """
     stages: int = 1
     ops: tuple = ()
@@ -59,12 +60,14 @@ class Program:
     groups: str = "one"
     edits: tuple = ()
     ipus: str = "distinct"
+    returns: str = "tuple"
 
     def atoms(self) -> frozenset:
         """The grammar's names this program uses (what PENDING and the coverage count)."""
         return frozenset({o.kind for o in self.ops} | {self.loss} | {e.kind for e in self.edits}
                          | {f"optimizer={self.optimizer}", f"groups={self.groups}",
-                            f"stages={self.stages}", f"ipus={self.ipus}"})
+                            f"stages={self.stages}", f"ipus={self.ipus}",
+                            f"returns={self.returns}"})
 
 
 class Feature(NamedTuple):
@@ -340,6 +343,21 @@ EDITS = {
     "act_replace": "if hasattr(net, \"act{s}\"):\n    net.act{s} = torch.sigmoid",
     "dropout_p": "for m in net.modules():\n    if isinstance(m, torch.nn.Dropout):\n"
                  "        m.p = 0.1",
+    "opt_state_edit": "for st in opt.state.values():\n    for v in st.values():\n"
+                      "        if torch.is_tensor(v) and v.dim() > 0:\n            v.mul_(0.5)",
+    "state_dict_inplace": "net.state_dict()[\"{p}\"].mul_(0.5)",
+    "deepcopy_snapshot": "snapshot = copy.deepcopy(net)\nwith torch.no_grad():\n"
+                         "    for q in snapshot.parameters():\n        q.mul_(0.0)\n"
+                         f"    snapshot(torch.ones(2, {WIDTH}), torch.zeros(2, dtype=torch.long))",
+    # a validation pass between calls, as Graphcore's CNN application runs one: eval mode,
+    # an inferenceModel of the same model (the host's forward in plain PyTorch), train mode
+    "validate": "net.eval()\nif train is not None:\n"
+                "    val = poptorch.inferenceModel(net, poptorch.Options().deviceIterations(4))\n"
+                f"    val(torch.ones(4, {WIDTH}), torch.zeros(4, dtype=torch.long))\n"
+                "    val.destroy()\nelse:\n    with torch.no_grad():\n"
+                "        for _ in range(4):  # one micro-batch a device iteration\n"
+                f"            net(torch.ones(1, {WIDTH}), torch.zeros(1, dtype=torch.long))\n"
+                "net.train()",
     "module_replace": f"net.l{{s}} = torch.nn.Linear({WIDTH}, {WIDTH})",
     "opt_state_clear": "opt.state.clear()",
     # modes: the submodules' flags are the user's ([Note: train and eval modes])
@@ -392,6 +410,45 @@ _SCHEDULER = '''def make_scheduler(opt):
 '''
 
 
+#: How forward returns its outputs, as real programs do: ``(out, loss, extras...)``, the
+#: loss first (``loss, out``), a dict as Hugging Face's models return one, the loss alone.
+RETURNS = ("tuple", "loss_first", "dict", "loss_only")
+
+
+def _returned(returns: str, extras: list) -> str:
+    if returns == "loss_first":
+        return "return " + ", ".join(["loss", "out"] + extras)
+    if returns == "dict":
+        return "return {" + ", ".join(f"\"{n}\": {n}" for n in ["out", "loss"] + extras) + "}"
+    if returns == "loss_only":
+        return "return loss"
+    return "return " + ", ".join(["out", "loss"] + extras)
+
+
+def outputs_of(result) -> list:
+    """What a forward returned, in order: a dict's values, a tuple's items, or the one
+    tensor."""
+    if isinstance(result, dict):
+        return list(result.values())
+    return list(result) if isinstance(result, (tuple, list)) else [result]
+
+
+def loss_of(program: Program, result):
+    """The loss among what forward returned (:data:`RETURNS`)."""
+    if program.returns == "dict":
+        return result["loss"]
+    if program.returns == "loss_only":
+        return result
+    return result[0 if program.returns == "loss_first" else 1]
+
+
+def structure(result) -> tuple:
+    """How a forward's result is laid out: a dict's keys, a tuple's length, or one tensor."""
+    if isinstance(result, dict):
+        return ("dict", tuple(result))
+    return ("sequence", len(result)) if isinstance(result, (tuple, list)) else ("tensor",)
+
+
 def param_of(program: Program, stage: int) -> str:
     """The parameter of ``stage`` that edits touch: l<s>'s weight, or its bias where the weight
     is computed by a parametrization."""
@@ -411,7 +468,7 @@ def _block(lines: list, indent: int) -> str:
 def source(program: Program) -> str:
     """The program as the Python module a user would write: ``Net``, ``make_optimizer``,
     ``make_scheduler`` and ``between_calls``."""
-    imports = {"import torch", "import torch.nn.functional as F",
+    imports = {"import copy", "import torch", "import torch.nn.functional as F",
                "import poptorch_lite as poptorch"}
     init = [f"self.l{s} = torch.nn.Linear({WIDTH}, {WIDTH})" for s in range(program.stages)]
     init.append(f"self.head = torch.nn.Linear({WIDTH}, {CLASSES})")
@@ -442,7 +499,7 @@ def source(program: Program) -> str:
             outputs.append(_fill(f.output, op, i, program))
     body += ["out = self.head(h)"] + head
     body += LOSSES[program.loss].split("\n") + post
-    body.append("return " + ", ".join(["out", "loss"] + outputs))
+    body.append(_returned(program.returns, outputs))
     for kind in sorted(FIRST & {o.kind for o in program.ops}, reverse=True):  # x unused yet
         body.insert(1, FEATURES[kind].forward)
     head = "\n".join(sorted(i for i in imports if i.startswith("import"))

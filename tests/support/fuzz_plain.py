@@ -23,7 +23,7 @@ from poptorch_lite.compiler import rng
 
 import fuzz_refusals
 from fuzz_config import Config
-from fuzz_grammar import Program, build, writes_buffers
+from fuzz_grammar import Program, build, loss_of, outputs_of, structure, writes_buffers
 from models import microbatch_seeds
 
 
@@ -86,7 +86,7 @@ def state(net, opt, x) -> dict:
             "generators": _clone(_generators(net))}
 
 
-def _plain_call(net, opt, x, y, config: Config, seeds: list, replicas: list,
+def _plain_call(program: Program, net, opt, x, y, config: Config, seeds: list, replicas: list,
                 draws: Optional["_TracedDraws"], call: int) -> tuple:
     """One call's D steps in plain PyTorch; returns (per-output values, last step's grads).
     The autocast around the call (``Config.autocast``) is around each forward, as PyTorch
@@ -114,9 +114,9 @@ def _plain_call(net, opt, x, y, config: Config, seeds: list, replicas: list,
             xk, yk = xs[j * b:(j + 1) * b], ys[j * b:(j + 1) * b]
             with config.ambient(call), draws.forward(b) if draws else contextlib.nullcontext():
                 result = net(xk, y=yk) if config.keyword else net(xk, yk)
-            loss = result[1]
+            loss = loss_of(program, result)
             loss.backward(torch.full_like(loss, scale))
-            for i, t in enumerate(result):
+            for i, t in enumerate(outputs_of(result)):
                 per_output[i].append(t.detach().clone())
             if replicas:
                 with torch.no_grad():
@@ -139,7 +139,7 @@ def _plain_call(net, opt, x, y, config: Config, seeds: list, replicas: list,
     in_optimizer = {id(p) for g in opt.param_groups for p in g["params"]}
     grads = {n: None if p.grad is None else p.grad.clone() for n, p in net.named_parameters()
              if id(p) in in_optimizer}
-    return outputs, grads
+    return outputs, grads, structure(result)
 
 
 class _TracedDraws:
@@ -239,14 +239,15 @@ def plain(program: Program, config: Config):
         # user's ([Note: train and eval modes] in poptorch_lite/runtime/compiled.py)
         users, net.training = net.training, wrapped
         try:
-            outputs, grads = _plain_call(net, opt, x, y, config, seeds, replicas, draws, call)
+            outputs, grads, returned = _plain_call(program, net, opt, x, y, config, seeds,
+                                                   replicas, draws, call)
         except Exception as e:  # the program itself is wrong in plain PyTorch
             if call == 0:
                 raise Invalid(f"{type(e).__name__}: {e}") from e
             return
         finally:
             net.training = users
-        yield dict(state(net, opt, x), outputs=outputs, grads=grads)
+        yield dict(state(net, opt, x), outputs=outputs, grads=grads, returned=returned)
         seed_host(1000 + call)
         try:
             ns["between_calls"](net, opt, sched, None, call)
