@@ -253,4 +253,8 @@ FOUND = [
           Program(edits=(Edit("forward_replace"),)), Config()),
     Found("activation_function_replaced", "act_attr&act_replace",
           Program(ops=(Op("act_attr"),), edits=(Edit("act_replace"),)), Config()),
+    # -- seed 170: the oracle's, once hooks key programs: a Python draw replayed in the
+    #    program a hook registered between calls traces again (the wrapper drew anew)
+    Found("python_draw_in_a_program_a_hook_keys", "python_random&hook_add",
+          Program(ops=(Op("python_random"),), edits=(Edit("hook_add"),)), Config()),
 ]

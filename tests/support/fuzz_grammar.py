@@ -241,6 +241,17 @@ FEATURES = {
     "batch_center": Feature("h = h - h.mean(0, keepdim=True)"),
     "double_roundtrip": Feature("h = h.double().sin().to(h.dtype)"),
     "einsum": Feature("h = h + 0.1 * torch.einsum(\"bi,ji->bj\", h, self.l{s}.weight)"),
+    # PopTorch's own ops that Graphcore's applications put in a forward (each is the
+    # identity, or a matmul, in numbers)
+    "recomputation_checkpoint": Feature("h = poptorch.recomputationCheckpoint(h)"),
+    "print_tensor": Feature("h = poptorch.ipu_print_tensor(h, \"h{i}\")"),
+    "nop": Feature("h = poptorch.nop(h)"),
+    "available_memory": Feature("h = poptorch.set_available_memory(h * 1.0, 0.5)"),
+    "serialized_matmul": Feature(
+        "h = h + 0.1 * poptorch.serializedMatMul(h, self.l{s}.weight.t(), "
+        "poptorch.MatMulSerializationMode.OutputChannels, 2)"),
+    "for_loop": Feature("h, = poptorch.for_loop(2, lambda t: [torch.tanh(t) * 0.9], [h])"),
+    "name_scope": Feature("with poptorch.NameScope(\"scope{i}\"):\n    h = torch.tanh(h)"),
     # a layer the forward never calls (a pretrained model's unused pooler): no gradient
     "unused": Feature(init=f"self.unused{{i}} = torch.nn.Linear({WIDTH}, {WIDTH})"),
 }

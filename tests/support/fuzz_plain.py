@@ -148,8 +148,9 @@ class _TracedDraws:
     of that program gets the same numbers. A program is what the wrapper keys one by: the
     micro-batch size, the parameters' requires_grad, the autocast around the call, the
     train/eval flags of the submodules whose forward reads theirs (a dropout's, a
-    normalisation's, an LSTM's) and the plain attributes the forward reads (the grammar's
-    ``temperature``)."""
+    normalisation's, an LSTM's), the plain attributes the forward reads (the grammar's
+    ``temperature``, a dropout module's ``p``), every module's hooks and own ``forward``,
+    and the functions the forward calls from its attributes (the grammar's ``act``)."""
 
     def __init__(self, net):
         self.net, self.params, self.drawn = net, tuple(net.parameters()), {}
@@ -160,9 +161,15 @@ class _TracedDraws:
 
     @contextlib.contextmanager
     def forward(self, batch: int):
+        modules = list(self.net.modules())
+        python = (tuple(tuple(getattr(m, table)) for m in modules for table in (
+            "_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")),
+            tuple(vars(m).get("forward") for m in modules),
+            tuple(v for m in modules for k, v in vars(m).items() if k.startswith("act")),
+            tuple(m.p for m in modules if isinstance(m, torch.nn.Dropout)))
         key = (batch, tuple(p.requires_grad for p in self.params),
                torch.is_autocast_enabled("cpu"), tuple(m.training for m in self.moded),
-               self.net.temperature if self.reads else None)  # the grammar's read attribute
+               self.net.temperature if self.reads else None, python)
         drawn = self.drawn.get(key)
         if drawn is None:  # this program's trace: real draws, recorded
             drawn = self.drawn[key] = []
