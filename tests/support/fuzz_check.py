@@ -161,7 +161,8 @@ def _differences(what: str, got, want, tol: float) -> list:
             at = int((a != b).flatten().nonzero()[0])  # a random state: where it moved
             return [f"{what}: {int((a != b).sum())} of {a.numel()} values differ (first at "
                     f"{at}: {a.flatten()[at].item()} != {b.flatten()[at].item()})"]
-        bad = ~((a - b).abs() <= tol + tol * b.abs()) & ~(a.isnan() & b.isnan())
+        # equal infinities are equal (their difference is NaN), and so are two NaNs
+        bad = ~((a - b).abs() <= tol + tol * b.abs()) & ~(a.isnan() & b.isnan()) & (a != b)
         if bad.any():
             return [f"{what}: differs by {(a - b).abs().max().item():.3g} "
                     f"({int(bad.sum())} of {a.numel()} values; tolerance {tol:g})"]

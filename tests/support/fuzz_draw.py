@@ -14,6 +14,8 @@ and the found example turns into a regression test.
 
 from __future__ import annotations
 
+import dataclasses
+
 from hypothesis import assume, strategies as st
 
 from fuzz_config import DEVICES, SCHEDULES, Config
@@ -89,7 +91,7 @@ def configs(draw, program: Program, require=frozenset()) -> Config:
     device = pick("device", st.sampled_from(DEVICES))
     # A captured step needs a GPU (or its twin), and enough runs to warm up, capture and replay.
     graph = device in ("gpu_twin", "cuda") and pick("graph", st.booleans())
-    return Config(
+    config = Config(
         schedule=schedule,
         G=pick("G", st.integers(low, low + 1)),
         D=pick("D", st.integers(1, 2)),
@@ -108,6 +110,12 @@ def configs(draw, program: Program, require=frozenset()) -> Config:
         vary_batch=pick("vary_batch", st.booleans()),
         graph=graph,
         autocast=pick("autocast", st.sampled_from(["off", "on", "second"])))
+    # A model in half precision where the arithmetic is plain PyTorch's to the bit (the
+    # float rule's tolerance is for float32, confirmed in float64)
+    if config.tolerance(program) == 0:
+        config = dataclasses.replace(config, dtype=pick("dtype", st.sampled_from(
+            ["float32", "bfloat16", "float16"])))
+    return config
 
 
 def atoms(program: Program, config: Config) -> frozenset:
