@@ -158,6 +158,15 @@ FEATURES = {
     "tensor_attr": Feature("h = h * self.mask{s}", init=f"self.mask{{s}} = torch.ones({WIDTH})"),
     "tensor_counter": Feature("h = h * (1 + 0.1 * self.tally{i}.add_(1))",
                               init="self.tally{i} = torch.zeros(())", refused="E-PART-28"),
+    # a buffer the forward rebinds to a new tensor (an EMA written by assignment, not in
+    # place), and an embedding whose max_norm renormalises its rows in every forward
+    "buffer_assign": Feature("self.ema{i} = 0.9 * self.ema{i} + 0.1 * h.mean(0).detach()\n"
+                             "h = h + self.ema{i}",
+                             init=f"self.register_buffer(\"ema{{i}}\", torch.zeros({WIDTH}))",
+                             buffers="own", refused="E-PART-14"),
+    "embedding_max_norm": Feature("h = h + self.emb{i}(y)",
+                                  init=f"self.emb{{i}} = torch.nn.Embedding({CLASSES}, {WIDTH}, "
+                                       "max_norm=1.0)"),
     "tied": Feature(read="h = h + 0.1 * F.linear(h, self.l{s}.weight)"),
     "weight_norm": Feature(init="self.l{s} = torch.nn.utils.parametrizations.weight_norm("
                                 "self.l{s})"),
@@ -200,6 +209,18 @@ FEATURES = {
                                 "batch_first=True)",
                            imports=("from torch.nn.utils.rnn import pack_padded_sequence",),
                            refused="E-PART-24"),
+    "gru": Feature("seq{i}, _ = self.gru{i}(h.unsqueeze(1).repeat(1, 3, 1))\nh = seq{i}[:, -1]",
+                   init=f"self.gru{{i}} = torch.nn.GRU({WIDTH}, {WIDTH}, batch_first=True)"),
+    "mha": Feature("seq{i} = h.unsqueeze(1).repeat(1, 3, 1) * torch.tensor([1.0, 0.5, -1.0], "
+                   "dtype=h.dtype).view(1, 3, 1)\n"
+                   "att{i}, _ = self.mha{i}(seq{i}, seq{i}, seq{i})\nh = h + att{i}[:, 0]",
+                   init=f"self.mha{{i}} = torch.nn.MultiheadAttention({WIDTH}, 2, dropout=0.1, "
+                        "batch_first=True)"),
+    "transformer": Feature("seq{i} = h.unsqueeze(1).repeat(1, 3, 1) * torch.tensor([1.0, 0.5, "
+                           "-1.0], dtype=h.dtype).view(1, 3, 1)\n"
+                           "h = self.enc{i}(seq{i})[:, -1]",
+                           init=f"self.enc{{i}} = torch.nn.TransformerEncoderLayer({WIDTH}, 2, "
+                                "dim_feedforward=8, dropout=0.1, batch_first=True)"),
     "conv": Feature("h = h + 0.1 * self.conv{i}(h.unsqueeze(1)).mean(1)",
                     init="self.conv{i} = torch.nn.Conv1d(1, 2, 3, padding=1)"),
     "attention": Feature("tokens{i} = h.reshape(-1, 2, 3)\n"
@@ -216,6 +237,13 @@ FEATURES = {
     "view_relay": Feature("relay{i} = {h}.t()", read="h = h + 0.5 * relay{i}.t()"),
     # everyday layers and modes of real models
     "relu_inplace": Feature("h = F.relu(h * 1.5 - 0.2, inplace=True)"),
+    "group_norm": Feature("h = self.gn{i}(h)", init=f"self.gn{{i}} = torch.nn.GroupNorm(2, {WIDTH})"),
+    "bn_no_stats": Feature("h = self.bn{i}(h)", init=f"self.bn{{i}} = torch.nn.BatchNorm1d("
+                                                    f"{WIDTH}, track_running_stats=False)"),
+    "instance_norm": Feature(f"h = self.inorm{{i}}(h.reshape(-1, 2, 3)).reshape(-1, {WIDTH})",
+                             init="self.inorm{i} = torch.nn.InstanceNorm1d(2, affine=True, "
+                                  "track_running_stats=True)", buffers="statistics"),
+    "prelu": Feature("h = self.prelu{i}(h)", init="self.prelu{i} = torch.nn.PReLU()"),
     "layernorm": Feature("h = self.ln{i}(h)", init=f"self.ln{{i}} = torch.nn.LayerNorm({WIDTH})"),
     "autocast": Feature("with torch.autocast(\"cpu\", dtype=torch.bfloat16):\n"
                         "    low{i} = F.linear(h, self.l{s}.weight)\n"

@@ -8,7 +8,8 @@ notes state, worked out here from the program and the configuration:
 - E-PART-10: replicas, ``broadcastBuffers(True)``, and a buffer write of the model's own
   (a normalisation's running statistics are not one: each replica keeps its own, [Note:
   running statistics on replicas] in poptorch_lite/compiler/running_stats.py);
-- E-PART-11 (``item``), E-PART-24 (``packed_lstm``): always, at the trace;
+- E-PART-11 (``item``), E-PART-24 (``packed_lstm``), E-PART-14 (``buffer_assign``, PopTorch's own
+  refusal of a buffer rebound in forward): always, at the trace;
 - E-PART-28: a tensor attribute the forward writes in place (``tensor_counter``), on a GPU
   (or its twin), recomputed or compiled;
 - E-PART-27: a gradient hook on a parameter whose layer another stage uses again;
@@ -90,7 +91,7 @@ def acceptable(program: Program, config: Config) -> dict:
     ok = {}
     if config.R > 1 and config.broadcast_buffers and writes_buffers(program, "own"):
         ok["E-PART-10"] = "replicas of a model that writes a buffer of its own"
-    for kind in sorted(kinds & {"item", "packed_lstm"}):
+    for kind in sorted(kinds & {"item", "packed_lstm", "buffer_assign"}):
         ok[FEATURES[kind].refused] = kind
     if "generator" in kinds and (config.R > 1 or config.recompute):
         ok["E-OPT-41"] = "a generator of the model's own with replicas or recomputation"
