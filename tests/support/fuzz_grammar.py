@@ -344,6 +344,11 @@ EDITS = {
     "unfreeze_bias": "net.l{s}.bias.requires_grad_(True)",
     "load_state_dict": "net.load_state_dict({{k: v * 0.9 if v.is_floating_point() else v\n"
                        "                     for k, v in net.state_dict().items()}})",
+    "wrapper_load": "loaded = {{k: v * 0.9 if v.is_floating_point() else v\n"
+                    "          for k, v in net.state_dict().items()}}\n"
+                    "(train if train is not None else net).load_state_dict(loaded)",
+    "wrapper_attribute": "if train is not None:\n    train.l{s}.bias.data.mul_(0.5)\n"
+                         "else:\n    net.l{s}.bias.data.mul_(0.5)",
     "buffers_edit": "with torch.no_grad():\n    for b in net.buffers():\n"
                "        b.mul_(0.5) if b.is_floating_point() else None",
     "lr": "opt.param_groups[0][\"lr\"] *= 0.5",
