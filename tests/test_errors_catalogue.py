@@ -314,6 +314,16 @@ def own_mode_changed_after_wrapping():
     train.destroy()
 
 
+def encoder_under_a_cpu_autocast():
+    """An inference model of a TransformerEncoderLayer in eval mode, called under a CPU
+    autocast."""
+    model = torch.nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, batch_first=True).eval()
+    inference = poptorch.inferenceModel(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inference(torch.randn(2, 3, 4))
+    inference.destroy()
+
+
 def first_call(model, o, rows=None, training=True):
     """Wrap and call once; the refusal must leave weights (and RNG) untouched."""
     n = rows or poptorch.combined_batch_size(o, 2)
@@ -1371,6 +1381,7 @@ T = {
     "E-PART-28": constant_written_on_a_gpu,
     "W-LITE-18": normalisation_frozen_between_calls,
     "W-LITE-19": own_mode_changed_after_wrapping,
+    "W-LITE-20": encoder_under_a_cpu_autocast,
     "W-LITE-08": lambda: keras_model(spe=1).fit(torch.randn(10, 4), torch.randn(10, 2),
                                                batch_size=4, verbose=0, drop_remainder=True),
 }

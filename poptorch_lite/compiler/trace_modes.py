@@ -3,7 +3,25 @@
 ``_TraceMode`` marks the result of every torch loss function ([Note: loss provenance] in
 ``losses``) and refuses values read into Python; ``_InferenceSession`` runs every
 dropout of an inference trace as the identity; ``PythonDraws`` watches Python's and numpy's
-random. ``tracing.trace`` enters them.
+random; ``PlainFastPaths`` keeps torch's fused fast paths where plain PyTorch takes them.
+``tracing.trace`` enters them.
+
+[Note: fused fast paths]
+In eval mode without gradients, torch's ``TransformerEncoderLayer`` and
+``MultiheadAttention`` run one fused kernel (``aten._transformer_encoder_layer_fwd``,
+``aten._native_multi_head_attention``) in place of their ops, unless an argument "has a
+torch function", which they ask ``torch.overrides.has_torch_function``, and which the
+trace's own modes make true of every tensor (and MultiheadAttention also declines under
+``make_fx``). Traced so, an inference model of a transformer in eval mode ran the separate
+ops where plain PyTorch runs the fused kernel: 1e-8 off in float32, and under a CPU autocast
+(which those checks do not see) a float32 result where plain PyTorch's is bfloat16. So
+while a trace runs, ``has_torch_function`` answers on the tracing thread without the modes
+the trace pushed, and MultiheadAttention is told it is not traced (:class:`PlainFastPaths`):
+the graph holds the fused kernel wherever plain PyTorch would run it, and a user's own mode
+or tensor subclass still counts. The layers also decline when a module of theirs has a
+forward hook, so the trace's own hooks are global ones, never the model's. One case is left: ``make_fx`` cannot trace the encoder
+layer's kernel under autocast (its inner products meet a float32 weight uncast), so under
+an autocast that layer runs its separate ops, with a warning (W-LITE-20).
 
 [Note: inference session]
 PopTorch compiles an ``inferenceModel`` as a PopART *inference session*, in
@@ -324,6 +342,64 @@ _INFERENCE_DROPOUT = {
     F.scaled_dot_product_attention: lambda f, a, k: _without_dropout_p(f, a, k, 4),
     F.multi_head_attention_forward: lambda f, a, k: _without_dropout_p(f, a, k, 10),
 }
+
+
+_ACTIVATION = torch.nn.modules.activation  # MultiheadAttention's module
+_ENCODER_FORWARD = torch.nn.TransformerEncoderLayer.forward.__code__
+
+
+def _autocast_on() -> bool:
+    return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
+
+
+def _warn_encoder_under_autocast() -> None:
+    """W-LITE-20: plain PyTorch would take the fused kernel that cannot be traced."""
+    warn_once("trace.encoder_fast_path_under_autocast",
+              "a TransformerEncoderLayer in eval mode without gradients, under "
+              "torch.autocast on the CPU: plain PyTorch runs its fused kernel "
+              "(torch._transformer_encoder_layer_fwd), which cannot be traced under "
+              "autocast (make_fx fails), so the program runs the layer's separate ops: "
+              "they round otherwise in the lower precision, and the layer returns "
+              "float32 where plain PyTorch's returns the autocast's type. Call the "
+              "inference model outside autocast: the kernel is then traced, and its "
+              "numbers are plain PyTorch's", PoptorchLiteWarning)
+
+
+class PlainFastPaths:
+    """Context manager around a trace: ``torch.overrides.has_torch_function`` answers on the
+    tracing thread as it would outside the trace, without the trace's own modes
+    ([Note: fused fast paths])."""
+
+    def __enter__(self):
+        real, depth, thread = torch.overrides.has_torch_function, \
+            torch._C._len_torch_function_stack(), threading.get_ident()
+
+        def has_torch_function(args) -> bool:
+            above = torch._C._len_torch_function_stack() - depth
+            if above <= 0 or threading.get_ident() != thread:
+                return real(args)
+            popped = [torch._C._pop_torch_function_stack() for _ in range(above)]
+            try:
+                plain = real(args)
+            finally:
+                for mode in reversed(popped):
+                    torch._C._push_on_torch_function_stack(mode)
+            if not plain and sys._getframe(1).f_code is _ENCODER_FORWARD and _autocast_on() \
+                    and not (torch.is_grad_enabled() and any(a.requires_grad for a in args)):
+                _warn_encoder_under_autocast()
+                return True  # its separate ops: make_fx cannot trace the kernel under autocast
+            return plain
+        def is_make_fx_tracing() -> bool:
+            return threading.get_ident() != thread and tracing()
+        self.real = real
+        self.tracing = tracing = _ACTIVATION._is_make_fx_tracing
+        torch.overrides.has_torch_function = has_torch_function
+        _ACTIVATION._is_make_fx_tracing = is_make_fx_tracing
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.overrides.has_torch_function = self.real
+        _ACTIVATION._is_make_fx_tracing = self.tracing
 
 
 class _InferenceSession(TorchFunctionMode):

@@ -64,7 +64,7 @@ from .running_stats import (StatisticsWatch, cumulative_averages, same_values,
                             unread_by_training_backwards)
 from .subgraphs import wrap_target
 from .trace_state import UserGenerators, WrittenParameters, preserved_state, version_of
-from .trace_modes import PythonDraws, _InferenceSession, _TraceMode, user_file_test
+from .trace_modes import PlainFastPaths, PythonDraws, _InferenceSession, _TraceMode, user_file_test
 
 
 @contextlib.contextmanager
@@ -319,7 +319,10 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
             call_leaves[k] = t
         a, kw = pytree.tree_unflatten(call_leaves, in_spec)
         buffer_values = {n: values[n] for n in buffers}
-        check = model.register_forward_hook(lambda *_: _check_buffers_kept(model, buffer_values))
+        # a global hook, not one of the model's own: torch's fused fast paths decline a
+        # module with hooks ([Note: fused fast paths] in trace_modes)
+        check = torch.nn.modules.module.register_module_forward_hook(
+            lambda m, *_: _check_buffers_kept(model, buffer_values) if m is model else None)
         cached = torch.is_autocast_cache_enabled()
         if ambient_autocast():  # [Note: autocast around a call] in runtime/batch: make_fx
             # turns autocast's cache off, and a forward under it casts each weight once
@@ -365,7 +368,7 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
         # _TraceMode would otherwise turn F.dropout into native_dropout before it could.
         # Mixed float16/float32 ops are resolved as PopTorch does ([Note: implicit casting]).
         given, generators = [leaves[k] for k in tensor_pos], UserGenerators()
-        with preserved_state(model, modes, given, generators, written) as before, \
+        with PlainFastPaths(), preserved_state(model, modes, given, generators, written) as before, \
                 AttributeWatch(model, hooks) as attributes, PythonDraws(model.forward), \
                 trace_context() as state, _export_style(model), \
                 grad, _quiet_torch_trace_log(), grad_semantics.recording(training), \

@@ -245,8 +245,10 @@ class Weights:
         return target.grad
 
     def buffers_move(self) -> None:
-        """A run is writing buffers: copies in other memories are newer than the host's."""
-        if self._buffer_copies:
+        """A run is writing buffers, and parameters its forward writes in place (an
+        embedding's ``max_norm``): copies in other memories are newer than the host's (a
+        training call's step makes them so anyway; an inference call's does not)."""
+        if self._buffer_copies or (self.written and self._separate_homes):
             self.host_stale = True
 
     def stepping(self):

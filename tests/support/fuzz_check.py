@@ -183,7 +183,7 @@ def _compare(call: int, train, net, opt, x, result, want: dict, tol: float,
              host_grads: dict) -> list:
     """What differs after a wrapped call (``host_grads``: the ``.grad`` the user left)."""
     got = fuzz_plain.state(net, opt, x)
-    grads = trained_grads(train)
+    grads = trained_grads(train) if want["grads"] else {}
     used = {n: grads.get(n) for n in want["grads"]}
     found = [] if structure(result) == want["returned"] else [
         f"returned {structure(result)}, plain PyTorch {want['returned']}"]
@@ -254,7 +254,8 @@ def _run(program: Program, config: Config) -> tuple:
         net, opt, sched = fuzz_plain.model(ns, config)
         train = None
         try:
-            train = poptorch.trainingModel(net, config.options(program), opt)
+            train = poptorch.inferenceModel(net, config.options(program)) if config.inference \
+                else poptorch.trainingModel(net, config.options(program), opt)
             for call in range(config.calls):
                 x, y = fuzz_plain.data(config, call)
                 fuzz_plain.seed_host(call)

@@ -2,8 +2,8 @@
 
 A :class:`Config` holds one value per factor (schedule, G, D, R, reduction, recomputation,
 compiled stages, device, buffers per replica, random seed, micro-batch size, calls, output
-mode, labels by keyword, offloaded optimizer state, a batch size that changes, and on a GPU or
-its twin a step captured as one CUDA graph and replayed), the simplest
+mode, labels by keyword, offloaded optimizer state, a batch size that changes, an inference
+model instead, and on a GPU or its twin a step captured as one CUDA graph and replayed), the simplest
 first, so that Hypothesis shrinks towards it (tests/support/fuzz_draw.py draws valid ones).
 :meth:`Config.code` is the Options as Python, which is what :meth:`Config.options` runs and
 what a finding prints; :meth:`Config.tolerance` is the fuzzer's tolerance rule ([Note: the
@@ -55,6 +55,7 @@ class Config:
     dtype: str = "float32"
     graph: bool = False  # on a GPU (or its twin): the steps captured as one CUDA graph, replayed
     autocast: str = "off"  # the calls under torch.autocast (bfloat16): "off", "on", "second"
+    inference: bool = False  # an inferenceModel: the forward under no_grad, nothing stepped
 
     def ambient(self, call: int):
         """The autocast the user puts around call ``call`` (both sides): bfloat16 on the
@@ -72,6 +73,8 @@ class Config:
             auto = "poptorch.AutoStage.AutoIncrement, " if program.ipus == "loop" else ""
             lines = ["opts = poptorch.Options().setExecutionStrategy(poptorch.PipelinedExecution("
                      f"{auto}schedule={self.schedule!r}))"]
+        if self.inference:
+            lines.append("# poptorch.inferenceModel(net, opts): no optimizer, nothing stepped")
         lines += [f"opts.Training.gradientAccumulation({self.G})",
                   f"opts.deviceIterations({self.D}).replicationFactor({self.R})",
                   f"opts.outputMode(poptorch.OutputMode.{self.output_mode})"]

@@ -72,6 +72,11 @@ def programs(draw, pending=frozenset(PENDING), require=frozenset()) -> Program:
     return Program(stages, ops, loss, optimizer, groups, edits, ipus, returns)
 
 
+#: What an inference model cannot run (a gradient the forward takes; a tensor hook on a
+#: value that needs none) or has not (``setOptimizer``).
+TRAINING_ONLY = {"penalty", "saliency", "input_penalty", "tensor_hook", "set_optimizer"}
+
+
 @st.composite
 def configs(draw, program: Program, require=frozenset()) -> Config:
     """A configuration valid for ``program`` (PopTorch's minimums met: G >= 2S-1 for
@@ -85,7 +90,11 @@ def configs(draw, program: Program, require=frozenset()) -> Config:
         value = forced[name]
         return value == "True" if kind is bool else kind(value) if kind is int else value
 
+    kinds = {o.kind for o in program.ops} | {e.kind for e in program.edits}
+    inference = not kinds & TRAINING_ONLY and pick("inference", st.booleans())
     schedules = [s for s in SCHEDULES if program.ipus == "distinct" or s != "sharded"]
+    if inference:  # PopTorch's inference pipelines: Grouped, Sequential or sharded
+        schedules = [s for s in schedules if s in ("grouped", "sequential", "sharded")]
     schedule = pick("schedule", st.sampled_from(schedules))
     low = 2 * program.stages - 1 if schedule in ("grouped", "interleaved") else 1
     device = pick("device", st.sampled_from(DEVICES))
@@ -93,8 +102,10 @@ def configs(draw, program: Program, require=frozenset()) -> Config:
     graph = device in ("gpu_twin", "cuda") and pick("graph", st.booleans())
     config = Config(
         schedule=schedule,
-        G=pick("G", st.integers(low, low + 1)),
-        D=pick("D", st.integers(1, 2)),
+        G=1 if inference else pick("G", st.integers(low, low + 1)),
+        # an inference pipeline's micro-batches are its device iterations (PopTorch's minimum)
+        D=pick("D", st.integers(program.stages, program.stages + 1)
+               if inference and schedule != "sharded" else st.integers(1, 2)),
         R=pick("R", st.integers(1, 2)),
         reduction=pick("reduction", st.sampled_from(["mean", "sum"])),
         recompute=pick("recompute", st.booleans()),
@@ -109,7 +120,8 @@ def configs(draw, program: Program, require=frozenset()) -> Config:
         offload=pick("offload", st.booleans()),
         vary_batch=pick("vary_batch", st.booleans()),
         graph=graph,
-        autocast=pick("autocast", st.sampled_from(["off", "on", "second"])))
+        autocast=pick("autocast", st.sampled_from(["off", "on", "second"])),
+        inference=inference)
     # A model in half precision where the arithmetic is plain PyTorch's to the bit (the
     # float rule's tolerance is for float32, confirmed in float64)
     if config.tolerance(program) == 0:

@@ -257,4 +257,20 @@ FOUND = [
     #    program a hook registered between calls traces again (the wrapper drew anew)
     Found("python_draw_in_a_program_a_hook_keys", "python_random&hook_add",
           Program(ops=(Op("python_random"),), edits=(Edit("hook_add"),)), Config()),
+    # -- found once the fuzzer drew inference models (2026-11-30): a transformer layer in eval
+    #    mode ran its separate ops where plain PyTorch runs its fused kernel (the trace's own
+    #    modes declined the fast path); under a CPU autocast it now does so with W-LITE-20
+    Found("encoder_layer_in_eval_mode_runs_its_fused_kernel", "transformer&eval_mode&inference",
+          Program(ops=(Op("transformer"),), edits=(Edit("eval_mode"),)), Config(inference=True)),
+    Found("encoder_layer_under_a_cpu_autocast", "transformer&eval_mode&inference&autocast",
+          Program(ops=(Op("transformer"),), edits=(Edit("eval_mode"),)),
+          Config(inference=True, autocast="on", calls=3)),
+    Found("attention_kernel_under_a_cpu_autocast", "mha&eval_mode&inference&autocast",
+          Program(ops=(Op("mha"),), edits=(Edit("eval_mode"),)),
+          Config(inference=True, autocast="on", D=2)),
+    #    ... and an inference model on separate memories left the host's embedding as it was
+    #    where its forward renormalised rows in place (max_norm): the host now syncs from them
+    Found("parameter_written_by_an_inference_forward", "embedding_max_norm&inference",
+          Program(ops=(Op("embedding_max_norm"),)),
+          Config(inference=True, R=2, device="ipu_model")),
 ]

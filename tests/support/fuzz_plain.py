@@ -14,6 +14,7 @@ import contextlib
 import copy
 import math
 import random
+import sys
 from typing import Optional
 
 import numpy as np
@@ -53,11 +54,13 @@ def model(ns: dict, config: Config):
 
 
 def _seeds(config: Config, own: Optional[torch.Generator], call: int) -> list:
-    m = config.G * config.R
+    """Each micro-batch's seed: a run per step, of G·R micro-batches, when training; one run
+    of every micro-batch in inference ([Note: micro-batch RNG])."""
+    runs, m = (1, config.D * config.R) if config.inference else (config.D, config.G * config.R)
     if own is not None:
-        return [rng.microbatch_seed(b, i) for b in rng.draw_bases(config.D, own) for i in range(m)]
+        return [rng.microbatch_seed(b, i) for b in rng.draw_bases(runs, own) for i in range(m)]
     torch.manual_seed(100 + call)
-    return microbatch_seeds(config.D, m)
+    return microbatch_seeds(runs, m)
 
 
 def seed_host(call: int) -> None:
@@ -97,7 +100,8 @@ def _plain_call(program: Program, net, opt, x, y, config: Config, seeds: list, r
     per_output = [[] for _ in range(10)]
     buffers = dict(net.named_buffers())
     for d in range(config.D):
-        opt.zero_grad(set_to_none=True)
+        if not config.inference:
+            opt.zero_grad(set_to_none=True)
         step = slice(d * m * b, (d + 1) * m * b)
         if config.device == "gpu_twin":  # [Note: the twin's inputs] in fuzz_check
             xs, ys = x[step].clone(), y[step].clone()
@@ -112,10 +116,12 @@ def _plain_call(program: Program, net, opt, x, y, config: Config, seeds: list, r
                         t.copy_(replicas[r][name])
             torch.manual_seed(seeds[k])
             xk, yk = xs[j * b:(j + 1) * b], ys[j * b:(j + 1) * b]
-            with config.ambient(call), draws.forward(b) if draws else contextlib.nullcontext():
+            with config.ambient(call), draws.forward(b) if draws else contextlib.nullcontext(), \
+                    _inference_session() if config.inference else contextlib.nullcontext():
                 result = net(xk, y=yk) if config.keyword else net(xk, yk)
-            loss = loss_of(program, result)
-            loss.backward(torch.full_like(loss, scale))
+            if not config.inference:
+                loss = loss_of(program, result)
+                loss.backward(torch.full_like(loss, scale))
             for i, t in enumerate(outputs_of(result)):
                 per_output[i].append(t.detach().clone())
             if replicas:
@@ -125,6 +131,8 @@ def _plain_call(program: Program, net, opt, x, y, config: Config, seeds: list, r
                         t.copy_(replicas[0][name])
         if config.device == "gpu_twin":  # a forward's write to its input reaches the caller's
             x[step].copy_(xs)
+        if config.inference:
+            continue
         divisor = (m if config.reduction == "mean" else 1) * scale  # as the reduction divides
         if divisor != 1:
             for p in net.parameters():
@@ -138,8 +146,44 @@ def _plain_call(program: Program, net, opt, x, y, config: Config, seeds: list, r
     outputs = [_merged(v, config) for v in per_output if v]
     in_optimizer = {id(p) for g in opt.param_groups for p in g["params"]}
     grads = {n: None if p.grad is None else p.grad.clone() for n, p in net.named_parameters()
-             if id(p) in in_optimizer}
+             if id(p) in in_optimizer and not config.inference}
     return outputs, grads, structure(result)
+
+
+@contextlib.contextmanager
+def _inference_session():
+    """An inference model's forward: no gradients, and every dropout the identity whatever
+    the module's flag, as PopTorch's inference session runs one ([Note: inference session]
+    in poptorch_lite/compiler/trace_modes.py): ``F.dropout`` (``nn.Dropout``'s, and
+    ``nn.MultiheadAttention``'s on its own path) and attention's ``dropout_p``; and an encoder
+    layer under a CPU autocast runs its separate ops, as the wrapper's does (W-LITE-20)."""
+    functional = torch.nn.functional
+    dropout, attention = functional.dropout, functional.scaled_dot_product_attention
+
+    def identity(input, p=0.5, training=True, inplace=False):
+        return input
+
+    def no_dropout(*args, **kwargs):
+        if len(args) > 4:
+            args = (*args[:4], 0.0, *args[5:])
+        kwargs.pop("dropout_p", None)
+        return attention(*args, **kwargs)
+    # Under a CPU autocast an encoder layer runs its separate ops, not its fused kernel,
+    # which cannot be traced there (W-LITE-20, in [Note: fused fast paths])
+    overrides, encoder = torch.overrides.has_torch_function, \
+        torch.nn.TransformerEncoderLayer.forward.__code__
+
+    def has_torch_function(args):
+        return overrides(args) or (sys._getframe(1).f_code is encoder
+                                   and torch.is_autocast_enabled("cpu"))
+    functional.dropout, functional.scaled_dot_product_attention = identity, no_dropout
+    torch.overrides.has_torch_function = has_torch_function
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        functional.dropout, functional.scaled_dot_product_attention = dropout, attention
+        torch.overrides.has_torch_function = overrides
 
 
 class _TracedDraws:
@@ -152,8 +196,9 @@ class _TracedDraws:
     ``temperature``, a dropout module's ``p``), every module's hooks and own ``forward``,
     and the functions the forward calls from its attributes (the grammar's ``act``)."""
 
-    def __init__(self, net):
-        self.net, self.params, self.drawn = net, tuple(net.parameters()), {}
+    def __init__(self, net, training: bool = True):
+        # an inference model traces again for no parameter's requires_grad
+        self.net, self.params, self.drawn = net, tuple(net.parameters()) if training else (), {}
         self.reads = hasattr(net, "temperature")  # the temperature feature's (anneal may set
         # one the forward never reads)
         self.moded = [m for m in net.modules() if m is not net and "training" in getattr(
@@ -229,7 +274,7 @@ def plain(program: Program, config: Config):
     replicas = []  # normalisations' statistics are per replica whatever broadcastBuffers says
     if config.R > 1 and writes_buffers(program):
         replicas = [{n: b.clone() for n, b in net.named_buffers()} for _ in range(config.R)]
-    draws = _TracedDraws(net) if fuzz_refusals.warns(program) else None
+    draws = _TracedDraws(net, not config.inference) if fuzz_refusals.warns(program) else None
     on_gpu = config.device == "cuda"  # the GPU check: plain PyTorch on the GPU too
     wrapped = net.training
     if on_gpu:
