@@ -392,14 +392,17 @@ class PlainFastPaths:
         def is_make_fx_tracing() -> bool:
             return threading.get_ident() != thread and tracing()
         self.real = real
-        self.tracing = tracing = _ACTIVATION._is_make_fx_tracing
+        # (a private helper of torch's: where a release has none, nothing to answer)
+        self.tracing = tracing = getattr(_ACTIVATION, "_is_make_fx_tracing", None)
         torch.overrides.has_torch_function = has_torch_function
-        _ACTIVATION._is_make_fx_tracing = is_make_fx_tracing
+        if tracing is not None:
+            _ACTIVATION._is_make_fx_tracing = is_make_fx_tracing
         return self
 
     def __exit__(self, *exc) -> None:
         torch.overrides.has_torch_function = self.real
-        _ACTIVATION._is_make_fx_tracing = self.tracing
+        if self.tracing is not None:
+            _ACTIVATION._is_make_fx_tracing = self.tracing
 
 
 class _InferenceSession(TorchFunctionMode):
