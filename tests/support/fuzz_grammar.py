@@ -396,7 +396,9 @@ EDITS = {
     # a validation pass between calls, as Graphcore's CNN application runs one: eval mode,
     # an inferenceModel of the same model (the host's forward in plain PyTorch), train mode
     "validate": "net.eval()\nif train is not None:\n"
-                "    val = poptorch.inferenceModel(net, poptorch.Options().deviceIterations(4))\n"
+                "    val = poptorch.inferenceModel(net, poptorch.Options().deviceIterations(4)\n"
+                "        .setExecutionStrategy(poptorch.PipelinedExecution("
+                "poptorch.AutoStage.AutoIncrement)))\n"
                 f"    val(torch.ones(4, {WIDTH}), torch.zeros(4, dtype=torch.long))\n"
                 "    val.destroy()\nelse:\n    with torch.no_grad():\n"
                 "        for _ in range(4):  # one micro-batch a device iteration\n"
