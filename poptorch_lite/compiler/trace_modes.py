@@ -19,9 +19,10 @@ while a trace runs, ``has_torch_function`` answers on the tracing thread without
 the trace pushed, and MultiheadAttention is told it is not traced (:class:`PlainFastPaths`):
 the graph holds the fused kernel wherever plain PyTorch would run it, and a user's own mode
 or tensor subclass still counts. The layers also decline when a module of theirs has a
-forward hook, so the trace's own hooks are global ones, never the model's. One case is left: ``make_fx`` cannot trace the encoder
-layer's kernel under autocast (its inner products meet a float32 weight uncast), so under
-an autocast that layer runs its separate ops, with a warning (W-LITE-20).
+forward hook, so the trace's own hooks are global ones, never the model's. One case is
+left: ``make_fx`` cannot trace the encoder layer's kernel under autocast (its inner products
+meet a float32 weight uncast), so under an autocast that layer runs its separate ops, with
+a warning (W-LITE-20).
 
 [Note: inference session]
 PopTorch compiles an ``inferenceModel`` as a PopART *inference session*, in
@@ -385,15 +386,18 @@ class PlainFastPaths:
                 for mode in reversed(popped):
                     torch._C._push_on_torch_function_stack(mode)
             if not plain and sys._getframe(1).f_code is _ENCODER_FORWARD and _autocast_on() \
-                    and not (torch.is_grad_enabled() and any(a.requires_grad for a in args)):
+                    and not (torch.is_grad_enabled() and any(
+                        getattr(a, "requires_grad", False) for a in args)):
                 _warn_encoder_under_autocast()
                 return True  # its separate ops: make_fx cannot trace the kernel under autocast
             return plain
+
+        # (a private helper of torch's: where a release has none, nothing to answer)
+        tracing = getattr(_ACTIVATION, "_is_make_fx_tracing", None)
+
         def is_make_fx_tracing() -> bool:
             return threading.get_ident() != thread and tracing()
-        self.real = real
-        # (a private helper of torch's: where a release has none, nothing to answer)
-        self.tracing = tracing = getattr(_ACTIVATION, "_is_make_fx_tracing", None)
+        self.real, self.tracing = real, tracing
         torch.overrides.has_torch_function = has_torch_function
         if tracing is not None:
             _ACTIVATION._is_make_fx_tracing = is_make_fx_tracing

@@ -64,7 +64,8 @@ from .running_stats import (StatisticsWatch, cumulative_averages, same_values,
                             unread_by_training_backwards)
 from .subgraphs import wrap_target
 from .trace_state import UserGenerators, WrittenParameters, preserved_state, version_of
-from .trace_modes import PlainFastPaths, PythonDraws, _InferenceSession, _TraceMode, user_file_test
+from .trace_modes import (PlainFastPaths, PythonDraws, _InferenceSession, _TraceMode,
+                          user_file_test)
 
 
 @contextlib.contextmanager
@@ -368,7 +369,8 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
         # _TraceMode would otherwise turn F.dropout into native_dropout before it could.
         # Mixed float16/float32 ops are resolved as PopTorch does ([Note: implicit casting]).
         given, generators = [leaves[k] for k in tensor_pos], UserGenerators()
-        with PlainFastPaths(), preserved_state(model, modes, given, generators, written) as before, \
+        with PlainFastPaths(), \
+                preserved_state(model, modes, given, generators, written) as before, \
                 AttributeWatch(model, hooks) as attributes, PythonDraws(model.forward), \
                 trace_context() as state, _export_style(model), \
                 grad, _quiet_torch_trace_log(), grad_semantics.recording(training), \

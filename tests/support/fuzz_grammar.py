@@ -237,7 +237,8 @@ FEATURES = {
     "view_relay": Feature("relay{i} = {h}.t()", read="h = h + 0.5 * relay{i}.t()"),
     # everyday layers and modes of real models
     "relu_inplace": Feature("h = F.relu(h * 1.5 - 0.2, inplace=True)"),
-    "group_norm": Feature("h = self.gn{i}(h)", init=f"self.gn{{i}} = torch.nn.GroupNorm(2, {WIDTH})"),
+    "group_norm": Feature("h = self.gn{i}(h)",
+                          init=f"self.gn{{i}} = torch.nn.GroupNorm(2, {WIDTH})"),
     "bn_no_stats": Feature("h = self.bn{i}(h)", init=f"self.bn{{i}} = torch.nn.BatchNorm1d("
                                                     f"{WIDTH}, track_running_stats=False)"),
     "instance_norm": Feature(f"h = self.inorm{{i}}(h.reshape(-1, 2, 3)).reshape(-1, {WIDTH})",
