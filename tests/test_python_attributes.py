@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 import poptorch_lite as poptorch
+from poptorch_lite.compiler.python_attributes import Hooks
 
 from models import data, microbatch_seeds, on_device, reference_training, trained_grads, twin
 
@@ -328,6 +329,34 @@ def test_hooks_and_functions_changed_between_calls_train_as_plain_pytorch(blocks
         assert change in caplog.text
     assert caplog.text.count("trainingModel compiled") == 4
     train.destroy()
+
+
+def test_what_the_hook_tables_are_compared_by():
+    """By the handles they hold (a registration anywhere, a tensor's too, only makes the
+    check look), and whether each module has a forward of its own."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    names = {m: n for n, m in model.named_modules()}
+    hooks = Hooks(names)
+    torch.ones(1, requires_grad=True).register_hook(lambda g: g)
+    assert hooks.same()
+    handle = model[0].register_forward_hook(lambda *_: None)
+    assert not hooks.same()
+    assert hooks.changed() == [("model.0.forward_hooks", "0 hooks", "1 hook")]
+    handle.remove()
+    assert hooks.same()
+    first = model[0].register_forward_pre_hook(lambda *_: None)
+    hooks = Hooks(names)
+    first.remove()
+    second = model[0].register_forward_pre_hook(lambda *_: None)  # as many, another
+    assert not hooks.same()
+    assert hooks.changed() == [("model.0.forward_pre_hooks", "1 hook", "1 other")]
+    second.remove()
+    hooks = Hooks(names)
+    model[0].forward = lambda t: t
+    assert not hooks.same()
+    assert hooks.changed() == [("model.0.forward", "its class's", "its own")]
+    del model[0].forward
+    assert hooks.same()
 
 
 def test_hooks_registered_and_removed_elsewhere_do_not_trace_again(caplog):

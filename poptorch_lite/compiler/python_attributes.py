@@ -168,14 +168,16 @@ class Hooks:
 
     A call's check costs nothing for the hooks where none was registered anywhere since
     (``RemovableHandle`` numbers every registration), as a removal can only shrink a table
-    that held one; otherwise the tables' keys (the handles' numbers) are compared. Whether
-    each module has its own forward is one C-level lookup a module.
+    that held one; otherwise (a forward that registers a tensor's hook does so in every
+    call) the tables' sizes are compared, and the keys (the handles' numbers) of those that
+    held hooks. Whether each module has its own forward is one C-level lookup a module.
 
     Args:
         names: module -> its qualified name in the model ("" for the model itself).
     """
 
-    __slots__ = ("tables", "keys", "where", "names", "_held", "_epoch", "_dicts", "_own")
+    __slots__ = ("tables", "keys", "where", "names", "_held", "_sizes", "_epoch", "_dicts",
+                 "_own")
 
     def __init__(self, names: dict):
         module = torch.nn.modules.module
@@ -184,7 +186,8 @@ class Hooks:
             tuple(getattr(module, table) for table in _GLOBAL_HOOKS)
         self.where = tuple(where) + tuple((None, table) for table in _GLOBAL_HOOKS)
         self.keys = tuple(map(tuple, self.tables))
-        self._held = tuple((t, len(t)) for t in self.tables if t)
+        self._held = tuple((t, k) for t, k in zip(self.tables, self.keys) if k)
+        self._sizes = tuple(map(len, self.keys))
         self._epoch = RemovableHandle.next_id
         self.names = tuple(names.values())
         self._dicts = tuple(object.__getattribute__(m, "__dict__") for m in names)
@@ -196,8 +199,10 @@ class Hooks:
         if tuple(map(dict.__contains__, self._dicts, _FORWARD)) != self._own:
             return False
         if RemovableHandle.next_id == self._epoch:
-            return all(len(t) == n for t, n in self._held)
-        if tuple(map(tuple, self.tables)) != self.keys:
+            return all(len(t) == len(k) for t, k in self._held)
+        # a table empty then and as long now is empty still
+        if tuple(map(len, self.tables)) != self._sizes or \
+                not all(tuple(t) == k for t, k in self._held):
             return False
         self._epoch = RemovableHandle.next_id  # (hooks of tensors, or made and removed)
         return True
