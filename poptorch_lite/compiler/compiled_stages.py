@@ -17,7 +17,8 @@ stash, recomputation and the schedules are unchanged.
   is compiled with Inductor's ``fallback_random`` (its random ops are eager ATen calls),
   without the per-op stream wrappers of [Note: micro-batch RNG]; instead the whole call
   draws from the micro-batch's stream (``rng.call_in_stream``, which holds the stream lock
-  for the call), and compiling draws from generators put back after (``fork_rng``).
+  for the call), and compiling draws from generators put back after (``fork_rng``, under
+  that lock: another stage's random op on another thread never sees them).
 - **Guards.** A stage's arguments have one signature per program (``batch``'s signature
   picks the program), so a graph is compiled once per grad mode (a function compiled
   without grad would give outputs no gradient reaches), and Inductor's code checks each
@@ -268,8 +269,11 @@ class CompiledGraph:
         if cached is not None:
             return cached[0], cached[1], True, key, cached[3], cached[4]
         try:  # Compiling may draw random numbers (Inductor benchmarks its choices on random
-            # inputs): from generators put back after, not from the run's (the next bases).
-            with torch.random.fork_rng(devices=_cuda_devices(args)):
+            # inputs): from generators put back after, not from the run's (the next bases),
+            # while no other stage's random op has its micro-batch's state in them (the
+            # first call of a model whose stages run on several threads: [Note: micro-batch
+            # RNG] in ``rng``)
+            with rng.exclusive(), torch.random.fork_rng(devices=_cuda_devices(args)):
                 fn, split, cut = self._compile(plain, args)
         except Exception as exc:  # noqa: BLE001 - any refusal: run eagerly
             self._refused(exc)

@@ -30,7 +30,11 @@ Plain PyTorch doing the same arithmetic seeds each micro-batch's forward with
 exactly that. Random ops in stage graphs are found by the
 ``nondeterministic_seeded`` tag and wrapped by :func:`seed_random_ops`; each
 call briefly swaps the device's default generator state under one lock, so
-stages running on several threads never share a stream.
+stages running on several threads never share a stream. Whatever else saves and puts
+back a default generator while stages run (a stage's first call compiling it, under
+``fork_rng``) holds that lock too (:func:`exclusive`): put back in the middle of another
+thread's swap, it would hand that micro-batch's op the wrong state, or leave a stream's
+state in the default generator.
 
 [Note: a user's generator]
 A random op given a generator of the model's own (``torch.randn(..., generator=self.g)``,
@@ -205,6 +209,12 @@ def _swapped(stream: Stream, kinds: tuple, op, args, kwargs):
             for (kind, gen), before in zip(kinds, saved):
                 states[kind] = gen.get_state()
                 gen.set_state(before)
+
+
+def exclusive():
+    """The lock of the swaps, as a context: while it is held no random op of another thread
+    has a micro-batch's state in a default generator, and none will put one there."""
+    return _LOCK
 
 
 def call_in_stream(fn, args: tuple, device: torch.device):
