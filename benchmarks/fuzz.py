@@ -10,7 +10,9 @@ PyTorch (tests/support/fuzz_check.py, [Note: the fuzzer's oracle] there). A find
 by Hypothesis to its minimal model and configuration and printed as Python; its *signature*
 (the grammar's names and the configuration's categorical factors of the minimal example that
 differ from the simplest) is then known, and later examples whose names hold a known signature
-count as that finding again instead of stopping the search. The search goes on, with a new
+count as that finding again instead of stopping the search. An example that fails and then
+passes when Hypothesis replays it (a difference that depends on timing, as a race between
+streams does) is recorded too, marked flaky, unshrunk. The search goes on, with a new
 seed, until the time is up.
 
 Printed at the end (and written to ``--report``): examples run and their outcomes, the count
@@ -36,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from hypothesis import HealthCheck, configuration, given, settings  # noqa: E402
 from hypothesis import seed as hypothesis_seed  # noqa: E402
+from hypothesis.errors import Flaky  # noqa: E402
 
 import fuzz_draw  # noqa: E402
 from fuzz_check import Finding, check  # noqa: E402
@@ -114,6 +117,10 @@ class Search:
             return False
         except Finding:
             self._record(seed, "")
+        except Flaky:  # Hypothesis's replay of the failing example passed: timing decides it
+            if self.last is None:
+                raise
+            self._record(seed, " (flaky: it failed, then passed when replayed)")
         return True
 
     def _record(self, seed: int, note: str) -> None:
