@@ -35,8 +35,9 @@ step's batch with ``.to(device)``), a fresh allocation where plain PyTorch on th
 views into the user's batch. torch's CPU kernels round by where a tensor starts in its
 64-byte line ([Note: copies keep their alignment] in poptorch_lite/runtime/inputs), and the
 twin computes with them, so on the twin the plain side reads each step's micro-batches from
-a copy of that step's rows too (and a forward's write to them reaches the caller's batch
-after the step, as poptorch_lite's copy back does). That is the arithmetic a GPU does; the
+a copy of that step's rows too (an inference call's, one run of every micro-batch, from a
+copy of all its rows), and a forward's write to them reaches the caller's batch after the
+step, as poptorch_lite's copy back does. That is the arithmetic a GPU does; the
 rounding a CPU kernel adds to an offset is not a GPU's, and a captured step's static slots
 could not keep per-run offsets anyway.
 

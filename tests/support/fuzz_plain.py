@@ -99,11 +99,15 @@ def _plain_call(program: Program, net, opt, x, y, config: Config, seeds: list, r
     scale = getattr(opt, "loss_scaling", 1.0)  # poptorch.optim's: the loss's, undone below
     per_output = [[] for _ in range(10)]
     buffers = dict(net.named_buffers())
+    # an inference call is one run of every micro-batch: on the twin, one copy of all rows
+    whole = (x.clone(), y.clone()) if config.device == "gpu_twin" and config.inference else None
     for d in range(config.D):
         if not config.inference:
             opt.zero_grad(set_to_none=True)
         step = slice(d * m * b, (d + 1) * m * b)
-        if config.device == "gpu_twin":  # [Note: the twin's inputs] in fuzz_check
+        if whole is not None:
+            xs, ys = whole[0][step], whole[1][step]
+        elif config.device == "gpu_twin":  # [Note: the twin's inputs] in fuzz_check
             xs, ys = x[step].clone(), y[step].clone()
         else:
             xs, ys = x[step], y[step]
