@@ -375,6 +375,27 @@ def test_hooks_registered_and_removed_elsewhere_do_not_trace_again(caplog):
     train.destroy()
 
 
+def test_hooks_changed_at_every_call_keep_four_programs_and_are_warned_of():
+    """A new forward hook at every call traces again each time; the programs of the last four
+    are kept, and a warning says so, suggesting one hook that reads a flag (not a buffer)."""
+    torch.manual_seed(0)
+    model = Hooked(1)
+    ref = twin(model)
+
+    def rehook(m, call):
+        if call < 5:
+            old = getattr(m, "handle", None)
+            if old is not None:
+                old.remove()
+            m.handle = m.a.register_forward_hook(lambda mod, i, o, k=call: o * (1 + 0.1 * k))
+    with pytest.warns(poptorch.PoptorchLiteWarning, match=re.escape(
+            "the hooks of model.a.forward_hooks have changed 4 times since the model was first "
+            "traced")):
+        train = calls_like_plain_pytorch(model, ref, 1, 2, "cpu", calls=6, edit=rehook)
+    assert len(train._programs) == 4
+    train.destroy()
+
+
 def test_an_attribute_changed_at_every_call_keeps_four_programs_and_is_warned_of():
     """Each new value traces again; the programs of the last four values are kept (a
     return to an older one traces again, exactly), and a warning suggests a buffer."""

@@ -112,6 +112,7 @@ from torch.overrides import TorchFunctionMode
 from ..errors import (PoptorchLiteWarning, TraceError, hide_when_refused as __tracebackhide__,
                       warn_once)
 from . import backward_hooks, grad_semantics, markers
+from .casting import ambient_autocast
 from .markers import LOSS_FUNCTIONS
 
 
@@ -349,10 +350,6 @@ _ACTIVATION = torch.nn.modules.activation  # MultiheadAttention's module
 _ENCODER_FORWARD = torch.nn.TransformerEncoderLayer.forward.__code__
 
 
-def _autocast_on() -> bool:
-    return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
-
-
 def _warn_encoder_under_autocast() -> None:
     """W-LITE-20: plain PyTorch would take the fused kernel that cannot be traced."""
     warn_once("trace.encoder_fast_path_under_autocast",
@@ -385,7 +382,7 @@ class PlainFastPaths:
             finally:
                 for mode in reversed(popped):
                     torch._C._push_on_torch_function_stack(mode)
-            if not plain and sys._getframe(1).f_code is _ENCODER_FORWARD and _autocast_on() \
+            if not plain and sys._getframe(1).f_code is _ENCODER_FORWARD and ambient_autocast() \
                     and not (torch.is_grad_enabled() and any(
                         getattr(a, "requires_grad", False) for a in args)):
                 _warn_encoder_under_autocast()
