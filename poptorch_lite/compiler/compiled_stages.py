@@ -41,6 +41,15 @@ stash, recomputation and the schedules are unchanged.
   once, when it compiles (:func:`split_backward`): an input half that I runs, and a weight
   half for W that starts from the output gradients I computed on the way, not the
   per-micro-batch walk over autograd's graph of [Note: split backward].
+- **A backward draws nothing.** Under a gradient penalty through attention, AOTAutograd's
+  default partitioner (``aot_eager``'s) recomputed a chain of the forward's ops in the
+  backward (``bmm``, ``softmax``, ``empty_like``) and with it the dropout's ``bernoulli``,
+  whose result nothing there reads: ``torch.fx`` keeps a random op as impure. It drew from
+  torch's generator outside every micro-batch's stream: a later call's bases moved, and on
+  streams another micro-batch's masks (gradients 2e-3 apart from run to run of one program,
+  torch 2.14.1). A compiled backward's dead random ops are removed with the ops only they
+  read (:func:`_without_draws`); one whose result the backward reads would draw outside the
+  stream, and the stage runs eagerly.
 - **Python inside an op** (a custom op's autograd formula) runs when the graph is traced
   for compiling, not per call, as under ``torch.compile``.
 - **Custom Functions' outputs are copies.** AOTAutograd returns an output that is a view
@@ -322,6 +331,7 @@ class CompiledGraph:
 
                 def inner(gm, example_inputs, **kw):
                     if kw.get("is_backward"):
+                        _without_draws(gm, self.part)
                         unreached(gm)
                     if kw.get("is_backward") and split is not None:
                         def one(g, ex, first):
@@ -336,6 +346,7 @@ class CompiledGraph:
                 from torch._functorch.aot_autograd import aot_module_simplified
 
                 def backward(gm, example_inputs):
+                    _without_draws(gm, self.part)
                     unreached(gm)
                     if split is not None:
                         return split_backward(gm, example_inputs, reached(),
@@ -467,6 +478,22 @@ def uncompilable(stages) -> list:
     compile step traces again without CPU-only kernels (``tracing.trace``'s ``generic``)."""
     return sorted({str(op) for st in stages for n in st.module.graph.nodes
                    if n.op == "call_function" and (op := base_op(n.target)) in _TRAINS_UNCOMPILED})
+
+
+def _without_draws(gm: fx.GraphModule, part: str) -> None:
+    """``gm``, a compiled backward graph, changed in place to draw no random numbers, as
+    eager autograd's backward draws none ([Note: compiled stages])."""
+    dead = [n for n in gm.graph.nodes if rng.is_random(n) and not n.users]
+    for node in reversed(dead):
+        gm.graph.erase_node(node)
+    live = [str(n.target) for n in gm.graph.nodes if rng.is_random(n)]
+    if live:
+        raise NotImplementedError(
+            f"its {part}'s backward draws random numbers ({', '.join(live)}), which a "
+            f"compiled backward would draw outside the micro-batch's stream")
+    if dead:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
 
 
 def _boxed(gm: fx.GraphModule):

@@ -299,6 +299,51 @@ def test_a_first_compile_beside_other_streams_leaves_their_masks_alone():
     assert done.stdout.split()[-1] == "exact", done.stdout[-2000:]
 
 
+class _PenaltyThroughAttention(torch.nn.Module):
+    """An input-gradient penalty (R1) through attention with dropout, in two stages:
+    AOTAutograd recomputes the attention's softmax in stage 0's compiled backward, with the
+    dropout's draw after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.l0, self.l1, self.head = (torch.nn.Linear(6, n) for n in (6, 6, 4))
+        self.mha = torch.nn.MultiheadAttention(6, 2, dropout=0.1, batch_first=True)
+
+    def forward(self, x, y):
+        poptorch.Block.start("s0", ipu_id=0)
+        x = x.detach().requires_grad_()
+        h = torch.tanh(self.l0(x))
+        seq = h.unsqueeze(1).repeat(1, 3, 1) * torch.tensor([1.0, 0.5, -1.0]).view(1, 3, 1)
+        h = h + self.mha(seq, seq, seq)[0][:, 0]
+        poptorch.Block.start("s1", ipu_id=1)
+        out = self.head(torch.tanh(self.l1(h)))
+        gx, = torch.autograd.grad(out.sum(), x, create_graph=True)
+        loss = torch.nn.functional.cross_entropy(out, y) + 0.1 * gx.pow(2).sum()
+        return out, poptorch.identity_loss(loss, reduction="none")
+
+
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+def test_a_compiled_backward_draws_no_random_numbers(every_stage_compiles, backend):
+    """The compiled backward of a gradient penalty through attention held a copy of the
+    dropout's draw whose result nothing reads (``torch.fx`` keeps a random op); it drew from
+    torch's generator outside every micro-batch's stream, so on streams another micro-batch's
+    masks moved (gradients 2e-3 apart from run to run, the fuzzer). A call moves torch's
+    generator by its run's base alone, as eager stages do, and the stages are compiled.
+    (``aot_eager``'s partition recomputed the draw; Inductor's, at torch 2.14.1, saves it.)"""
+    torch.manual_seed(0)
+    model = _PenaltyThroughAttention()
+    opts = compiled_opts(None, 1, 1, backend=backend, sharded=True)
+    train = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = torch.randn(2, 6), torch.randint(0, 4, (2,))
+    before = torch.get_rng_state()
+    train(x, y)
+    bases = torch.Generator()
+    bases.set_state(before)
+    torch.empty((), dtype=torch.int64).random_(generator=bases)  # the run's one base
+    assert torch.equal(torch.get_rng_state(), bases.get_state())
+    assert set(program_of(train).compiled.summary().values()) == {"compiled"}
+
+
 def test_a_weight_with_a_hook_runs_its_compiled_backward_whole_in_i(every_stage_compiles):
     """Under zero bubble a compiled stage leaves its weights' gradients to W, except where a
     weight has a hook: then its I runs the backward whole, and the hook sees the gradient

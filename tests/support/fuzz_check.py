@@ -85,7 +85,7 @@ import torch
 
 import poptorch_lite as poptorch
 from poptorch_lite import errors
-from poptorch_lite.compiler import compiled_stages
+from poptorch_lite.compiler import compiled_stages, rng
 from poptorch_lite.runtime import gpu
 
 import fuzz_plain
@@ -197,6 +197,26 @@ def _compare(call: int, train, net, opt, x, result, want: dict, tol: float,
     return [f"call {call}: {d}" for d in found]
 
 
+def _stray_draws(call: int, config: Config, before: torch.Tensor) -> list:
+    """Whether torch's default generator moved during a call by anything but the bases of
+    its runs ([Note: micro-batch RNG]: each run draws one, unless it draws nothing at all,
+    from the model's own generator under ``randomSeed``). A draw outside every micro-batch's
+    stream (a compiled backward's dead dropout) lands there, and moves a later call's
+    masks, or another stream's where it ran during a swap."""
+    after = torch.get_rng_state()
+    if torch.equal(after, before):
+        return []
+    runs = 1 if config.inference else config.D
+    g = torch.Generator()
+    g.set_state(before)
+    rng.draw_bases(runs, g)
+    if config.random_seed is None and torch.equal(after, g.get_state()):
+        return []
+    return [f"call {call}: torch's default generator moved by more than the call's "
+            f"{runs if config.random_seed is None else 0} draws of its runs' bases: a random "
+            "op drew outside the micro-batches' streams"]
+
+
 def _refusal(program: Program, config: Config, error: Exception, call: int, before: dict,
              after: dict) -> list:
     """What is wrong with a refusal: it changed state, or nothing makes it acceptable."""
@@ -276,6 +296,7 @@ def _run(program: Program, config: Config) -> tuple:
                     outcome = f"refused: {fuzz_refusals.accepted(e, ok) or type(e).__name__}"
                     break
                 found = _compare(call, train, net, opt, x, result, want, tol, host_grads)
+                found += _stray_draws(call, config, before["torch_random"])
                 warns = fuzz_refusals.warns(program)
                 if call == 0 and warns:  # the trace warned?
                     missing = fuzz_refusals.missing_warnings(program, records)
