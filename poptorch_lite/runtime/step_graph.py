@@ -62,7 +62,8 @@ interface a program calls (``run_call``):
   (``ExecutionError``): torch's CUDA state is then unknown.
 - **After a replay** the stream is synchronized, as an eager run's streams are; the
   outputs, in the graph's memory, are copied to the host; the parameters' ``.grad``
-  are the capture's tensors again (a call hands the host's back to the user); the step
+  are cleared, as an eager run's start clears them, and are the capture's tensors again
+  where the graph made them (a parameter no stage reads has none, not the user's) (a call hands the host's back to the user); the step
   is counted. A replay is one launch: the timeline has one span of it ("C", timed on the
   GPU) in place of its actions', and the watchdog does not watch it.
 
@@ -366,7 +367,11 @@ class StepGraph:
                                  f"{type(exc).__name__}: {exc}; run with compileStages("
                                  f"cuda_graph=False) to find the action that fails",
                                  location=str(self.device)) from exc
-        for t, grad in cap.grads:  # a call hands the host's gradients back to the user
+        # The gradients as the eager run leaves them: cleared as it starts (a parameter no
+        # stage reads keeps none, not the user's), the graph's where it made them (a call
+        # hands the host's back to the user after)
+        ex.weights.zero_grads()
+        for t, grad in cap.grads:
             t.grad = grad
         held = {r.untyped_storage().data_ptr() for rs in run.results for r in rs.values()}
         outputs = [None if out is None else [  # none may be the graph's memory: copies

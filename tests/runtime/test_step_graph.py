@@ -337,6 +337,35 @@ def test_an_optimizer_that_is_not_graph_safe_steps_after_the_replay(twin_gpu_ins
     assert report.eager["optimizer step"].startswith("Adam was built with capturable=False")
 
 
+def test_a_parameter_no_stage_reads_steps_after_a_replay_as_after_an_eager_run(
+        twin_gpu_installed):
+    """The user gave a layer the forward never calls a gradient and stepped it on the host
+    after the first call: plain PyTorch's next steps clear it, and Adam skips the layer. A
+    replay set the gradients the graph made and left the user's on that layer, so the step
+    after the replay moved it by Adam's learning rate (the fuzzer, seed 176). The user's
+    gradient is still handed back after each call."""
+    def adam(params):
+        return torch.optim.Adam(params, lr=0.01)
+
+    handed_back = {}
+
+    def host_step(call, wrapper, model, opt):
+        if call == 0:
+            for p in model.parameters():
+                p.grad = torch.full_like(p, 0.5)
+            opt.step()
+        handed_back.setdefault(call, []).append(model.unused.weight.grad)
+
+    model = BlockMLP(2)
+    model.unused = torch.nn.Linear(4, 4)
+    eager = train(model, "gpu_twin", graph=False, optimizer=adam, calls=4, between=host_step)
+    graphed = train(model, "gpu_twin", graph=True, optimizer=adam, calls=4, between=host_step)
+    assert counts(graphed[3]) == (1, 0, 14, 2)  # 16 runs: 2 eager, then replays
+    assert_same(eager, graphed)
+    for call, (a, b) in handed_back.items():
+        assert torch.equal(a, b) and torch.equal(a, torch.full((4, 4), 0.5)), call
+
+
 @pytest.mark.parametrize("device", GPUS[1:])
 def test_a_tensor_learning_rate_changes_without_a_new_capture(device):
     """Adam built with capturable=True and a learning rate in device memory: the graph reads

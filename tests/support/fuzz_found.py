@@ -284,4 +284,9 @@ FOUND = [
     Found("compiled_backward_with_a_dead_dropout_draw", "input_penalty&mha&compiled",
           Program(stages=2, ops=(Op("input_penalty"), Op("mha"))),
           Config(schedule="sequential", compiled=True)),
+    # -- seed 176: a replayed step left the user's gradient on a layer no stage reads (the
+    #    host step after call 0 gave it one), and Adam's eager step after the replay moved it
+    Found("replay_keeps_no_gradient_on_an_unused_layer", "unused&host_step&graph",
+          Program(ops=(Op("unused"),), optimizer="adam", edits=(Edit("host_step"),)),
+          Config(G=3, device="gpu_twin", graph=True, calls=4)),
 ]
