@@ -192,7 +192,8 @@ def _compare(call: int, train, net, opt, x, result, want: dict, tol: float,
     found += _differences("the gradient the step used", used, want["grads"], tol)
     found += _differences("the host .grad (as the user left it)", _host_grads(net), host_grads,
                           0.0)
-    for key in ("model", "optimizer", "input", "python random", "numpy random", "generators"):
+    for key in ("model", "optimizer", "input", "python random", "numpy random", "generators",
+                "flags"):
         found += _differences(key, got[key], want[key], tol)
     return [f"call {call}: {d}" for d in found]
 

@@ -86,7 +86,16 @@ def state(net, opt, x) -> dict:
     return {"model": _clone(dict(net.state_dict())), "optimizer": _clone(opt.state_dict()),
             "input": x.clone(), "python random": torch.tensor(random.getstate()[1]),
             "numpy random": torch.tensor([*keys.tolist(), pos]),
-            "generators": _clone(_generators(net))}
+            "generators": _clone(_generators(net)), "flags": _flags(net)}
+
+
+def _flags(net) -> dict:
+    """Each module's ``training`` and each parameter's ``requires_grad``, as numbers."""
+    flags = {f"{n or 'model'}.training": torch.tensor(float(m.training))
+             for n, m in net.named_modules()}
+    flags.update({f"{n}.requires_grad": torch.tensor(float(p.requires_grad))
+                  for n, p in net.named_parameters()})
+    return flags
 
 
 def _plain_call(program: Program, net, opt, x, y, config: Config, seeds: list, replicas: list,
