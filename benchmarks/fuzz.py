@@ -4,6 +4,7 @@
     python benchmarks/fuzz.py --minutes 5 --all  # everything drawn: finds the pending ones too
     python benchmarks/fuzz.py --seed 3 --report /tmp/fuzz.txt
     python benchmarks/fuzz.py --prove --minutes 3  # the proof of power: each PENDING finding
+    python benchmarks/fuzz.py --inductor 0       # compiled examples on aot_eager only
 
 Draws (program, config) pairs from tests/support/fuzz_draw.py and checks each against plain
 PyTorch (tests/support/fuzz_check.py, [Note: the fuzzer's oracle] there). A finding is shrunk
@@ -173,7 +174,11 @@ def main() -> int:
                         help="the proof of power: for each PENDING entry (or each NAME), search "
                              "examples that use it, the other pending ones left out, for "
                              "--minutes each, and shrink what it finds")
+    parser.add_argument("--inductor", type=int, default=4, metavar="N",
+                        help="one in N compiled examples compiles with Inductor, the users' "
+                             "default backend (0: none; it takes seconds per stage)")
     args = parser.parse_args()
+    fuzz_draw.INDUCTOR_ONE_IN = args.inductor
     warnings.simplefilter("ignore")
     logging.getLogger("poptorch_lite").setLevel(logging.ERROR)  # its notes, once per program
     storage = tempfile.TemporaryDirectory(prefix="hypothesis-")  # not ./.hypothesis

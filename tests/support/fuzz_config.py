@@ -56,6 +56,7 @@ class Config:
     graph: bool = False  # on a GPU (or its twin): the steps captured as one CUDA graph, replayed
     autocast: str = "off"  # the calls under torch.autocast (bfloat16): "off", "on", "second"
     inference: bool = False  # an inferenceModel: the forward under no_grad, nothing stepped
+    backend: str = "aot_eager"  # compiled stages' backend: "aot_eager", or "inductor" (slow)
 
     def ambient(self, call: int):
         """The autocast the user puts around call ``call`` (both sides): bfloat16 on the
@@ -87,7 +88,7 @@ class Config:
             lines.append(f"opts.compileStages(True, backend="
                          f"{'aot_eager' if self.compiled else 'eager'!r}, cuda_graph=True)")
         elif self.compiled:
-            lines.append("opts.compileStages(True, backend=\"aot_eager\")  # and PAYS_FROM = 0")
+            lines.append(f"opts.compileStages(True, backend={self.backend!r})  # and PAYS_FROM = 0")
         if self.offload:
             lines.append("opts.TensorLocations.setOptimizerLocation("
                          "poptorch.TensorLocationSettings().useOnChipStorage(False))")
@@ -136,4 +137,6 @@ class Config:
                 and not through_checkpoint and not input_second_order \
                 and self.device != "cuda":
             return 0.0
+        if self.compiled and self.backend == "inductor":  # fused kernels reassociate sums
+            return 1e-4
         return 1e-5 if self.dtype == "float32" else 1e-7

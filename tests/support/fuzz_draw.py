@@ -22,6 +22,11 @@ from fuzz_config import DEVICES, SCHEDULES, Config
 from fuzz_grammar import (EDITS, FEATURES, LATER, LOSSES, OPTIMIZERS, RETURNS, TWO_STAGE, Edit,
                           Op, Program)
 
+#: How often a compiled example's stages compile with Inductor rather than ``aot_eager``
+#: (0: never, the short profile: a compile takes seconds; the long profile sets it): what
+#: users get by default, whose partition of forward and backward is not ``aot_eager``'s.
+INDUCTOR_ONE_IN = 0
+
 PENDING = {
     # found by the fuzzer (tests/support/fuzz_found.py); fixes on their way
 }
@@ -122,6 +127,9 @@ def configs(draw, program: Program, require=frozenset()) -> Config:
         graph=graph,
         autocast=pick("autocast", st.sampled_from(["off", "on", "second"])),
         inference=inference)
+    if config.compiled and not graph and INDUCTOR_ONE_IN:
+        config = dataclasses.replace(config, backend=pick("backend", st.integers(
+            1, INDUCTOR_ONE_IN).map(lambda k: "inductor" if k == INDUCTOR_ONE_IN else "aot_eager")))
     # A model in half precision where the arithmetic is plain PyTorch's to the bit (the
     # float rule's tolerance is for float32, confirmed in float64)
     if config.tolerance(program) == 0:
