@@ -274,7 +274,7 @@ def _run(program: Program, config: Config) -> tuple:
         want = next(expected)  # raises Invalid before anything is built or wrapped
         ns = build(program)
         net, opt, sched = fuzz_plain.model(ns, config)
-        train = None
+        train, returned = None, []
         try:
             train = poptorch.inferenceModel(net, config.options(program)) if config.inference \
                 else poptorch.trainingModel(net, config.options(program), opt)
@@ -298,6 +298,7 @@ def _run(program: Program, config: Config) -> tuple:
                     break
                 found = _compare(call, train, net, opt, x, result, want, tol, host_grads)
                 found += _stray_draws(call, config, before["torch_random"])
+                returned.append((call, outputs_of(result), fuzz_plain._clone(outputs_of(result))))
                 warns = fuzz_refusals.warns(program)
                 if call == 0 and warns:  # the trace warned?
                     missing = fuzz_refusals.missing_warnings(program, records)
@@ -318,6 +319,9 @@ def _run(program: Program, config: Config) -> tuple:
         finally:
             if train is not None:
                 train.destroy()
+    if not found:  # what a call returned is the user's: later calls leave it as it was
+        found = [f"call {call}: {d}, after the later calls" for call, got, kept in returned
+                 for d in _differences("what the call returned", got, kept, 0.0)]
     sizes = [float(m.group(1)) for f in found for m in [re.search(r"differs by (\S+) ", f)] if m]
     return outcome, found, bool(found) and len(sizes) == len(found)
 
