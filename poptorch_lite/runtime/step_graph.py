@@ -63,8 +63,8 @@ interface a program calls (``run_call``):
 - **After a replay** the stream is synchronized, as an eager run's streams are; the
   outputs, in the graph's memory, are copied to the host; the parameters' ``.grad``
   are cleared, as an eager run's start clears them, and are the capture's tensors again
-  where the graph made them (a parameter no stage reads has none, not the user's) (a call hands the host's back to the user); the step
-  is counted. A replay is one launch: the timeline has one span of it ("C", timed on the
+  where the graph made them (a parameter no stage reads has none, not the user's; a call
+  hands the host's back to the user after); the step is counted. A replay is one launch: the timeline has one span of it ("C", timed on the
   GPU) in place of its actions', and the watchdog does not watch it.
 
 The GPU twin records a capture op by op and replays it on the same tensors, running
