@@ -44,8 +44,13 @@ could not keep per-run offsets anyway.
 Each wrapped call must then be **exact**: every output of every micro-batch, the gradient
 each step used (``models.trained_grads``) for every parameter the optimizer holds, the
 host ``.grad`` left as the user left it (None, or what an edit put there), every weight
-and buffer, the optimizer's state and hyper-parameters, the input (a forward may edit it
-in place), and the random state of Python, numpy and the model's own generators; a
+and buffer (those left out of the state dict too), each module's ``training`` and each
+parameter's ``requires_grad``, the optimizer's state and hyper-parameters, the input (a
+forward may edit it in place), and the random state of Python, numpy and the model's own
+generators. torch's default generator must have moved by the call's bases alone (one draw
+per run, or none: [Note: micro-batch RNG]), so a draw outside every micro-batch's stream
+shows (the plain side seeds each micro-batch, so that state is not compared with its); and
+what each call returned must still hold its values after the later calls. A
 program that draws from Python's or numpy's random must also have warned W-LITE-13 at the
 line of the draw on its first call (outcome "warned"). A program whose forward changes a
 Python attribute must warn W-LITE-14 at the line of the write, and then its values may
@@ -60,7 +65,7 @@ refusal, a crash (an exception that is not a ``poptorch_lite.Error``).
 Tolerance (:meth:`Config.tolerance`): 0, bit for bit, where the arithmetic is the same (one
 stage, one micro-batch per step, eager stages); elsewhere |got - want| <= 1e-5 + 1e-5 |want|
 elementwise in float32 (sums across micro-batches, stages and replicas in another order;
-compiled stages' reassociation). Rounding differences grow where the model amplifies them (a
+compiled stages' reassociation), 1e-4 for stages Inductor compiled (its fused kernels). Rounding differences grow where the model amplifies them (a
 BatchNorm over two samples turns one ulp into 1e-4; a model whose weights blow up, 4e7 after
 four steps of gradient penalties summed over 7 micro-batches, turns them into 6e-3), so a
 float32 difference in numbers alone counts only if the same example run in float64 (with

@@ -153,6 +153,10 @@ FEATURES = {
     "counter": Feature("self.count{i} += 1\nh = h * (1 + 0.1 * self.count{i})",
                        init="self.register_buffer(\"count{i}\", torch.zeros(()))",
                        buffers="own"),
+    # a buffer left out of the state dict (a step count, a cache), written in place
+    "nonpersistent": Feature("self.seen{i}.add_(1)\nh = h * (1 + 0.1 * self.seen{i})",
+                             init="self.register_buffer(\"seen{i}\", torch.zeros(()), "
+                                  "persistent=False)", buffers="own"),
     # tensors kept as plain attributes, not buffers: read (a mask an edit replaces or
     # scales), and written in place by the forward (a counter)
     "tensor_attr": Feature("h = h * self.mask{s}", init=f"self.mask{{s}} = torch.ones({WIDTH})"),

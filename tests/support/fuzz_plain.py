@@ -83,7 +83,9 @@ def state(net, opt, x) -> dict:
     """Everything a call may change that the user sees (torch's generator aside: the plain
     side seeds each micro-batch)."""
     kind, keys, pos, *_ = np.random.get_state()
-    return {"model": _clone(dict(net.state_dict())), "optimizer": _clone(opt.state_dict()),
+    model = dict(net.state_dict())
+    model.update({f"{n} (not persistent)": b for n, b in net.named_buffers() if n not in model})
+    return {"model": _clone(model), "optimizer": _clone(opt.state_dict()),
             "input": x.clone(), "python random": torch.tensor(random.getstate()[1]),
             "numpy random": torch.tensor([*keys.tolist(), pos]),
             "generators": _clone(_generators(net)), "flags": _flags(net)}
