@@ -230,6 +230,11 @@ FEATURES = {
     "attention": Feature("tokens{i} = h.reshape(-1, 2, 3)\n"
                          "h = h + F.scaled_dot_product_attention(tokens{i}, tokens{i}, "
                          "tokens{i}).reshape(-1, 6)"),
+    # attention as Hugging Face models call it: dropout while training, a causal mask
+    "attention_dropout": Feature("tokens{i} = h.reshape(-1, 2, 3)\n"
+                                 "h = h + F.scaled_dot_product_attention(tokens{i}, tokens{i}, "
+                                 "tokens{i}, dropout_p=0.2 if self.training else 0.0, "
+                                 "is_causal=True).reshape(-1, 6)"),
     # activations a later stage reads again (``to`` >= ``stage``): a residual across stages,
     # views of one base (a split) and a view that is not contiguous (a transpose)
     "skip": Feature("skip{i} = h", read="h = h + skip{i}"),
