@@ -434,6 +434,12 @@ OPTIMIZERS = {
     "rmsprop_centered": "torch.optim.RMSprop({}, lr=0.01, momentum=0.5, centered=True)",
     "adamw": "torch.optim.AdamW({}, lr=0.01)",
     "rmsprop": "torch.optim.RMSprop({}, lr=0.01)",
+    # the flags users set: fused and foreach kernels, maximize (PopTorch takes torch's SGD,
+    # Adam, AdamW and RMSprop: E-OPTIM-03 refuses the rest, as it does amsgrad)
+    "adam_fused": "torch.optim.Adam({}, lr=0.01, fused=True)",
+    "adamw_foreach": "torch.optim.AdamW({}, lr=0.01, foreach=True)",
+    "sgd_maximize": "torch.optim.SGD({}, lr=0.1, momentum=0.9, maximize=True)",
+    "rmsprop_fused": "torch.optim.RMSprop({}, lr=0.01, momentum=0.5, foreach=True)",
     "poptorch_sgd": "poptorch.optim.SGD({}, lr=0.1, momentum=0.9)",
     "poptorch_adam": "poptorch.optim.Adam({}, lr=0.01)",
     "poptorch_adamw": "poptorch.optim.AdamW({}, lr=0.01)",
