@@ -211,6 +211,28 @@ def _from_constants(t: torch.Tensor, mode) -> bool:
     return True
 
 
+# Where torch hands an op to the trace's modes: not where a value is read.
+_DISPATCH = tuple(os.path.join("torch", *p.split("/")) for p in (
+    "fx/", "overrides.py", "utils/_python_dispatch.py", "_tensor.py", "_ops.py"))
+
+
+def _library_reader(frames) -> str:
+    """Where in a library a read of a tensor's value happened, when the user's line only
+    calls it (torch's ``nn.Transformer`` comparing a mask given as an input with a causal
+    one): ``" (in <file>:<line>, <function>)"``, or "" where the read is the user's own."""
+    ours = os.path.join(os.path.realpath(os.path.dirname(os.path.dirname(__file__))), "")
+    is_user = user_file_test()
+    for frame in reversed(frames):
+        path = os.path.realpath(frame.filename)
+        if path.startswith(ours) or frame.name.startswith("__torch_") or \
+                any(d in path for d in _DISPATCH):
+            continue
+        if is_user(frame.filename):
+            return ""
+        return f" (in {frame.filename}:{frame.lineno}, {frame.name})"
+    return ""
+
+
 def _read_into_python(func, args: tuple, kwargs: dict):
     """Run a read of a tensor's value into Python: a constant's is fine (make_fx's own, or one
     computed from constants alone: the same in every micro-batch), a traced one's refused."""
@@ -227,11 +249,12 @@ def _read_into_python(func, args: tuple, kwargs: dict):
         if isinstance(args[0], torch.Tensor) and _from_constants(args[0], tracer):
             with disable_proxy_modes_tracing():  # the traced value is real: read it
                 return func(*args, **kwargs)
+        frames = traceback.extract_stack()[:-1]
         raise TraceError(
             f"the forward reads a tensor's value into Python with {_PYTHON_READS[func]} at "
-            f"{_user_line(traceback.extract_stack()[:-1])}: the model is traced once, so that "
-            f"value would be the first micro-batch's for every micro-batch. Keep it a tensor "
-            f"(torch.where(cond, a, b) instead of an if, tensor arithmetic instead of "
+            f"{_user_line(frames)}{_library_reader(frames)}: the model is traced once, so "
+            f"that value would be the first micro-batch's for every micro-batch. Keep it a "
+            f"tensor (torch.where(cond, a, b) instead of an if, tensor arithmetic instead of "
             f".item())") from None
     finally:
         tracer._error_on_data_dependent_ops = allowed

@@ -107,6 +107,35 @@ def test_a_value_read_into_python_is_refused_with_its_line(how, fragment):
     assert f"{fragment}{__file__}:{line}: {statement}" in str(info.value)
 
 
+class MaskGiven(torch.nn.Module):
+    """A TransformerEncoder given its causal mask as an input: torch compares the mask with a
+    causal one to choose a kernel (a value of the data, read into Python), unless the forward
+    says whether it is causal."""
+
+    def __init__(self, is_causal=None):
+        super().__init__()
+        layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.enc = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.is_causal = is_causal
+
+    def forward(self, x, mask):
+        return self.enc(x, mask=mask, is_causal=self.is_causal)
+
+
+def test_a_read_inside_a_library_names_the_library_line_too():
+    """The user's line only calls torch's encoder, which reads the mask: the refusal names
+    that line of torch's too (PopTorch's own suite's nn.Transformer case), so that the fix
+    (say whether the mask is causal) can be found; said, it traces."""
+    x, mask = torch.randn(2, 3, 8), torch.nn.Transformer.generate_square_subsequent_mask(3)
+    with pytest.raises(poptorch.TraceError) as info:
+        poptorch.inferenceModel(MaskGiven())(x, mask)
+    text = str(info.value)
+    assert "return self.enc(x, mask=mask, is_causal=self.is_causal) (in " in text
+    assert "torch/nn/modules/transformer.py:" in text and ", _detect_is_causal_mask): " in text
+    model = MaskGiven(is_causal=True).eval()
+    assert_close(poptorch.inferenceModel(model)(x, mask), model(x, mask))
+
+
 def test_the_user_line_is_found_by_folder_not_by_name():
     import contextlib
     import _pytest.python
