@@ -177,8 +177,11 @@ def main() -> int:
     parser.add_argument("--inductor", type=int, default=4, metavar="N",
                         help="one in N compiled examples compiles with Inductor, the users' "
                              "default backend (0: none; it takes seconds per stage)")
+    parser.add_argument("--processes", type=int, default=5, metavar="N",
+                        help="one in N training examples on the CPU runs its replicas in two "
+                             "processes (0: none; starting them takes seconds)")
     args = parser.parse_args()
-    fuzz_draw.INDUCTOR_ONE_IN = args.inductor
+    fuzz_draw.INDUCTOR_ONE_IN, fuzz_draw.PROCESSES_ONE_IN = args.inductor, args.processes
     warnings.simplefilter("ignore")
     logging.getLogger("poptorch_lite").setLevel(logging.ERROR)  # its notes, once per program
     storage = tempfile.TemporaryDirectory(prefix="hypothesis-")  # not ./.hypothesis

@@ -17,8 +17,10 @@ from hypothesis import HealthCheck, configuration, event, given, reject, setting
 
 import fuzz_keras
 from fuzz_check import Finding, check
+from fuzz_config import Config
 from fuzz_draw import PENDING, atoms, examples
 from fuzz_found import FOUND
+from fuzz_grammar import Op, Program
 from fuzz_plain import Invalid
 
 # Hypothesis caches what it reads of local modules under ./.hypothesis: here, under a folder
@@ -84,3 +86,17 @@ def test_more_drawn_models_match_plain_pytorch(example):
 def test_drawn_keras_models_match_plain_pytorch(example):
     """The Keras face's subset of the grammar: fit against plain PyTorch's loop."""
     fuzz_keras.check(*example)
+
+
+# Replicas in two processes ([Note: the fuzzer's processes]): the long profile draws them
+# (starting processes takes seconds); here, what each process keeps of its own.
+@pytest.mark.parametrize("program, config", [
+    # each replica's statistics, its dropout masks, a Python draw at each process's trace
+    (Program(stages=2, ops=(Op("batchnorm"), Op("dropout", 1), Op("python_random"))),
+     Config(processes=2, R=2, G=3, broadcast_buffers=False, calls=3)),
+    # writes to weights in forward, each process's own (a clamp; rows renormalised by its data)
+    (Program(stages=2, ops=(Op("weight_clip"), Op("embedding_max_norm", 1)), optimizer="adam"),
+     Config(processes=2, G=3, schedule="interleaved", D=2, calls=3)),
+], ids=["buffers-and-draws", "weights-written-in-forward"])
+def test_replicas_in_two_processes_match_plain_pytorch_as_ddp_runs_it(program, config):
+    assert check(program, config) in ("exact", "warned: W-LITE-13")

@@ -41,6 +41,17 @@ step, as poptorch_lite's copy back does. That is the arithmetic a GPU does; the
 rounding a CPU kernel adds to an offset is not a GPU's, and a captured step's static slots
 could not keep per-run offsets anyway.
 
+[Note: the fuzzer's processes]
+With ``Config.processes`` = P > 1 (the long profile draws it: ``fuzz_draw.PROCESSES_ONE_IN``)
+the wrapped side runs in P processes started as torchrun starts them (gloo on loopback,
+``tests/support/fuzz_processes.py``), each with R replicas and its own batch: the call's
+rows split in P, [D, G, R, B] within each. The plain side is what a user of torch's DDP
+runs: P copies of the model, each with its optimizer, its replicas' buffers and its batch,
+every copy's micro-batches seeded as in one process ([Note: micro-batch RNG]: the same seeds
+in every process), the gradients of a step summed over the copies, then each copy's step.
+Each process checks itself against its copy (its outputs, its input, its model, whose
+buffers and in-forward writes are its own) and what each finds is named by its rank.
+
 Each wrapped call must then be **exact**: every output of every micro-batch, the gradient
 each step used (``models.trained_grads``) for every parameter the optimizer holds, the
 host ``.grad`` left as the user left it (None, or what an edit put there), every weight
@@ -82,9 +93,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import pathlib
 import re
 import traceback
 import warnings
+from typing import Optional
 
 import torch
 
@@ -97,7 +110,7 @@ import fuzz_plain
 import fuzz_refusals
 from fuzz_config import Config
 from fuzz_grammar import Program, build, outputs_of, source, structure
-from fuzz_plain import plain
+from fuzz_plain import Invalid, plain
 from gpu_twin import TwinGpu
 from models import trained_grads
 
@@ -270,8 +283,18 @@ def check(program: Program, config: Config) -> str:
     return outcome
 
 
-def _run(program: Program, config: Config) -> tuple:
-    """(outcome, what is wrong, whether it is only numbers that differ)."""
+def _run(program: Program, config: Config, rank: Optional[int] = None) -> tuple:
+    """(outcome, what is wrong, whether it is only numbers that differ). With
+    ``config.processes`` > 1 the wrapped side runs in that many processes (:func:`_in_processes`),
+    each ``rank`` of which runs this with its share of the data ([Note: the fuzzer's
+    processes])."""
+    if config.processes > 1 and rank is None:
+        return _in_processes(program, config)
+    P = config.processes
+    whole = dataclasses.replace(config, R=config.R * P)  # every replica, for refusals
+
+    def mine(t):  # this process's own batch of the call's ([Note: the fuzzer's processes])
+        return t if P == 1 else t.chunk(P)[rank]
     expected = plain(program, config)
     tol = config.tolerance(program)
     outcome, found = "exact", []
@@ -284,7 +307,9 @@ def _run(program: Program, config: Config) -> tuple:
             train = poptorch.inferenceModel(net, config.options(program)) if config.inference \
                 else poptorch.trainingModel(net, config.options(program), opt)
             for call in range(config.calls):
-                x, y = fuzz_plain.data(config, call)
+                x, y = map(mine, fuzz_plain.data(config, call))
+                if P > 1:  # this process's model, its micro-batches' outputs, its input
+                    want = dict(want["per_process"][rank], returned=want["returned"])
                 fuzz_plain.seed_host(call)
                 before = dict(fuzz_plain.state(net, opt, x), torch_random=torch.get_rng_state())
                 host_grads = _host_grads(net)
@@ -297,11 +322,11 @@ def _run(program: Program, config: Config) -> tuple:
                     break
                 except poptorch.Error as e:
                     after = dict(fuzz_plain.state(net, opt, x), torch_random=torch.get_rng_state())
-                    found = _refusal(program, config, e, call, before, after)
-                    ok = fuzz_refusals.acceptable(program, config)
+                    found = _refusal(program, whole, e, call, before, after)
+                    ok = fuzz_refusals.acceptable(program, whole)
                     outcome = f"refused: {fuzz_refusals.accepted(e, ok) or type(e).__name__}"
                     break
-                found = _compare(call, train, net, opt, x, result, want, tol, host_grads)
+                found += _compare(call, train, net, opt, x, result, want, tol, host_grads)
                 found += _stray_draws(call, config, before["torch_random"])
                 returned.append((call, outputs_of(result), fuzz_plain._clone(outputs_of(result))))
                 warns = fuzz_refusals.warns(program)
@@ -313,7 +338,7 @@ def _run(program: Program, config: Config) -> tuple:
                         break
                     found += missing
                 want = next(expected, None)
-                if found or want is None:
+                if (found and P == 1) or want is None:  # processes go on together
                     break
                 fuzz_plain.seed_host(1000 + call)
                 ns["between_calls"](net, opt, sched, train, call)
@@ -329,6 +354,30 @@ def _run(program: Program, config: Config) -> tuple:
                  for d in _differences("what the call returned", got, kept, 0.0)]
     sizes = [float(m.group(1)) for f in found for m in [re.search(r"differs by (\S+) ", f)] if m]
     return outcome, found, bool(found) and len(sizes) == len(found)
+
+
+def _in_processes(program: Program, config: Config) -> tuple:
+    """:func:`_run` in ``config.processes`` processes started as torchrun starts them
+    (``tests/support/fuzz_processes.py``): what each found, named by its rank."""
+    import pickle
+    import tempfile
+
+    import processes
+    with tempfile.TemporaryDirectory(prefix="fuzz-processes-") as out:
+        example = pathlib.Path(out) / "example.pkl"
+        example.write_bytes(pickle.dumps((program, config)))
+        ran = processes.start(pathlib.Path(__file__).with_name("fuzz_processes.py"),
+                              [example, out], config.processes, timeout=300)
+        results = []
+        for rank, (code, _, stderr) in enumerate(ran):
+            done = pathlib.Path(out) / f"rank{rank}.pkl"
+            if code != 0 or not done.exists():
+                return "crashed", [f"rank {rank} exited {code}: {stderr[-1500:]}"], False
+            results.append(pickle.loads(done.read_bytes()))
+    if any(isinstance(r, Invalid) for r in results):
+        raise next(r for r in results if isinstance(r, Invalid))
+    found = [f"rank {rank}: {f}" for rank, (_, fs, _) in enumerate(results) for f in fs]
+    return results[0][0], found, all(r[2] for r in results if r[1])
 
 
 def _first_call(found: list):

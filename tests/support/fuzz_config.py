@@ -57,6 +57,7 @@ class Config:
     autocast: str = "off"  # the calls under torch.autocast (bfloat16): "off", "on", "second"
     inference: bool = False  # an inferenceModel: the forward under no_grad, nothing stepped
     backend: str = "aot_eager"  # compiled stages' backend: "aot_eager", or "inductor" (slow)
+    processes: int = 1  # processes of replicas, as torchrun starts them (R replicas each)
 
     def ambient(self, call: int):
         """The autocast the user puts around call ``call`` (both sides): bfloat16 on the
@@ -133,7 +134,7 @@ class Config:
         input_second_order = "input_penalty" in kinds and kinds & {"skip", "split_skip",
                                                                    "transpose_skip",
                                                                    "layernorm", "conv"}
-        if program.stages == 1 and self.G * self.R == 1 and not self.compiled \
+        if program.stages == 1 and self.G * self.R * self.processes == 1 and not self.compiled \
                 and not through_checkpoint and not input_second_order \
                 and self.device != "cuda":
             return 0.0

@@ -27,6 +27,11 @@ from fuzz_grammar import (EDITS, FEATURES, LATER, LOSSES, OPTIMIZERS, RETURNS, T
 #: users get by default, whose partition of forward and backward is not ``aot_eager``'s.
 INDUCTOR_ONE_IN = 0
 
+#: How often a training example on the CPU runs its replicas in two processes, as torchrun
+#: starts them (0: never, the short profile: starting them takes seconds; the long profile
+#: sets it): [Note: the fuzzer's processes] in fuzz_check.
+PROCESSES_ONE_IN = 0
+
 PENDING = {
     # found by the fuzzer (tests/support/fuzz_found.py); fixes on their way
 }
@@ -127,6 +132,9 @@ def configs(draw, program: Program, require=frozenset()) -> Config:
         graph=graph,
         autocast=pick("autocast", st.sampled_from(["off", "on", "second"])),
         inference=inference)
+    if PROCESSES_ONE_IN and not inference and device == "cpu":
+        config = dataclasses.replace(config, processes=pick("processes", st.integers(
+            1, PROCESSES_ONE_IN).map(lambda k: 2 if k == PROCESSES_ONE_IN else 1)))
     if config.compiled and not graph and INDUCTOR_ONE_IN:
         config = dataclasses.replace(config, backend=pick("backend", st.integers(
             1, INDUCTOR_ONE_IN).map(lambda k: "inductor" if k == INDUCTOR_ONE_IN else "aot_eager")))

@@ -40,7 +40,7 @@ def batch_size(config: Config, call: int) -> int:
 def data(config: Config, call: int):
     """Call ``call``'s inputs and labels (the same on both sides)."""
     g = torch.Generator().manual_seed(1000 + call)
-    n = batch_size(config, call) * config.D * config.G * config.R
+    n = batch_size(config, call) * config.D * config.G * config.R * config.processes
     x = torch.randn(n, 6, generator=g).to(getattr(torch, config.dtype))
     return x, torch.randint(0, 4, (n,), generator=g)
 
@@ -100,69 +100,111 @@ def _flags(net) -> dict:
     return flags
 
 
-def _plain_call(program: Program, net, opt, x, y, config: Config, seeds: list, replicas: list,
-                draws: Optional["_TracedDraws"], call: int) -> tuple:
-    """One call's D steps in plain PyTorch; returns (per-output values, last step's grads).
+def _plain_call(program: Program, procs: list, x, y, config: Config, seeds: list,
+                call: int) -> tuple:
+    """One call's D steps in plain PyTorch; returns (per-output values, last step's grads):
+    those of each process where ``procs`` holds several ([Note: the fuzzer's processes] in
+    fuzz_check: each its own model, replicas, batch; the gradients summed over them).
     The autocast around the call (``Config.autocast``) is around each forward, as PyTorch
     asks (one around a whole call would reuse its casts of the weights after a step)."""
-    m = config.G * config.R
-    b = len(x) // (config.D * m)
-    scale = getattr(opt, "loss_scaling", 1.0)  # poptorch.optim's: the loss's, undone below
-    per_output = [[] for _ in range(10)]
-    buffers = dict(net.named_buffers())
+    m, P = config.G * config.R, len(procs)
+    b = len(x) // (config.D * m * P)
+    per_output = [[[] for _ in range(10)] for _ in range(P)]
+    chunks = list(zip(x.chunk(P), y.chunk(P)))  # each process's own batch, [D, G, R, B]
     # an inference call is one run of every micro-batch: on the twin, one copy of all rows
     whole = (x.clone(), y.clone()) if config.device == "gpu_twin" and config.inference else None
+    hosts = [(random.getstate(), np.random.get_state())] * P  # each process's own Python
     for d in range(config.D):
         if not config.inference:
-            opt.zero_grad(set_to_none=True)
+            for proc in procs:
+                proc.opt.zero_grad(set_to_none=True)
         step = slice(d * m * b, (d + 1) * m * b)
-        if whole is not None:
-            xs, ys = whole[0][step], whole[1][step]
-        elif config.device == "gpu_twin":  # [Note: the twin's inputs] in fuzz_check
-            xs, ys = x[step].clone(), y[step].clone()
-        else:
-            xs, ys = x[step], y[step]
-        for j in range(m):
-            k, r = d * m + j, j % config.R
-            if replicas:  # broadcastBuffers(False): replica r's own buffers
-                with torch.no_grad():
-                    for name, t in buffers.items():
-                        replicas[0][name] = t.clone()
-                        t.copy_(replicas[r][name])
-            torch.manual_seed(seeds[k])
-            xk, yk = xs[j * b:(j + 1) * b], ys[j * b:(j + 1) * b]
-            with config.ambient(call), draws.forward(b) if draws else contextlib.nullcontext(), \
-                    _inference_session() if config.inference else contextlib.nullcontext():
-                result = net(xk, y=yk) if config.keyword else net(xk, yk)
-            if not config.inference:
-                loss = loss_of(program, result)
-                loss.backward(torch.full_like(loss, scale))
-            for i, t in enumerate(outputs_of(result)):
-                per_output[i].append(t.detach().clone())
-            if replicas:
-                with torch.no_grad():
-                    for name, t in buffers.items():
-                        replicas[r][name] = t.clone()
-                        t.copy_(replicas[0][name])
-        if config.device == "gpu_twin":  # a forward's write to its input reaches the caller's
-            x[step].copy_(xs)
+        for p, (proc, (xp, yp)) in enumerate(zip(procs, chunks)):
+            random.setstate(hosts[p][0])
+            np.random.set_state(hosts[p][1])
+            result = _plain_step(program, proc, config, call, xp, yp, whole, step, seeds, d,
+                                 per_output[p])
+            hosts[p] = (random.getstate(), np.random.get_state())
+        random.setstate(hosts[0][0])
+        np.random.set_state(hosts[0][1])
+        if whole is not None:  # a forward's write to its input reaches the caller's
+            x[step].copy_(whole[0][step])
         if config.inference:
             continue
-        divisor = (m if config.reduction == "mean" else 1) * scale  # as the reduction divides
-        if divisor != 1:
-            for p in net.parameters():
-                if p.grad is not None:
-                    p.grad.div_(divisor)
-        clip = getattr(opt, "max_grad_norm", None)  # poptorch.optim's: the norm of what it steps
-        if clip is not None and math.isfinite(clip):
-            torch.nn.utils.clip_grad_norm_(
-                [p for g in opt.param_groups for p in g["params"] if p.grad is not None], clip)
-        opt.step()
-    outputs = [_merged(v, config) for v in per_output if v]
-    in_optimizer = {id(p) for g in opt.param_groups for p in g["params"]}
-    grads = {n: None if p.grad is None else p.grad.clone() for n, p in net.named_parameters()
-             if id(p) in in_optimizer and not config.inference}
-    return outputs, grads, structure(result)
+        if P > 1:  # the all-reduce: every process steps the sum of all of theirs
+            for ps in zip(*(proc.net.parameters() for proc in procs)):
+                if ps[0].grad is not None:
+                    total = sum((q.grad for q in ps[1:]), ps[0].grad.clone())
+                    for q in ps:
+                        q.grad = total.clone()
+        for proc in procs:
+            _plain_update(proc.opt, proc.net, m * P if config.reduction == "mean" else 1)
+    outputs = [[_merged(v, config) for v in per if v] for per in per_output]
+    grads = [_step_grads(proc, config) for proc in procs]
+    return (outputs[0], grads[0]) if P == 1 else (outputs, grads), structure(result)
+
+
+def _plain_update(opt, net, mean_over: int) -> None:
+    """The step: the gradients divided as the reduction divides, clipped, one optimizer step."""
+    scale = getattr(opt, "loss_scaling", 1.0)  # poptorch.optim's: the loss's, undone here
+    divisor = mean_over * scale
+    if divisor != 1:
+        for p in net.parameters():
+            if p.grad is not None:
+                p.grad.div_(divisor)
+    clip = getattr(opt, "max_grad_norm", None)  # poptorch.optim's: the norm of what it steps
+    if clip is not None and math.isfinite(clip):
+        torch.nn.utils.clip_grad_norm_(
+            [p for g in opt.param_groups for p in g["params"] if p.grad is not None], clip)
+    opt.step()
+
+
+def _step_grads(proc, config: Config) -> dict:
+    """The gradients the last step used, of the parameters the optimizer holds."""
+    in_optimizer = {id(p) for g in proc.opt.param_groups for p in g["params"]}
+    return {n: None if p.grad is None else p.grad.clone() for n, p in proc.net.named_parameters()
+            if id(p) in in_optimizer and not config.inference}
+
+
+def _plain_step(program: Program, proc, config: Config, call: int, x, y, whole, step, seeds,
+                d: int, per_output: list):
+    """A process's micro-batches of step ``d``: their forwards and backwards, the gradients
+    left summed in ``.grad``, the outputs appended to ``per_output``."""
+    net, replicas, draws = proc.net, proc.replicas, proc.draws
+    scale = getattr(proc.opt, "loss_scaling", 1.0)  # poptorch.optim's: the loss's
+    buffers = dict(net.named_buffers())
+    m, b = config.G * config.R, len(x) // (config.D * config.G * config.R)
+    if whole is not None:
+        xs, ys = whole[0][step], whole[1][step]
+    elif config.device == "gpu_twin":  # [Note: the twin's inputs] in fuzz_check
+        xs, ys = x[step].clone(), y[step].clone()
+    else:
+        xs, ys = x[step], y[step]
+    for j in range(m):
+        k, r = d * m + j, j % config.R
+        if replicas:  # broadcastBuffers(False): replica r's own buffers
+            with torch.no_grad():
+                for name, t in buffers.items():
+                    replicas[0][name] = t.clone()
+                    t.copy_(replicas[r][name])
+        torch.manual_seed(seeds[k])
+        xk, yk = xs[j * b:(j + 1) * b], ys[j * b:(j + 1) * b]
+        with config.ambient(call), draws.forward(b) if draws else contextlib.nullcontext(), \
+                _inference_session() if config.inference else contextlib.nullcontext():
+            result = net(xk, y=yk) if config.keyword else net(xk, yk)
+        if not config.inference:
+            loss = loss_of(program, result)
+            loss.backward(torch.full_like(loss, scale))
+        for i, t in enumerate(outputs_of(result)):
+            per_output[i].append(t.detach().clone())
+        if replicas:
+            with torch.no_grad():
+                for name, t in buffers.items():
+                    replicas[r][name] = t.clone()
+                    t.copy_(replicas[0][name])
+    if config.device == "gpu_twin" and whole is None:  # the caller's, as after a step
+        x[step].copy_(xs)
+    return result
 
 
 @contextlib.contextmanager
@@ -273,28 +315,41 @@ def _merged(values: list, config: Config) -> torch.Tensor:
     return torch.cat(values)
 
 
+class _Process:
+    """One process's plain PyTorch: its model, optimizer and scheduler, its replicas' buffers
+    (where there are several and the forward writes some), its replayed Python draws."""
+
+    def __init__(self, program: Program, ns: dict, config: Config):
+        self.net, self.opt, self.sched = model(ns, config)
+        # normalisations' statistics are per replica whatever broadcastBuffers says
+        self.replicas = [{n: b.clone() for n, b in self.net.named_buffers()}
+                         for _ in range(config.R)] \
+            if config.R > 1 and writes_buffers(program) else []
+        self.draws = _TracedDraws(self.net, not config.inference) \
+            if fuzz_refusals.warns(program) else None
+
+
 def plain(program: Program, config: Config):
     """The plain PyTorch side, a call at a time: yields what each wrapped call must equal (see
     the Note), the user's edits run before the next; stops where plain PyTorch cannot go on.
+    With ``config.processes``, each process's is ``per_process``'s ([Note: the fuzzer's
+    processes] in fuzz_check).
 
     Raises:
         Invalid: the first call fails: the program is wrong in plain PyTorch.
     """
     ns = build(program)
     try:
-        net, opt, sched = model(ns, config)
+        procs = [_Process(program, ns, config) for _ in range(config.processes)]
     except Exception as e:  # noqa: BLE001: plain PyTorch cannot build it
         raise Invalid(f"{type(e).__name__}: {e}") from e
+    net = procs[0].net
     own = None if config.random_seed is None else torch.Generator().manual_seed(config.random_seed)
-    replicas = []  # normalisations' statistics are per replica whatever broadcastBuffers says
-    if config.R > 1 and writes_buffers(program):
-        replicas = [{n: b.clone() for n, b in net.named_buffers()} for _ in range(config.R)]
-    draws = _TracedDraws(net, not config.inference) if fuzz_refusals.warns(program) else None
     on_gpu = config.device == "cuda"  # the GPU check: plain PyTorch on the GPU too
     wrapped = net.training
     if on_gpu:
         net.cuda()
-        for b in replicas:
+        for b in procs[0].replicas:
             b.update({n: t.cuda() for n, t in b.items()})
     for call in range(config.calls):
         x, y = data(config, call)
@@ -304,21 +359,32 @@ def plain(program: Program, config: Config):
         seed_host(call)
         # The forward's self.training is the wrapper's, as wrapped; the submodules' are the
         # user's ([Note: train and eval modes] in poptorch_lite/runtime/compiled.py)
-        users, net.training = net.training, wrapped
+        users = [proc.net.training for proc in procs]
+        for proc in procs:
+            proc.net.training = wrapped
         try:
-            outputs, grads, returned = _plain_call(program, net, opt, x, y, config, seeds,
-                                                   replicas, draws, call)
+            (outputs, grads), returned = _plain_call(program, procs, x, y, config, seeds, call)
         except Exception as e:  # the program itself is wrong in plain PyTorch
             if call == 0:
                 raise Invalid(f"{type(e).__name__}: {e}") from e
             return
         finally:
-            net.training = users
-        yield dict(state(net, opt, x), outputs=outputs, grads=grads, returned=returned)
-        seed_host(1000 + call)
-        try:
-            ns["between_calls"](net, opt, sched, None, call)
-        except Exception:  # noqa: BLE001: an edit plain PyTorch refuses ends the example
-            return
-        if replicas and {e.kind for e in program.edits if e.call == call} & _TO_DEVICE:
-            replicas[:] = [{n: b.clone() for n, b in net.named_buffers()} for _ in replicas]
+            for proc, flag in zip(procs, users):
+                proc.net.training = flag
+        if config.processes == 1:
+            yield dict(state(net, procs[0].opt, x), outputs=outputs, grads=grads,
+                       returned=returned)
+        else:
+            yield dict(per_process=[dict(state(proc.net, proc.opt, xp), outputs=out, grads=g)
+                                    for proc, xp, out, g in zip(procs, x.chunk(len(procs)),
+                                                                outputs, grads)],
+                       returned=returned)
+        for proc in procs:
+            seed_host(1000 + call)
+            try:
+                ns["between_calls"](proc.net, proc.opt, proc.sched, None, call)
+            except Exception:  # noqa: BLE001: an edit plain PyTorch refuses ends the example
+                return
+            if proc.replicas and {e.kind for e in program.edits if e.call == call} & _TO_DEVICE:
+                proc.replicas[:] = [{n: b.clone() for n, b in proc.net.named_buffers()}
+                                    for _ in proc.replicas]
