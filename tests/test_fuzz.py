@@ -88,7 +88,8 @@ def test_drawn_keras_models_match_plain_pytorch(example):
     fuzz_keras.check(*example)
 
 
-# Replicas in two processes ([Note: the fuzzer's processes]): the long profile draws them
+# Two processes ([Note: the fuzzer's processes]): replicas (as DDP runs them) or a pipeline
+# spread over them; the long profile draws them
 # (starting processes takes seconds); here, what each process keeps of its own.
 @pytest.mark.parametrize("program, config", [
     # each replica's statistics, its dropout masks, a Python draw at each process's trace
@@ -97,6 +98,9 @@ def test_drawn_keras_models_match_plain_pytorch(example):
     # writes to weights in forward, each process's own (a clamp; rows renormalised by its data)
     (Program(stages=2, ops=(Op("weight_clip"), Op("embedding_max_norm", 1)), optimizer="adam"),
      Config(processes=2, G=3, schedule="interleaved", D=2, calls=3)),
-], ids=["buffers-and-draws", "weights-written-in-forward"])
-def test_replicas_in_two_processes_match_plain_pytorch_as_ddp_runs_it(program, config):
+    # a pipeline's stages in two processes: masks, a residual and a tied weight across them
+    (Program(stages=3, ops=(Op("dropout"), Op("skip", 0, 2), Op("tied", 2, 0))),
+     Config(processes=2, spread="stages", G=5, schedule="interleaved", R=2, calls=2)),
+], ids=["buffers-and-draws", "weights-written-in-forward", "a-pipeline"])
+def test_two_processes_match_plain_pytorch(program, config):
     assert check(program, config) in ("exact", "warned: W-LITE-13")

@@ -51,6 +51,11 @@ every copy's micro-batches seeded as in one process ([Note: micro-batch RNG]: th
 in every process), the gradients of a step summed over the copies, then each copy's step.
 Each process checks itself against its copy (its outputs, its input, its model, whose
 buffers and in-forward writes are its own) and what each finds is named by its rank.
+With ``Config.spread`` = "stages" the processes are one pipeline's
+(``Options.Distributed.set_ipu_processes``: the IPUs split in two): each reads the whole
+batch and must return what one process does; after ``copyWeightsToHost`` (which every
+process calls) each holds every weight; each holds the gradients and the optimizer's state
+of its own stages only, which are compared, and every gradient a step used must be in one.
 
 Each wrapped call must then be **exact**: every output of every micro-batch, the gradient
 each step used (``models.trained_grads``) for every parameter the optimizer holds, the
@@ -199,21 +204,40 @@ def _host_grads(net) -> dict:
 
 
 def _compare(call: int, train, net, opt, x, result, want: dict, tol: float,
-             host_grads: dict) -> list:
-    """What differs after a wrapped call (``host_grads``: the ``.grad`` the user left)."""
-    got = fuzz_plain.state(net, opt, x)
+             host_grads: dict, held: Optional[set] = None) -> list:
+    """What differs after a wrapped call (``host_grads``: the ``.grad`` the user left). With
+    ``held`` (a process of a pipeline's), only the gradients this process's stages compute
+    are compared, and their names are added to ``held``."""
     grads = trained_grads(train) if want["grads"] else {}
-    used = {n: grads.get(n) for n in want["grads"]}
+    wanted = want["grads"]
+    if held is not None:  # every weight to every process, as the user asks for them
+        train.copyWeightsToHost()
+        grads = {n: g for n, g in grads.items() if g is not None}
+        held.update(grads)
+        wanted = {n: g for n, g in wanted.items() if n in grads}
+    got = fuzz_plain.state(net, opt, x)
+    used = {n: grads.get(n) for n in wanted}
     found = [] if structure(result) == want["returned"] else [
         f"returned {structure(result)}, plain PyTorch {want['returned']}"]
     found += _differences("outputs", outputs_of(result), want["outputs"], tol)
-    found += _differences("the gradient the step used", used, want["grads"], tol)
+    found += _differences("the gradient the step used", used, wanted, tol)
+    if held is not None:  # the optimizer's state of this process's stages' weights
+        names = {id(p): n for n, p in net.named_parameters()}
+        mine = {i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])
+                if names.get(id(p)) in grads}
+        got = dict(got, optimizer=_state_of(got["optimizer"], mine))
+        want = dict(want, optimizer=_state_of(want["optimizer"], mine))
     found += _differences("the host .grad (as the user left it)", _host_grads(net), host_grads,
                           0.0)
     for key in ("model", "optimizer", "input", "python random", "numpy random", "generators",
                 "flags"):
         found += _differences(key, got[key], want[key], tol)
     return [f"call {call}: {d}" for d in found]
+
+
+def _state_of(optimizer: dict, indices: set) -> dict:
+    """An optimizer's state dict with the state of the parameters at ``indices`` alone."""
+    return dict(optimizer, state={i: v for i, v in optimizer["state"].items() if i in indices})
 
 
 def _stray_draws(call: int, config: Config, before: torch.Tensor) -> list:
@@ -290,7 +314,7 @@ def _run(program: Program, config: Config, rank: Optional[int] = None) -> tuple:
     processes])."""
     if config.processes > 1 and rank is None:
         return _in_processes(program, config)
-    P = config.processes
+    P = config.processes if config.spread == "replicas" else 1  # the processes' own batches
     whole = dataclasses.replace(config, R=config.R * P)  # every replica, for refusals
 
     def mine(t):  # this process's own batch of the call's ([Note: the fuzzer's processes])
@@ -298,6 +322,8 @@ def _run(program: Program, config: Config, rank: Optional[int] = None) -> tuple:
     expected = plain(program, config)
     tol = config.tolerance(program)
     outcome, found = "exact", []
+    # a pipeline's processes each hold its stages' gradients: together, every one
+    held = set() if config.processes > 1 and config.spread == "stages" else None
     with _running(config) as records:
         want = next(expected)  # raises Invalid before anything is built or wrapped
         ns = build(program)
@@ -326,7 +352,8 @@ def _run(program: Program, config: Config, rank: Optional[int] = None) -> tuple:
                     ok = fuzz_refusals.acceptable(program, whole)
                     outcome = f"refused: {fuzz_refusals.accepted(e, ok) or type(e).__name__}"
                     break
-                found += _compare(call, train, net, opt, x, result, want, tol, host_grads)
+                found += _compare(call, train, net, opt, x, result, want, tol, host_grads,
+                                  held)
                 found += _stray_draws(call, config, before["torch_random"])
                 returned.append((call, outputs_of(result), fuzz_plain._clone(outputs_of(result))))
                 warns = fuzz_refusals.warns(program)
@@ -338,7 +365,7 @@ def _run(program: Program, config: Config, rank: Optional[int] = None) -> tuple:
                         break
                     found += missing
                 want = next(expected, None)
-                if (found and P == 1) or want is None:  # processes go on together
+                if (found and config.processes == 1) or want is None:  # processes go on together
                     break
                 fuzz_plain.seed_host(1000 + call)
                 ns["between_calls"](net, opt, sched, train, call)
@@ -353,7 +380,10 @@ def _run(program: Program, config: Config, rank: Optional[int] = None) -> tuple:
         found = [f"call {call}: {d}, after the later calls" for call, got, kept in returned
                  for d in _differences("what the call returned", got, kept, 0.0)]
     sizes = [float(m.group(1)) for f in found for m in [re.search(r"differs by (\S+) ", f)] if m]
-    return outcome, found, bool(found) and len(sizes) == len(found)
+    numeric = bool(found) and len(sizes) == len(found)
+    if rank is not None:  # a process's: and the gradients it held
+        return outcome, found, numeric, held, set(want["grads"]) if want else set()
+    return outcome, found, numeric
 
 
 def _in_processes(program: Program, config: Config) -> tuple:
@@ -376,7 +406,12 @@ def _in_processes(program: Program, config: Config) -> tuple:
             results.append(pickle.loads(done.read_bytes()))
     if any(isinstance(r, Invalid) for r in results):
         raise next(r for r in results if isinstance(r, Invalid))
-    found = [f"rank {rank}: {f}" for rank, (_, fs, _) in enumerate(results) for f in fs]
+    found = [f"rank {rank}: {f}" for rank, (_, fs, *_) in enumerate(results) for f in fs]
+    if not found and results[0][3] is not None and not results[0][0].startswith("refused"):
+        # every gradient a step used, in a process
+        held = set().union(*(r[3] for r in results))
+        found = [f"the gradient the step used[{n!r}] is in no process"
+                 for n in sorted(results[0][4] - held)]
     return results[0][0], found, all(r[2] for r in results if r[1])
 
 

@@ -57,7 +57,8 @@ class Config:
     autocast: str = "off"  # the calls under torch.autocast (bfloat16): "off", "on", "second"
     inference: bool = False  # an inferenceModel: the forward under no_grad, nothing stepped
     backend: str = "aot_eager"  # compiled stages' backend: "aot_eager", or "inductor" (slow)
-    processes: int = 1  # processes of replicas, as torchrun starts them (R replicas each)
+    processes: int = 1  # processes, as torchrun starts them
+    spread: str = "replicas"  # over the processes: "replicas" (R each) or "stages" (a pipeline)
 
     def ambient(self, call: int):
         """The autocast the user puts around call ``call`` (both sides): bfloat16 on the
@@ -97,6 +98,13 @@ class Config:
             lines.append("opts.broadcastBuffers(False)")
         if self.random_seed is not None:
             lines.append(f"opts.randomSeed({self.random_seed})")
+        if self.processes > 1 and self.spread == "stages":  # the pipeline's IPUs, split
+            ipus = list(range(2 if program.ipus == "loop" else program.stages))
+            half = (len(ipus) + 1) // 2
+            lines.append(f"opts.Distributed.set_ipu_processes([{ipus[:half]}, {ipus[half:]}])")
+        if self.processes > 1:
+            lines.append(f"# in {self.processes} processes as torchrun starts them, each "
+                         f"{'with the whole batch' if self.spread == 'stages' else 'with its own batch'}")
         lines.append(f"models.on_device(opts, {self.device!r})")
         if self.autocast != "off":
             lines.append(f"# {'every call' if self.autocast == 'on' else 'call 1'} under "

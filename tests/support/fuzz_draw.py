@@ -135,6 +135,9 @@ def configs(draw, program: Program, require=frozenset()) -> Config:
     if PROCESSES_ONE_IN and not inference and device == "cpu":
         config = dataclasses.replace(config, processes=pick("processes", st.integers(
             1, PROCESSES_ONE_IN).map(lambda k: 2 if k == PROCESSES_ONE_IN else 1)))
+        if config.processes > 1 and program.stages > 1:  # replicas, or the stages, spread
+            config = dataclasses.replace(config, spread=pick("spread", st.sampled_from(
+                ["replicas", "stages"])))
     if config.compiled and not graph and INDUCTOR_ONE_IN:
         config = dataclasses.replace(config, backend=pick("backend", st.integers(
             1, INDUCTOR_ONE_IN).map(lambda k: "inductor" if k == INDUCTOR_ONE_IN else "aot_eager")))

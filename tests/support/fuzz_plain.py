@@ -40,7 +40,8 @@ def batch_size(config: Config, call: int) -> int:
 def data(config: Config, call: int):
     """Call ``call``'s inputs and labels (the same on both sides)."""
     g = torch.Generator().manual_seed(1000 + call)
-    n = batch_size(config, call) * config.D * config.G * config.R * config.processes
+    n = batch_size(config, call) * config.D * config.G * config.R * (
+        config.processes if config.spread == "replicas" else 1)
     x = torch.randn(n, 6, generator=g).to(getattr(torch, config.dtype))
     return x, torch.randint(0, 4, (n,), generator=g)
 
@@ -340,7 +341,8 @@ def plain(program: Program, config: Config):
     """
     ns = build(program)
     try:
-        procs = [_Process(program, ns, config) for _ in range(config.processes)]
+        procs = [_Process(program, ns, config) for _ in range(
+            config.processes if config.spread == "replicas" else 1)]
     except Exception as e:  # noqa: BLE001: plain PyTorch cannot build it
         raise Invalid(f"{type(e).__name__}: {e}") from e
     net = procs[0].net
@@ -371,7 +373,7 @@ def plain(program: Program, config: Config):
         finally:
             for proc, flag in zip(procs, users):
                 proc.net.training = flag
-        if config.processes == 1:
+        if len(procs) == 1:
             yield dict(state(net, procs[0].opt, x), outputs=outputs, grads=grads,
                        returned=returned)
         else:

@@ -14,8 +14,8 @@ notes state, worked out here from the program and the configuration:
   (or its twin), recomputed or compiled;
 - E-PART-27: a gradient hook on a parameter whose layer another stage uses again;
 - E-WRAP-21: a parameter or a layer replaced by another object between calls (``REFUSABLE_EDITS``);
-- E-OPT-41: a generator of the model's own with replicas or recomputation (each grammar
-  generator is drawn from in one stage);
+- E-OPT-41: a generator of the model's own with replicas, recomputation or processes (each
+  grammar generator is drawn from in one stage);
 - E-PART-25 / E-PART-26: state written in forward that a stage reads before its writer, or
   that several stages write (:func:`shared_state`; [Note: state across stages] in
   poptorch_lite/compiler/state.py): E-PART-25 under a schedule that overlaps micro-batches,
@@ -93,8 +93,9 @@ def acceptable(program: Program, config: Config) -> dict:
         ok["E-PART-10"] = "replicas of a model that writes a buffer of its own"
     for kind in sorted(kinds & {"item", "packed_lstm", "buffer_assign"}):
         ok[FEATURES[kind].refused] = kind
-    if "generator" in kinds and (config.R > 1 or config.recompute):
-        ok["E-OPT-41"] = "a generator of the model's own with replicas or recomputation"
+    if "generator" in kinds and (config.R > 1 or config.recompute or config.processes > 1):
+        ok["E-OPT-41"] = ("a generator of the model's own with replicas, recomputation or "
+                          "processes")
     ipu = (lambda s: s % 2) if program.ipus == "loop" else (lambda s: s)
     for state, stages in shared_state(program):
         if config.schedule not in ONE_AT_A_TIME:
