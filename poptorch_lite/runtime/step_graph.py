@@ -367,12 +367,14 @@ class StepGraph:
                                  f"{type(exc).__name__}: {exc}; run with compileStages("
                                  f"cuda_graph=False) to find the action that fails",
                                  location=str(self.device)) from exc
-        # The gradients as the eager run leaves them: cleared as it starts (a parameter no
-        # stage reads keeps none, not the user's), the graph's where it made them (a call
-        # hands the host's back to the user after)
-        ex.weights.zero_grads()
-        for t, grad in cap.grads:
-            t.grad = grad
+        # A training run's gradients as the eager run leaves them: cleared as it starts (a
+        # parameter no stage reads keeps none, not the user's), the graph's where it made
+        # them (a call hands the host's back to the user after); an inference run's, the
+        # user's, untouched
+        if call.step is not None:
+            ex.weights.zero_grads()
+            for t, grad in cap.grads:
+                t.grad = grad
         held = {r.untyped_storage().data_ptr() for rs in run.results for r in rs.values()}
         outputs = [None if out is None else [  # none may be the graph's memory: copies
             o.clone() if o.untyped_storage().data_ptr() in held else o for o in out]

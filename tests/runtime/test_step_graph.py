@@ -366,6 +366,30 @@ def test_a_parameter_no_stage_reads_steps_after_a_replay_as_after_an_eager_run(
         assert torch.equal(a, b) and torch.equal(a, torch.full((4, 4), 0.5)), call
 
 
+def test_an_inference_replay_leaves_the_users_gradients(twin_gpu_installed):
+    """Gradients the user set on the host survive inference calls, replays as eager runs."""
+    def infer(graph):
+        torch.manual_seed(0)
+        model = BlockMLP(2).eval()
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 0.5)
+        opts = poptorch.Options().deviceIterations(4).compileStages(True, backend="eager",
+                                                                    cuda_graph=graph)
+        on_device(opts, "gpu_twin")
+        wrapper = poptorch.inferenceModel(model, opts)
+        outs = [wrapper(*data(8, seed=c))[0] for c in range(4)]
+        program = next(iter(wrapper._state.programs.values()))
+        wrapper.destroy()
+        return outs, [p.grad for p in model.parameters()], program
+
+    eager, graphed = infer(False), infer(True)
+    assert counts(graphed[2]) == (1, 0, 2, 2)  # two eager calls, then replays
+    for a, b in zip(eager[0], graphed[0], strict=True):
+        assert torch.equal(a, b)
+    for grad in graphed[1]:
+        assert torch.equal(grad, torch.full_like(grad, 0.5))
+
+
 @pytest.mark.parametrize("device", GPUS[1:])
 def test_a_tensor_learning_rate_changes_without_a_new_capture(device):
     """Adam built with capturable=True and a learning rate in device memory: the graph reads

@@ -137,11 +137,12 @@ class Config:
         through_checkpoint = "checkpoint" in kinds and kinds & {"penalty", "saliency",
                                                                 "input_penalty"}
         # an input's gradient penalty with another path to the first layer's weight (a
-        # residual, a LayerNorm's or a convolution's backward): the second-order terms meet
-        # there in another order (1 ulp; 1.1e-16 in float64), the same values
+        # residual, a LayerNorm's, a GroupNorm's or a convolution's backward): the
+        # second-order terms meet there in another order (1 ulp; 1.1e-16 in float64), the
+        # same values
         input_second_order = "input_penalty" in kinds and kinds & {"skip", "split_skip",
-                                                                   "transpose_skip",
-                                                                   "layernorm", "conv"}
+                                                                   "transpose_skip", "layernorm",
+                                                                   "group_norm", "conv"}
         if program.stages == 1 and self.G * self.R * self.processes == 1 and not self.compiled \
                 and not through_checkpoint and not input_second_order \
                 and self.device != "cuda":

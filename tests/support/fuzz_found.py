@@ -289,4 +289,9 @@ FOUND = [
     Found("replay_keeps_no_gradient_on_an_unused_layer", "unused&host_step&graph",
           Program(ops=(Op("unused"),), optimizer="adam", edits=(Edit("host_step"),)),
           Config(G=3, device="gpu_twin", graph=True, calls=4)),
+    # -- seed 179: an inference replay cleared the user's gradients (that fix's first form
+    #    cleared them for every replay; an eager inference run leaves them alone)
+    Found("inference_replay_leaves_the_users_gradients", "host_grad&inference&graph",
+          Program(stages=2, edits=(Edit("host_grad"),)),
+          Config(D=2, device="gpu_twin", graph=True, calls=4, inference=True)),
 ]
