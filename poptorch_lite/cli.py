@@ -20,6 +20,8 @@ import sys
 from typing import Optional, Sequence
 
 from . import alias, poprun
+from .alias import alias_poptorch  # noqa: F401 - ../shared/tools/poptorch_suite.sh's import
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
