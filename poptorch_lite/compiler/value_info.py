@@ -15,7 +15,10 @@ every process:
 - ``differentiable``: the value may require grad, because it is a floating
   point (or complex) value computed from a trainable parameter, and the trace
   saw it require grad where the model's own code held it ([Note: gradients the
-  forward shapes] in ``grad_semantics``: a stop makes it False). It is a
+  forward shapes] in ``grad_semantics``: a stop makes it False); of an op's
+  several outputs, those autograd differentiates (the op run once on meta
+  tensors: a batch norm's saved statistics are not, and a stage that read them
+  as requiring grad failed in a second-order backward). It is a
   superset of what autograd decides (an op without a derivative, such as
   ``zeros_like``, gives a value that does not require grad): for such a value
   a gradient of zeros travels and the producer drops it, which costs a message
@@ -25,7 +28,8 @@ every process:
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+import operator
+from typing import Callable, Optional
 
 import torch
 import torch.fx as fx
@@ -70,6 +74,7 @@ def value_infos(gm: fx.GraphModule, source_name: dict, trainable: Callable[[str]
     """
     differentiable: dict = {}
     dynamic: dict = {}
+    outputs: dict = {}  # a node of several outputs -> which of them autograd differentiates
     infos = {}
     for n in gm.graph.nodes:
         if n.op == "placeholder":
@@ -85,8 +90,39 @@ def value_infos(gm: fx.GraphModule, source_name: dict, trainable: Callable[[str]
         tags = getattr(n.target, "tags", ())
         dynamic[n] = torch.Tag.dynamic_output_shape in tags or any(dynamic.get(m) for m in inputs)
         derived = any(differentiable.get(m) for m in inputs) and n.meta.get("requires_grad", True)
+        if n.target is operator.getitem and n.args[0] in outputs:  # one of several outputs
+            derived = derived and outputs[n.args[0]][n.args[1]]
         differentiable[n] = derived and (isinstance(val, (tuple, list)) or _can_have_grad(val))
+        if differentiable[n] and isinstance(val, (tuple, list)):
+            flags = _differentiable_outputs(n, differentiable)
+            if flags is not None:
+                outputs[n] = flags
         name = value_name(n)
         if name in wanted and isinstance(val, torch.Tensor):
             infos[name] = ValueInfo(tuple(val.shape), val.dtype, differentiable[n], dynamic[n])
     return infos
+
+
+def _differentiable_outputs(n: fx.Node, differentiable: dict) -> Optional[tuple]:
+    """Which outputs of ``n``, an op of several, autograd gives a gradient: the op run on meta
+    tensors of the traced shapes, its differentiable inputs requiring grad (a batch norm's
+    saved mean and inverse deviation are not, and a stage that read them as requiring grad
+    failed in a second-order backward: "the derivative for 'native_batch_norm_backward
+    save_invstd' is not implemented"). None where that cannot be told (all may then)."""
+    def meta(a):
+        if not isinstance(a, fx.Node):
+            return a
+        val = a.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            raise TypeError("not a tensor")
+        t = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
+        return t.requires_grad_(True) if differentiable.get(a) and _can_have_grad(t) else t
+    try:
+        args, kwargs = fx.node.map_aggregate((n.args, n.kwargs), meta)
+        with torch.enable_grad():
+            out = n.target(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - no meta kernel, a wrapped op: keep the superset
+        return None
+    if not isinstance(out, (tuple, list)):
+        return None
+    return tuple(isinstance(o, torch.Tensor) and o.requires_grad for o in out)

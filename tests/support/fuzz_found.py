@@ -294,4 +294,10 @@ FOUND = [
     Found("inference_replay_leaves_the_users_gradients", "host_grad&inference&graph",
           Program(stages=2, edits=(Edit("host_grad"),)),
           Config(D=2, device="gpu_twin", graph=True, calls=4, inference=True)),
+    # -- seed 180, the first with processes: a pipeline over two processes sent a batch
+    #    norm's saved statistics as values requiring grad, and the second stage's backward of
+    #    a gradient penalty failed (no derivative for save_invstd); now autograd's own rule
+    Found("saved_statistics_cross_processes_without_a_gradient", "input_penalty&batchnorm&processes",
+          Program(stages=2, ops=(Op("input_penalty"), Op("batchnorm"))),
+          Config(G=3, processes=2, spread="stages")),
 ]
