@@ -34,6 +34,8 @@ from typing import Callable, Optional
 import torch
 import torch.fx as fx
 
+from .subgraphs import base_op
+
 
 @dataclasses.dataclass(frozen=True)
 class ValueInfo:
@@ -108,7 +110,13 @@ def _differentiable_outputs(n: fx.Node, differentiable: dict) -> Optional[tuple]
     tensors of the traced shapes, its differentiable inputs requiring grad (a batch norm's
     saved mean and inverse deviation are not, and a stage that read them as requiring grad
     failed in a second-order backward: "the derivative for 'native_batch_norm_backward
-    save_invstd' is not implemented"). None where that cannot be told (all may then)."""
+    save_invstd' is not implemented"). Only an ATen op runs (through the stream wrappers:
+    on meta tensors nothing is drawn), never Python of the model's (a custom Function). None
+    where that cannot be told (all may then)."""
+    op = base_op(n.target)
+    if not isinstance(op, torch._ops.OpOverload):
+        return None
+
     def meta(a):
         if not isinstance(a, fx.Node):
             return a
@@ -120,8 +128,8 @@ def _differentiable_outputs(n: fx.Node, differentiable: dict) -> Optional[tuple]
     try:
         args, kwargs = fx.node.map_aggregate((n.args, n.kwargs), meta)
         with torch.enable_grad():
-            out = n.target(*args, **kwargs)
-    except Exception:  # noqa: BLE001 - no meta kernel, a wrapped op: keep the superset
+            out = op(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - no meta kernel: keep the superset
         return None
     if not isinstance(out, (tuple, list)):
         return None

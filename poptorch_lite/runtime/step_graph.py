@@ -61,11 +61,13 @@ interface a program calls (``run_call``):
   joined back, so the capture ends); one that cannot be ended stops the call
   (``ExecutionError``): torch's CUDA state is then unknown.
 - **After a replay** the stream is synchronized, as an eager run's streams are; the
-  outputs, in the graph's memory, are copied to the host; the parameters' ``.grad``
-  are cleared, as an eager run's start clears them, and are the capture's tensors again
-  where the graph made them (a parameter no stage reads has none, not the user's; a call
-  hands the host's back to the user after); the step is counted. A replay is one launch: the timeline has one span of it ("C", timed on the
-  GPU) in place of its actions', and the watchdog does not watch it.
+  outputs, in the graph's memory, are copied to the host; after a training replay the
+  parameters' ``.grad`` are cleared, as an eager run's start clears them, and are the
+  capture's tensors again where the graph made them (a parameter no stage reads has none,
+  not the user's; a call hands the host's back to the user after), and after an inference
+  replay they are the user's, untouched; the step is counted. A replay is one launch: the
+  timeline has one span of it ("C", timed on the GPU) in place of its actions', and the
+  watchdog does not watch it.
 
 The GPU twin records a capture op by op and replays it on the same tensors, running
 nothing while capturing (``tests/support/gpu_twin.py``), so the CPU suite tests what is

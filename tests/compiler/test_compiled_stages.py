@@ -344,6 +344,30 @@ def test_a_compiled_backward_draws_no_random_numbers(every_stage_compiles, backe
     assert set(program_of(train).compiled.summary().values()) == {"compiled"}
 
 
+def test_a_backward_graphs_dead_draw_is_removed_and_a_live_one_refused():
+    """``_without_draws`` on a backward graph: a ``bernoulli`` nothing reads goes, with the
+    ``empty_like`` only it read; one whose result the graph returns would draw outside the
+    micro-batch's stream, and the compile is refused (the stage then runs eagerly)."""
+    def backward(g, live):
+        graph = fx.Graph()
+        x = graph.placeholder("x")
+        empty = graph.call_function(torch.ops.aten.empty_like.default, (x,))
+        draw = graph.call_function(torch.ops.aten.bernoulli.p, (empty, 0.9))
+        doubled = graph.call_function(torch.ops.aten.mul.Tensor, (x, 2.0))
+        graph.output((draw if live else doubled,))
+        return fx.GraphModule(torch.nn.Module(), graph)
+
+    gm = backward(None, live=False)
+    compiled_stages._without_draws(gm, "forward")
+    assert [str(n.target) for n in gm.graph.nodes if n.op == "call_function"] == ["aten.mul.Tensor"]
+    before = torch.get_rng_state()
+    assert torch.equal(gm(torch.ones(3))[0], torch.full((3,), 2.0))
+    assert torch.equal(torch.get_rng_state(), before)
+    with pytest.raises(NotImplementedError, match=r"its segment 0's backward draws random "
+                                                  r"numbers \(aten\.bernoulli\.p\)"):
+        compiled_stages._without_draws(backward(None, live=True), "segment 0")
+
+
 def test_a_weight_with_a_hook_runs_its_compiled_backward_whole_in_i(every_stage_compiles):
     """Under zero bubble a compiled stage leaves its weights' gradients to W, except where a
     weight has a hook: then its I runs the backward whole, and the hook sees the gradient

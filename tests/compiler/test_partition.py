@@ -1,6 +1,7 @@
 """Partition: annotation forms, values crossing stages, tracing semantics, loss provenance."""
 
 import copy
+import operator
 
 import pytest
 import torch
@@ -435,3 +436,41 @@ def test_a_stage_that_needs_a_later_stages_work_is_refused(tail, how):
         train(torch.randn(8, 8), torch.randn(8, 8))
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+def test_of_an_ops_several_outputs_only_those_autograd_differentiates_may_need_a_gradient():
+    """[Note: value info]: a value that crosses to a stage in another process requires grad
+    on arrival where it may. Of a training batch norm's outputs only the normalised one does
+    (its saved mean and inverse deviation have no derivative; read as requiring grad, a
+    second-order backward failed in the next stage); an op that is not ATen's (a custom
+    Function: Python of the model's, never run for this) keeps the superset: all may."""
+    from poptorch_lite.compiler import value_info
+
+    graph = torch.fx.Graph()
+    x, w, b, mean, var = (graph.placeholder(n) for n in ("x", "w", "b", "mean", "var"))
+    norm = graph.call_function(torch.ops.aten.native_batch_norm.default,
+                               (x, w, b, mean, var, True, 0.1, 1e-5))
+    items = [graph.call_function(operator.getitem, (norm, k)) for k in range(3)]
+    graph.output(tuple(items))
+    for node, shape in zip((x, w, b, mean, var), ((4, 6), (6,), (6,), (6,), (6,))):
+        node.meta["val"] = torch.empty(shape, device="meta")
+    norm.meta["val"] = (torch.empty(4, 6, device="meta"),) + tuple(
+        torch.empty(6, device="meta") for _ in range(2))
+    for k, item in enumerate(items):
+        item.meta["val"] = norm.meta["val"][k]
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    sources = {x: "input:0", w: "param:w", b: "param:b", mean: "buffer:m", var: "buffer:v"}
+    infos = value_info.value_infos(gm, sources, lambda name: True, lambda n: n.name,
+                                   {n.name for n in items})
+    assert [infos[n.name].differentiable for n in items] == [True, False, False]
+
+    ran = []
+
+    def custom(*args):  # stands for a custom Function's call: never run to decide
+        ran.append(args)
+        return torch.ops.aten.native_batch_norm.default(*args)
+    norm.target = custom
+    infos = value_info.value_infos(gm, sources, lambda name: True, lambda n: n.name,
+                                   {n.name for n in items})
+    assert [infos[n.name].differentiable for n in items] == [True, True, True]
+    assert ran == []

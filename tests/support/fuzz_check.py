@@ -324,6 +324,7 @@ def _run(program: Program, config: Config, rank: Optional[int] = None) -> tuple:
     outcome, found = "exact", []
     # a pipeline's processes each hold its stages' gradients: together, every one
     held = set() if config.processes > 1 and config.spread == "stages" else None
+    asked: set = set()  # ... of the gradients the steps used
     with _running(config) as records:
         want = next(expected)  # raises Invalid before anything is built or wrapped
         ns = build(program)
@@ -354,6 +355,7 @@ def _run(program: Program, config: Config, rank: Optional[int] = None) -> tuple:
                     break
                 found += _compare(call, train, net, opt, x, result, want, tol, host_grads,
                                   held)
+                asked.update(want["grads"])
                 found += _stray_draws(call, config, before["torch_random"])
                 returned.append((call, outputs_of(result), fuzz_plain._clone(outputs_of(result))))
                 warns = fuzz_refusals.warns(program)
@@ -382,7 +384,7 @@ def _run(program: Program, config: Config, rank: Optional[int] = None) -> tuple:
     sizes = [float(m.group(1)) for f in found for m in [re.search(r"differs by (\S+) ", f)] if m]
     numeric = bool(found) and len(sizes) == len(found)
     if rank is not None:  # a process's: and the gradients it held
-        return outcome, found, numeric, held, set(want["grads"]) if want else set()
+        return outcome, found, numeric, held, asked
     return outcome, found, numeric
 
 

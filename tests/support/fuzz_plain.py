@@ -121,13 +121,16 @@ def _plain_call(program: Program, procs: list, x, y, config: Config, seeds: list
                 proc.opt.zero_grad(set_to_none=True)
         step = slice(d * m * b, (d + 1) * m * b)
         for p, (proc, (xp, yp)) in enumerate(zip(procs, chunks)):
-            random.setstate(hosts[p][0])
-            np.random.set_state(hosts[p][1])
+            if P > 1:
+                random.setstate(hosts[p][0])
+                np.random.set_state(hosts[p][1])
             result = _plain_step(program, proc, config, call, xp, yp, whole, step, seeds, d,
                                  per_output[p])
-            hosts[p] = (random.getstate(), np.random.get_state())
-        random.setstate(hosts[0][0])
-        np.random.set_state(hosts[0][1])
+            if P > 1:
+                hosts[p] = (random.getstate(), np.random.get_state())
+        if P > 1:  # the host's: process 0's
+            random.setstate(hosts[0][0])
+            np.random.set_state(hosts[0][1])
         if whole is not None:  # a forward's write to its input reaches the caller's
             x[step].copy_(whole[0][step])
         if config.inference:

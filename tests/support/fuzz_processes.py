@@ -1,5 +1,6 @@
-"""One process of a fuzzer example whose replicas span processes ([Note: the fuzzer's
-processes] in fuzz_check), started with torchrun's variables by ``fuzz_check._in_processes``:
+"""One process of a fuzzer example in several processes, its replicas or its pipeline's
+stages spread over them ([Note: the fuzzer's processes] in fuzz_check), started with
+torchrun's variables by ``fuzz_check._in_processes``:
 
     python tests/support/fuzz_processes.py EXAMPLE.pkl OUT
 
