@@ -20,7 +20,7 @@ from fuzz_check import Finding, check
 from fuzz_config import Config
 from fuzz_draw import PENDING, atoms, examples
 from fuzz_found import FOUND
-from fuzz_grammar import Op, Program
+from fuzz_grammar import Edit, Op, Program
 from fuzz_plain import Invalid
 
 # Hypothesis caches what it reads of local modules under ./.hypothesis: here, under a folder
@@ -101,6 +101,11 @@ def test_drawn_keras_models_match_plain_pytorch(example):
     # a pipeline's stages in two processes: masks, a residual and a tied weight across them
     (Program(stages=3, ops=(Op("dropout"), Op("skip", 0, 2), Op("tied", 2, 0))),
      Config(processes=2, spread="stages", G=5, schedule="interleaved", R=2, calls=2)),
-], ids=["buffers-and-draws", "weights-written-in-forward", "a-pipeline"])
+    # the optimizer's state sharded over them: each its chunks, clipped by the whole norm;
+    # the gradients the steps used read back whole through their anchors
+    (Program(stages=2, ops=(Op("dropout", 1), Op("batchnorm")), optimizer="clipped",
+             edits=(Edit("opt_state_edit", 0, 0), Edit("optimizer_reload", 1, 0))),
+     Config(processes=2, R=2, G=3, calls=3, sharded=True)),
+], ids=["buffers-and-draws", "weights-written-in-forward", "a-pipeline", "sharded-state"])
 def test_two_processes_match_plain_pytorch(program, config):
     assert check(program, config) in ("exact", "warned: W-LITE-13")

@@ -78,10 +78,11 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..enums import ReductionType
 from ..errors import ExecutionError, OptionsError, warn_once
+from ..runtime import anchors
 from ..runtime.devices import process_gpu
 from .layout import Layout
 from .overlap import Overlap, buckets_in_backward_order
-from .sharding import Shards, shardable
+from .sharding import Shards, refuse_host_steps, shardable
 
 TIMEOUT_ENV = "POPTORCH_LITE_DIST_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
@@ -386,7 +387,10 @@ class Processes:
             elif wanted:
                 # over the processes that run the same stages (all of them with n = 1)
                 made = Shards(self._replicas_group, self.layout.pipeline,
-                              self.layout.pipelines, self._collective, ALONE_BYTES)
+                              self.layout.pipelines, self._collective, ALONE_BYTES,
+                              anchors.gradients(self.options.anchored_tensors,
+                                                anchors.scope_of(self.options)))
+                refuse_host_steps(optimizer, self.layout.pipelines)
             self._shards[key] = made
         return self._shards[key]
 

@@ -46,6 +46,14 @@ the size of the parameter (one loaded from an unsharded checkpoint, or by
 whole state gone, ``optimizer.state_dict()`` holds this process's chunks;
 ``save_checkpoint`` writes each process's chunks beside the checkpoint, or in its
 part where a pipeline spans processes ([Note: checkpoints] in ``checkpoint``).
+The whole reduced gradient is in no process either: each weight's ``.grad`` holds the
+process's own gradient after the step, except where ``Options.anchorTensor`` anchors it
+(``Gradient___<name>``, the gradient the step used): those chunks are all-gathered at
+each step, an all-gather of their buckets more.
+The user's optimizer cannot step on the host while its state holds chunks: its
+``step()`` is refused (E-OPTIM-13, a step pre-hook, :func:`refuse_host_steps`) before it
+changes anything, where torch would fail on the shapes or, for a chunk that broadcasts,
+step wrong.
 Within one process the replicas (``replicationFactor``) already share one copy of
 the state: N counts processes.
 """
@@ -59,6 +67,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ..errors import OptimizerError
 from ..optim import optimizers as poptorch_optim
 from ..runtime.channels import clip_coefficient
 
@@ -98,11 +107,14 @@ class Shards:
             work where asynchronous), raising the processes' error on failure.
         alone: a weight of this many bytes or more that N divides evenly is communicated
             on its own, in place; the others together, through one buffer per dtype.
+        anchored: the names of the parameters whose gradients are anchored
+            (``Gradient___<name>``), gathered whole at each step (:meth:`gather_grads`).
     """
 
     def __init__(self, group, rank: int, size: int, collective: Callable,
-                 alone: float = math.inf):
+                 alone: float = math.inf, anchored: frozenset = frozenset()):
         self._group, self.rank, self.size, self.alone = group, rank, size, alone
+        self.anchored = anchored
         self._collective = collective
         self._chunks: dict = {}   # id(parameter) -> its chunk tensor (the optimizer steps it)
         self._layout: list = []   # (parameters, dtype, device, chunk sizes, offsets, width)
@@ -270,6 +282,23 @@ class Shards:
         return [(sums[index[id(c)], 0].to(p2.device), sums[index[id(c)], 1].to(u2.device))
                 for c, p2, u2 in chunks]
 
+    def gather_grads(self, params: list) -> None:
+        """The reduced gradients of ``params``, whole, into their ``.grad`` in every process
+        (their buckets' chunks all-gathered), where the rest hold this process's own until
+        the next step: what a ``Gradient___`` anchor reads ([Note: sharded optimizer
+        state]). Before :meth:`gather`, which drops the chunks."""
+        wanted = {id(p) for p in params}
+        for (ps, chunks, offsets, width), g in zip(self._layout, self._grads):
+            if not any(id(p) in wanted for p in ps):
+                continue
+            everyone = torch.empty(self.size * width, dtype=g.dtype, device=g.device)
+            self._collective("gathering the anchored gradients", _ALL_GATHER, everyone, g,
+                             group=self._group())
+            rows = everyone.view(self.size, width)
+            for p, c, at in zip(ps, chunks, offsets):
+                if id(p) in wanted:
+                    p.grad = rows[:, at:at + c].reshape(-1)[:p.numel()].view_as(p).clone()
+
     def gather(self) -> None:
         """Every process's new chunks into every process's parameters (step 4)."""
         N = self.size
@@ -295,6 +324,26 @@ class Shards:
                 for p, c, at in zip(ps, chunks, offsets):
                     p.copy_(rows[:, at:at + c].reshape(-1)[:p.numel()].view_as(p))
         self._grads = []
+
+
+def refuse_host_steps(optimizer: torch.optim.Optimizer, processes: int) -> None:
+    """Refuse ``optimizer.step()`` on the host while its state holds this process's chunks
+    of a sharded state (E-OPTIM-13; the sharded step itself steps chunk parameters, whose
+    state fits them)."""
+    def pre_hook(opt, args, kwargs):
+        for g, group in enumerate(opt.param_groups):
+            for i, p in enumerate(group["params"]):
+                for key, value in opt.state.get(p, {}).items():
+                    if torch.is_tensor(value) and value.dim() and value.shape != p.shape:
+                        raise OptimizerError(
+                            f"{type(opt).__name__}.step() on the host: its state is sharded "
+                            f"over {processes} processes (useReplicatedTensorSharding(True)), "
+                            f"and this process holds only a chunk of it (param group {g}, "
+                            f"parameter {i}: {key!r} has {value.numel()} of the weight's "
+                            f"{p.numel()} elements), so no step of the whole weight can run "
+                            f"here. Step through the trainingModel (each call steps), or "
+                            f"train without useReplicatedTensorSharding to step on the host")
+    optimizer.register_step_pre_hook(pre_hook)
 
 
 def _by_kind(params: list) -> list:

@@ -58,6 +58,17 @@ def scope_of(options) -> str:
     return "model." if options.Jit.trace_model else ""
 
 
+def gradients(anchors: dict, scope: str = "") -> frozenset:
+    """The parameters whose gradients are anchored (their names without ``scope``).
+
+    Example:
+        >>> gradients({"g": ("Gradient___model.fc.bias", None, 1)}, "model.")
+        frozenset({'fc.bias'})
+    """
+    return frozenset(long[len(GRADIENT) + len(scope):] for long, _, _ in anchors.values()
+                     if long.startswith(GRADIENT))
+
+
 def check(anchors: dict, model: torch.nn.Module, training: bool, scope: str = "") -> None:
     """Refuse anchors naming no tensor, or asking for a mode other than the final value.
 

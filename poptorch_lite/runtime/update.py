@@ -252,6 +252,8 @@ class Update:
                     n: norms[id(p)] for n, p in stepped.items() if id(p) in norms}))
             else:
                 shards.clip(step.max_grad_norm)
+        if shards.anchored:  # what Gradient___ anchors read: the step's gradient, whole
+            shards.gather_grads([p for n, p in stepped.items() if n in shards.anchored])
         try:  # [Note: commit point]: from here parameters and optimizer state change
             shards.step(step.optimizer)
             shards.gather()

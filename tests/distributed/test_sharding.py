@@ -44,6 +44,35 @@ def test_five_sharded_steps_end_where_the_whole_state_does(runs):
                                                msg=f"{name} {p} {k}")
 
 
+def test_an_anchored_gradient_is_the_one_the_sharded_step_used(runs):
+    """``Gradient___<name>`` anchors read the reduced (and clipped) gradient whole, as with
+    the state whole, where each process holds only its chunks: gathered at each step, for
+    small weights bucketed and for 1 MB ones on their own."""
+    for rank, result in enumerate(runs):
+        for name in script.ANCHORED:
+            whole, sharded = result[name]["grads"]
+            assert whole.keys() == sharded.keys() and whole, name
+            for k, v in whole.items():
+                atol = 1e-6 if script.CONFIGS[name][3] else 0  # clipping's norm by chunks
+                torch.testing.assert_close(sharded[k], v, atol=atol, rtol=0,
+                                           msg=f"rank {rank} {name} {k}")
+                assert not torch.equal(v, torch.zeros_like(v)), (name, k)
+
+
+def test_a_host_step_of_the_sharded_state_is_refused(runs):
+    """The user's optimizer stepped on the host while it holds chunks: E-OPTIM-13 names the
+    parameter and the sizes, and the state is as it was; with the state whole it steps."""
+    for rank, result in enumerate(runs):
+        (whole, whole_kept), (refused, kept) = result["host step"]
+        assert whole is None and not whole_kept  # stepped: the momenta moved
+        assert refused.startswith(
+            "SGD.step() on the host: its state is sharded over 2 processes "
+            "(useReplicatedTensorSharding(True)), and this process holds only a chunk of it "
+            f"(param group 0, parameter 0: 'momentum_buffer' has {25 if rank == 0 else 24} "
+            f"of the weight's 49 elements)"), refused
+        assert kept
+
+
 def test_each_process_holds_its_half_of_the_state_plus_padding(runs):
     """Each weight of n elements leaves a process ceil(n/2) or floor(n/2) elements of each
     state tensor; the step counts (scalars) stay whole."""

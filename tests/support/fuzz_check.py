@@ -51,6 +51,9 @@ every copy's micro-batches seeded as in one process ([Note: micro-batch RNG]: th
 in every process), the gradients of a step summed over the copies, then each copy's step.
 Each process checks itself against its copy (its outputs, its input, its model, whose
 buffers and in-forward writes are its own) and what each finds is named by its rank.
+With ``Config.sharded`` the optimizer's state is sharded over the P processes
+(``useReplicatedTensorSharding``): process k holds its chunk of each state tensor,
+compared with the same chunk of its copy's whole state (``_chunks``).
 With ``Config.spread`` = "stages" the processes are one pipeline's
 (``Options.Distributed.set_ipu_processes``: the IPUs split in two): each reads the whole
 batch and must return what one process does; after ``copyWeightsToHost`` (which every
@@ -127,9 +130,9 @@ def describe(program: Program, config: Config) -> str:
     """What a finding prints: the model as code, the options, the loop, and all as data."""
     args = "x, y=y" if config.keyword else "x, y"
     sched = "make_scheduler(opt)" if "make_scheduler" in source(program) else "None"
-    return (f"{source(program)}\n# options\n{config.code(program)}\n\n"
+    return (f"{source(program)}\n# options\nnet = Net()\n{config.code(program)}\n\n"
             f"# the calls (plain PyTorch: the same arithmetic, micro-batch by micro-batch)\n"
-            f"net = Net()\nopt, sched = make_optimizer(net), {sched}\n"
+            f"opt, sched = make_optimizer(net), {sched}\n"
             f"train = poptorch.trainingModel(net, opts, opt)\n"
             f"for call in range({config.calls}):  # x: {config.D * config.G * config.R} "
             f"micro-batches of {config.B}\n"
@@ -204,10 +207,11 @@ def _host_grads(net) -> dict:
 
 
 def _compare(call: int, train, net, opt, x, result, want: dict, tol: float,
-             host_grads: dict, held: Optional[set] = None) -> list:
+             host_grads: dict, held: Optional[set] = None, shard: Optional[tuple] = None) -> list:
     """What differs after a wrapped call (``host_grads``: the ``.grad`` the user left). With
     ``held`` (a process of a pipeline's), only the gradients this process's stages compute
-    are compared, and their names are added to ``held``."""
+    are compared, and their names are added to ``held``. With ``shard`` = (k, N), process
+    k of N holds its chunk of each optimizer state the size of its weight (``_chunks``)."""
     grads = trained_grads(train) if want["grads"] else {}
     wanted = want["grads"]
     if held is not None:  # every weight to every process, as the user asks for them
@@ -227,6 +231,8 @@ def _compare(call: int, train, net, opt, x, result, want: dict, tol: float,
                 if names.get(id(p)) in grads}
         got = dict(got, optimizer=_state_of(got["optimizer"], mine))
         want = dict(want, optimizer=_state_of(want["optimizer"], mine))
+    if shard is not None:  # [Note: sharded optimizer state] in distributed/sharding.py
+        want = dict(want, optimizer=_chunks(want["optimizer"], opt, *shard))
     found += _differences("the host .grad (as the user left it)", _host_grads(net), host_grads,
                           0.0)
     for key in ("model", "optimizer", "input", "python random", "numpy random", "generators",
@@ -238,6 +244,21 @@ def _compare(call: int, train, net, opt, x, result, want: dict, tol: float,
 def _state_of(optimizer: dict, indices: set) -> dict:
     """An optimizer's state dict with the state of the parameters at ``indices`` alone."""
     return dict(optimizer, state={i: v for i, v in optimizer["state"].items() if i in indices})
+
+
+def _chunks(optimizer: dict, opt, k: int, N: int) -> dict:
+    """Plain PyTorch's optimizer state dict as process ``k`` of ``N`` holds it with the
+    state sharded: each state tensor the shape of its weight, flattened and cut into N
+    chunks of ceil(L/N) elements, the k-th (empty past the end); scalars whole."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    state = {}
+    for i, values in optimizer["state"].items():
+        p = params[i]
+        c = -(-p.numel() // N)
+        state[i] = {key: v.flatten()[k * c:(k + 1) * c]
+                    if torch.is_tensor(v) and v.dim() > 0 and v.shape == p.shape else v
+                    for key, v in values.items()}
+    return dict(optimizer, state=state)
 
 
 def _stray_draws(call: int, config: Config, before: torch.Tensor) -> list:
@@ -331,8 +352,9 @@ def _run(program: Program, config: Config, rank: Optional[int] = None) -> tuple:
         net, opt, sched = fuzz_plain.model(ns, config)
         train, returned = None, []
         try:
-            train = poptorch.inferenceModel(net, config.options(program)) if config.inference \
-                else poptorch.trainingModel(net, config.options(program), opt)
+            opts = config.options(program, net)
+            train = poptorch.inferenceModel(net, opts) if config.inference \
+                else poptorch.trainingModel(net, opts, opt)
             for call in range(config.calls):
                 x, y = map(mine, fuzz_plain.data(config, call))
                 if P > 1:  # this process's model, its micro-batches' outputs, its input
@@ -354,7 +376,7 @@ def _run(program: Program, config: Config, rank: Optional[int] = None) -> tuple:
                     outcome = f"refused: {fuzz_refusals.accepted(e, ok) or type(e).__name__}"
                     break
                 found += _compare(call, train, net, opt, x, result, want, tol, host_grads,
-                                  held)
+                                  held, (rank, P) if config.sharded else None)
                 asked.update(want["grads"])
                 found += _stray_draws(call, config, before["torch_random"])
                 returned.append((call, outputs_of(result), fuzz_plain._clone(outputs_of(result))))

@@ -3,7 +3,8 @@
 A :class:`Config` holds one value per factor (schedule, G, D, R, reduction, recomputation,
 compiled stages, device, buffers per replica, random seed, micro-batch size, calls, output
 mode, labels by keyword, offloaded optimizer state, a batch size that changes, an inference
-model instead, and on a GPU or its twin a step captured as one CUDA graph and replayed), the simplest
+model instead, processes and the optimizer's state sharded over them, and on a GPU or its
+twin a step captured as one CUDA graph and replayed), the simplest
 first, so that Hypothesis shrinks towards it (tests/support/fuzz_draw.py draws valid ones).
 :meth:`Config.code` is the Options as Python, which is what :meth:`Config.options` runs and
 what a finding prints; :meth:`Config.tolerance` is the fuzzer's tolerance rule ([Note: the
@@ -59,6 +60,7 @@ class Config:
     backend: str = "aot_eager"  # compiled stages' backend: "aot_eager", or "inductor" (slow)
     processes: int = 1  # processes, as torchrun starts them
     spread: str = "replicas"  # over the processes: "replicas" (R each) or "stages" (a pipeline)
+    sharded: bool = False  # the optimizer's state sharded over the processes (ZeRO-1)
 
     def ambient(self, call: int):
         """The autocast the user puts around call ``call`` (both sides): bfloat16 on the
@@ -91,9 +93,16 @@ class Config:
                          f"{'aot_eager' if self.compiled else 'eager'!r}, cuda_graph=True)")
         elif self.compiled:
             lines.append(f"opts.compileStages(True, backend={self.backend!r})  # and PAYS_FROM = 0")
-        if self.offload:
+        if self.offload or self.sharded:
             lines.append("opts.TensorLocations.setOptimizerLocation("
-                         "poptorch.TensorLocationSettings().useOnChipStorage(False))")
+                         "poptorch.TensorLocationSettings()"
+                         + (".useOnChipStorage(False)" if self.offload else "")
+                         + (".useReplicatedTensorSharding(True)" if self.sharded else "") + ")")
+        if self.sharded:  # the gradient a step used, gathered whole to be read back
+            lines.append("for name, p in net.named_parameters():  # what the fuzzer compares\n"
+                         "    if p.requires_grad:\n"
+                         "        opts.anchorTensor(f\"Gradient___{name}\", "
+                         "f\"Gradient___{name}\")")
         if not self.broadcast_buffers:
             lines.append("opts.broadcastBuffers(False)")
         if self.random_seed is not None:
@@ -115,8 +124,8 @@ class Config:
                          f"{self.dtype})")
         return "\n".join(lines)
 
-    def options(self, program: Program) -> poptorch.Options:
-        namespace = {"poptorch": poptorch, "models": models}
+    def options(self, program: Program, net: torch.nn.Module) -> poptorch.Options:
+        namespace = {"poptorch": poptorch, "models": models, "net": net}
         exec(self.code(program), namespace)  # noqa: S102: the text printed is what ran
         return namespace["opts"]
 

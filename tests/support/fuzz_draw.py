@@ -138,6 +138,9 @@ def configs(draw, program: Program, require=frozenset()) -> Config:
         if config.processes > 1 and program.stages > 1:  # replicas, or the stages, spread
             config = dataclasses.replace(config, spread=pick("spread", st.sampled_from(
                 ["replicas", "stages"])))
+        # ZeRO-1 over them (whose chunked state a host step is refused: E-OPTIM-13)
+        if config.processes > 1 and config.spread == "replicas" and "host_step" not in kinds:
+            config = dataclasses.replace(config, sharded=pick("sharded", st.booleans()))
     if config.compiled and not graph and INDUCTOR_ONE_IN:
         config = dataclasses.replace(config, backend=pick("backend", st.integers(
             1, INDUCTOR_ONE_IN).map(lambda k: "inductor" if k == INDUCTOR_ONE_IN else "aot_eager")))

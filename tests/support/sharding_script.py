@@ -9,8 +9,10 @@ on this process's data: with its state whole, then sharded
 (``useReplicatedTensorSharding(True)``). Writes ``OUT_DIR/rank<r>.pt``: per
 configuration both runs' losses, weights and optimizer state (the sharded run's
 state as this process holds it, and gathered whole from both processes), and the
-optimizer-state bytes this process holds in each; then a checkpoint saved after 3
-sharded steps, loaded into a fresh sharded model, continuing for 2.
+optimizer-state bytes this process holds in each, and for ``ANCHORED`` the gradients the
+last step used, read back by their anchors; a host ``opt.step()`` after each of the "sgd"
+runs; then a checkpoint saved after 3 sharded steps, loaded into a fresh sharded model,
+continuing for 2.
 """
 
 import os
@@ -39,6 +41,8 @@ CONFIGS = {
 }
 # widths other than WIDTH: 512 makes 1 MB weights, which go on their own, in place
 WIDTHS = {"adam-large": 512}
+# every gradient anchored (Gradient___<name>): gathered whole at each sharded step
+ANCHORED = {"adam-clip", "adam-large"}
 
 
 def optimizer(kind, params, clip):
@@ -71,8 +75,31 @@ def wrap(name, sharded):
     opts.TensorLocations.setOptimizerLocation(location)
     if kind == "adam-als":  # automatic loss scaling: its check of the gradients is sharded
         opts.Training.setAutomaticLossScaling(True)
+    if name in ANCHORED:
+        for n, _ in model.named_parameters():
+            opts.anchorTensor(n, f"Gradient___{n}")
     opt = optimizer(kind, model.parameters(), clip)
     return model, opt, poptorch.trainingModel(model, opts, opt)
+
+
+def anchored(model, wrapped):
+    return {n: wrapped.getAnchoredTensor(n).clone() for n, _ in model.named_parameters()}
+
+
+def host_step(opt):
+    """The user's optimizer stepped on the host: the refusal's text (None if it stepped),
+    and whether its state is as it was."""
+    before = [v.clone() for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+    for group in opt.param_groups:
+        for p in group["params"]:
+            p.grad = torch.ones_like(p)
+    try:
+        opt.step()
+        refused = None
+    except poptorch.OptimizerError as e:
+        refused = str(e)
+    after = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+    return refused, all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
 
 def batch(name, step, rank):
@@ -124,6 +151,7 @@ def main(out):
     results = {}
     for name in CONFIGS:
         plain_model, plain_opt, w, plain_losses = train(name, False)
+        plain_grads = anchored(plain_model, w) if name in ANCHORED else None
         w.destroy()
         model, opt, w, losses = train(name, True)
         chunked = state_of(model, opt)
@@ -133,8 +161,11 @@ def main(out):
                        {k: v.clone() for k, v in model.state_dict().items()}),
             "state": (state_of(plain_model, plain_opt), whole(model, chunked)),
             "bytes": (state_bytes(plain_opt), state_bytes(opt)),
+            "grads": (plain_grads, anchored(model, w) if name in ANCHORED else None),
         }
         w.destroy()
+        if name == "sgd":  # the chunks' owner steps on the host: refused, nothing changed
+            results["host step"] = (host_step(plain_opt), host_step(opt))
     # a checkpoint of the sharded state, resumed in a fresh sharded model
     name = "adam-clip"
     path = os.path.join(out, "ckpt.pt")
