@@ -287,6 +287,32 @@ def attribute_changed_every_call():
     train.destroy()
 
 
+def hooks_changed_every_call():
+    """A forward hook removed and registered again, another one, before each of six calls."""
+    model = Two()
+    train = poptorch.trainingModel(model, opts())
+    handle = None
+    for k in range(6):
+        if handle is not None:
+            handle.remove()
+        handle = model.l1.register_forward_hook(lambda m, i, o, k=k: o * (1 + 0.1 * k))
+        train(torch.randn(2, 4), torch.randn(2, 4))
+    train.destroy()
+
+
+def host_step_of_a_sharded_state():
+    """The user's optimizer stepped on the host while its state holds process 0's chunk of
+    a weight sharded over 2 processes ([Note: sharded optimizer state])."""
+    from poptorch_lite.distributed.sharding import refuse_host_steps
+    layer = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9)
+    opt.state[layer.weight]["momentum_buffer"] = torch.zeros(3)  # 3 of its 6 elements
+    refuse_host_steps(opt, 2)
+    for p in layer.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+
+
 def normalisation_frozen_between_calls():
     """A BatchNorm put in eval mode after the training model's first call."""
     model = Two(bn=True)
@@ -1188,6 +1214,7 @@ T = {
     "E-OPTIM-11": lambda: (lambda p: optim.SGD(
         [{"params": p[:1], "loss_scaling": 2.0}, {"params": p[1:]}], lr=0.1))(params()),
     "E-OPTIM-12": lambda: optim.Adam(params(), amsgrad=True),
+    "E-OPTIM-13": host_step_of_a_sharded_state,
     # DataLoader and AsynchronousDataAccessor
     "E-DL-01": lambda: poptorch.DataLoader(ds(), ds()),
     "E-DL-02": lambda: loader_refuses(batch_size=2, batch_sampler=[[0, 1]]),
@@ -1376,6 +1403,7 @@ T = {
     "W-LITE-14": lambda: poptorch.trainingModel(Two(tail="counter"), opts())(
         torch.randn(2, 4), torch.randn(2, 4)),
     "W-LITE-15": attribute_changed_every_call,
+    "W-LITE-21": hooks_changed_every_call,
     "W-LITE-16": missing_op_library,
     "W-LITE-17": lambda: poptorch.Options().Jit.traceModel(True),
     "E-PART-28": constant_written_on_a_gpu,
