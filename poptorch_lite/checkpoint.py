@@ -108,6 +108,7 @@ from typing import Any, Optional
 import torch
 
 from .distributed.layout import Layout
+from .distributed.sharding import CHUNK
 from .errors import CheckpointError, DataLoaderError
 from .wrapper import PoplarExecutor
 
@@ -367,6 +368,8 @@ def _whole_optimizer_state(path, pieces: list, model: PoplarExecutor) -> dict:
         first = by_chunk[chunks[0] if chunks else None]
         whole[index] = {}
         for key, value in first.items():
+            if key == CHUNK:  # whose chunks they were: the state is whole now
+                continue
             if chunks and torch.is_tensor(value) and value.dim() and value.shape != p.shape:
                 value = torch.cat([by_chunk[k][key].reshape(-1) for k in chunks])
                 if value.numel() != p.numel():

@@ -313,6 +313,16 @@ def host_step_of_a_sharded_state():
     opt.step()
 
 
+def another_processs_chunks():
+    """Process 1 of 2 holds process 0's chunk of a weight's state (process 0's state dict
+    loaded everywhere); the agreement's all-reduce stood in for (this process's flag alone)."""
+    from poptorch_lite.distributed.sharding import CHUNK, Shards
+    layer = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9)
+    opt.state[layer.weight].update({"momentum_buffer": torch.zeros(3), CHUNK: (0, 2, 0, 3)})
+    Shards(lambda: None, 1, 2, lambda what, fn, *args, **kwargs: None).check_state(opt)
+
+
 def normalisation_frozen_between_calls():
     """A BatchNorm put in eval mode after the training model's first call."""
     model = Two(bn=True)
@@ -1215,6 +1225,7 @@ T = {
         [{"params": p[:1], "loss_scaling": 2.0}, {"params": p[1:]}], lr=0.1))(params()),
     "E-OPTIM-12": lambda: optim.Adam(params(), amsgrad=True),
     "E-OPTIM-13": host_step_of_a_sharded_state,
+    "E-OPTIM-14": another_processs_chunks,
     # DataLoader and AsynchronousDataAccessor
     "E-DL-01": lambda: poptorch.DataLoader(ds(), ds()),
     "E-DL-02": lambda: loader_refuses(batch_size=2, batch_sampler=[[0, 1]]),

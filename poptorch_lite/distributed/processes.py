@@ -394,6 +394,13 @@ class Processes:
             self._shards[key] = made
         return self._shards[key]
 
+    def check_sharded_state(self, optimizer) -> None:
+        """Where ``optimizer``'s state is sharded, refuse chunks that are not this process's,
+        in every process alike (``Shards.check_state``)."""
+        shards = self.shards(optimizer)
+        if shards is not None:
+            shards.check_state(optimizer)
+
     def reduce_scatter_grads(self, params: dict, shards: Shards, overlap=None) -> None:
         """As :meth:`all_reduce_grads`, but each process keeps only its chunk of each sum
         (``shards``: [Note: sharded optimizer state])."""

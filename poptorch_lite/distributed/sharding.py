@@ -50,6 +50,14 @@ The whole reduced gradient is in no process either: each weight's ``.grad`` hold
 process's own gradient after the step, except where ``Options.anchorTensor`` anchors it
 (``Gradient___<name>``, the gradient the step used): those chunks are all-gathered at
 each step, an all-gather of their buckets more.
+Each chunked state says whose chunks it holds (the key :data:`CHUNK`: the process, N and
+the elements), and travels with ``optimizer.state_dict()``. Graphcore's BERT saves
+``optimizer.state_dict()`` on instance 0 alone and every instance loads that file: instance
+1 would step instance 0's momenta, silently where the chunks have the same size. So each
+training call first checks, in every process, that the chunks it holds are its own, and
+the processes agree on it (one all-reduce of N flags a call): otherwise every process
+refuses the call before anything runs (E-OPTIM-14), naming the processes and the fix
+(``save_checkpoint`` writes every process's chunks; a whole state loads anywhere).
 The user's optimizer cannot step on the host while its state holds chunks: its
 ``step()`` is refused (E-OPTIM-13, a step pre-hook, :func:`refuse_host_steps`) before it
 changes anything, where torch would fail on the shapes or, for a chunk that broadcasts,
@@ -70,6 +78,11 @@ import torch.distributed as dist
 from ..errors import OptimizerError
 from ..optim import optimizers as poptorch_optim
 from ..runtime.channels import clip_coefficient
+
+#: The key, in a parameter's optimizer state that holds chunks, of whose chunks they are:
+#: ``(process, N, start, end)``, the elements [start, end) of the flattened weight that
+#: process ``process`` of ``N`` steps ([Note: sharded optimizer state]).
+CHUNK = "poptorch_lite.chunk"
 
 # The optimizers trainingModel accepts, by their exact classes (a subclass may change the
 # update): element-wise ones, and LAMB, which asks for its whole norms.
@@ -125,6 +138,42 @@ class Shards:
         """``(start, end)`` of this process's chunk of ``p`` (chunks of ``c`` elements)."""
         start = min(self.rank * c, p.numel())
         return start, min(start + c, p.numel())
+
+    def check_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse a state of chunks that are not this process's, in every process alike
+        (E-OPTIM-14): one all-reduce of a flag per process ([Note: sharded optimizer state])."""
+        N, foreign = self.size, None
+        for g, group in enumerate(optimizer.param_groups):
+            for i, p in enumerate(group["params"]):
+                state = optimizer.state.get(p)
+                if foreign is None and state and _chunked(state, p):
+                    mine = (self.rank, N, *self._spans(p, math.ceil(p.numel() / N)))
+                    if state.get(CHUNK) != mine:
+                        foreign = (g, i, state.get(CHUNK), mine)
+        flags = torch.zeros(N, dtype=torch.int32)
+        flags[self.rank] = foreign is not None
+        self._collective("agreeing that each process holds its own chunks of the state",
+                         dist.all_reduce, flags, group=self._group())
+        if not flags.any():
+            return
+        bad = [k for k, f in enumerate(flags.tolist()) if f]
+        if foreign is not None:
+            g, i, held, (k, _, start, end) = foreign
+            whose = "chunks of unknown origin" if not isinstance(held, tuple) or len(held) != 4 \
+                else f"the chunk of process {held[0]} of {held[1]} (elements {held[2]}..{held[3]})"
+            detail = (f"here, in process {k}, param group {g}, parameter {i} holds {whose}, "
+                      f"where this process steps elements {start}..{end}")
+        else:
+            detail = f"this process, {self.rank}, holds its own"
+        raise OptimizerError(
+            f"the optimizer's state is sharded over {N} processes (useReplicatedTensorSharding"
+            f"(True)), and process{'es' if len(bad) > 1 else ''} {bad} hold{'' if len(bad) > 1 else 's'} "
+            f"chunks of it that are not {'their' if len(bad) > 1 else 'its'} own ({detail}): an "
+            f"optimizer.state_dict() holds the chunks of the process that saved it alone, so "
+            f"loading one process's into every process would step the others with the wrong "
+            f"state. Save with poptorch.save_checkpoint(path, model) in every process and resume "
+            f"with poptorch.load_checkpoint(path, model) (every process's chunks, at any layout), "
+            f"or load a whole state (one saved without useReplicatedTensorSharding)")
 
     def reduce_scatter(self, params: list, divisor: int) -> None:
         """Sum each gradient over the processes, this process keeping its chunk (step 1)."""
@@ -262,9 +311,11 @@ class Shards:
             for group, params in zip(optimizer.param_groups, saved_groups):
                 group["params"] = params
             optimizer.state = saved_state
-            for p, chunk, _, _ in stepped:
+            for p, chunk, start, end in stepped:
                 if chunk in state:
                     saved_state[p] = state[chunk]
+                    if _chunked(state[chunk], p):  # whose chunks: [Note: sharded optimizer state]
+                        state[chunk][CHUNK] = (self.rank, self.size, start, end)
                 chunk.grad = None
             for p, g in grads:
                 p.grad = g
@@ -344,6 +395,12 @@ def refuse_host_steps(optimizer: torch.optim.Optimizer, processes: int) -> None:
                             f"here. Step through the trainingModel (each call steps), or "
                             f"train without useReplicatedTensorSharding to step on the host")
     optimizer.register_step_pre_hook(pre_hook)
+
+
+def _chunked(state: dict, p: torch.Tensor) -> bool:
+    """Whether a parameter's optimizer ``state`` holds a chunk: a tensor of another shape
+    than ``p``'s (a step count is a scalar)."""
+    return any(torch.is_tensor(v) and v.dim() and v.shape != p.shape for v in state.values())
 
 
 def _by_kind(params: list) -> list:

@@ -104,7 +104,8 @@ def keep_loaded_dtypes(opt: Any, state_dict: dict) -> None:
     for index, saved in state_dict["state"].items():
         state = opt.state.get(params[index]) if index < len(params) else None
         for name, tensor in saved.items():
-            if state is not None and name in state and dtypes.get(name) == tensor.dtype:
+            if state is not None and name in state and torch.is_tensor(tensor) and \
+                    dtypes.get(name) == tensor.dtype:
                 state[name] = tensor.to(state[name].device, copy=True)
 
 

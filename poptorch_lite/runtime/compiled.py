@@ -294,6 +294,8 @@ class CompiledModel:
         completed step; ``allOrNothingCalls`` also undoes the steps of a failed call.
         """
         opts, weights, training = self.options, self.weights, self.training
+        if training and self.processes is not None:  # [Note: sharded optimizer state]
+            self.processes.check_sharded_state(optimizer)
         if weights.edits():  # host edits reach the devices ([Note: weight sync] in host_sync)
             weights.to_device(everything=False)
         ex = program.executor

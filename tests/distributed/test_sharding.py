@@ -73,6 +73,23 @@ def test_a_host_step_of_the_sharded_state_is_refused(runs):
         assert kept
 
 
+def test_one_processs_state_dict_loaded_in_every_process_is_refused_in_both(runs):
+    """Graphcore's BERT saves ``optimizer.state_dict()`` on instance 0 alone and every
+    instance loads it: process 1 would step process 0's chunks (silently, where they have
+    its chunks' size). Both processes refuse the call (E-OPTIM-14), naming process 1 and
+    save_checkpoint, and nothing changes."""
+    for rank, result in enumerate(runs):
+        refused, unchanged = result["rank 0's state everywhere"]
+        assert unchanged
+        assert refused.startswith(
+            "the optimizer's state is sharded over 2 processes (useReplicatedTensorSharding"
+            "(True)), and process [1] holds chunks of it that are not its own ("), refused
+        assert ("here, in process 1, param group 0, parameter 0 holds the chunk of process 0 "
+                "of 2 (elements 0..25), where this process steps elements 25..49" if rank
+                else "this process, 0, holds its own") in refused, refused
+        assert "poptorch.save_checkpoint(path, model)" in refused
+
+
 def test_each_process_holds_its_half_of_the_state_plus_padding(runs):
     """Each weight of n elements leaves a process ceil(n/2) or floor(n/2) elements of each
     state tensor; the step counts (scalars) stay whole."""

@@ -112,6 +112,7 @@ import torch
 import poptorch_lite as poptorch
 from poptorch_lite import errors
 from poptorch_lite.compiler import compiled_stages, rng
+from poptorch_lite.distributed.sharding import CHUNK
 from poptorch_lite.runtime import gpu
 
 import fuzz_plain
@@ -249,15 +250,21 @@ def _state_of(optimizer: dict, indices: set) -> dict:
 def _chunks(optimizer: dict, opt, k: int, N: int) -> dict:
     """Plain PyTorch's optimizer state dict as process ``k`` of ``N`` holds it with the
     state sharded: each state tensor the shape of its weight, flattened and cut into N
-    chunks of ceil(L/N) elements, the k-th (empty past the end); scalars whole."""
+    chunks of ceil(L/N) elements, the k-th (empty past the end), with the key that says
+    whose they are (``sharding.CHUNK``); scalars whole."""
     params = [p for g in opt.param_groups for p in g["params"]]
     state = {}
     for i, values in optimizer["state"].items():
         p = params[i]
         c = -(-p.numel() // N)
-        state[i] = {key: v.flatten()[k * c:(k + 1) * c]
+        start = min(k * c, p.numel())
+        end = min(start + c, p.numel())
+        state[i] = {key: v.flatten()[start:end]
                     if torch.is_tensor(v) and v.dim() > 0 and v.shape == p.shape else v
                     for key, v in values.items()}
+        if any(torch.is_tensor(v) and v.dim() > 0 and v.shape != p.shape
+               for v in state[i].values()):  # and whose chunks they are
+            state[i][CHUNK] = (k, N, start, end)
     return dict(optimizer, state=state)
 
 

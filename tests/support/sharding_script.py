@@ -12,7 +12,7 @@ state as this process holds it, and gathered whole from both processes), and the
 optimizer-state bytes this process holds in each, and for ``ANCHORED`` the gradients the
 last step used, read back by their anchors; a host ``opt.step()`` after each of the "sgd"
 runs; then a checkpoint saved after 3 sharded steps, loaded into a fresh sharded model,
-continuing for 2.
+continuing for 2; then process 0's ``optimizer.state_dict()`` loaded in both processes.
 """
 
 import os
@@ -180,6 +180,24 @@ def main(out):
                           "params": {k: v.clone() for k, v in model.state_dict().items()},
                           "files": sorted(os.listdir(out))}
     w.destroy()
+    # Graphcore's BERT: optimizer.state_dict() saved on instance 0 alone, loaded by every
+    # instance; process 1 must not step process 0's chunks
+    _, opt, w, _ = train(name, True, range(3))
+    if rank == 0:
+        torch.save(opt.state_dict(), os.path.join(out, "opt.pt"))
+    w.destroy()
+    dist.barrier()
+    model, opt, wrapped = wrap(name, True)
+    opt.load_state_dict(torch.load(os.path.join(out, "opt.pt"), weights_only=True))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        wrapped(*batch(name, 3, rank))
+        refused = None
+    except poptorch.OptimizerError as e:
+        refused = str(e)
+    results["rank 0's state everywhere"] = (refused, all(
+        torch.equal(v, before[k]) for k, v in model.state_dict().items()))
+    wrapped.destroy()
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
 
 
