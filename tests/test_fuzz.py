@@ -106,6 +106,10 @@ def test_drawn_keras_models_match_plain_pytorch(example):
     (Program(stages=2, ops=(Op("dropout", 1), Op("batchnorm")), optimizer="clipped",
              edits=(Edit("opt_state_edit", 0, 0), Edit("optimizer_reload", 1, 0))),
      Config(processes=2, R=2, G=3, calls=3, sharded=True)),
-], ids=["buffers-and-draws", "weights-written-in-forward", "a-pipeline", "sharded-state"])
+    # a pipeline whose first stage gets no gradient (detached): no process must hold one
+    (Program(stages=2, ops=(Op("stop", 0, 0),)),
+     Config(processes=2, spread="stages", G=3, calls=2)),
+], ids=["buffers-and-draws", "weights-written-in-forward", "a-pipeline", "sharded-state",
+        "a-stage-without-gradients"])
 def test_two_processes_match_plain_pytorch(program, config):
     assert check(program, config) in ("exact", "warned: W-LITE-13")
