@@ -27,7 +27,11 @@ Each optimizer step:
    of the gradient) and its ``state`` is keyed by them, so the state it makes is
    chunk-sized; afterwards the groups and the state are the parameters' again;
 4. the new values are all-gathered (``all_gather_single``) into every
-   process's parameters (a large weight straight into itself).
+   process's parameters (a large weight straight into itself). Each element is then
+   what its owner stepped, in every process: a weight the forward writes in place,
+   each process its own way (an ``Embedding(max_norm=...)``'s renormalised rows), is
+   left with the owners' values, as torch's ``ZeroRedundancyOptimizer`` leaves it,
+   where DDP leaves each process its own (the fuzzer's oracle does the same).
 
 A reduce-scatter and an all-gather send (N-1)/N of the padded gradients each: an
 all-reduce's bytes, plus the padding. This is right only for optimizers whose

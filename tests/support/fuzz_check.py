@@ -53,7 +53,10 @@ Each process checks itself against its copy (its outputs, its input, its model, 
 buffers and in-forward writes are its own) and what each finds is named by its rank.
 With ``Config.sharded`` the optimizer's state is sharded over the P processes
 (``useReplicatedTensorSharding``): process k holds its chunk of each state tensor,
-compared with the same chunk of its copy's whole state (``_chunks``).
+compared with the same chunk of its copy's whole state (``_chunks``); and after each step
+every copy's weights are the owners' chunks (``fuzz_plain._owners_chunks``: a weight the
+forward writes, each process its own way, then holds each owner's values, as under torch's
+ZeroRedundancyOptimizer).
 With ``Config.spread`` = "stages" the processes are one pipeline's
 (``Options.Distributed.set_ipu_processes``: the IPUs split in two): each reads the whole
 batch and must return what one process does; after ``copyWeightsToHost`` (which every

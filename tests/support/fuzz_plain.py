@@ -143,9 +143,28 @@ def _plain_call(program: Program, procs: list, x, y, config: Config, seeds: list
                         q.grad = total.clone()
         for proc in procs:
             _plain_update(proc.opt, proc.net, m * P if config.reduction == "mean" else 1)
+        if P > 1 and config.sharded:
+            _owners_chunks(procs)
     outputs = [[_merged(v, config) for v in per if v] for per in per_output]
     grads = [_step_grads(proc, config) for proc in procs]
     return (outputs[0], grads[0]) if P == 1 else (outputs, grads), structure(result)
+
+
+def _owners_chunks(procs: list) -> None:
+    """With the optimizer's state sharded over the processes, each stepped weight becomes,
+    in every process, what each element's owner stepped: process k owns the k-th chunk of
+    ceil(L/P) elements of the flattened weight, as torch's ZeroRedundancyOptimizer
+    broadcasts each owner's partition (a weight the forward writes, each process its own
+    way, leaves every process the owners' values)."""
+    P = len(procs)
+    stepped = {id(p) for g in procs[0].opt.param_groups for p in g["params"]}
+    with torch.no_grad():
+        for ps in zip(*(proc.net.parameters() for proc in procs)):
+            if id(ps[0]) in stepped and ps[0].grad is not None:
+                c = -(-ps[0].numel() // P)
+                owned = torch.cat([q.reshape(-1)[k * c:(k + 1) * c] for k, q in enumerate(ps)])
+                for q in ps:
+                    q.copy_(owned.view_as(q))
 
 
 def _plain_update(opt, net, mean_over: int) -> None:
