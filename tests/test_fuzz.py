@@ -106,10 +106,13 @@ def test_drawn_keras_models_match_plain_pytorch(example):
     (Program(stages=2, ops=(Op("dropout", 1), Op("batchnorm")), optimizer="clipped",
              edits=(Edit("opt_state_edit", 0, 0), Edit("optimizer_reload", 1, 0))),
      Config(processes=2, R=2, G=3, calls=3, sharded=True)),
+    # ... and a weight each process renormalises its own way in forward: the owners' values
+    (Program(stages=2, ops=(Op("embedding_max_norm", 0),)),
+     Config(processes=2, G=3, calls=2, sharded=True)),
     # a pipeline whose first stage gets no gradient (detached): no process must hold one
     (Program(stages=2, ops=(Op("stop", 0, 0),)),
      Config(processes=2, spread="stages", G=3, calls=2)),
 ], ids=["buffers-and-draws", "weights-written-in-forward", "a-pipeline", "sharded-state",
-        "a-stage-without-gradients"])
+        "sharded-weights-written-in-forward", "a-stage-without-gradients"])
 def test_two_processes_match_plain_pytorch(program, config):
     assert check(program, config) in ("exact", "warned: W-LITE-13")
