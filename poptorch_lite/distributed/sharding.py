@@ -366,10 +366,11 @@ class Shards:
                 self.sent_bytes += (N - 1) * width * p.element_size()
                 continue
             mine = torch.zeros(width, dtype=ps[0].dtype, device=ps[0].device)
-            for p, c, at in zip(ps, chunks, offsets):
-                start, end = self._spans(p, c)
-                chunk = self._chunks.get(id(p))
-                mine[at:at + end - start] = chunk if end > start else p.reshape(-1)[start:end]
+            with torch.no_grad():  # (a weight this process owns nothing of adds nothing)
+                for p, c, at in zip(ps, chunks, offsets):
+                    start, end = self._spans(p, c)
+                    if end > start:
+                        mine[at:at + end - start] = self._chunks[id(p)]
             everyone = torch.empty(N * width, dtype=mine.dtype, device=mine.device)
             self._collective("gathering the stepped weights", _ALL_GATHER, everyone,
                              mine, group=self._group())

@@ -300,4 +300,13 @@ FOUND = [
     Found("saved_statistics_cross_processes_without_a_gradient", "input_penalty&batchnorm&processes",
           Program(stages=2, ops=(Op("input_penalty"), Op("batchnorm"))),
           Config(G=3, processes=2, spread="stages")),
+    # -- this session's first runs with the optimizer state sharded over the processes:
+    #    a Gradient___ anchor read the process's own gradient, not the reduced one the step
+    #    used (the fuzzer reads the gradients through anchors where the state is sharded);
+    #    and seed 184: a weight of one element (a PReLU's), which process 1 owns nothing
+    #    of, made its gather require grad, and gloo's all-gather failed in the step
+    Found("sharded_anchored_gradients", "sharded",
+          Program(optimizer="adam"), Config(processes=2, sharded=True)),
+    Found("sharded_weight_one_process_owns_nothing_of", "prelu&sharded",
+          Program(ops=(Op("prelu"),)), Config(processes=2, sharded=True)),
 ]
