@@ -253,8 +253,8 @@ def _state_of(optimizer: dict, indices: set) -> dict:
 def _chunks(optimizer: dict, opt, k: int, N: int) -> dict:
     """Plain PyTorch's optimizer state dict as process ``k`` of ``N`` holds it with the
     state sharded: each state tensor the shape of its weight, flattened and cut into N
-    chunks of ceil(L/N) elements, the k-th (empty past the end), with the key that says
-    whose they are (``sharding.CHUNK``); scalars whole."""
+    chunks of ceil(L/N) elements, the k-th, with the key that says whose they are
+    (``sharding.CHUNK``); scalars whole; none for a weight with no k-th chunk."""
     params = [p for g in opt.param_groups for p in g["params"]]
     state = {}
     for i, values in optimizer["state"].items():
@@ -262,6 +262,8 @@ def _chunks(optimizer: dict, opt, k: int, N: int) -> dict:
         c = -(-p.numel() // N)
         start = min(k * c, p.numel())
         end = min(start + c, p.numel())
+        if start == end:  # a weight too small to reach process k: it holds no state of it
+            continue
         state[i] = {key: v.flatten()[start:end]
                     if torch.is_tensor(v) and v.dim() > 0 and v.shape == p.shape else v
                     for key, v in values.items()}

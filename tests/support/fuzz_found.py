@@ -308,5 +308,5 @@ FOUND = [
     Found("sharded_anchored_gradients", "sharded",
           Program(optimizer="adam"), Config(processes=2, sharded=True)),
     Found("sharded_weight_one_process_owns_nothing_of", "prelu&sharded",
-          Program(ops=(Op("prelu"),)), Config(processes=2, sharded=True)),
+          Program(ops=(Op("prelu"),), optimizer="adam"), Config(processes=2, sharded=True)),
 ]
