@@ -133,6 +133,13 @@ class Channels:
             s = producer.get(name, first.get(name))  # computed, or a weight returned
             if s is not None and not name.startswith("input:"):
                 self.output_owner[name] = self.position[s]
+        # The call's arguments that a stage writes in place ([Note: edited arguments] in
+        # ``stage_work``), with the position whose stage writes each: the pipeline's other
+        # processes receive the written rows after each run, as plain PyTorch writes
+        # the argument in every process.
+        self.edited_inputs = sorted({(int(n.split(":", 1)[1]), self.position[s])
+                                     for s, st in enumerate(stages) for n in st.written_inputs
+                                     if n.startswith("input:")})
         self.counted = frozenset(n.split(":", 1)[1] for n, s in first.items()
                                  if n.startswith("param:") and self.position[s] == mine)
         # Each parameter and buffer: the position of the first process whose stage uses it.
@@ -388,6 +395,19 @@ class Channels:
         return self.layout.rank_of(self.layout.pipeline, position)
 
     # -- outputs ---------------------------------------------------------------------------
+
+    def share_edited(self, run) -> None:
+        """Broadcast the call's arguments that a stage wrote in place from the process that
+        runs it to the pipeline's others, per micro-batch (``run.edited``: each process then
+        copies them back into the caller's tensor)."""
+        me = self.layout.position
+        for key, position in self.edited_inputs:
+            for i, inputs in enumerate(run.inputs):
+                t = run.edited[i, key] if position == me else torch.empty_like(
+                    inputs[key], memory_format=torch.contiguous_format)
+                self.processes.pipeline_broadcast(
+                    t.view(torch.uint8) if t.dtype == torch.bool else t, position)
+                run.edited[i, key] = t
 
     def share_outputs(self, run, names: list, result: Callable, weights) -> None:
         """Broadcast the returned values that the end-of-run messages do not carry (weights

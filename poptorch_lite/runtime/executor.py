@@ -174,8 +174,9 @@ class Executor:
         for a, span in spans.items() if call.recorder is not None else ():  # [Note: GPU timeline]
             call.recorder.add_gpu(self._ipu(a), a.stage, a.microbatch, a.kind.value, *span,
                                   run_index)
-        if self.channels is not None:  # weights returned, values of data-dependent shape
+        if self.channels is not None:  # weights returned, values of data-dependent shape,
             self.channels.share_outputs(run, self.names, self._result, self.weights)
+            self.channels.share_edited(run)  # and the call's arguments written in place
         return self.outputs(run), run.work.stats
 
     def start_run(self, call: Call, microbatches: Sequence[Sequence[torch.Tensor]],

@@ -48,7 +48,10 @@ per call, as plain PyTorch does (the trace undoes its own write). Each micro-bat
 stage writes a copy of its rows (views of one tensor share a version counter, which
 would fail an earlier micro-batch's backward in a pipeline); the executor copies them
 back into the caller's tensor after the run, from whichever memory the stage ran in. A
-recompute starts from the value before the write, as for a written buffer.
+recompute starts from the value before the write, as for a written buffer. Where the
+pipeline spans processes, the process that runs the writing stage broadcasts the written
+rows to the others after each run (``Channels.share_edited``), since plain PyTorch writes
+the argument of every process.
 
 Recomputation: [Note: recomputation] in ``recompute``.
 """

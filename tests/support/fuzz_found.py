@@ -309,4 +309,10 @@ FOUND = [
           Program(optimizer="adam"), Config(processes=2, sharded=True)),
     Found("sharded_weight_one_process_owns_nothing_of", "prelu&sharded",
           Program(ops=(Op("prelu"),), optimizer="adam"), Config(processes=2, sharded=True)),
+    # -- seed 185: a pipeline over two processes whose first stage writes the call's
+    #    argument in place (x.mul_(0.5)): the process that runs only the second stage left
+    #    its argument as it was, where plain PyTorch writes it in every process
+    Found("argument_written_in_a_pipeline_over_processes", "input_inplace&processes",
+          Program(stages=2, ops=(Op("input_inplace"),)),
+          Config(G=3, processes=2, spread="stages")),
 ]
