@@ -74,7 +74,7 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -146,14 +146,7 @@ class Shards:
     def check_state(self, optimizer: torch.optim.Optimizer) -> None:
         """Refuse a state of chunks that are not this process's, in every process alike
         (E-OPTIM-14): one all-reduce of a flag per process ([Note: sharded optimizer state])."""
-        N, foreign = self.size, None
-        for g, group in enumerate(optimizer.param_groups):
-            for i, p in enumerate(group["params"]):
-                state = optimizer.state.get(p)
-                if foreign is None and state and _chunked(state, p):
-                    mine = (self.rank, N, *self._spans(p, math.ceil(p.numel() / N)))
-                    if state.get(CHUNK) != mine:
-                        foreign = (g, i, state.get(CHUNK), mine)
+        N, foreign = self.size, self._foreign(optimizer)
         flags = torch.zeros(N, dtype=torch.int32)
         flags[self.rank] = foreign is not None
         self._collective("agreeing that each process holds its own chunks of the state",
@@ -178,6 +171,19 @@ class Shards:
             f"state. Save with poptorch.save_checkpoint(path, model) in every process and resume "
             f"with poptorch.load_checkpoint(path, model) (every process's chunks, at any layout), "
             f"or load a whole state (one saved without useReplicatedTensorSharding)")
+
+    def _foreign(self, optimizer: torch.optim.Optimizer) -> Optional[tuple]:
+        """The first parameter whose state holds chunks that are not this process's:
+        ``(group, index, whose they say they are, this process's (rank, N, start, end))``."""
+        for g, group in enumerate(optimizer.param_groups):
+            for i, p in enumerate(group["params"]):
+                state = optimizer.state.get(p)
+                if state and _chunked(state, p):
+                    mine = (self.rank, self.size,
+                            *self._spans(p, math.ceil(p.numel() / self.size)))
+                    if state.get(CHUNK) != mine:
+                        return g, i, state.get(CHUNK), mine
+        return None
 
     def reduce_scatter(self, params: list, divisor: int) -> None:
         """Sum each gradient over the processes, this process keeping its chunk (step 1)."""

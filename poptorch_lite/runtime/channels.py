@@ -398,16 +398,21 @@ class Channels:
 
     def share_edited(self, run) -> None:
         """Broadcast the call's arguments that a stage wrote in place from the process that
-        runs it to the pipeline's others, per micro-batch (``run.edited``: each process then
-        copies them back into the caller's tensor)."""
-        me = self.layout.position
+        runs it to the pipeline's others, every micro-batch's rows in one message through
+        host memory (``run.edited``: each process then copies them back into the caller's
+        tensor)."""
+        me, n = self.layout.position, len(run.inputs)
         for key, position in self.edited_inputs:
-            for i, inputs in enumerate(run.inputs):
-                t = run.edited[i, key] if position == me else torch.empty_like(
-                    inputs[key], memory_format=torch.contiguous_format)
-                self.processes.pipeline_broadcast(
-                    t.view(torch.uint8) if t.dtype == torch.bool else t, position)
-                run.edited[i, key] = t
+            like = run.inputs[0][key]
+            if position == me:  # (the stage may have written them in a GPU's memory)
+                stacked = torch.stack([run.edited[i, key].detach() for i in range(n)]).cpu()
+            else:
+                stacked = torch.empty((n, *like.shape), dtype=like.dtype)
+            self.processes.pipeline_broadcast(
+                stacked.view(torch.uint8) if stacked.dtype == torch.bool else stacked, position)
+            if position != me:
+                for i in range(n):
+                    run.edited[i, key] = stacked[i]
 
     def share_outputs(self, run, names: list, result: Callable, weights) -> None:
         """Broadcast the returned values that the end-of-run messages do not carry (weights

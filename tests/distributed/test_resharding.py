@@ -112,3 +112,20 @@ def test_another_model_or_optimizer_is_refused_in_every_process(runs, variant):
         assert unchanged and message.endswith(
             "has layers.0.weight of shape (8, 8), the model (9, 9); wrap the same "
             "architecture"), (rank, message)
+
+
+def test_chunks_put_together_whole_lose_the_key_of_whose_they_were():
+    """A state sharded over 2 processes, put together whole for another layout: each
+    tensor is the chunks joined in order, and the key that said whose chunks they were
+    (``sharding.CHUNK``) is gone, since the state is nobody's chunk now."""
+    from types import SimpleNamespace
+
+    from poptorch_lite.checkpoint import _whole_optimizer_state
+    from poptorch_lite.distributed.sharding import CHUNK
+    layer = torch.nn.Linear(3, 1)  # a weight of 3 elements: chunks of 2 and 1
+    model = SimpleNamespace(_optimizer=torch.optim.SGD(layer.parameters(), lr=0.1))
+    pieces = [(k, {"state": {0: {"momentum_buffer": torch.arange(3.)[2 * k:2 * k + 2],
+                                 CHUNK: (k, 2, 2 * k, min(2 * k + 2, 3))}}}) for k in range(2)]
+    whole = _whole_optimizer_state("ckpt.pt", pieces, model)
+    assert list(whole[0]) == ["momentum_buffer"]
+    assert torch.equal(whole[0]["momentum_buffer"], torch.arange(3.).view(1, 3))
