@@ -1,27 +1,30 @@
 """Replication across processes: samples/s with 1 and 2 processes, and the 2-process step against DDP's.
 
-    python benchmarks/distributed.py                 # the MLP and the conv net, 3 rounds
-    python benchmarks/distributed.py --model mlp --rounds 1 --steps 3 --width 256  # quick
+    python benchmarks/distributed.py                 # the MLP and the conv net, 10 rounds
+    python benchmarks/distributed.py --model mlp --rounds 2 --steps 2 --width 256  # quick
 
 Each process trains one stage on its own data with one intra-op thread, G
 micro-batches of B rows per optimizer step (weak scaling: P processes see P times
 the samples per step): the MLP of benchmarks/pipeline.py (8 x Linear(1024)+ReLU,
-MSE) or the MNIST tutorial's conv net (NLL). The processes are started as
-torchrun would start them (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; gloo on
-loopback). A round runs, per model, the 1-process job, the 2-process job and the
-same 2-process step in plain PyTorch under torch's DistributedDataParallel (its
-Reducer: 25 MB buckets all-reduced during the backward of the last micro-batch,
-``no_sync`` for the G-1 before it; each micro-batch's loss divided by G, so the
-gradients are poptorch_lite's Mean), then poptorch_lite's 2-process job with
-the optimizer state sharded (``useReplicatedTensorSharding``: Adam's state bytes a
-process holds and the bytes its collectives send a step, against the whole state's
-and a ring all-reduce's 2(P-1)/P of the gradients), one after the other. Every
-side steps Adam (lr 1e-4). Each job reports
-samples/s over all processes after warm-up steps; the table gives each round's
-scaling (2 processes / 1, ideal 2.00 on 2 free cores) and poptorch_lite's step
-time over DDP's, then the medians and spreads. Each poptorch_lite 2-process job
-also times the gradient all-reduce alone: its buckets against one collective
-per parameter.
+MSE) or the MNIST tutorial's conv net (NLL). Every side steps Adam (lr 1e-4). The
+processes are started as torchrun would start them (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT; gloo on loopback). Per model, four jobs are started and warmed up one
+after the other, then live side by side: poptorch_lite in 1 process, poptorch_lite
+in 2, the same 2-process step in plain PyTorch under torch's
+DistributedDataParallel (its Reducer: 25 MB buckets all-reduced during the backward
+of the last micro-batch, ``no_sync`` for the G-1 before it; each micro-batch's loss
+divided by G, so the gradients are poptorch_lite's Mean), and poptorch_lite's
+2-process job with the optimizer state sharded (``useReplicatedTensorSharding``).
+A round asks each job in turn for a block of ``--steps`` steps (by default as many
+as the 2-process job takes in about a second; the order rotates by one each round) while the others wait on their pipes, as ``tax.py`` takes turns,
+so a shared machine's drift over seconds falls on all four alike. Each round's
+row gives the step times, the scaling (2 processes / 1 in samples/s, ideal 2.00 on
+2 free cores), poptorch_lite's step over DDP's beside it, and the sharded step over
+the whole state's; then the medians and spreads over the rounds. At the end the
+2-process jobs report Adam's state bytes a process holds and the bytes their
+collectives send a step (against the whole state's and a ring all-reduce's 2(P-1)/P
+of the gradients), and the 2-process job times the gradient all-reduce alone: its
+buckets against one collective per parameter.
 """
 
 import argparse
@@ -46,10 +49,11 @@ parser.add_argument("--width", type=int, default=1024, help="features of each Li
 parser.add_argument("--layers", type=int, default=8, help="Linear+ReLU layers")
 parser.add_argument("--micro-batch", type=int, default=32, help="rows per micro-batch (B)")
 parser.add_argument("--accumulation", type=int, default=8, help="micro-batches per step (G)")
-parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps per job")
+parser.add_argument("--steps", type=int, default=0,
+                    help="timed optimizer steps per block (0: about a second's worth)")
 parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-parser.add_argument("--rounds", type=int, default=3,
-                    help="rounds of (1-process, 2-process, 2-process DDP) jobs per model")
+parser.add_argument("--rounds", type=int, default=10,
+                    help="rounds per model: a block of steps from each job in turn")
 parser.add_argument("--model", choices=["mlp", "conv", "both"], default="both")
 parser.add_argument("--shard", action="store_true",
                     help=argparse.SUPPRESS)  # the worker shards the optimizer state
@@ -75,21 +79,33 @@ def step_data(args, rows):
     return torch.randn(rows, args.width), torch.randn(rows, args.width)
 
 
-def timed_steps(args, step):
+def serve(args, step, rank, final=lambda: {}):
+    """Warm up, say ready, then time a block of K steps for each line ``block K`` read on
+    stdin (every rank reads the line; the ranks meet at a barrier first) and answer with a
+    JSON line; at the end of stdin, every rank runs ``final`` and rank 0 prints its JSON."""
     for _ in range(args.warmup):
         step()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    return time.perf_counter() - start
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        steps = int(line.split()[1])
+        if dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        print(json.dumps({"step_ms": (time.perf_counter() - start) / steps * 1e3}),
+              flush=True)
+    result = final()
+    if rank == 0:
+        print(json.dumps(result), flush=True)
 
 
 def ddp_worker(args):
     """Plain PyTorch under DistributedDataParallel: G micro-batches, the all-reduce in the
-    last one's backward, one SGD step; rank 0 prints a JSON line."""
+    last one's backward, one Adam step (``serve``)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    P, rank = dist.get_world_size(), dist.get_rank()
+    rank = dist.get_rank()
     torch.manual_seed(rank)
     net = Net(args.model, args.width, args.layers)
     model = torch.nn.parallel.DistributedDataParallel(net)
@@ -105,15 +121,13 @@ def ddp_worker(args):
                 (loss / G).backward()
         optimizer.step()
 
-    elapsed = timed_steps(args, step)
-    if rank == 0:
-        print(json.dumps({"samples_per_s": B * G * P * args.steps / elapsed,
-                          "step_ms": elapsed / args.steps * 1e3}), flush=True)
+    serve(args, step, rank)
     dist.destroy_process_group()
 
 
 def worker(args):
-    """One process: time ``args.steps`` calls (one step each); rank 0 prints a JSON line."""
+    """One process of poptorch_lite: calls of one step each (``serve``); at the end, the
+    optimizer state it holds, the bytes a step sends and the all-reduce timed alone."""
     torch.set_num_threads(1)
     opts = poptorch.Options()
     opts.Training.gradientAccumulation(args.accumulation)
@@ -124,52 +138,80 @@ def worker(args):
         poptorch.TensorLocationSettings().useReplicatedTensorSharding(args.shard))
     optimizer = torch.optim.Adam(net.parameters(), lr=1e-4)
     model = poptorch.trainingModel(net, opts, optimizer)
-    rows = args.micro_batch * args.accumulation
-    x, y = step_data(args, rows)
-    elapsed = timed_steps(args, lambda: model(x, y))
-    result = {"samples_per_s": rows * P * args.steps / elapsed,
-              "step_ms": elapsed / args.steps * 1e3,
-              "state_mb": sum(v.numel() * v.element_size() for st in optimizer.state.values()
-                              for v in st.values() if torch.is_tensor(v)) / 1e6}
-    if P > 1:
-        shards = model._processes.shards(optimizer)
-        gradients = sum(p.numel() * p.element_size() for p in net.parameters())
-        result["sent_mb"] = (shards.sent_bytes if shards is not None else  # a ring all-reduce
-                             2 * (P - 1) / P * gradients) / 1e6
-    if P > 1 and not args.shard:
-        replicas = model._processes
-        params = dict(net.named_parameters())
-        for p in params.values():  # a step's gradients (the host's .grad are the user's)
-            p.grad = torch.randn_like(p)
-        grads = [p.grad for p in params.values()]
+    x, y = step_data(args, args.micro_batch * args.accumulation)
 
-        def timed(fn, repeats=5):
-            dist.barrier()
-            t = time.perf_counter()
-            for _ in range(repeats):
-                fn()
-            return (time.perf_counter() - t) / repeats * 1e3
+    def final():
+        result = {"state_mb": sum(v.numel() * v.element_size()
+                                  for st in optimizer.state.values()
+                                  for v in st.values() if torch.is_tensor(v)) / 1e6}
+        if P > 1:
+            shards = model._processes.shards(optimizer)
+            gradients = sum(p.numel() * p.element_size() for p in net.parameters())
+            result["sent_mb"] = (shards.sent_bytes if shards is not None else  # a ring
+                                 2 * (P - 1) / P * gradients) / 1e6  # all-reduce
+        if P > 1 and not args.shard:
+            replicas = model._processes
+            params = dict(net.named_parameters())
+            for p in params.values():  # a step's gradients (the host's .grad are the user's)
+                p.grad = torch.randn_like(p)
+            grads = [p.grad for p in params.values()]
 
-        result["bucketed_ms"] = timed(lambda: replicas.all_reduce_grads(params))
-        result["per_parameter_ms"] = timed(lambda: [dist.all_reduce(g) for g in grads])
-    if rank == 0:
-        print(json.dumps(result), flush=True)
+            def timed(fn, repeats=5):
+                dist.barrier()
+                t = time.perf_counter()
+                for _ in range(repeats):
+                    fn()
+                return (time.perf_counter() - t) / repeats * 1e3
+
+            result["bucketed_ms"] = timed(lambda: replicas.all_reduce_grads(params))
+            result["per_parameter_ms"] = timed(lambda: [dist.all_reduce(g) for g in grads])
+        return result
+
+    serve(args, lambda: model(x, y), rank, final)
 
 
-def job(P, argv, side="lite"):
-    """Run the ``side`` worker in P processes; rank 0's result."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "WORLD_SIZE": str(P), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", side, *argv],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, text=True) for r in range(P)]
-    out = [p.communicate()[0] for p in procs]
-    if any(p.returncode for p in procs):
-        sys.exit(f"a {P}-process {side} job failed")
-    return json.loads(out[0])
+class Job:
+    """A ``--serve`` worker in each of P processes (torchrun's variables, gloo on loopback),
+    warmed up; ``block()`` times a block of steps in all of them (rank 0's step in ms),
+    ``close()`` ends them and returns rank 0's final report."""
+
+    def __init__(self, P, argv, side="lite"):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "WORLD_SIZE": str(P), "OMP_NUM_THREADS": "1"}
+        self.name = f"the {P}-process {side} job"
+        self.procs = [subprocess.Popen([sys.executable, __file__, "--worker", side, *argv],
+                                       env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                      for r in range(P)]
+        self._answers()  # warmed up (the next job starts after)
+
+    def _answers(self) -> list:
+        lines = [p.stdout.readline() for p in self.procs]
+        if not all(lines):
+            self.kill()
+            sys.exit(f"{self.name} failed (exit codes {[p.wait() for p in self.procs]})")
+        return [json.loads(line) for line in lines]
+
+    def block(self, steps: int) -> float:
+        for p in self.procs:
+            p.stdin.write(f"block {steps}\n")
+            p.stdin.flush()
+        return self._answers()[0]["step_ms"]
+
+    def close(self) -> dict:
+        for p in self.procs:
+            p.stdin.close()
+        out = self.procs[0].stdout.read()
+        if any(p.wait() for p in self.procs):
+            sys.exit(f"{self.name} failed at its end")
+        return json.loads(out)
+
+    def kill(self):
+        for p in self.procs:
+            p.kill()
 
 
 def spread(values, fmt="{:.2f}"):
@@ -185,25 +227,39 @@ def main():
     models = ["mlp", "conv"] if args.model == "both" else [args.model]
     argv = [a for a in sys.argv[1:]]
     print(f"torch {torch.__version__}; G = {args.accumulation}, B = {args.micro_batch}, "
-          f"{args.steps} timed steps per job after {args.warmup}", flush=True)
+          f"{args.rounds} rounds of a block of {args.steps or 'about a second of'} timed steps "
+          f"per job after {args.warmup}", flush=True)
     for model in models:
         rest = [a for a in argv if a not in ("--model", args.model)] + ["--model", model]
-        scaling, against, sharded = [], [], []
-        for r in range(args.rounds):
-            one, two, ddp = job(1, rest), job(2, rest), job(2, rest, "ddp")
-            shard = job(2, rest + ["--shard"])
-            scaling.append(two["samples_per_s"] / one["samples_per_s"])
-            against.append(two["step_ms"] / ddp["step_ms"])
-            sharded.append(shard["step_ms"] / two["step_ms"])
-            print(f"{model} round {r + 1}: 1 process {one['samples_per_s']:.0f} samples/s, "
-                  f"2 processes {two['samples_per_s']:.0f} ({scaling[-1]:.2f}x); step "
-                  f"{two['step_ms']:.1f} ms, DDP {ddp['step_ms']:.1f} ms "
-                  f"({against[-1]:.2f}x DDP); all-reduce {two['bucketed_ms']:.1f} ms bucketed, "
-                  f"{two['per_parameter_ms']:.1f} ms per parameter; sharded state: step "
-                  f"{shard['step_ms']:.1f} ms ({sharded[-1]:.2f}x), Adam's state "
-                  f"{shard['state_mb']:.4g} MB a process against {two['state_mb']:.4g} MB, sent "
-                  f"{shard['sent_mb']:.4g} MB a step against the all-reduce's "
-                  f"{two['sent_mb']:.4g} MB", flush=True)
+        jobs = {}
+        try:
+            for name, P, extra in (("one", 1, ()), ("two", 2, ()), ("ddp", 2, ("ddp",)),
+                                   ("shard", 2, ())):
+                jobs[name] = Job(P, rest + (["--shard"] if name == "shard" else []), *extra)
+            scaling, against, sharded = [], [], []
+            names = list(jobs)
+            steps = args.steps or max(1, round(1000 / jobs["two"].block(1)))
+            print(f"{model}: blocks of {steps} steps", flush=True)
+            for r in range(args.rounds):  # the order rotates: no job always follows another
+                step = {}
+                for name in names[r % 4:] + names[:r % 4]:
+                    step[name] = jobs[name].block(steps)
+                scaling.append(2 * step["one"] / step["two"])  # samples/s, 2 processes / 1
+                against.append(step["two"] / step["ddp"])
+                sharded.append(step["shard"] / step["two"])
+                print(f"{model} round {r + 1}: step ms 1 process {step['one']:.1f}, 2 processes "
+                      f"{step['two']:.1f} (scaling {scaling[-1]:.2f}x), DDP {step['ddp']:.1f} "
+                      f"({against[-1]:.2f}x DDP), sharded state {step['shard']:.1f} "
+                      f"({sharded[-1]:.2f}x)", flush=True)
+            two, shard = jobs.pop("two").close(), jobs.pop("shard").close()
+        finally:
+            for job in jobs.values():
+                job.kill()
+        print(f"{model}: all-reduce {two['bucketed_ms']:.1f} ms bucketed, "
+              f"{two['per_parameter_ms']:.1f} ms per parameter; sharded state: Adam's state "
+              f"{shard['state_mb']:.4g} MB a process against {two['state_mb']:.4g} MB, sent "
+              f"{shard['sent_mb']:.4g} MB a step against the all-reduce's "
+              f"{two['sent_mb']:.4g} MB", flush=True)
         print(f"{model} median (min-max) of {args.rounds}: scaling {spread(scaling)}x "
               f"(ideal 2.00x), poptorch_lite's 2-process step / DDP's {spread(against)}x, "
               f"sharded / whole state {spread(sharded)}x", flush=True)

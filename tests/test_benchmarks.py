@@ -16,25 +16,32 @@ from patience import limit
 BENCH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-def test_distributed_runs_one_round_of_each_job_and_prints_the_ratio_to_ddp():
-    """benchmarks/distributed.py on a tiny MLP: one round of the 1-process, 2-process,
-    2-process DDP and 2-process sharded jobs; its row and the medians (timings are not
-    checked). Adam's two moments of the 2 × 16 × 17 weights, and 4 step counts: a process
-    holds half the moments and every count; it sends the all-reduce's bytes (no padding)."""
+def test_distributed_runs_rounds_of_each_job_in_turn_and_prints_the_ratio_to_ddp():
+    """benchmarks/distributed.py on a tiny MLP: the 1-process, 2-process, 2-process DDP
+    and 2-process sharded jobs take turns for 2 rounds of a block of 1 step; the rows and
+    the medians (timings are not checked). Adam's two moments of the 2 × 16 × 17 weights,
+    and 4 step counts: a process holds half the moments and every count; it sends the
+    all-reduce's bytes (no padding)."""
     done = subprocess.run([sys.executable, str(BENCH / "distributed.py"), "--model", "mlp",
-                           "--width", "16", "--layers", "2", "--rounds", "1", "--steps", "1",
+                           "--width", "16", "--layers", "2", "--rounds", "2", "--steps", "1",
                            "--warmup", "1"], capture_output=True, text=True,
                           timeout=limit(300))
     assert done.returncode == 0, done.stderr
-    header, row, medians = done.stdout.strip().splitlines()
-    assert header == f"torch {torch.__version__}; G = 8, B = 32, 1 timed steps per job after 1"
-    assert row.startswith("mlp round 1: 1 process ") and " DDP " in row
+    header, blocks, *rows, totals, medians = done.stdout.strip().splitlines()
+    assert header == (f"torch {torch.__version__}; G = 8, B = 32, 2 rounds of a block of 1 "
+                      f"timed steps per job after 1")
+    assert blocks == "mlp: blocks of 1 steps"
+    assert [row.split(":")[0] for row in rows] == ["mlp round 1", "mlp round 2"]
+    assert all(" 2 processes " in row and "x DDP), sharded state " in row for row in rows)
     weights = 2 * 16 * 17 * 4  # bytes
-    assert (f"Adam's state {(weights + 16) / 1e6:.4g} MB a process against "
-            f"{(2 * weights + 16) / 1e6:.4g} MB, sent {weights / 1e6:.4g} MB a step against the "
-            f"all-reduce's {weights / 1e6:.4g} MB") in row
-    assert medians.startswith("mlp median (min-max) of 1: scaling ")
-    assert medians.split("poptorch_lite's 2-process step / DDP's ")[1].endswith("x")
+    assert totals.startswith("mlp: all-reduce ")
+    assert totals.endswith(
+        f"Adam's state {(weights + 16) / 1e6:.4g} MB a process against "
+        f"{(2 * weights + 16) / 1e6:.4g} MB, sent {weights / 1e6:.4g} MB a step against the "
+        f"all-reduce's {weights / 1e6:.4g} MB")
+    assert medians.startswith("mlp median (min-max) of 2: scaling ")
+    assert medians.split("poptorch_lite's 2-process step / DDP's ")[1].split("x")[0].count(
+        "(") == 1
 
 
 def test_process_groups_counts_each_orders_groups_and_host_traffic():

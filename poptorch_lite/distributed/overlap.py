@@ -21,7 +21,9 @@ backward goes on. This does the same:
   place as there) once it and every bucket before it are ready, so every process launches
   the buckets in the same order whatever the order its stages' threads finish in (buckets
   in the order of their last parameter);
-- with the last bucket goes one small all-reduce of which parameters got a gradient here;
+- with the last bucket goes which parameters got a gradient here: in its all-reduce, after
+  its gradients, where that bucket is a flat copy of a float32 or float64 sum (one
+  collective a step, as DDP's), else as one small all-reduce beside it;
 - the update launches the buckets not launched yet (a parameter that got no gradient here
   gives zeros), waits for every bucket, divides by the processes for Mean, leaves a
   parameter that got no gradient in any process without one (as without overlap), and
@@ -57,8 +59,9 @@ class Overlap:
         group: () -> the process group of the replicas (None: every process).
         collective: ``(what, fn, *args, **kwargs)`` -> ``fn``'s result (a work, or a wait's),
             raising the processes' error.
-        reducer: ``launch(bucket) -> handle`` starts a bucket's collective and
-            ``land(handles, divisor, absent)`` finishes them in order: the processes'
+        reducer: ``launch(bucket[, flags]) -> handle`` starts a bucket's collective (with
+            ``flags`` summed after its gradients where ``carries(bucket)``) and
+            ``land(handles, divisor[, absent])`` finishes them in order: the processes'
             all-reduce, or the sharded state's ``Shards`` (its reduce-scatter).
     """
 
@@ -135,10 +138,18 @@ class Overlap:
                     p.grad = torch.zeros_like(p)
                 else:
                     self._had.add(id(p))
-        self._launched.append(self.reducer.launch(bucket))
-        if len(self._launched) == len(self.buckets):  # beside the last bucket, not after it
-            flags = torch.tensor([id(p) in self._had for p in self.params.values()],
-                                 dtype=torch.int32)
+        if len(self._launched) < len(self.buckets) - 1:
+            self._launched.append(self.reducer.launch(bucket))
+            return
+        # The last bucket: the flags of the parameters that had a gradient here ride in it
+        # where the reducer can carry them, else go beside it (not after it).
+        flags = torch.tensor([id(p) in self._had for p in self.params.values()],
+                             dtype=torch.int32)
+        if self.reducer.carries(bucket):
+            self._launched.append(self.reducer.launch(bucket, flags))
+            self._present = (None, flags)
+        else:
+            self._launched.append(self.reducer.launch(bucket))
             self._present = (_all_reduce(flags, self._group, self._collective), flags)
 
     def finish(self, divisor: int) -> None:
@@ -149,11 +160,16 @@ class Overlap:
                 self._launch()
             self.active = False
         work, flags = self._present
-        self._collective("the gradient all-reduce", work.wait)
+        with torch.no_grad():
+            if work is None:  # the flags rode in the last bucket: summed when it lands
+                self.reducer.land(self._launched, divisor)
+            else:
+                self._collective("the gradient all-reduce", work.wait)
         absent = frozenset(id(p) for p, anywhere in zip(self.params.values(), flags.tolist())
                            if not anywhere)
-        with torch.no_grad():
-            self.reducer.land(self._launched, divisor, absent)
+        if work is not None:
+            with torch.no_grad():
+                self.reducer.land(self._launched, divisor, absent)
         for p in self.params.values():
             if id(p) in absent:
                 p.grad = None

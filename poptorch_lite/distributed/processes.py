@@ -582,18 +582,33 @@ class _AllReduce:
     def __init__(self, processes: Processes):
         self._processes = processes
 
-    def launch(self, bucket: list) -> tuple:
+    def carries(self, bucket: list) -> bool:
+        """Whether the flags of the weights that had a gradient can ride in ``bucket``'s
+        all-reduce (its flat copy made anyway, of a dtype whose sums of 0 and 1 over the
+        processes are exact), saving a collective a step."""
+        return bucket[0].dtype in (torch.float32, torch.float64) and (
+            len(bucket) > 1 or bucket[0].numel() * bucket[0].element_size() < ALONE_BYTES)
+
+    def launch(self, bucket: list, flags: Optional[torch.Tensor] = None) -> tuple:
+        """Start the sum of ``bucket``'s gradients, and of ``flags`` after them where
+        :meth:`carries` allowed it."""
         grads = [p.grad for p in bucket]
         with torch.no_grad():
-            flat = _flat(grads)
+            flat = _flat(grads) if flags is None else torch.cat(
+                [*(g.reshape(-1) for g in grads), flags.to(grads[0].dtype)])
         work = self._processes._collective("the gradient all-reduce", dist.all_reduce, flat,
                                            group=self._processes._replicas_group(),
                                            async_op=True)
-        return work, flat, grads
+        return work, flat, grads, flags
 
-    def land(self, launched: list, divisor: int, absent: frozenset) -> None:
-        for work, flat, grads in launched:
+    def land(self, launched: list, divisor: int, absent: frozenset = frozenset()) -> None:
+        """Wait for the buckets in order; divide, and copy each flat sum back (the flags
+        that rode in one, summed, into ``flags``)."""
+        for work, flat, grads, flags in launched:
             self._processes._collective("the gradient all-reduce", work.wait)
+            if flags is not None:
+                flags.copy_(flat[-flags.numel():])
+                flat = flat[:-flags.numel()]
             if divisor != 1:
                 flat.div_(divisor)
             _unflat(flat, grads)

@@ -197,6 +197,11 @@ class Shards:
         small = [p for p in params if not self._alone(p)]
         return [[p] for p in params if self._alone(p)] + (make_buckets(small) if small else [])
 
+    def carries(self, ps: list) -> bool:
+        """No flags ride in a reduce-scatter: each process would get a chunk of them
+        ([Note: overlapped all-reduce] sends them in their own all-reduce)."""
+        return False
+
     def launch(self, ps: list) -> tuple:
         """Start the reduce-scatter of the gradients of ``ps`` (one dtype and device)."""
         N = self.size

@@ -40,7 +40,8 @@ def test_buckets_go_while_the_backward_runs(runs):
     """Every bucket goes before the update, in every step where the overlap applies: the
     three 1.4 MB weights each alone, the small tensors together; the first (the last layer's
     weight) while the backward has made the final gradients of the head and that layer only;
-    a frozen layer's weight is in no bucket; a weight that gets no gradient holds its bucket
+    a frozen layer's weight is in no bucket (a frozen first weight: three buckets, the
+    small tensors' last); a weight that gets no gradient holds its bucket
     back to the update, and keeps no gradient; the sharded state's reduce-scatter goes the
     same way; an accumulator of another dtype keeps the all-reduce in the update."""
     for result in runs:
@@ -50,6 +51,8 @@ def test_buckets_go_while_the_backward_runs(runs):
                 assert early == [None] * script.STEPS, name
             elif name == "frozen-layer":
                 assert early == [(3, 3, 4, 6)] * script.STEPS, name
+            elif name == "frozen-first-weight":  # the small tensors' bucket goes last
+                assert early == [(3, 3, 4, 7)] * script.STEPS, name
             elif name == "a-weight-without-gradient":  # its bucket (the small one) goes last
                 assert early == [(3, 4, 4, 9)] * script.STEPS, name
             elif name == "compiled-stages":  # AOTAutograd's backward hands out every
@@ -61,6 +64,23 @@ def test_buckets_go_while_the_backward_runs(runs):
         # destroy() takes the hooks off the user's parameters
         assert all(result[name][0]["hooks_left"] == 0 for name in script.CONFIGS)
         assert result["a-weight-without-gradient"][0]["grads"]["offset"] is None
+
+
+def test_the_flags_ride_in_the_last_bucket_where_it_is_a_flat_copy(runs):
+    """Which weights had a gradient is summed after the last bucket's gradients in its own
+    all-reduce (one collective a step, as DDP's) where that bucket is the small tensors'
+    flat copy: a frozen first weight puts the biases' bucket last; a weight without a
+    gradient holds it back to the update, and is found absent from the carried flags (the
+    numbers are checked above). Where a 1.4 MB weight goes last, reduced in place, or the
+    reduce-scatter of the sharded state, the flags go in an all-reduce of their own."""
+    carrying = {"frozen-first-weight", "a-weight-without-gradient"}
+    for result in runs:
+        for name in script.CONFIGS:
+            carried = result[name][0]["carried"]
+            if name in NOT_OVERLAPPED:
+                assert carried == [None] * script.STEPS, name
+            else:
+                assert carried == [name in carrying] * script.STEPS, name
 
 
 def test_which_parameters_are_overlapped_and_in_what_order():

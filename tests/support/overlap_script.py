@@ -9,7 +9,8 @@ weights on this process's data twice: as poptorch_lite runs it, then with the ov
 switched off (the update all-reduces every gradient after the backward). Writes
 ``OUT_DIR/rank<r>.pt``: per configuration both runs' losses and final weights and gradients,
 and per step of the first run how many buckets were launched before the update, how many
-there are, and how many of the parameters were final when the first one was launched.
+there are, how many of the parameters were final when the first one was launched, and
+whether the flags of the weights that had a gradient rode in the last bucket's all-reduce.
 """
 
 import os
@@ -18,6 +19,7 @@ import sys
 import torch
 
 import poptorch_lite as poptorch
+from poptorch_lite.distributed import overlap
 from poptorch_lite.distributed.overlap import Overlap
 from poptorch_lite.runtime.update import Update
 
@@ -32,6 +34,7 @@ CONFIGS = {
     "replicas-recomputed-adam": (2, 4, 2, {"pipelined": True, "recompute": True}, "adam"),
     "loss-scaling-sum": (1, 3, 1, {"als": True, "sum": True}, "sgd"),
     "frozen-layer": (1, 2, 1, {"frozen": True}, "adam"),
+    "frozen-first-weight": (1, 2, 1, {"frozen_first": True}, "sgd"),
     "a-weight-without-gradient": (1, 2, 1, {"detached": True}, "adam"),
     "compiled-stages": (2, 4, 1, {"pipelined": True, "compiled": True}, "adam"),
     "sharded": (1, 2, 1, {"sharded": True}, "adam"),
@@ -59,6 +62,8 @@ def wrap(name):
     model = Detached() if extra.get("detached") else BlockMLP(blocks, width=WIDTH)
     if extra.get("frozen"):
         model.layers[1].requires_grad_(False)
+    if extra.get("frozen_first"):  # the small tensors' bucket goes last, flags in it
+        model.layers[0].weight.requires_grad_(False)
     opts = poptorch.Options().deviceIterations(1).replicationFactor(R)
     opts.Training.gradientAccumulation(G)
     if extra.get("pipelined"):
@@ -89,28 +94,38 @@ def wrap(name):
 def train(name, rank):
     _, G, R, *_ = CONFIGS[name]
     model, wrapped = wrap(name)
-    losses, early = [], []
+    losses, early, carried = [], [], []
     for step in range(STEPS):
         x, y = data(B * G * R, width=WIDTH, seed=100 * step + rank)
         losses.append(wrapped(x, y)[1].clone())
         early.append(EARLY.pop() if EARLY else None)
+        carried.append(CARRIED.pop() if CARRIED else None)
     wrapped.copyWeightsToHost()
     grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     wrapped.destroy()
     hooks = sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
     return {"losses": losses, "weights": weights, "grads": grads, "early": early,
-            "hooks_left": hooks}
+            "carried": carried, "hooks_left": hooks}
 
 
 EARLY = []  # (buckets launched before the update, buckets, parameters final at the first
 FIRST = []  # launch, parameters) of the last step
-_finish, _launch = Overlap.finish, Overlap._launch
+CARRIED = []  # whether the flags of the weights with a gradient rode in the last bucket
+FLAGS_SENT = []  # the flags' own all-reduces in a step
+_finish, _launch, _flags = Overlap.finish, Overlap._launch, overlap._all_reduce
 
 
 def _recording_finish(self, divisor):
     EARLY.append((len(self._launched), len(self.buckets), *FIRST.pop()))
-    return _finish(self, divisor)
+    _finish(self, divisor)
+    CARRIED.append(not FLAGS_SENT)
+    FLAGS_SENT.clear()
+
+
+def _recording_flags(*args):
+    FLAGS_SENT.append(True)
+    return _flags(*args)
 
 
 def _recording_launch(self):
@@ -122,6 +137,7 @@ def _recording_launch(self):
 def main(out):
     rank = int(os.environ["RANK"])
     Overlap.finish, Overlap._launch = _recording_finish, _recording_launch
+    overlap._all_reduce = _recording_flags
     results = {}
     for name in CONFIGS:
         overlapped = train(name, rank)
