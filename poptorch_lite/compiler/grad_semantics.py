@@ -22,12 +22,14 @@ training trace keeps them, and the stages replay them as plain PyTorch ran them:
   output for the backward, and when a backward the forward runs itself unpacks it, it
   records ``aten.detach`` too, but the value it unpacks is the op's output again, with its
   history. So a detach that only detaches read (an output autograd saved) and the
-  detaches of it (its unpackings) replay as aliases, with grad (a saved-tensor hook, as
+  detaches of it (its unpackings) replay as the value itself, with its history and no
+  node between, as plain PyTorch unpacks it (a saved-tensor hook, as
   ``torch.utils.checkpoint``'s recomputation sets, packs under no grad;
   :func:`autograd_detaches_pass`; the model's own, :func:`traced_detach` and ``.data``,
   never count): a gradient penalty
   (``torch.autograd.grad(..., create_graph=True)`` in the forward, as in WGAN-GP) is then
-  differentiated through the activations its inner backward read, as plain PyTorch does.
+  differentiated through the activations its inner backward read, as plain PyTorch does,
+  summing the gradients that reach each of them in plain PyTorch's order.
 - **Custom Functions.** ``Function.apply`` is one node of the graph that calls the
   Function at run time (:func:`traced_apply`), so its own forward and backward run, and
   ``ctx`` is its own. Its arguments are tensors of the trace and constants; a module or
@@ -241,19 +243,23 @@ def traced_detach(func, args: tuple, kwargs: dict):
 
 
 def autograd_detaches_pass(gm: fx.GraphModule) -> None:
-    """Replay as aliases the detaches that autograd recorded, not the model's code
-    ([Note: gradients the forward shapes]): an output it saved for a backward (a detach
-    that only detaches feed on) and each unpacking of it (a detach of that detach)."""
+    """Replay as the values themselves the detaches that autograd recorded, not the model's
+    code ([Note: gradients the forward shapes]): an output it saved for a backward (a detach
+    that only detaches feed on) and each unpacking of it (a detach of that detach). Plain
+    PyTorch's unpacking gives the saved value with its own history, no node between: a node
+    between would change the order in which a second-order backward sums the gradients that
+    reach the value (bfloat16 rounds differently; fuzzer seed 186)."""
     detach = torch.ops.aten.detach.default
 
     def autograd_s(n) -> bool:
         return isinstance(n, fx.Node) and n.target is detach and not n.meta.get("stops")
-    saved = {n for n in gm.graph.nodes if autograd_s(n) and n.users
-             and all(autograd_s(u) for u in n.users)}
+    saved = [n for n in gm.graph.nodes if autograd_s(n) and n.users
+             and all(autograd_s(u) for u in n.users)]
     for n in saved:
-        for unpacked in (n, *n.users):
-            unpacked.target = torch.ops.aten.alias.default
-            unpacked.meta["grad_enabled"] = True  # a saved-tensor hook packs without grad
+        for unpacked in list(n.users):
+            unpacked.replace_all_uses_with(n.args[0])
+            gm.graph.erase_node(unpacked)
+        gm.graph.erase_node(n)
     if saved:
         gm.recompile()
 

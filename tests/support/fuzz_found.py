@@ -315,4 +315,9 @@ FOUND = [
     Found("argument_written_in_a_pipeline_over_processes", "input_inplace&processes",
           Program(stages=2, ops=(Op("input_inplace"),)),
           Config(G=3, processes=2, spread="stages")),
+    # -- seed 186: a gradient penalty over a gather, in bfloat16: the traced backward read
+    #    each value autograd saved through an alias node, which moved the order in which the
+    #    second-order backward summed the three gradients reaching the tanh's output
+    Found("second_order_sums_in_plain_order", "input_penalty&gather&bfloat16",
+          Program(ops=(Op("input_penalty"), Op("gather"))), Config(dtype="bfloat16")),
 ]
