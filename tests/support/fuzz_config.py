@@ -137,23 +137,14 @@ class Config:
         A gradient the forward takes through ``torch.utils.checkpoint`` is not bit for bit
         either: the trace's inner backward reads the recomputed values, so the second-order
         gradient reaches their inputs through the recomputation's ops rather than the
-        forward's, and autograd sums it in another order (the values are the same); so does
-        an input's gradient penalty whose first layer is reached by another path too (not
-        yet explained: 1 ulp). On CUDA
+        forward's, and autograd sums it in another order (the values are the same). On CUDA
         the plain side computes on the GPU too, held to the float32 rule (not yet checked
         to the bit on a GPU)."""
         kinds = {o.kind for o in program.ops}
         through_checkpoint = "checkpoint" in kinds and kinds & {"penalty", "saliency",
                                                                 "input_penalty"}
-        # an input's gradient penalty with another path to the first layer's weight (a
-        # residual, a LayerNorm's, a GroupNorm's or a convolution's backward): the
-        # second-order terms meet there in another order (1 ulp; 1.1e-16 in float64), the
-        # same values
-        input_second_order = "input_penalty" in kinds and kinds & {"skip", "split_skip",
-                                                                   "transpose_skip", "layernorm",
-                                                                   "group_norm", "conv"}
         if program.stages == 1 and self.G * self.R * self.processes == 1 and not self.compiled \
-                and not through_checkpoint and not input_second_order \
+                and not through_checkpoint \
                 and self.device != "cuda":
             return 0.0
         if self.compiled and self.backend == "inductor":  # fused kernels reassociate sums

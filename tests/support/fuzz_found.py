@@ -227,7 +227,8 @@ FOUND = [
           Program(ops=(Op("tensor_counter"),)), Config()),
     # -- seed 141: an input's penalty with Python's random drawn in a program the temperature
     #    keys (the oracle replayed the old draw); seed 143: an input's penalty through a
-    #    LayerNorm sums its second-order terms in another order (1 ulp, the float rule)
+    #    LayerNorm summed its second-order terms in another order (1 ulp; to the bit since
+    #    seed 186's fix, below)
     Found("python_draw_in_a_program_an_attribute_keys", "python_random&temperature&anneal",
           Program(stages=2, ops=(Op("python_random"), Op("temperature")),
                   edits=(Edit("anneal"),)), Config(G=3)),
@@ -320,4 +321,11 @@ FOUND = [
     #    second-order backward summed the three gradients reaching the tanh's output
     Found("second_order_sums_in_plain_order", "input_penalty&gather&bfloat16",
           Program(ops=(Op("input_penalty"), Op("gather"))), Config(dtype="bfloat16")),
+    #    the same fix explained the 1 ulp that an input's penalty with a second path to the
+    #    first layer (a residual, a LayerNorm, a GroupNorm, a convolution) was allowed:
+    #    those are now checked to the bit
+    Found("input_penalty_with_a_residual_to_the_bit", "input_penalty&skip",
+          Program(ops=(Op("input_penalty"), Op("skip"))), Config()),
+    Found("input_penalty_with_a_convolution_to_the_bit", "input_penalty&conv&float64",
+          Program(ops=(Op("input_penalty"), Op("conv"))), Config(dtype="float64", calls=3)),
 ]
