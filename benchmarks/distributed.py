@@ -16,8 +16,9 @@ of the last micro-batch, ``no_sync`` for the G-1 before it; each micro-batch's l
 divided by G, so the gradients are poptorch_lite's Mean), and poptorch_lite's
 2-process job with the optimizer state sharded (``useReplicatedTensorSharding``).
 A round asks each job in turn for a block of ``--steps`` steps (by default as many
-as the 2-process job takes in about a second; the order rotates by one each round) while the others wait on their pipes, as ``tax.py`` takes turns,
-so a shared machine's drift over seconds falls on all four alike. Each round's
+as the 2-process job takes in about a second; the order rotates by one each round)
+while the others wait on their pipes, as ``tax.py`` takes turns, so a shared
+machine's drift over seconds falls on all four alike. Each round's
 row gives the step times, the scaling (2 processes / 1 in samples/s, ideal 2.00 on
 2 free cores), poptorch_lite's step over DDP's beside it, and the sharded step over
 the whole state's; then the medians and spreads over the rounds. At the end the

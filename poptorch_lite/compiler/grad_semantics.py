@@ -255,11 +255,11 @@ def autograd_detaches_pass(gm: fx.GraphModule) -> None:
         return isinstance(n, fx.Node) and n.target is detach and not n.meta.get("stops")
     saved = [n for n in gm.graph.nodes if autograd_s(n) and n.users
              and all(autograd_s(u) for u in n.users)]
-    for n in saved:
-        for unpacked in list(n.users):
-            unpacked.replace_all_uses_with(n.args[0])
-            gm.graph.erase_node(unpacked)
-        gm.graph.erase_node(n)
+    gone = {*saved, *(u for n in saved for u in n.users)}
+    for n in reversed(gm.graph.nodes):  # an unpacking before what it unpacks
+        if n in gone:
+            n.replace_all_uses_with(n.args[0])
+            gm.graph.erase_node(n)
     if saved:
         gm.recompile()
 

@@ -594,8 +594,8 @@ class _AllReduce:
         :meth:`carries` allowed it."""
         grads = [p.grad for p in bucket]
         with torch.no_grad():
-            flat = _flat(grads) if flags is None else torch.cat(
-                [*(g.reshape(-1) for g in grads), flags.to(grads[0].dtype)])
+            flat = _flat(grads) if flags is None else _flatten_dense_tensors(
+                [*grads, flags.to(grads[0].dtype)])
         work = self._processes._collective("the gradient all-reduce", dist.all_reduce, flat,
                                            group=self._processes._replicas_group(),
                                            async_op=True)
