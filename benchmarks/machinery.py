@@ -2,6 +2,7 @@
 
     python benchmarks/machinery.py                  # the tiny model and the tutorial conv net
     python benchmarks/machinery.py --model tiny --rounds 150 --timers
+    python benchmarks/machinery.py --model conv --conv16 --rounds 1500   # tax.py's conv16, + lean
 
 A one-stage model at deviceIterations 50 (micro-batch 8, SGD, dropout) runs three ways in one
 process, one intra-op thread, in interleaved rounds: ``plain`` (the module, as tax.py's plain
@@ -12,14 +13,29 @@ arithmetic: the run's setup, dispatch and bookkeeping ([Note: one setup per call
 ``runtime/plan.py``). With ``--timers``, timers around ``Program.run``, ``Executor.run_call``,
 ``Executor._run_here`` and the action handlers split that per layer (the timers cost about a
 microsecond each). Medians per optimizer step over the rounds.
+
+With ``--conv16`` the shape is ``tax.py``'s conv16 (micro-batch 16, one step per call, SGD
+with momentum 0.9), and a fourth way runs: ``lean``, the wrapped model's own program called
+through the per-call mechanisms the runtime keeps and none of its layers (issue 47 F): the
+input signature, the attribute and host-edit checks, collection paused, grad mode, the
+Ctrl-C handler, the host gradients kept, the random snapshot, base and stream, and the step
+bound to the homes. It is a measurement, not a runtime: it leaves out what the one-stage
+step here does not use (the per-run undo of buffers, the timeline, the stash's byte counts,
+the outputs' merge), and it checks first that one lean call and one wrapped call, from the
+same state, leave the same weights and momenta, to the bit. ``lean - bare`` is the
+mechanisms' cost; ``lite - lean`` the layers'.
 """
 
+import _signal
 import argparse
 import collections
 import copy
+import gc
 import os
+import signal
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -30,9 +46,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import poptorch_lite as poptorch  # noqa: E402
 from poptorch_lite.compiler import rng  # noqa: E402
+from poptorch_lite.compiler.casting import ambient_autocast  # noqa: E402
 from poptorch_lite.runtime import executor, program, stage_work, update  # noqa: E402
+from poptorch_lite.runtime.split_backward import run_backward  # noqa: E402
 
-D, B = 50, 8
+D, B, MOMENTUM = 50, 8, 0.0
 
 
 class Tiny(nn.Module):
@@ -77,7 +95,13 @@ def main():
     parser.add_argument("--model", choices=["tiny", "conv", "all"], default="all")
     parser.add_argument("--rounds", type=int, default=60, help="interleaved rounds")
     parser.add_argument("--timers", action="store_true", help="time the runtime's layers")
+    parser.add_argument("--conv16", action="store_true",
+                        help="tax.py's conv16 shape (micro-batch 16, one step per call, "
+                             "momentum 0.9), and the lean side")
     args = parser.parse_args()
+    global D, B, MOMENTUM
+    if args.conv16:
+        D, B, MOMENTUM = 1, 16, 0.9
     torch.set_num_threads(1)
     if args.timers:  # before any wrapper exists: the executors bind the handlers
         for owner, name in ((program.Program, "run"), (executor.Executor, "run_call"),
@@ -92,7 +116,8 @@ def main():
 def measure(name, rounds, timers):
     model, x, y = build(name)
     lite_model, bare_model = copy.deepcopy(model), copy.deepcopy(model)
-    sgd = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (model, lite_model, bare_model)]
+    sgd = [torch.optim.SGD(m.parameters(), lr=0.01, momentum=MOMENTUM)
+           for m in (model, lite_model, bare_model)]
     wrapped = poptorch.trainingModel(lite_model, poptorch.Options().deviceIterations(D), sgd[1])
     wrapped(x, y)
     stage = next(iter(wrapped._programs.values())).partition.stages[0]
@@ -106,19 +131,24 @@ def measure(name, rounds, timers):
             loss.backward()
             sgd[0].step()
 
+    args = [None if n in leaves else params[n.split(":", 1)[1]] for n in stage.inputs]
+    inputs = [(k, leaves[n]) for k, n in enumerate(stage.inputs) if n in leaves]
+
     def bare():
         bases = rng.draw_bases(D)
         for d in range(D):
             for p in params.values():
                 p.grad = None
-            args = [leaves[n][d] if n in leaves else params[n.split(":", 1)[1]]
-                    for n in stage.inputs]
+            for k, split in inputs:
+                args[k] = split[d]
             with rng.use(rng.Stream(bases[d])):
                 out = stage.module(*args)
-            torch.autograd.backward([out[1]], [torch.ones_like(out[1])])
+            run_backward([out[1]], [torch.ones_like(out[1])])  # autograd's engine, as lite's
             sgd[2].step()
 
     sides = {"plain": plain, "bare": bare, "lite": lambda: wrapped(x, y)}
+    if D == 1:
+        sides["lean"] = lean_call(wrapped, stage, sgd[1], x, y)
     for fn in sides.values():
         fn()
     TIMERS.clear()
@@ -132,6 +162,10 @@ def measure(name, rounds, timers):
     print(f"{name}: per step (us, median of {rounds} rounds, 1 thread): plain {med['plain']:.1f}, "
           f"bare {med['bare']:.1f}, lite {med['lite']:.1f}; lite - bare {med['lite'] - med['bare']:.1f}"
           f" ({med['lite'] / med['plain']:.3f}x plain)")
+    if "lean" in med:
+        print(f"  lean {med['lean']:.1f} ({med['lean'] / med['plain']:.3f}x plain, bare "
+              f"{med['bare'] / med['plain']:.3f}x): mechanisms (lean - bare) "
+              f"{med['lean'] - med['bare']:.1f}, layers (lite - lean) {med['lite'] - med['lean']:.1f}")
     if timers:
         per = {k: v / (rounds * D) * 1e6 for k, v in TIMERS.items()}
         handlers = sum(per[k] for k in ("forward", "backward", "reduce", "step"))
@@ -141,6 +175,99 @@ def measure(name, rounds, timers):
               f"handlers: forward {per['forward']:.1f}, "
               f"backward {per['backward']:.1f}, reduce {per['reduce']:.1f}, "
               f"step {per['step']:.1f}")
+
+
+def lean_call(wrapped, stage, optimizer, x, y):
+    """A call of ``wrapped``'s one-step program through the mechanisms its runtime keeps per
+    call and none of its layers (the module docstring), after checking that it leaves the
+    weights and momenta that a wrapped call leaves from the same state."""
+    state = wrapped._state  # a measurement: it reads the runtime's own objects
+    weights, reads = state.weights, stage_reads(wrapped)
+    params = list(weights.params.values())
+    positions = {n: k for k, n in enumerate(stage.inputs)}
+    graph, loss_at = stage.module, stage.outputs.index(state.programs[next(iter(
+        state.programs))].executor.work.loss)
+    args = [None if n.startswith("input:") else weights.param(n.split(":", 1)[1], stage.ipu)
+            for n in stage.inputs]
+    signature = (tuple(x.shape), x.dtype, tuple(y.shape), y.dtype, ambient_autocast())
+    main, default = threading.main_thread(), signal.default_int_handler
+
+    def lean():
+        if (tuple(x.shape), x.dtype, tuple(y.shape), y.dtype, ambient_autocast()) != signature \
+                or not reads.same() or weights.edits():
+            raise RuntimeError("lean: the call is not the one it was made for")
+        paused = gc.isenabled()
+        gc.disable()
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(True)
+        guard = threading.current_thread() is main and _signal.getsignal(signal.SIGINT) is default
+        if guard:
+            _signal.signal(signal.SIGINT, _held_interrupt)
+        held = [(p, p.grad) for p in params]
+        weights.last_grads = {}
+        try:
+            torch.default_generator.clone_state()  # what a failed call would rewind to
+            stream = rng.Stream(rng.microbatch_seed(rng.draw_bases(1)[0], 0))
+            for p in params:
+                p.grad = None
+            args[positions["input:0"]], args[positions["input:1"]] = x, y
+            with rng.use(stream):
+                outs = graph(*args)
+            loss = outs[loss_at]
+            run_backward([loss], [torch.full_like(loss, 1.0)])
+            with weights.stepping():
+                optimizer.step()
+            return [o.detach() for o in outs]
+        finally:
+            weights.last_grads = {n: h.grad for n, h in weights._homes}
+            for p, g in held:
+                p.grad = g
+            if guard:
+                _signal.signal(signal.SIGINT, default)
+            torch._C._set_grad_enabled(grad)
+            if paused:
+                gc.enable()
+
+    same_step(wrapped, lean, params, optimizer, x, y)
+    return lean
+
+
+def stage_reads(wrapped):
+    """The attributes the wrapper's one program read while traced (its ``Reads``)."""
+    (program_,) = wrapped._state.programs.values()
+    return program_.partition.reads
+
+
+def _held_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def same_step(wrapped, lean, params, optimizer, x, y):
+    """Refuse a lean call whose step differs from the wrapped call's, from the same weights,
+    momenta and random state."""
+    def snapshot():
+        return ([p.detach().clone() for p in params],
+                [optimizer.state[p]["momentum_buffer"].clone() if optimizer.state[p] else None
+                 for p in params], torch.get_rng_state())
+
+    def restore(saved):
+        with torch.no_grad():
+            for p, v, m in zip(params, saved[0], saved[1]):
+                p.copy_(v)
+                if m is not None:
+                    optimizer.state[p]["momentum_buffer"].copy_(m)
+        torch.set_rng_state(saved[2])
+        wrapped.copyWeightsToDevice()
+
+    start = snapshot()
+    lean()
+    by_lean = snapshot()
+    restore(start)
+    wrapped(x, y)
+    by_lite = snapshot()
+    for a, b in zip(by_lean[0] + by_lean[1], by_lite[0] + by_lite[1]):
+        if (a is None) != (b is None) or (a is not None and not torch.equal(a, b)):
+            raise SystemExit("lean: its step differs from the wrapped model's")
 
 
 if __name__ == "__main__":

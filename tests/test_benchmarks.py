@@ -139,6 +139,20 @@ def test_machinery_compares_the_wrapped_model_with_a_bare_loop_of_its_stage_grap
     assert "handlers: forward" in second
 
 
+def test_machinery_at_one_step_a_call_runs_the_lean_call_after_checking_its_step():
+    """``--conv16``: the lean call (the mechanisms without the layers) runs beside the other
+    three only after one lean and one wrapped call, from the same state, left the same
+    weights and momenta to the bit (the script exits otherwise); figures are not checked."""
+    done = subprocess.run([sys.executable, str(BENCH / "machinery.py"), "--model", "conv",
+                           "--conv16", "--rounds", "1"], capture_output=True, text=True,
+                          timeout=limit(300))
+    assert done.returncode == 0, done.stderr
+    first, second = done.stdout.strip().splitlines()
+    assert first.startswith("conv: per step (us, median of 1 rounds, 1 thread): plain ")
+    assert re.fullmatch(r"  lean [\d.]+ \([\d.]+x plain, bare [\d.]+x\): mechanisms \(lean - bare\) "
+                        r"-?[\d.]+, layers \(lite - lean\) -?[\d.]+", second), second
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
 def test_the_gpu_benchmark_says_there_is_no_gpu_and_exits_0():
     done = subprocess.run([sys.executable, str(BENCH / "gpu.py")], capture_output=True,
