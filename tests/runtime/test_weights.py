@@ -338,9 +338,12 @@ def test_host_edits_reach_replica_0s_buffers_and_the_other_replicas_keep_theirs(
         return losses, replica1, state
 
     expected, got = trained("cpu"), trained(device)
+    # Separate memories sum the replicas' gradients in another order than the CPU's shared
+    # one: the contract's 1e-5 (README, 'What "the numbers are plain PyTorch's" covers'); an
+    # AMD EPYC machine's float32 sums put layers.2.bias 1.2e-6 apart after three calls.
     for a, b in zip(got[0], expected[0]):
-        assert_close(a, b, atol=1e-6, rtol=0)
+        assert_close(a, b, atol=1e-5, rtol=0)
     for part in (1, 2):
         for name in expected[part]:
-            assert_close(got[part][name], expected[part][name], atol=1e-6, rtol=0, msg=name)
+            assert_close(got[part][name], expected[part][name], atol=1e-5, rtol=0, msg=name)
     assert not torch.equal(expected[1]["bn.running_mean"], expected[2]["bn.running_mean"])
