@@ -26,16 +26,13 @@ same state, leave the same weights and momenta, to the bit. ``lean - bare`` is t
 mechanisms' cost; ``lite - lean`` the layers'.
 """
 
-import _signal
 import argparse
 import collections
 import copy
 import gc
 import os
-import signal
 import statistics
 import sys
-import threading
 import time
 
 import torch
@@ -190,7 +187,6 @@ def lean_call(wrapped, stage, optimizer, x, y):
     args = [None if n.startswith("input:") else weights.param(n.split(":", 1)[1], stage.ipu)
             for n in stage.inputs]
     signature = (tuple(x.shape), x.dtype, tuple(y.shape), y.dtype, ambient_autocast())
-    main, default = threading.main_thread(), signal.default_int_handler
 
     def lean():
         if (tuple(x.shape), x.dtype, tuple(y.shape), y.dtype, ambient_autocast()) != signature \
@@ -200,11 +196,8 @@ def lean_call(wrapped, stage, optimizer, x, y):
         gc.disable()
         grad = torch.is_grad_enabled()
         torch._C._set_grad_enabled(True)
-        guard = threading.current_thread() is main and _signal.getsignal(signal.SIGINT) is default
-        if guard:
-            _signal.signal(signal.SIGINT, _held_interrupt)
-        held = [(p, p.grad) for p in params]
-        weights.last_grads = {}
+        held = weights.hold_host_grads()
+        guard = update.CtrlC.install()
         try:
             torch.default_generator.clone_state()  # what a failed call would rewind to
             stream = rng.Stream(rng.microbatch_seed(rng.draw_bases(1)[0], 0))
@@ -219,11 +212,9 @@ def lean_call(wrapped, stage, optimizer, x, y):
                 optimizer.step()
             return [o.detach() for o in outs]
         finally:
-            weights.last_grads = {n: h.grad for n, h in weights._homes}
-            for p, g in held:
-                p.grad = g
-            if guard:
-                _signal.signal(signal.SIGINT, default)
+            if guard is not None:
+                guard.uninstall(ended_normally=True)
+            weights.give_back_host_grads(held)
             torch._C._set_grad_enabled(grad)
             if paused:
                 gc.enable()
@@ -236,10 +227,6 @@ def stage_reads(wrapped):
     """The attributes the wrapper's one program read while traced (its ``Reads``)."""
     (program_,) = wrapped._state.programs.values()
     return program_.partition.reads
-
-
-def _held_interrupt(signum, frame):
-    raise KeyboardInterrupt
 
 
 def same_step(wrapped, lean, params, optimizer, x, y):

@@ -162,7 +162,7 @@ def test_autocast_around_a_call_casts_as_around_plain_pytorchs_forward(blocks, G
                                                                        caplog):
     """Calls made in and out of ``torch.autocast`` (bfloat16) in turn: each computes as plain
     PyTorch's forward does in the same context ([Note: autocast around a call] in
-    runtime/batch.py); the second context traces once more, logged, and later calls reuse
+    compiler/casting.py); the second context traces once more, logged, and later calls reuse
     the two programs."""
     torch.manual_seed(0)
     model = BlockMLP(blocks)

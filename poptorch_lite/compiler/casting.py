@@ -36,6 +36,7 @@ touched: where plain PyTorch runs, the numbers are plain PyTorch's.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -136,8 +137,8 @@ _AUTOCAST_DEVICES = ("cpu", "cuda")
 
 def ambient_autocast() -> tuple:
     """``(device type, dtype)`` of each device type whose autocast is on (around a call, or
-    a trace); () outside any, in two C calls (0.3 µs). [Note: autocast around a call] in
-    ``runtime/batch``.
+    a trace); () outside any, in two C calls (0.3 µs). [Note: autocast around a call] at
+    :func:`outside_autocast`.
 
     Example:
         >>> with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -148,3 +149,32 @@ def ambient_autocast() -> tuple:
         return ()
     return tuple((d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES
                  if torch.is_autocast_enabled(d))
+
+
+def outside_autocast(on: tuple) -> contextlib.ExitStack:
+    """A context with autocast off on every device type of ``on`` (:func:`ambient_autocast`'s,
+    not empty: where autocast is off, a call enters no context).
+
+    [Note: autocast around a call]
+    A call made under ``torch.autocast`` is traced under it, so the program holds the casts
+    it made (the forward's own ``torch.autocast`` blocks are the forward's, and always
+    traced). Plain PyTorch casts at every forward by the autocast in force then, so the
+    state is part of the call's signature: a call outside autocast after one inside it runs
+    a program traced without it (one more trace, logged), not the first call's lower
+    precision. Each step casts the weights it has then, as a plain loop with autocast
+    around each forward does, as PyTorch asks (autocast around a whole plain loop would
+    reuse its casts of the weights after ``optimizer.step()``). The program runs with
+    autocast off (this context), as its stages on worker threads do anyway (autocast is
+    per thread): its casts are its ops, and autocast over the traced ops would cast again
+    by the policies of the ops the trace decomposed them into, not of those plain
+    PyTorch's forward met, and would reach the backward, which runs inside the call. What
+    the trace itself does under autocast must match plain PyTorch's forward too: each
+    weight is cast once (``make_fx`` turns autocast's cache off; ``tracing`` turns it on),
+    a normalisation of a ``bfloat16`` input with ``float32`` weights runs as it is ([Note:
+    implicit casting] in ``compiler/casting``), and a ``bfloat16`` dropout keeps its
+    decomposition (``compiler/trace_modes._dropout``).
+    """
+    stack = contextlib.ExitStack()
+    for d, _ in on:
+        stack.enter_context(torch.autocast(d, enabled=False))
+    return stack

@@ -325,7 +325,7 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
         check = torch.nn.modules.module.register_module_forward_hook(
             lambda m, *_: _check_buffers_kept(model, buffer_values) if m is model else None)
         cached = torch.is_autocast_cache_enabled()
-        if ambient_autocast():  # [Note: autocast around a call] in runtime/batch: make_fx
+        if ambient_autocast():  # [Note: autocast around a call] in casting: make_fx
             # turns autocast's cache off, and a forward under it casts each weight once
             torch.set_autocast_cache_enabled(True)
         try:

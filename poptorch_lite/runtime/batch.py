@@ -27,7 +27,7 @@ inputs'.
 
 from __future__ import annotations
 
-import contextlib
+import operator
 from typing import Any, Callable, Sequence
 
 import torch
@@ -39,6 +39,10 @@ from ..enums import SyntheticDataMode
 from ..errors import BatchSizeError, InputError, warn_once, PoptorchLiteWarning
 
 _SCALARS = (bool, int, float, complex, str, type(None))
+# What a call's checks map over its arguments, in C: a call's setup runs cold, and a
+# generator expression is a Python frame ([Note: one setup per call] in ``plan``).
+_TENSOR_TYPE = frozenset((torch.Tensor,))
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 class MicroBatches:
@@ -69,7 +73,7 @@ class MicroBatches:
     def __init__(self, args: tuple, kwargs: dict, factor: int, explain: Callable[[], str],
                  synthetic: SyntheticDataMode = SyntheticDataMode.Off):
         self.factor = factor
-        if not kwargs and all(type(a) is torch.Tensor for a in args):  # the common call
+        if not kwargs and _TENSOR_TYPE.issuperset(map(type, args)):  # the common call
             self.spec, self._spec_text = _tensors_spec(len(args))
             for t in args:
                 if t.shape[0] % factor if t.dim() else False:
@@ -94,7 +98,7 @@ class MicroBatches:
                 if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] % factor:
                     raise _batch_size_error(leaf, factor, explain)
             positions = [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
-        if any(leaves[k].requires_grad for k in positions):
+        if any(map(_REQUIRES_GRAD, map(leaves.__getitem__, positions))):
             warn_once("input.requires_grad",
                       "Input tensor has requires_grad=True set. This tensor will be detached "
                       "because backward pass via inputs is not supported.",
@@ -120,7 +124,7 @@ class MicroBatches:
             [[tensor([0., 1.]), tensor(5.)], [tensor([2., 3.]), tensor(5.)]]
         """
         if self.factor == 1:  # the call is its one micro-batch
-            return [[self.leaves[p] for p in self.tensor_positions]]
+            return [list(map(self.leaves.__getitem__, self.tensor_positions))]
         parts = [[t] * self.factor if t.dim() == 0 else t.split(t.shape[0] // self.factor)
                  for t in (self.leaves[p] for p in self.tensor_positions)]
         return [list(mb) for mb in zip(*parts)] if parts else [[] for _ in range(self.factor)]
@@ -134,8 +138,8 @@ class MicroBatches:
 
     def signature(self) -> tuple:
         """What a traced graph is specialised on: structure, constants, micro-batch shapes,
-        and the autocast the call is made under ([Note: autocast around a call] at
-        :func:`outside_autocast`)."""
+        and the autocast the call is made under ([Note: autocast around a call] in
+        ``compiler/casting``)."""
         parts: list = [self._spec_text or str(self.spec)]
         for k, leaf in enumerate(self.leaves):
             if isinstance(leaf, torch.Tensor):  # a micro-batch's shape, without slicing one
@@ -166,38 +170,6 @@ def recompile_note(training: bool, old: tuple, new: tuple) -> str:
             f"the compiled one ({signature_change(old, new)}) compiles again and keeps both "
             f"programs; PopTorch would " + ("refuse it until destroy()" if inputs else
                                           "run the program it compiled first"))
-
-
-def outside_autocast():
-    """A context with autocast off on every device type whose autocast is on around the
-    call; a no-op context otherwise.
-
-    [Note: autocast around a call]
-    A call made under ``torch.autocast`` is traced under it, so the program holds the casts
-    it made (the forward's own ``torch.autocast`` blocks are the forward's, and always
-    traced). Plain PyTorch casts at every forward by the autocast in force then, so the
-    state is part of the call's signature: a call outside autocast after one inside it runs
-    a program traced without it (one more trace, logged), not the first call's lower
-    precision. Each step casts the weights it has then, as a plain loop with autocast
-    around each forward does, as PyTorch asks (autocast around a whole plain loop would
-    reuse its casts of the weights after ``optimizer.step()``). The program runs with
-    autocast off (this context), as its stages on worker threads do anyway (autocast is
-    per thread): its casts are its ops, and autocast over the traced ops would cast again
-    by the policies of the ops the trace decomposed them into, not of those plain
-    PyTorch's forward met, and would reach the backward, which runs inside the call. What
-    the trace itself does under autocast must match plain PyTorch's forward too: each
-    weight is cast once (``make_fx`` turns autocast's cache off; ``tracing`` turns it on),
-    a normalisation of a ``bfloat16`` input with ``float32`` weights runs as it is ([Note:
-    implicit casting] in ``compiler/casting``), and a ``bfloat16`` dropout keeps its
-    decomposition (``compiler/trace_modes._dropout``).
-    """
-    on = ambient_autocast()
-    if not on:
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    for d, _ in on:
-        stack.enter_context(torch.autocast(d, enabled=False))
-    return stack
 
 
 def _without_autocast(signature: tuple) -> tuple:

@@ -88,7 +88,7 @@ from ..errors import (PoptorchLiteWarning, UnrecoverableError,
                       hide_when_refused as __tracebackhide__, warn_once)
 from ..options.options import Options, batch_arithmetic, batch_factor
 from ..profiling.run_statistics import RunStatistics, run_statistics
-from .batch import MicroBatches, outside_autocast, recompile_note
+from .batch import MicroBatches, recompile_note
 from .compiling import compile_program
 from .host_sync import check_unchanged, tables, watch
 from .merge import Outputs
@@ -115,6 +115,10 @@ class CompiledModel:
     def __init__(self, model: torch.nn.Module, options: Options, training: bool, processes,
                  generator: Optional[torch.Generator]):
         self.model, self.options, self.training = model, options, training
+        # What every call reads of the (frozen) options, read once: each read of an option
+        # is a Python call, and a call's setup runs cold ([Note: one setup per call] in plan).
+        self._D, self._all_or_nothing = options.device_iterations, options.all_or_nothing_calls
+        self._R, self._group = options.replication_factor, options.input_group_size
         self.modes = {model: model.training}  # [Note: train and eval modes]
         self.processes = processes
         self.generator = generator  # [Note: micro-batch RNG]
@@ -299,7 +303,7 @@ class CompiledModel:
         if weights.edits():  # host edits reach the devices ([Note: weight sync] in host_sync)
             weights.to_device(everything=False)
         ex = program.executor
-        full = training and opts.all_or_nothing_calls
+        full = training and self._all_or_nothing
         restore = capture(weights, optimizer, loss_scale, True, generator=self.generator,
                           generators=program.generators) if full else None
         ex.undoable = full
@@ -307,24 +311,23 @@ class CompiledModel:
         if training:
             weights.optimizer_state_to_homes(optimizer)
         try:
-            with outside_autocast():  # [Note: autocast around a call] in batch
-                outputs, record = program.run(
-                    mbs, opts, training, self.replicas(), optimizer, loss_scale, weights,
-                    self.outputs().kept, not full, self.generator)
+            outputs, record = program.run(  # with autocast off: its ``Call``
+                mbs, opts, training, self.replicas(), optimizer, loss_scale, weights,
+                self.outputs().kept, not full, self.generator)
         except BaseException as exc:
             applied = ex.update.steps_applied - applied
             if restore is not None:
                 restore()
                 applied = 0
             self.steps += applied
-            exc.add_note(undo_note(applied, opts.device_iterations if training else 0,
+            exc.add_note(undo_note(applied, self._D if training else 0,
                                     isinstance(exc, UnrecoverableError)))
             raise
         finally:
             if program.compiled is not None:  # what the first calls compiled, once
                 program.compiled.flush()
         if training:
-            self.steps += opts.device_iterations
+            self.steps += self._D
         # The statistics are built when asked for: per call only the records.
         self.last_run, self.statistics = (*record, dict(self.placement.devices)), None
         self.last_call = (program.partition, len(mbs.tensor_positions))
@@ -335,8 +338,7 @@ class CompiledModel:
     def replicas(self) -> int:
         """The replicas this process runs in turn: every replica with per-replica variables,
         else one per input group."""
-        o = self.options
-        return o.replication_factor // (1 if self.replica_values else o.input_group_size)
+        return self._R // (1 if self.replica_values else self._group)
 
     def outputs(self) -> Outputs:
         """Which micro-batches come back and how they merge (the options are frozen: made

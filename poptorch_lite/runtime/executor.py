@@ -11,6 +11,7 @@ The reduction and the update are ``update``'s ([Note: gradient arithmetic],
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from typing import Callable, Optional, Sequence
@@ -141,10 +142,13 @@ class Executor:
             return self.run_call(call, microbatches, replica_of, run_index, keep, base)
 
     def open_call(self, schedule: Schedule, step: Optional[StepArithmetic],
-             recorder: Optional[Recorder] = None, watchdog: Optional[float] = None) -> Call:
+                  recorder: Optional[Recorder] = None, watchdog: Optional[float] = None,
+                  guarded: bool = False) -> Call:
         """A call's runs of ``schedule``, set up once ([Note: one setup per call] in ``plan``):
         ``with ex.open_call(...) as call: ex.run_call(call, microbatches, replica_of, index, keep,
-        base)`` for each run (arguments and result as :meth:`run`'s).
+        base)`` for each run (arguments and result as :meth:`run`'s). ``guarded``: a wrapper's
+        call, which holds the host gradients while it trains ([Note: host gradients] in
+        ``weights``) and a Ctrl-C while a step runs (``update.CtrlC``).
 
         Raises:
             ExecutionError: an earlier call left this model's processes out of step.
@@ -154,7 +158,9 @@ class Executor:
                 f"this model's processes went out of step in an earlier call ({self.broken}): "
                 f"messages between them may be half delivered, so no further call can run; "
                 f"restart every process (from the last checkpoint: poptorch_lite.load_checkpoint)")
-        return Call(self._plan(schedule), step, recorder, watchdog)
+        return Call(self._plan(schedule), step, recorder, watchdog,
+                    self.weights if guarded and schedule.training else None,
+                    self.update if guarded else None)
 
     def run_call(self, call: Call, microbatches: Sequence[Sequence[torch.Tensor]],
                  replica_of: Callable, run_index: int = 0, keep: Optional[Sequence[bool]] = None,
@@ -191,10 +197,11 @@ class Executor:
                 the other arguments are :meth:`run`'s.
         """
         schedule = call.plan.schedule
-        run = Run(microbatches, replica_of, streams, WorkState(self.partition.num_stages),
+        run = Run(microbatches, replica_of, streams, WorkState(len(self.partition.stages)),
                   Messages() if self.channels is not None else None, run_index,
                   schedule.training,
-                  [i for i in range(len(microbatches)) if keep is None or keep[i]],
+                  list(range(len(microbatches))) if keep is None else
+                  list(itertools.compress(range(len(microbatches)), keep)),
                   call.plan.ahead)
         if placed is None:
             self.inputs.place(run)
@@ -435,9 +442,12 @@ class Executor:
         for name in self.names:
             copied = (copy_out_all([results[i].get(name) for i in kept])
                       if len(kept) > 1 and name in self.made_on_gpu else None)
-            for i, value in zip(kept, copied) if copied is not None else (
-                    (i, self._result(run, i, name)) for i in kept):
-                out[i].append(value)
+            if copied is not None:
+                for i, value in zip(kept, copied):
+                    out[i].append(value)
+            else:
+                for i in kept:
+                    out[i].append(self._result(run, i, name))
         return out
 
     def _result(self, run: Run, i: int, name: str) -> torch.Tensor:

@@ -18,11 +18,14 @@ kernels round as they do in plain PyTorch.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from .gpu import joinable
 
 _HOST = torch.device("cpu")
+_IS_CPU = operator.attrgetter("is_cpu")
 _LINE = 64  # bytes: torch's CPU allocator aligns every allocation to this
 
 
@@ -66,6 +69,7 @@ class InputPlacement:
         self.devices = [(k, placement.device(ipu)) for ipu, keys in self.keys.items()
                         for k in keys]
         self.on_cpu = all(dev == _HOST for _, dev in self.devices)
+        self._keys = tuple(k for k, _ in self.devices)
 
     def place(self, run) -> None:
         """Put each IPU's input leaves in its memory, on the caller's thread, before the run.
@@ -81,7 +85,7 @@ class InputPlacement:
         separate = self.separate
         if not separate and run.inputs:  # a call's micro-batches share their devices
             first = run.inputs[0]
-            if (all(first[k].is_cpu for k, _ in self.devices) if self.on_cpu
+            if (all(map(_IS_CPU, map(first.__getitem__, self._keys))) if self.on_cpu  # no frame
                     else all(first[k].device == dev for k, dev in self.devices)):
                 return
         gpu, placed, inputs = self.gpu, run.placed, run.inputs

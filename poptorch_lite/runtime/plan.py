@@ -34,6 +34,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..compiler.casting import ambient_autocast, outside_autocast
 from .schedule import Kind, Schedule
 from .streams import CudaStream
 
@@ -121,40 +122,75 @@ def make_plan(schedule: Schedule, placement, ipu_of: Callable, runs_here: Callab
 
 class Call:
     """A call's runs of one plan ([Note: one setup per call]); a context manager that holds
-    the caller's thread as the runs need it: no automatic garbage collection
-    (:func:`collection_paused`), and where that thread runs the actions, their intra-op
-    threads and grad mode.
+    the caller's thread as the runs need it, in one enter and one exit (each context of its
+    own cost a few microseconds of a small step, cold): no automatic garbage collection
+    (:func:`collection_paused`); autocast off ([Note: autocast around a call] in
+    ``compiler/casting``); where that thread runs the actions, their intra-op threads and
+    grad mode; for a training call of a wrapper, the host parameters' gradients as the user
+    left them ([Note: host gradients] in ``weights``) and, on the main thread, the Ctrl-C
+    handler that the update reads (``update.CtrlC``).
 
     Args:
         plan: the schedule's plan; step: the optimizer step's arithmetic (None:
             inference); recorder: the timeline's (None: not recorded); watchdog:
-            ``Options.watchdogTimeout``.
+            ``Options.watchdogTimeout``; weights: whose host gradients a training call
+            holds (None: none held); update: whose ``ctrl_c`` is the call's handler while
+            inside (None: no handler installed).
     """
 
-    def __init__(self, plan: Plan, step, recorder, watchdog: Optional[float]):
+    def __init__(self, plan: Plan, step, recorder, watchdog: Optional[float], weights=None,
+                 update=None):
         self.plan, self.step, self.recorder = plan, step, recorder
         self.watchdog = watchdog
+        self._weights, self._update = weights, update
+        self._paused = False
+        self._autocast = None
+        self._held: Optional[tuple] = None
         self._restore: Optional[tuple] = None
-        self._paused = collection_paused()
 
     def __enter__(self) -> "Call":
-        self._paused.__enter__()
-        if self.plan.here is not None:  # the caller's thread runs the actions: its settings
-            threads, ours = self.plan.threads, torch.get_num_threads()
-            self._restore = (ours, torch.is_grad_enabled())
-            if threads is not None and threads != ours:
-                torch.set_num_threads(threads)
-            torch._C._set_grad_enabled(self.plan.schedule.training)  # grad mode is per thread
+        self._paused = gc.isenabled()
+        if self._paused:
+            gc.disable()
+        try:
+            on = ambient_autocast()
+            if on:
+                self._autocast = outside_autocast(on)
+                self._autocast.__enter__()
+            if self._weights is not None:
+                self._held = self._weights.hold_host_grads()
+            if self.plan.here is not None:  # the caller's thread runs the actions: its settings
+                threads, ours = self.plan.threads, torch.get_num_threads()
+                self._restore = (ours, torch.is_grad_enabled())
+                if threads is not None and threads != ours:
+                    torch.set_num_threads(threads)
+                torch._C._set_grad_enabled(self.plan.schedule.training)  # per thread
+            if self._update is not None:
+                self._update.guard_call()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
         return self
 
-    def __exit__(self, *exc) -> None:
-        if self._restore is not None:
-            ours, grad = self._restore
-            if torch.get_num_threads() != ours:
-                torch.set_num_threads(ours)
-            torch._C._set_grad_enabled(grad)
-            self._restore = None
-        self._paused.__exit__()
+    def __exit__(self, kind, exc, tb) -> None:
+        try:
+            if self._update is not None:
+                self._update.unguard_call(ended_normally=kind is None)
+        finally:
+            if self._restore is not None:
+                ours, grad = self._restore
+                if torch.get_num_threads() != ours:
+                    torch.set_num_threads(ours)
+                torch._C._set_grad_enabled(grad)
+                self._restore = None
+            if self._held is not None:
+                self._weights.give_back_host_grads(self._held)
+                self._held = None
+            if self._autocast is not None:
+                self._autocast.__exit__(None, None, None)
+                self._autocast = None
+            if self._paused:
+                gc.enable()
 
 
 def collection_paused() -> "_CollectionPaused":

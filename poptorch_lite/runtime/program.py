@@ -8,7 +8,6 @@ training (an optimizer step each), one otherwise.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 from typing import Optional
@@ -26,10 +25,8 @@ from .executor import Executor
 from .replica_groups import every_replica
 from .schedule_kinds import build
 from .undo import capture
-from .update import CtrlC, StepArithmetic
+from .update import StepArithmetic
 from .weights import Weights
-
-_NOTHING = contextlib.nullcontext()  # an inference call keeps no host gradients (reentrant)
 
 
 class Program:
@@ -102,9 +99,7 @@ class Program:
         run_call = (self.graph if self.graph is not None else ex).run_call
         if training:  # a hook registered on a parameter since the last call reaches its copies
             weights.share_hooks()
-        with weights.host_grads_kept() if training else _NOTHING, \
-                ex.open_call(schedule, step, recorder, lay.watchdog) as call, \
-                CtrlC.installed() as ex.update.ctrl_c:
+        with ex.open_call(schedule, step, recorder, lay.watchdog, guarded=True) as call:
             for d, ks in enumerate(runs):
                 undo = capture(weights, None, loss_scale, False, rng=False,
                                generators=self.generators) if per_run else None

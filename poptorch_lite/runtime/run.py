@@ -9,6 +9,7 @@ a run measured.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -62,9 +63,11 @@ class Run:
         self.ready: dict = {}                              # (device, i) -> CUDA event: copied
         self.replica_of = replica_of
         self.rng = streams                                 # per micro-batch, or None
-        self.values = [{} for _ in range(M)]              # value name -> tensor, per micro-batch
-        self.grads = [{} for _ in range(M)]               # value name -> gradient, per micro-batch
-        self.results = [{} for _ in range(M)]             # returned values, detached
+        # per micro-batch (dict(()) is {}: made without a comprehension's frame, a call's
+        # setup runs cold: [Note: one setup per call] in ``plan``)
+        self.values = list(map(dict, itertools.repeat((), M)))   # value name -> tensor
+        self.grads = list(map(dict, itertools.repeat((), M)))    # value name -> gradient
+        self.results = list(map(dict, itertools.repeat((), M)))  # returned values, detached
         self.index, self.training = index, training  # the run's number in its call; its kind
         self.kept = kept          # the micro-batches whose outputs the call returns
         self.keeps = frozenset(kept)

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 from typing import Optional, Sequence
 
 import torch
@@ -89,8 +90,8 @@ class WorkState:
     __slots__ = ("stash", "waiting", "nbytes", "stats", "accum", "excluded")
 
     def __init__(self, stages: int):
-        self.stash = [collections.deque() for _ in range(stages)]
-        self.waiting = [collections.deque() for _ in range(stages)]
+        self.stash = list(map(collections.deque, itertools.repeat((), stages)))  # no frame
+        self.waiting = list(map(collections.deque, itertools.repeat((), stages)))
         self.nbytes = [0] * stages                          # the bytes each stash holds now
         self.stats = RunStats([0] * stages, [0] * stages)
         self.accum: dict = {}
@@ -187,7 +188,7 @@ class StageWork:
         """``sFi``: run the stage, hand its outputs on, stash what its backward needs."""
         s, i = a.stage, a.microbatch
         st = self.stages[s]
-        args, boundary = self.args(s, run, i, self.placement.device(st.ipu))
+        args, boundary = self.args(s, run, i, self.placement.devices[st.ipu])
         stream = run.rng[i] if run.rng is not None and st.random else None
         if not torch.is_grad_enabled():  # inference
             with rng.use(stream):

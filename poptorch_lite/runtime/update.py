@@ -32,9 +32,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import signal
 import threading
 from typing import Optional
+
+import _thread  # get_ident: the calling thread, without threading.current_thread's frame
 
 import _signal  # signal's C half: the same handlers, without signal's enum conversions
 
@@ -49,6 +52,10 @@ from .schedule import Action
 from .run import Run
 
 _SIGINT = int(signal.SIGINT)
+# The main thread's ident, read without threading's frames; a forked child's main thread is
+# the thread that forked (as ``threading`` makes it there).
+_MAIN = [threading.main_thread().ident]
+os.register_at_fork(after_in_child=lambda: _MAIN.__setitem__(0, _thread.get_ident()))
 
 
 @dataclasses.dataclass
@@ -136,6 +143,18 @@ class Update:
                 overlap.remove()
             overlap = self._overlap = self.processes.overlap(trainable, shards)
         overlap.begin(microbatches, step.loss_scaling * step.divisor)
+
+    def guard_call(self) -> None:
+        """A call begins: on the main thread, a Ctrl-C is held while a step runs
+        ([Note: commit point]; :class:`CtrlC`)."""
+        self.ctrl_c = CtrlC.install()
+
+    def unguard_call(self, ended_normally: bool) -> None:
+        """The call ended: Python's handler is back (a Ctrl-C it swallowed raises now:
+        :meth:`CtrlC.uninstall`)."""
+        guard, self.ctrl_c = self.ctrl_c, None
+        if guard is not None:
+            guard.uninstall(ended_normally)
 
     def release(self) -> None:
         """The program is dropped: its hooks leave the parameters."""
@@ -299,35 +318,28 @@ class CtrlC:
             raise KeyboardInterrupt
 
     @staticmethod
-    def installed() -> "_Installed":
-        """A context that installs a handler for its block and yields it, or None where none
-        is installed (not on the main thread, or over a user's handler)."""
-        return _Installed()
-
-
-class _Installed:
-    """:meth:`CtrlC.installed`'s context: a class, not a generator (a call's setup runs cold;
-    [Note: one setup per call] in ``plan``)."""
-
-    __slots__ = ("guard",)
-
-    def __enter__(self) -> Optional[CtrlC]:
-        # ``_signal``'s functions, not ``signal``'s: those wrap each call in enum conversions,
-        # 15 µs a call's three against 1 µs (a tenth of a small step's tax on a 2-core CPU).
-        if (threading.current_thread() is not threading.main_thread()
+    def install() -> Optional["CtrlC"]:
+        """Install a handler for a call and return it, or None where none is installed (not
+        on the main thread, or over a user's handler); :meth:`uninstall` when the call ends.
+        ``_signal``'s functions, not ``signal``'s: those wrap each call in enum conversions,
+        15 µs a call's three against 1 µs (a tenth of a small step's tax on a 2-core CPU)."""
+        if (_thread.get_ident() != _MAIN[0]
                 or _signal.getsignal(_SIGINT) is not signal.default_int_handler):
-            self.guard = None
             return None
-        guard = self.guard = CtrlC()
+        guard = CtrlC()
         _signal.signal(_SIGINT, guard)
         return guard
 
-    def __exit__(self, kind, exc, tb) -> None:
-        guard = self.guard
-        if guard is None:
-            return
+    def uninstall(self, ended_normally: bool) -> None:
+        """Put Python's handler back; a call that ended normally after its Ctrl-C was
+        swallowed raises it now.
+
+        Raises:
+            KeyboardInterrupt: a Ctrl-C landed where it was swallowed, in a call that then
+                ended normally.
+        """
         _signal.signal(_SIGINT, signal.default_int_handler)
-        if guard.raised and kind is None:  # ended normally: its KeyboardInterrupt was swallowed
+        if self.raised and ended_normally:
             exc = KeyboardInterrupt()
             exc.add_note("poptorch_lite: a Ctrl-C during the call was swallowed where it "
                          "landed (a finalizer or callback that ignores exceptions), so the call "

@@ -64,11 +64,16 @@ only: the host copy is replica 0's, and replicas with buffers of their own keep 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import operator
 from typing import Callable, Iterable, Optional
 
 import torch
 
 from .streams import arrive
+
+_GRAD = operator.attrgetter("grad")
+_VERSION = operator.attrgetter("_version")
 
 
 class Weights:
@@ -95,6 +100,7 @@ class Weights:
         self.params = dict(model.named_parameters())
         self.buffers = dict(model.named_buffers())
         self._hosts = (*self.params.values(), *self.buffers.values())  # the host copy
+        self._host_params = tuple(self.params.values())
         self.replicas = replicas
         self.separate_buffers = separate_buffers and replicas > 1
         self.separate_memories = separate_memories
@@ -108,7 +114,7 @@ class Weights:
         self._buffer_copies: dict = {}
         self._replica_buffers: list = []
         self._separate_homes: list = []  # (host parameter, home) pairs that are not the same
-        self._homes: list = []        # (name, home): what home(name) gives, made by place()
+        self._homes: tuple = ((), ())  # names, and what home(name) gives each: made by place()
         self._others: dict = {}       # name -> its users' tensors besides the stepped one
         self.written: dict = {}       # name -> the IPU whose stage writes it in forward
         self._versions: dict = {}
@@ -140,7 +146,7 @@ class Weights:
                         self._use[name, ipu] = self._tensor_for(name, ipu)
         self._separate_homes = [(p, self._use[n, self.home_of[n]]) for n, p in self.params.items()
                                 if n in self.home_of and self._use[n, self.home_of[n]] is not p]
-        self._homes = [(n, self.home(n)) for n in self.home_of]
+        self._homes = (tuple(self.home_of), tuple(map(self.home, self.home_of)))
         self._others = {}  # visitors, and the stage copies of offloaded weights
         for (name, ipu), t in self._use.items():
             if t is not self.home(name):
@@ -225,10 +231,22 @@ class Weights:
             if c._backward_hooks is not hooks:
                 c._backward_hooks = hooks
 
-    def host_grads_kept(self) -> "_HostGradsKept":
-        """Around a training call: the host parameters' ``.grad`` as the user left them
-        ([Note: host gradients]); the last step's gradients in :attr:`last_grads`."""
-        return _HostGradsKept(self)
+    def hold_host_grads(self) -> tuple:
+        """A training call begins: the host parameters' ``.grad`` as the user left them
+        ([Note: host gradients]), for :meth:`give_back_host_grads` when it ends; the last
+        call's gradients are freed before this one makes new ones."""
+        params = self._host_params
+        held = tuple(map(_GRAD, params))
+        self.last_grads = {}
+        return held
+
+    def give_back_host_grads(self, held: tuple) -> None:
+        """A training call ended: the last step's gradients in :attr:`last_grads`, the host
+        parameters' ``.grad`` as :meth:`hold_host_grads` found them."""
+        names, homes = self._homes
+        self.last_grads = dict(zip(names, map(_GRAD, homes)))
+        for p, grad in zip(self._host_params, held):
+            p.grad = grad
 
     def shared(self) -> bool:
         """Whether any parameter has users besides its home (gradients to gather)."""
@@ -278,9 +296,8 @@ class Weights:
 
     def _record_step(self, *exc) -> None:
         """The step wrote the host parameters: not a host edit."""
-        versions = self._versions
-        for p in self.params.values():
-            versions[id(p)] = p._version
+        params = self._host_params
+        self._versions.update(zip(map(id, params), map(_VERSION, params)))  # no Python loop
 
     @contextlib.contextmanager
     def _bound_homes(self):
@@ -368,11 +385,8 @@ class Weights:
         was exposed where copies exist ([Note: weight sync] in ``host_sync``)."""
         if self.exposed and (self._copies or self._buffer_copies):
             return True
-        versions = self._versions
-        for t in self._hosts:
-            if versions.get(id(t)) != t._version:
-                return True
-        return False
+        hosts = self._hosts  # compared in C: a call's setup runs cold ([Note: one setup per call])
+        return list(map(self._versions.get, map(id, hosts))) != list(map(_VERSION, hosts))
 
     def to_device(self, everything: bool = True) -> None:
         """Push host values to the devices (``copyWeightsToDevice``; host edits).
@@ -418,32 +432,11 @@ class Weights:
         and with ``params`` the parameters and their copies (what an undo captures)."""
         return (*((*self.params.values(), *self._copies.values()) if params else ()),
                 *self.buffers.values(), *self._buffer_copies.values(),
-                *(b for bufs in self._replica_buffers for b in bufs.values()))
+                *itertools.chain.from_iterable(map(dict.values, self._replica_buffers)))
 
     def storages(self) -> set:
         """The storages of every parameter and buffer and their copies (not activations)."""
         return {t.untyped_storage().data_ptr() for t in self.tensors()}
-
-
-class _HostGradsKept:
-    """:meth:`Weights.host_grads_kept`'s context: a class, not a generator (a call's setup
-    runs cold; [Note: one setup per call] in ``plan``)."""
-
-    __slots__ = ("weights", "held")
-
-    def __init__(self, weights: Weights):
-        self.weights = weights
-
-    def __enter__(self) -> None:
-        w = self.weights
-        self.held = [(p, p.grad) for p in w.params.values()]
-        w.last_grads = {}  # free the last call's gradients before this one makes new ones
-
-    def __exit__(self, *exc) -> None:
-        w = self.weights
-        w.last_grads = {n: h.grad for n, h in w._homes}
-        for p, grad in self.held:
-            p.grad = grad
 
 
 class _Exit:
