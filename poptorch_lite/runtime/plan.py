@@ -143,15 +143,13 @@ class Call:
         self.plan, self.step, self.recorder = plan, step, recorder
         self.watchdog = watchdog
         self._weights, self._update = weights, update
-        self._paused = False
+        self._paused = collection_paused()
         self._autocast = None
         self._held: Optional[tuple] = None
         self._restore: Optional[tuple] = None
 
     def __enter__(self) -> "Call":
-        self._paused = gc.isenabled()
-        if self._paused:
-            gc.disable()
+        self._paused.__enter__()
         try:
             on = ambient_autocast()
             if on:
@@ -189,8 +187,7 @@ class Call:
             if self._autocast is not None:
                 self._autocast.__exit__(None, None, None)
                 self._autocast = None
-            if self._paused:
-                gc.enable()
+            self._paused.__exit__()
 
 
 def collection_paused() -> "_CollectionPaused":

@@ -32,12 +32,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import signal
 import threading
 from typing import Optional
-
-import _thread  # get_ident: the calling thread, without threading.current_thread's frame
 
 import _signal  # signal's C half: the same handlers, without signal's enum conversions
 
@@ -52,10 +49,6 @@ from .schedule import Action
 from .run import Run
 
 _SIGINT = int(signal.SIGINT)
-# The main thread's ident, read without threading's frames; a forked child's main thread is
-# the thread that forked (as ``threading`` makes it there).
-_MAIN = [threading.main_thread().ident]
-os.register_at_fork(after_in_child=lambda: _MAIN.__setitem__(0, _thread.get_ident()))
 
 
 @dataclasses.dataclass
@@ -323,7 +316,7 @@ class CtrlC:
         on the main thread, or over a user's handler); :meth:`uninstall` when the call ends.
         ``_signal``'s functions, not ``signal``'s: those wrap each call in enum conversions,
         15 µs a call's three against 1 µs (a tenth of a small step's tax on a 2-core CPU)."""
-        if (_thread.get_ident() != _MAIN[0]
+        if (threading.current_thread() is not threading.main_thread()
                 or _signal.getsignal(_SIGINT) is not signal.default_int_handler):
             return None
         guard = CtrlC()
