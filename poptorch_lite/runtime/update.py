@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import signal
-import threading
 from typing import Optional
 
 import _signal  # signal's C half: the same handlers, without signal's enum conversions
@@ -198,7 +197,8 @@ class Update:
             self._commit(step)
         finally:
             guard.in_step = False
-        guard.raise_held()
+        if guard.held:
+            guard.raise_held()
 
     def _commit(self, step: StepArithmetic) -> None:
         # Inside stepping(), the host parameters stand for their homes ([Note: weight homes]).
@@ -206,7 +206,8 @@ class Update:
         averages = after_step.take(weights)  # [Note: after-step averages], checked first
         with weights.stepping():
             stepped = self._update(step)
-            after_step.apply(weights, averages)  # the teacher follows, stepped or not
+            if averages:  # the teacher follows, stepped or not
+                after_step.apply(weights, averages)
         if stepped or averages:
             weights.after_step()
         self.steps_applied += 1  # a skipped step counts as taken
@@ -293,6 +294,8 @@ class CtrlC:
     call run on as if no Ctrl-C came: a call that ends normally after one was raised raises
     it again at its end, with a note, the model as after the call's last step."""
 
+    __slots__ = ("in_step", "held", "raised")  # one per call: no ``__dict__`` made
+
     def __init__(self):
         self.in_step = False
         self.held = False
@@ -315,12 +318,16 @@ class CtrlC:
         """Install a handler for a call and return it, or None where none is installed (not
         on the main thread, or over a user's handler); :meth:`uninstall` when the call ends.
         ``_signal``'s functions, not ``signal``'s: those wrap each call in enum conversions,
-        15 µs a call's three against 1 µs (a tenth of a small step's tax on a 2-core CPU)."""
-        if (threading.current_thread() is not threading.main_thread()
-                or _signal.getsignal(_SIGINT) is not signal.default_int_handler):
+        15 µs a call's three against 1 µs (a tenth of a small step's tax on a 2-core CPU).
+        Which thread is the main one is Python's own rule: ``signal`` refuses a handler from
+        any other (ValueError), with no thread looked up when it is the main one."""
+        if _signal.getsignal(_SIGINT) is not signal.default_int_handler:
             return None
         guard = CtrlC()
-        _signal.signal(_SIGINT, guard)
+        try:
+            _signal.signal(_SIGINT, guard)
+        except ValueError:  # not the main thread (of the main interpreter)
+            return None
         return guard
 
     def uninstall(self, ended_normally: bool) -> None:
