@@ -146,6 +146,8 @@ class Stream:
         seed: the micro-batch's seed (:func:`microbatch_seed`).
     """
 
+    __slots__ = ("seed", "states")  # one per micro-batch and run: no ``__dict__`` made
+
     def __init__(self, seed: int):
         self.seed = seed
         self.states: dict = {}  # device type ("cpu", "cuda") -> generator state
@@ -177,14 +179,7 @@ def _device_of(args, kwargs) -> Optional[torch.device]:
     return None
 
 
-def _call_in_stream(op, args, kwargs):
-    stream: Optional[Stream] = getattr(_local, "stream", None)
-    if stream is None:  # outside a run (a direct call of a stage graph)
-        return op(*args, **kwargs)
-    device = _device_of(args, kwargs)
-    kind, gen = ("cpu", torch.default_generator) if device is None else (
-        device.type, device_generator(device))
-    return _swapped(stream, ((kind, gen),), op, args, kwargs)
+_ON_CPU = (("cpu", torch.default_generator),)  # what a random op on the CPU swaps
 
 
 def _swapped(stream: Stream, kinds: tuple, op, args, kwargs):
@@ -277,8 +272,10 @@ def unpack(packed: torch.Tensor) -> Stream:
 
 
 class _ThreadSetting:
-    """Context manager: this thread's ``_local.<NAME>`` is ``value`` while inside."""
+    """Context manager: this thread's ``_local.<NAME>`` is ``value`` while inside (entered
+    once per forward: no ``__dict__`` made)."""
 
+    __slots__ = ("value", "previous")
     NAME = ""
 
     def __init__(self, value):
@@ -320,6 +317,7 @@ class capturing(_ThreadSetting):
     swaps meanwhile: no other thread's op finds the device's default generator holding a
     micro-batch's state."""
 
+    __slots__ = ()
     NAME = "graph"
 
     def __enter__(self):
@@ -334,6 +332,7 @@ class capturing(_ThreadSetting):
 class use(_ThreadSetting):
     """Context manager: random ops on this thread draw from ``stream`` (None: unchanged)."""
 
+    __slots__ = ()
     NAME = "stream"
 
 
@@ -341,7 +340,12 @@ def seeded(op):
     """``op`` drawing from the micro-batch's stream (a wrapper ``subgraphs.base_op`` sees
     through)."""
     def call(*args, **kwargs):
-        return _call_in_stream(op, args, kwargs)
+        stream: Optional[Stream] = getattr(_local, "stream", None)
+        if stream is None:  # outside a run (a direct call of a stage graph)
+            return op(*args, **kwargs)
+        device = _device_of(args, kwargs)
+        return _swapped(stream, _ON_CPU if device is None else (
+            (device.type, device_generator(device)),), op, args, kwargs)
     call.rewrap = seeded
     return wrap_target(op, call, "seeded_")
 

@@ -372,6 +372,8 @@ class Recorder:
         [Span(stream=0, stage=0, microbatch=0, kind='F', start=0.0, end=0.5, run=0)]
     """
 
+    __slots__ = ("origin", "records", "_gpu")  # one a call: no ``__dict__`` made
+
     def __init__(self, origin: float):
         self.origin = origin
         self.records: list = []  # (stream, stage, micro-batch, kind, start, end, run), appended

@@ -70,6 +70,8 @@ class MicroBatches:
         tensor([2., 3.])
     """
 
+    __slots__ = ("factor", "spec", "_spec_text", "leaves", "tensor_positions")  # one a call
+
     def __init__(self, args: tuple, kwargs: dict, factor: int, explain: Callable[[], str],
                  synthetic: SyntheticDataMode = SyntheticDataMode.Off):
         self.factor = factor

@@ -138,6 +138,9 @@ class Call:
             inside (None: no handler installed).
     """
 
+    __slots__ = ("plan", "step", "recorder", "watchdog", "_weights", "_update", "_paused",
+                 "_autocast", "_held", "_restore")
+
     def __init__(self, plan: Plan, step, recorder, watchdog: Optional[float], weights=None,
                  update=None):
         self.plan, self.step, self.recorder = plan, step, recorder
