@@ -213,17 +213,17 @@ class StageWork:
             entry.nbytes = sum(counted.values())
         else:
             measure = s not in self._entry_bytes  # once: every micro-batch has the same shapes
-
-            # The hook lives on in the graph's saved tensors: a split backward (zero_bubble)
-            # leaves the input half's nodes retained until the run ends, and a hook that held
-            # this object or the run would make a cycle through autograd's graph that
-            # Python's collector cannot see (the wrapper, its placement and workers leaked).
-            # Nor may it return the tensor: a node saving its own output would hold itself
-            # through the grad_fn for ever (soak.py: zero_bubble wrappers leaked them).
-            def pack(t: torch.Tensor, count=StageWork._count, excluded=run.work.excluded):
-                count(t, counted, excluded)
-                return t.detach()
             if measure:
+                # The hook lives on in the graph's saved tensors: a split backward
+                # (zero_bubble) leaves the input half's nodes retained until the run ends, and
+                # a hook that held this object or the run would make a cycle through
+                # autograd's graph that Python's collector cannot see (the wrapper, its
+                # placement and workers leaked). Nor may it return the tensor: a node saving
+                # its own output would hold itself through the grad_fn for ever (soak.py:
+                # zero_bubble wrappers leaked them).
+                def pack(t: torch.Tensor, count=StageWork._count, excluded=run.work.excluded):
+                    count(t, counted, excluded)
+                    return t.detach()
                 with rng.use(stream), torch.autograd.graph.saved_tensors_hooks(pack, _identity):
                     outs = st.module(*args)
             elif stream is not None:
