@@ -298,6 +298,49 @@ def test_ctrl_c_inside_the_optimizers_step_is_held_until_the_step_is_counted():
     model(x, y)
 
 
+def test_a_call_off_the_main_thread_or_under_a_users_handler_installs_none_and_trains_alike():
+    # The Ctrl-C guard goes only where Python's own handler is, on the main thread: signal
+    # refuses a handler from any other thread, and a user's handler stays in force. Either
+    # way the call's step is the one a guarded call takes.
+    nets = []
+    for where in ("main", "thread", "user's handler"):
+        net, opt, model = stateful_model("sequential")
+        x, y = warm_up(model, net)
+        seen = []
+        hook = opt.register_step_post_hook(lambda *_: seen.append(signal.getsignal(signal.SIGINT)))
+        if where == "thread":
+            failed = []
+            worker = threading.Thread(target=lambda: _call_catching(model, x, y, failed))
+            worker.start(), worker.join()
+            assert failed == []
+        elif where == "user's handler":
+            def handler(signum, frame):
+                raise AssertionError("not reached")
+            previous = signal.signal(signal.SIGINT, handler)
+            try:
+                model(x, y)
+                assert signal.getsignal(signal.SIGINT) is handler
+            finally:
+                signal.signal(signal.SIGINT, previous)
+        else:
+            model(x, y)
+        hook.remove()
+        guarded = [h is not signal.default_int_handler and type(h).__name__ == "CtrlC"
+                   for h in seen]
+        assert guarded == [where == "main"] * D, (where, seen)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        nets.append(state(net, opt))
+    assert_same_state(nets[1], nets[0])
+    assert_same_state(nets[2], nets[0])
+
+
+def _call_catching(model, x, y, failed):
+    try:
+        model(x, y)
+    except BaseException as exc:  # seen by the test's thread
+        failed.append(exc)
+
+
 def test_the_ctrl_c_tests_pass_when_the_suite_starts_with_sigint_ignored():
     # A background job of a shell ("cmd &" in a script) starts with SIGINT ignored, which
     # Python keeps: the conftest gives the suite Python's own handler back (issue 46).
