@@ -29,8 +29,8 @@ median step times, and the ratio of peak RSS.
 
 On a shared machine whose speed drifts within a second (a block of a quarter second of the
 same code differs by 30% from the next), short blocks resolve what long ones cannot: ``--calls
-10 --blocks 61 --pairs 3`` pairs each block of ten calls with the other side's ten, and its
-pairs agree to about half a percent where the default's differ by ten (``docs/PERFORMANCE.md``
+10 --blocks 61 --pairs 3`` pairs each block of ten calls with the other side's ten: a run's
+pairs agree to about half a percent, and runs to about one, where the default's differ by ten (``docs/PERFORMANCE.md``
 (g), issue 47 F). Each block then starts after the other process ran, so its ratio is that
 regime's, a little higher than the default's; compare figures taken with the same settings.
 
