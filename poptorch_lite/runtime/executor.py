@@ -447,8 +447,7 @@ class Executor:
                     out[i].append(value)
             else:
                 for i in kept:
-                    v = results[i].get(name)  # a value the stages made (most often), on the host
-                    out[i].append(v if v is not None and v.is_cpu else self._result(run, i, name))
+                    out[i].append(self._result(run, i, name))
         return out
 
     def _result(self, run: Run, i: int, name: str) -> torch.Tensor:
