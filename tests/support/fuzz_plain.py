@@ -320,8 +320,9 @@ class _TracedDraws:
 
 
 #: Edits after which every replica holds the host's buffers: a copy to the device (a
-#: re-attach copies too) has one value to copy, the host's, as PopTorch's has.
-_TO_DEVICE = {"detach_attach", "copy_weights"}
+#: re-attach copies too, and so does the wrapper's load_state_dict, which ends in
+#: copyWeightsToDevice as PopTorch's does) has one value to copy, the host's.
+_TO_DEVICE = {"detach_attach", "copy_weights", "wrapper_load"}
 
 
 def _merged(values: list, config: Config) -> torch.Tensor:
