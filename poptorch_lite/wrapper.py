@@ -91,8 +91,7 @@ class PoplarExecutor(perf_counters.Latencies):
                 "Trying to run a model on an offline device (Options.connectionType("
                 "ConnectionType.Never), useOfflineIpuTarget): it can be compiled but not run; use "
                 "ConnectionType.Always to run it")
-        if self._destroyed or not self._training:  # a live trainer has nothing to ready
-            self._ready()
+        self._ready()
         result = self._state.call(args, kwargs, self._optimizer, self._loss_scale)
         if self._training and self._loss_scale.automatic and isinstance(
                 self._optimizer, _PopTorchOptimizer):

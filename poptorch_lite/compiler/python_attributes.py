@@ -177,7 +177,7 @@ class Hooks:
     """
 
     __slots__ = ("tables", "keys", "where", "names", "_held", "_sizes", "_epoch", "_dicts",
-                 "_own", "_holding", "_lengths")
+                 "_own")
 
     def __init__(self, names: dict):
         module = torch.nn.modules.module
@@ -187,9 +187,6 @@ class Hooks:
         self.where = tuple(where) + tuple((None, table) for table in _GLOBAL_HOOKS)
         self.keys = tuple(map(tuple, self.tables))
         self._held = tuple((t, k) for t, k in zip(self.tables, self.keys) if k)
-        # the tables that held hooks, and their lengths: compared in C at every call
-        self._holding, self._lengths = tuple(t for t, _ in self._held), \
-            tuple(len(k) for _, k in self._held)
         self._sizes = tuple(map(len, self.keys))
         self._epoch = RemovableHandle.next_id
         self.names = tuple(names.values())
@@ -202,7 +199,7 @@ class Hooks:
         if tuple(map(dict.__contains__, self._dicts, _FORWARD)) != self._own:
             return False
         if RemovableHandle.next_id == self._epoch:
-            return tuple(map(len, self._holding)) == self._lengths
+            return all(len(t) == len(k) for t, k in self._held)
         # a table empty then and as long now is empty still
         if tuple(map(len, self.tables)) != self._sizes or \
                 not all(tuple(t) == k for t, k in self._held):

@@ -157,7 +157,7 @@ class CompiledModel:
         """
         mbs, program = self.prepare(args, kwargs, optimizer)
         per_microbatch = self.run(program, mbs, optimizer, loss_scale)
-        return (self._outputs or self.outputs()).merge(program.partition, per_microbatch)
+        return self.outputs().merge(program.partition, per_microbatch)
 
     def prepare(self, args: tuple, kwargs: dict, optimizer) -> tuple:
         """Split the call's inputs and compile them if their signature (or the set of
@@ -313,7 +313,7 @@ class CompiledModel:
         try:
             outputs, record = program.run(  # with autocast off: its ``Call``
                 mbs, opts, training, self.replicas(), optimizer, loss_scale, weights,
-                (self._outputs or self.outputs()).kept, not full, self.generator)
+                self.outputs().kept, not full, self.generator)
         except BaseException as exc:
             applied = ex.update.steps_applied - applied
             if restore is not None:

@@ -197,8 +197,7 @@ class Update:
             self._commit(step)
         finally:
             guard.in_step = False
-        if guard.held:
-            guard.raise_held()
+        guard.raise_held()
 
     def _commit(self, step: StepArithmetic) -> None:
         # Inside stepping(), the host parameters stand for their homes ([Note: weight homes]).
@@ -206,8 +205,7 @@ class Update:
         averages = after_step.take(weights)  # [Note: after-step averages], checked first
         with weights.stepping():
             stepped = self._update(step)
-            if averages:  # the teacher follows, stepped or not
-                after_step.apply(weights, averages)
+            after_step.apply(weights, averages)  # the teacher follows, stepped or not
         if stepped or averages:
             weights.after_step()
         self.steps_applied += 1  # a skipped step counts as taken
