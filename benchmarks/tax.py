@@ -40,6 +40,15 @@ poptorch_lite eager, and poptorch_lite with ``Options().compileStages(True)``
 ([Note: compiled stages]); it prints the compiled poptorch_lite step against each of the
 other three (the compiled processes warm up, and so compile, before the timed blocks).
 
+With ``--lean`` (conv16 only) a third process takes its turns: ``lean``, the wrapped model's
+own program called through ``machinery.py``'s lean call, which keeps every per-call mechanism
+the runtime needs (the input signature, the attribute and host-edit checks, collection paused,
+grad mode, the Ctrl-C handler, the host gradients, the random snapshot, base and stream, the
+step bound to the homes) and none of its layers, after checking that it leaves the wrapped
+call's weights and momenta to the bit. Its ratio is the floor of the tax in this script's own
+regime: what a call path with today's mechanisms could reach, and what the layers cost above
+it (``docs/PERFORMANCE.md`` (g), issue 47 F).
+
 With ``--twin`` the poptorch_lite side puts every IPU on the GPU twin of the test suite
 (``tests/support/gpu_twin.py``: the GPU's branches, streams, events and input copies, with CPU
 tensors), so what the GPU path does on the host besides the kernels (hand-offs between
@@ -78,7 +87,10 @@ parser.add_argument("--pairs", type=int, default=5, help="plain/poptorch_lite pr
 parser.add_argument("--calls", type=int, default=0,
                     help="timed calls per block (0: about a quarter second's worth)")
 parser.add_argument("--blocks", type=int, default=15, help="blocks of calls per side and pair")
-parser.add_argument("--side", choices=["plain", "lite", "plain-compiled", "lite-compiled"],
+parser.add_argument("--lean", action="store_true",
+                    help="conv16: a third process, the lean call (machinery.py), takes turns")
+parser.add_argument("--side", choices=["plain", "lite", "lean", "plain-compiled",
+                                       "lite-compiled"],
                     help="run one side here and print JSON")
 parser.add_argument("--backend", default="inductor",
                     help="the compiled sides' backend (the suite's smoke run: aot_eager)")
@@ -200,6 +212,12 @@ def one_side(args):
 
         def call():
             wrapped(x, y)
+        if args.side == "lean":  # after one wrapped call: traced, and its step to compare
+            wrapped(x, y)
+            sys.path.insert(0, os.path.dirname(__file__))
+            from machinery import lean_call
+            (program,) = wrapped._programs.values()  # a measurement: the runtime's own objects
+            call = lean_call(wrapped, program.partition.stages[0], optimizer, x, y)
     for _ in range(3):  # warm up (and trace)
         call()
     calls = args.calls
@@ -256,7 +274,8 @@ def take_turns(cmds: dict, blocks: int, first: str) -> dict:
 
 def run_pair(case, threads, calls, blocks, lite_first, twin=False, sides=("plain", "lite"),
              backend="inductor"):
-    """A process per side (plain and poptorch_lite), taking turns for ``blocks`` blocks each."""
+    """A process per side (plain and poptorch_lite, and the others ``sides`` names), taking
+    turns for ``blocks`` blocks each."""
     cmds = {side: [sys.executable, __file__, "--side", side, "--case", case, "--threads",
                    str(threads), "--calls", str(calls), "--serve", "--backend", backend]
             + (["--twin"] if twin else []) for side in sides}
@@ -273,24 +292,34 @@ def main():
     if args.side:
         return one_side(args)
     cases = list(CASES) if args.case == "all" else [args.case]
+    if args.lean and (cases != ["conv16"] or args.compiled or args.twin):
+        parser.error(f"--lean measures one step a call on one stage: --case conv16, eager, on "
+                     f"the CPU (got --case {args.case}{' --compiled' if args.compiled else ''}"
+                     f"{' --twin' if args.twin else ''})")
     if args.compiled:
         return compiled_table(args, cases)
+    sides = ("plain", "lite", "lean") if args.lean else ("plain", "lite")
     print(f"{'case':8} {'threads':>7} {'plain ms':>9} {'lite ms':>9} {'ratio':>6} "
-          f"{'spread':>13} {'RSS ratio':>9}")
+          f"{'spread':>13} {'RSS ratio':>9}"
+          + (f" {'lean ms':>9} {'lean':>6} {'spread':>13}" if args.lean else ""))
     for case in cases:
         for threads in args.threads:
-            ratios, plain_ms, lite_ms, rss = [], [], [], []
+            ratios = {side: [] for side in sides[1:]}
+            ms = {side: [] for side in sides}
+            rss = []
             for k in range(args.pairs):
                 got = run_pair(case, threads, args.calls, args.blocks, lite_first=k % 2 == 1,
-                               twin=args.twin)
-                ratios.append(_ratio(got, "lite", "plain"))
-                plain_ms.append(statistics.median(b["step_ms"] for b in got["plain"]))
-                lite_ms.append(statistics.median(b["step_ms"] for b in got["lite"]))
+                               twin=args.twin, sides=sides)
+                for side in sides:
+                    ms[side].append(statistics.median(b["step_ms"] for b in got[side]))
+                for side in ratios:
+                    ratios[side].append(_ratio(got, side, "plain"))
                 rss.append(got["lite"][-1]["rss_mib"] / got["plain"][-1]["rss_mib"])
-            print(f"{case:8} {got['plain'][0]['threads']:>7} {statistics.median(plain_ms):9.3f} "
-                  f"{statistics.median(lite_ms):9.3f} {statistics.median(ratios):6.3f} "
-                  f"{f'{min(ratios):.3f}-{max(ratios):.3f}':>13} {statistics.median(rss):9.3f}",
-                  flush=True)
+            cells = {side: f"{statistics.median(ms[side]):9.3f} {statistics.median(r):6.3f} "
+                           f"{f'{min(r):.3f}-{max(r):.3f}':>13}" for side, r in ratios.items()}
+            print(f"{case:8} {got['plain'][0]['threads']:>7} {statistics.median(ms['plain']):9.3f} "
+                  f"{cells['lite']} {statistics.median(rss):9.3f}"
+                  + (f" {cells['lean']}" if args.lean else ""), flush=True)
 
 
 def compiled_table(args, cases) -> None:

@@ -97,20 +97,32 @@ def test_tax_compiled_takes_turns_between_four_sides():
         assert spread == f"({ratio}-{ratio})"  # from the same value by the same format
 
 
-def test_tax_pairs_the_two_sides_block_by_block():
+def test_tax_pairs_the_two_sides_block_by_block_and_the_lean_call_beside_them():
     """The parent keeps a plain and a poptorch_lite process side by side and asks each for
-    blocks in turn; one pair of two blocks of one call each (figures are not checked)."""
-    done = subprocess.run([sys.executable, str(BENCH / "tax.py"), "--case", "conv16",
+    blocks in turn; with ``--lean`` a third process, the lean call (which checks its step
+    against the wrapped call's first, and exits otherwise), takes its turns too. One pair of
+    two blocks of one call each (figures are not checked)."""
+    done = subprocess.run([sys.executable, str(BENCH / "tax.py"), "--case", "conv16", "--lean",
                            "--threads", "1", "--pairs", "1", "--blocks", "2", "--calls", "1"],
                           capture_output=True, text=True, timeout=limit(300))
     assert done.returncode == 0, done.stderr
     header, row = done.stdout.strip().splitlines()
     assert header.split() == ["case", "threads", "plain", "ms", "lite", "ms", "ratio", "spread",
-                              "RSS", "ratio"]
-    case, threads, plain_ms, lite_ms, ratio, spread, rss = row.split()
+                              "RSS", "ratio", "lean", "ms", "lean", "spread"]
+    case, threads, plain_ms, lite_ms, ratio, spread, rss, lean_ms, lean, lean_spread = row.split()
     assert (case, threads) == ("conv16", "1")
-    assert float(plain_ms) > 0 and float(lite_ms) > 0 and float(rss) > 0
+    assert float(plain_ms) > 0 and float(lite_ms) > 0 and float(rss) > 0 and float(lean_ms) > 0
     assert spread == f"{float(ratio):.3f}-{float(ratio):.3f}"  # one pair: its own spread
+    assert lean_spread == f"{float(lean):.3f}-{float(lean):.3f}"
+
+
+def test_tax_refuses_the_lean_call_where_it_does_not_apply():
+    done = subprocess.run([sys.executable, str(BENCH / "tax.py"), "--case", "tiny", "--lean"],
+                          capture_output=True, text=True, timeout=limit(300))
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines()[-1] == (
+        "tax.py: error: --lean measures one step a call on one stage: --case conv16, eager, on "
+        "the CPU (got --case tiny)")
 
 
 def test_tax_ab_pairs_two_checkouts_block_by_block():
