@@ -41,7 +41,7 @@ poptorch_lite eager, and poptorch_lite with ``Options().compileStages(True)``
 other three (the compiled processes warm up, and so compile, before the timed blocks).
 
 With ``--lean`` (conv16 only) a third process takes its turns: ``lean``, the wrapped model's
-own program called through ``machinery.py``'s lean call, which keeps every per-call mechanism
+own program called through the lean call (``lean.py``), which keeps every per-call mechanism
 the runtime needs (the input signature, the attribute and host-edit checks, collection paused,
 grad mode, the Ctrl-C handler, the host gradients, the random snapshot, base and stream, the
 step bound to the homes) and none of its layers, after checking that it leaves the wrapped
@@ -88,7 +88,7 @@ parser.add_argument("--calls", type=int, default=0,
                     help="timed calls per block (0: about a quarter second's worth)")
 parser.add_argument("--blocks", type=int, default=15, help="blocks of calls per side and pair")
 parser.add_argument("--lean", action="store_true",
-                    help="conv16: a third process, the lean call (machinery.py), takes turns")
+                    help="conv16: a third process, the lean call (lean.py), takes turns")
 parser.add_argument("--side", choices=["plain", "lite", "lean", "plain-compiled",
                                        "lite-compiled"],
                     help="run one side here and print JSON")
@@ -215,7 +215,7 @@ def one_side(args):
         if args.side == "lean":  # after one wrapped call: traced, and its step to compare
             wrapped(x, y)
             sys.path.insert(0, os.path.dirname(__file__))
-            from machinery import lean_call
+            from lean import lean_call
             (program,) = wrapped._programs.values()  # a measurement: the runtime's own objects
             call = lean_call(wrapped, program.partition.stages[0], optimizer, x, y)
     for _ in range(3):  # warm up (and trace)
