@@ -1,7 +1,7 @@
 """The lean call: a wrapped model's one-step program called through the per-call mechanisms its
 runtime keeps, and none of its layers (issue 47 F).
 
-``lean_call(wrapped, stage, optimizer, x, y)`` returns a function that takes one optimizer step
+``lean_call(wrapped, optimizer, x, y)`` returns a function that takes one optimizer step
 of ``wrapped``'s one-stage program on ``(x, y)``: the input signature, the attribute and
 host-edit checks, collection paused, grad mode, the Ctrl-C handler, the host gradients kept,
 the random snapshot, base and stream, and the step bound to the homes, around the stage
@@ -25,16 +25,17 @@ from poptorch_lite.runtime import update
 from poptorch_lite.runtime.split_backward import run_backward
 
 
-def lean_call(wrapped, stage, optimizer, x, y):
+def lean_call(wrapped, optimizer, x, y):
     """A call of ``wrapped``'s one-step program through the mechanisms its runtime keeps per
     call and none of its layers (the module docstring), after checking that it leaves the
-    weights and momenta that a wrapped call leaves from the same state."""
-    state = wrapped._state  # a measurement: it reads the runtime's own objects
-    weights, reads = state.weights, stage_reads(wrapped)
+    weights and momenta that a wrapped call leaves from the same state. ``wrapped`` has been
+    called: its one program is compiled."""
+    (program,) = wrapped._programs.values()  # a measurement: it reads the runtime's own objects
+    (stage,), reads = program.partition.stages, program.partition.reads
+    weights = wrapped._state.weights
     params = list(weights.params.values())
     positions = {n: k for k, n in enumerate(stage.inputs)}
-    graph, loss_at = stage.module, stage.outputs.index(state.programs[next(iter(
-        state.programs))].executor.work.loss)
+    graph, loss_at = stage.module, stage.outputs.index(program.executor.work.loss)
     args = [None if n.startswith("input:") else weights.param(n.split(":", 1)[1], stage.ipu)
             for n in stage.inputs]
     signature = (tuple(x.shape), x.dtype, tuple(y.shape), y.dtype, ambient_autocast())
@@ -72,12 +73,6 @@ def lean_call(wrapped, stage, optimizer, x, y):
 
     same_step(wrapped, lean, params, optimizer, x, y)
     return lean
-
-
-def stage_reads(wrapped):
-    """The attributes the wrapper's one program read while traced (its ``Reads``)."""
-    (program_,) = wrapped._state.programs.values()
-    return program_.partition.reads
 
 
 def same_step(wrapped, lean, params, optimizer, x, y):

@@ -139,7 +139,7 @@ def measure(name, rounds, timers):
 
     sides = {"plain": plain, "bare": bare, "lite": lambda: wrapped(x, y)}
     if D == 1:
-        sides["lean"] = lean_call(wrapped, stage, sgd[1], x, y)
+        sides["lean"] = lean_call(wrapped, sgd[1], x, y)
     for fn in sides.values():
         fn()
     TIMERS.clear()

@@ -216,8 +216,7 @@ def one_side(args):
             wrapped(x, y)
             sys.path.insert(0, os.path.dirname(__file__))
             from lean import lean_call
-            (program,) = wrapped._programs.values()  # a measurement: the runtime's own objects
-            call = lean_call(wrapped, program.partition.stages[0], optimizer, x, y)
+            call = lean_call(wrapped, optimizer, x, y)
     for _ in range(3):  # warm up (and trace)
         call()
     calls = args.calls
