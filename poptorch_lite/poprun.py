@@ -36,6 +36,7 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
 from typing import Optional, Sequence
 
 from .errors import OptionsError
@@ -260,11 +261,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .alias import reach_children
     reach_children()  # `import poptorch` is poptorch_lite in every instance
     env = {**os.environ, **launch.environment()}
-    command = [sys.executable, "-m", "torch.distributed.run", *launch.torchrun_args()]
-    try:
-        return subprocess.run(command, env=env).returncode
-    except KeyboardInterrupt:
-        return 130
+    # torchrun's agent keeps its instances' error files in a log folder, which it makes in
+    # the temporary directory and leaves there; one of poprun's own, removed when the run ends
+    # (torch's report of a failed instance is printed by then), leaves nothing behind.
+    with tempfile.TemporaryDirectory(prefix="poprun-") as logs:
+        command = [sys.executable, "-m", "torch.distributed.run", "--log-dir", logs,
+                   *launch.torchrun_args()]
+        try:
+            return subprocess.run(command, env=env).returncode
+        except KeyboardInterrupt:
+            return 130
 
 
 if __name__ == "__main__":
