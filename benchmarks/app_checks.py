@@ -40,6 +40,7 @@ Conformer torchaudio (its generated data never does), and the CNNs Horovod, whos
 ``stand_ins/horovod`` makes on torch.distributed for their popdist path.
 """
 
+import atexit
 import os
 import shutil
 import sys
@@ -57,10 +58,18 @@ STUBS = {  # imported at the top of the app's modules; a single-process run call
 }
 
 
+def _temporary_folder(prefix: str) -> str:
+    """A new folder in the temporary directory, removed when this process exits (the app's
+    modules are imported from it, or it is the app's working directory, until then)."""
+    root = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, root, True)
+    return root
+
+
 def stand_ins() -> str:
     """A folder for the front of an app's path: ``STUBS``, and ``stand_ins/``'s Horovod on
     torch.distributed and generated CIFAR-10 (its ``sitecustomize``)."""
-    root = tempfile.mkdtemp(prefix="apps_stand_ins_")
+    root = _temporary_folder("apps_stand_ins_")
     shutil.copytree(os.path.join(os.path.dirname(os.path.abspath(__file__)), "stand_ins"), root,
                     dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
     for path, text in STUBS.items():
@@ -193,7 +202,7 @@ def bert(app: str) -> int:
 
 def dino(app: str) -> int:
     sys.path[:0] = [app, os.path.join(app, "script"), stand_ins()]
-    os.chdir(tempfile.mkdtemp(prefix="dino_alignment_"))  # the script writes ./alignment
+    os.chdir(_temporary_folder("dino_alignment_"))  # the script writes ./alignment
     import torch
     import alignment
     from alignment import default_config, process

@@ -41,6 +41,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -343,10 +344,12 @@ def processes(pipelines: int, short: bool) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(pathlib.Path(__file__).resolve().parents[1]),
                                           os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node", "2", __file__, "--process-worker", str(pipelines)]
-    result = subprocess.run(command, capture_output=True, text=True, env=env,
-                            timeout=limit(300) if short else 900)
+    with tempfile.TemporaryDirectory(prefix="soak-torchrun-") as logs:  # torchrun leaves it
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc_per_node", "2", "--log-dir", logs, __file__, "--process-worker",
+                   str(pipelines)]
+        result = subprocess.run(command, capture_output=True, text=True, env=env,
+                                timeout=limit(300) if short else 900)
     if result.returncode != 0:
         raise SystemExit(f"torchrun ended with status {result.returncode}:\n"
                          f"{result.stderr[-3000:]}")
@@ -368,8 +371,10 @@ def process_interrupt(rng: random.Random, short: bool) -> float:
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(pathlib.Path(__file__).resolve().parents[1]),
                                           os.environ.get("PYTHONPATH", "")])}
+    logs = tempfile.TemporaryDirectory(prefix="soak-torchrun-")  # torchrun would leave it
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node", "2", __file__, "--process-worker", "-1"]
+               "--nproc_per_node", "2", "--log-dir", logs.name, __file__, "--process-worker",
+               "-1"]
     run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                            text=True, env=env, start_new_session=True)
     try:
@@ -396,6 +401,7 @@ def process_interrupt(rng: random.Random, short: bool) -> float:
         except ProcessLookupError:
             pass
         run.wait()
+        logs.cleanup()
 
 
 def process_worker(pipelines: int) -> None:

@@ -88,10 +88,12 @@ Example:
     ...         return out, torch.nn.functional.mse_loss(out, y)
     >>> model = poptorch.trainingModel(Net())
     >>> _ = model(torch.ones(4, 2), torch.zeros(4, 1))
-    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt.pt")
+    >>> folder = tempfile.TemporaryDirectory()
+    >>> path = os.path.join(folder.name, "ckpt.pt")
     >>> save_checkpoint(path, model)
     >>> load_checkpoint(path, model).steps
     1
+    >>> folder.cleanup()
 """
 
 from __future__ import annotations
