@@ -508,12 +508,13 @@ def spawned(scenario, rank, what):
     """Raise what process ``rank`` of tests/support/_pipeline_worker.py's ``scenario`` raised, as it
     recorded it (class, message, notes): the scenario runs once, in its own processes."""
     if scenario not in _SPAWNED:
-        out = pathlib.Path(tempfile.mkdtemp())
-        worker = pathlib.Path(__file__).parent / "support" / "_pipeline_worker.py"
-        runs = start(worker, [scenario, out], 2)
-        assert runs[0][0] == 0, runs[0][2][-3000:]
-        _SPAWNED[scenario] = [torch.load(out / f"{scenario}-rank{r}.pt", weights_only=False)
-                              for r in range(2) if (out / f"{scenario}-rank{r}.pt").exists()]
+        with tempfile.TemporaryDirectory() as folder:
+            out = pathlib.Path(folder)
+            worker = pathlib.Path(__file__).parent / "support" / "_pipeline_worker.py"
+            runs = start(worker, [scenario, out], 2)
+            assert runs[0][0] == 0, runs[0][2][-3000:]
+            _SPAWNED[scenario] = [torch.load(out / f"{scenario}-rank{r}.pt", weights_only=False)
+                                  for r in range(2) if (out / f"{scenario}-rank{r}.pt").exists()]
     recorded = _SPAWNED[scenario][rank][what]
     if isinstance(recorded, str):  # a refusal's text, of the class the worker caught
         recorded = (None, recorded, [])

@@ -71,11 +71,12 @@ def test_mnist_pipelined_two_stages_with_defaults():
     assert_trained_and_tested(lines, 1280, 1200)
 
 
-def test_mnist_pipelined_runs_its_stages_in_two_processes_under_torchrun():
+def test_mnist_pipelined_runs_its_stages_in_two_processes_under_torchrun(tmp_path):
     """``torchrun --nproc_per_node 2``: a stage per process; process 0 alone prints, and
     both processes' pipeline trains and tests the whole subset."""
     result = subprocess.run(
         [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--log-dir", str(tmp_path),  # torchrun's folder, which it would leave in TMPDIR
          "--master_port", str(free_port()), str(ROOT / "examples" / "mnist_pipelined.py"),
          "--data-dir", str(DATA), "--epochs", "1", "--limit", "1280", "--device-iterations",
          "2"], capture_output=True, text=True, timeout=limit(600), cwd=ROOT,

@@ -3,6 +3,8 @@
 It forgives only what a library sets up once per process."""
 
 import copy
+import os
+import tempfile
 
 import hygiene
 
@@ -35,3 +37,19 @@ def test_the_files_of_cudas_context_are_forgiven_only_to_the_test_that_made_it()
     before["cuda"] = True  # CUDA was there before this test: its files are its own
     assert hygiene.left_behind(before, after) == ["thread 12345: a-worker",
                                                   "open file 999: /dev/nvidia0"]
+
+
+def test_a_file_left_in_the_temporary_directory_is_named_and_multiprocessings_is_not():
+    """Each process of the suite has a temporary directory of its own, every process it starts
+    too (TMPDIR): what a test leaves there is named; multiprocessing's folder, made at its
+    first use for the process's life, is not."""
+    assert os.environ["TMPDIR"] == tempfile.gettempdir() == hygiene._TEMP[0]
+    before = hygiene.snapshot()
+    left = tempfile.mkdtemp(prefix="left-")
+    pymp = tempfile.mkdtemp(prefix="pymp-")
+    try:
+        assert hygiene.left_behind(before, hygiene.snapshot()) == [f"temp file {left}"]
+    finally:
+        os.rmdir(left)
+        os.rmdir(pymp)
+    assert hygiene.left_behind(before, hygiene.snapshot()) == []

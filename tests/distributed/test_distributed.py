@@ -323,9 +323,10 @@ def test_several_processes_without_a_rendezvous_address_are_refused(monkeypatch)
 
 @pytest.mark.skipif(not (DATA / "MNIST" / "raw").is_dir(),
                     reason=f"MNIST not found under {DATA} (set MNIST_DATA)")
-def test_mnist_distributed_example_runs_under_torchrun():
+def test_mnist_distributed_example_runs_under_torchrun(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(P),
+         "--log-dir", str(tmp_path),  # torchrun's folder, which it would leave in TMPDIR
          "--master_port", str(free_port()), str(ROOT / "examples" / "mnist_distributed.py"),
          "--data-dir", str(DATA), "--limit", "640", "--device-iterations", "2"],
         capture_output=True, text=True, timeout=limit(300), cwd=ROOT,

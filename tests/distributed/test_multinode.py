@@ -41,7 +41,9 @@ def launch(scenario, out, per_node=2, **env):
                 **env)
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
                "--nproc_per_node", str(per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint",
-               f"127.0.0.1:{port}", "--max-restarts", "0", str(SCRIPT), scenario, str(out)]
+               f"127.0.0.1:{port}", "--max-restarts", "0",
+               "--log-dir", str(pathlib.Path(out) / "torchrun"),  # not a folder left in TMPDIR
+               str(SCRIPT), scenario, str(out)]
     return [subprocess.Popen(command, env=base, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
             for _ in range(2)]

@@ -354,7 +354,8 @@ def test_the_ctrl_c_tests_pass_when_the_suite_starts_with_sigint_ignored():
          f"{here.parents[1]}/data/test_dataloader.py::test_ctrl_c_beside_an_async_loader_stops_the_"
          "script_cleanly"],
         capture_output=True, text=True, timeout=limit(300), cwd=here.parents[1],
-        env={k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")})
+        env={k: v for k, v in os.environ.items()  # its tmp_path where the suite's are
+             if not k.startswith("PYTEST_") or k == "PYTEST_DEBUG_TEMPROOT"})
     assert result.returncode == 0, result.stdout[-3000:]
     assert result.stdout.splitlines()[-1].startswith("3 passed")
 

@@ -10,7 +10,15 @@ that test's teardown, which names what was left behind:
 - a changed torch global: default dtype, intra-op threads, grad mode, inference mode,
   deterministic algorithms, anomaly mode; and Python's automatic garbage collection;
 - a file descriptor opened and not closed (except by the test that made CUDA's context);
-- a changed ``os.environ``.
+- a changed ``os.environ``;
+- a file or folder left in the temporary directory.
+
+Each process of the suite (pytest's, each xdist worker) gets a temporary directory of its own
+when it starts, ``TMPDIR`` for it and every process it starts, removed when it ends: what a
+test's processes make there and do not remove (torchrun's log folders, a checkpoint in a
+``mkdtemp``) is named, and nothing the suite makes outlives it. pytest's own ``tmp_path``
+folders stay where they were (``PYTEST_DEBUG_TEMPROOT``: the last three runs kept), and so
+does Inductor's cache (a link to it), which lasts from one session to the next.
 
 Reading it costs about 0.1 ms a test (a listing of ``/proc/self/fd``, nothing on a clean pass
 that takes longer). ``-p no:hygiene`` turns it off, for instance to see a test's own failure
@@ -20,8 +28,12 @@ first.
 from __future__ import annotations
 
 import gc
+import getpass
 import os
+import re
+import shutil
 import signal
+import tempfile
 import threading
 import time
 
@@ -38,6 +50,9 @@ LONG_LIVED_THREADS = (
 SET_ONCE_ENV = (
     "TORCHINDUCTOR_CACHE_DIR",  # set by Inductor at its first compile
     "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",  # set by Inductor when it loads its C++ helpers
+)
+SET_ONCE_TEMP = (
+    "pymp-",  # multiprocessing's folder, made at its first use, removed when the process ends
 )
 SET_ONCE_HANDLERS = (
     "_set_SIGCHLD_handler.<locals>.handler",  # torch's DataLoader, at its first worker process
@@ -115,6 +130,15 @@ def _torch_globals() -> dict:
             "anomaly mode": torch.is_anomaly_enabled(), "automatic gc": gc.isenabled()}
 
 
+_TEMP: list = []  # this process's temporary directory, once pytest_configure made it
+
+
+def _temp_files() -> set:
+    if not _TEMP:
+        return set()
+    return {n for n in os.listdir(_TEMP[0]) if not n.startswith(SET_ONCE_TEMP)}
+
+
 def snapshot() -> dict:
     main = threading.current_thread() is threading.main_thread()
     return {"cuda": torch.cuda.is_initialized(),
@@ -124,18 +148,38 @@ def snapshot() -> dict:
             else set(),
             "pending signals": signal.sigpending(),
             "torch globals": _torch_globals(),
-            "os.environ": {k: v for k, v in os.environ.items() if k not in SET_ONCE_ENV}}
+            "os.environ": {k: v for k, v in os.environ.items() if k not in SET_ONCE_ENV},
+            "temp files": _temp_files()}
 
 
 def pytest_configure(config):
-    """Make torch.distributed's store's event-loop pipe, which its first store opens and keeps
-    for the process's life, before any test can be blamed for it."""
+    """Give the process a temporary directory of its own (the module's doc), and make
+    torch.distributed's store's event-loop pipe, which its first store opens and keeps for the
+    process's life, before any test can be blamed for it."""
+    # The machine's temporary directory, where a worker's goes too: beside its parent's, not
+    # in it (a Unix socket's path, as multiprocessing's listeners make there, has at most 107
+    # bytes, which three nested folders used up).
+    root = os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+    _TEMP.append(tempfile.mkdtemp(prefix="poptorch-lite-tests-", dir=root))
+    # Inductor keeps its caches (compiled code, precompiled headers) in the temporary
+    # directory's torchinductor_<user>, some whatever TORCHINDUCTOR_CACHE_DIR says: a link to
+    # the machine's keeps them from one session to the next, as they were.
+    inductor = "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
+    os.makedirs(os.path.join(root, inductor), exist_ok=True)
+    os.symlink(os.path.join(root, inductor), os.path.join(_TEMP[0], inductor))
+    os.environ["TMPDIR"] = _TEMP[0]
+    tempfile.tempdir = None  # read again from TMPDIR
     try:
         import torch.distributed as dist
         if dist.is_available():
             dist.TCPStore("127.0.0.1", 0, 1, True)  # port 0: any free one; dropped at once
     except Exception:  # noqa: BLE001 - no distributed support: nothing to make
         pass
+
+
+def pytest_unconfigure(config):
+    if _TEMP:
+        shutil.rmtree(_TEMP.pop(), ignore_errors=True)
 
 
 def _added(before: dict, after: dict) -> dict:
@@ -154,6 +198,8 @@ def left_behind(before: dict, after: dict) -> list[str]:
             lines.append(f"{key[:-1] if key == 'threads' else 'open file'} {k}: {v}")
     for pid in sorted(after["children"] - before["children"]):
         lines.append(f"child process {pid}: {_cmdline(pid)}")
+    for name in sorted(after.get("temp files", set()) - before.get("temp files", set())):
+        lines.append(f"temp file {os.path.join(_TEMP[0], name) if _TEMP else name}")
     for key in ("blocked signals", "pending signals"):
         for s in sorted(after[key] - before[key]):
             lines.append(f"{key[:-1]} {signal.Signals(s).name}")
