@@ -344,7 +344,8 @@ def processes(pipelines: int, short: bool) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(pathlib.Path(__file__).resolve().parents[1]),
                                           os.environ.get("PYTHONPATH", "")])}
-    with tempfile.TemporaryDirectory(prefix="soak-torchrun-") as logs:  # torchrun leaves it
+    # torchrun's log folder, which it would leave in the temporary directory
+    with tempfile.TemporaryDirectory(prefix="soak-torchrun-", ignore_cleanup_errors=True) as logs:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    "--nproc_per_node", "2", "--log-dir", logs, __file__, "--process-worker",
                    str(pipelines)]
@@ -371,7 +372,8 @@ def process_interrupt(rng: random.Random, short: bool) -> float:
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(pathlib.Path(__file__).resolve().parents[1]),
                                           os.environ.get("PYTHONPATH", "")])}
-    logs = tempfile.TemporaryDirectory(prefix="soak-torchrun-")  # torchrun would leave it
+    # torchrun's log folder, which it would leave in the temporary directory
+    logs = tempfile.TemporaryDirectory(prefix="soak-torchrun-", ignore_cleanup_errors=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node", "2", "--log-dir", logs.name, __file__, "--process-worker",
                "-1"]

@@ -264,7 +264,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # torchrun's agent keeps its instances' error files in a log folder, which it makes in
     # the temporary directory and leaves there; one of poprun's own, removed when the run ends
     # (torch's report of a failed instance is printed by then), leaves nothing behind.
-    with tempfile.TemporaryDirectory(prefix="poprun-") as logs:
+    with tempfile.TemporaryDirectory(prefix="poprun-", ignore_cleanup_errors=True) as logs:
         command = [sys.executable, "-m", "torch.distributed.run", "--log-dir", logs,
                    *launch.torchrun_args()]
         try:
