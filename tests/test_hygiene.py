@@ -53,3 +53,15 @@ def test_a_file_left_in_the_temporary_directory_is_named_and_multiprocessings_is
         os.rmdir(left)
         os.rmdir(pymp)
     assert hygiene.left_behind(before, hygiene.snapshot()) == []
+
+
+def test_inductors_caches_reached_through_a_processs_temporary_directory_are_the_machines():
+    """Inductor keeps some of its caches under the temporary directory whatever
+    TORCHINDUCTOR_CACHE_DIR says: through the link the plugin makes (by torch's own rule for
+    the folder's name), a session reuses what earlier ones compiled."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    here = default_cache_dir()
+    assert os.path.dirname(here) == hygiene._TEMP[0]
+    assert os.path.basename(here) == hygiene.inductor_cache_name()
+    assert os.path.realpath(here) == os.path.realpath(
+        os.path.join(os.environ["PYTEST_DEBUG_TEMPROOT"], os.path.basename(here)))

@@ -134,9 +134,21 @@ _TEMP: list = []  # this process's temporary directory, once pytest_configure ma
 
 
 def _temp_files() -> set:
-    if not _TEMP:
+    if not _TEMP:  # hygiene.snapshot() outside a session the plugin configured
         return set()
-    return {n for n in os.listdir(_TEMP[0]) if not n.startswith(SET_ONCE_TEMP)}
+    return {os.path.join(_TEMP[0], n) for n in os.listdir(_TEMP[0])
+            if not n.startswith(SET_ONCE_TEMP)}
+
+
+def inductor_cache_name() -> str:
+    """The folder of the temporary directory where Inductor keeps its caches: the rule of
+    torch's ``default_cache_dir`` (``torch/_inductor/runtime/cache_dir_utils.py``), written out
+    because importing ``torch._inductor`` costs 1.6 s a process."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):  # a uid with no name, as in a container
+        user = f"uid_{os.getuid()}"
+    return "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user)
 
 
 def snapshot() -> dict:
@@ -164,7 +176,7 @@ def pytest_configure(config):
     # Inductor keeps its caches (compiled code, precompiled headers) in the temporary
     # directory's torchinductor_<user>, some whatever TORCHINDUCTOR_CACHE_DIR says: a link to
     # the machine's keeps them from one session to the next, as they were.
-    inductor = "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
+    inductor = inductor_cache_name()
     os.makedirs(os.path.join(root, inductor), exist_ok=True)
     os.symlink(os.path.join(root, inductor), os.path.join(_TEMP[0], inductor))
     os.environ["TMPDIR"] = _TEMP[0]
@@ -198,8 +210,8 @@ def left_behind(before: dict, after: dict) -> list[str]:
             lines.append(f"{key[:-1] if key == 'threads' else 'open file'} {k}: {v}")
     for pid in sorted(after["children"] - before["children"]):
         lines.append(f"child process {pid}: {_cmdline(pid)}")
-    for name in sorted(after.get("temp files", set()) - before.get("temp files", set())):
-        lines.append(f"temp file {os.path.join(_TEMP[0], name) if _TEMP else name}")
+    for path in sorted(after["temp files"] - before["temp files"]):
+        lines.append(f"temp file {path}")
     for key in ("blocked signals", "pending signals"):
         for s in sorted(after[key] - before[key]):
             lines.append(f"{key[:-1]} {signal.Signals(s).name}")
