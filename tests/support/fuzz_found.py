@@ -328,4 +328,17 @@ FOUND = [
           Program(ops=(Op("input_penalty"), Op("skip"))), Config()),
     Found("input_penalty_with_a_convolution_to_the_bit", "input_penalty&conv&float64",
           Program(ops=(Op("input_penalty"), Op("conv"))), Config(dtype="float64", calls=3)),
+    # -- post-accumulate hooks, new in the grammar (seed 197's proofs): where a stage's
+    #    weights are copies, the copy whose .grad the step reads had none of the hooks; and
+    #    with replicas in two processes, a hook registered between calls ran after the
+    #    overlapped all-reduce had launched the gradient, and its edit was lost
+    *(Found(f"post_accumulate_hook_{device}", f"post_accumulate_hook&device={device}",
+            Program(ops=(Op("post_accumulate_hook"),)), Config(device=device))
+      for device in ("ipu_model", "gpu_twin")),
+    Found("post_accumulate_hook_registered_between_calls_ipu_model",
+          "post_hook_add&device=ipu_model",
+          Program(edits=(Edit("post_hook_add"),)), Config(device="ipu_model")),
+    Found("post_accumulate_hook_registered_after_the_overlapped_all_reduce",
+          "post_hook_add&processes=2",
+          Program(edits=(Edit("post_hook_add"),)), Config(processes=2)),
 ]

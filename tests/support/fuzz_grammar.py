@@ -123,6 +123,10 @@ FEATURES = {
                         "lambda m, go: (go[0] * 3,))"),
     "forward_hook": Feature(init="self.l{s}.register_forward_hook(lambda m, i, o: o * 2)"),
     "param_hook": Feature(init="self.l{s}.bias.register_hook(lambda g: g.clamp(-0.01, 0.01))"),
+    # a hook on the gradient once accumulated (optimizer-in-backward's and gradient
+    # compression's way in): it edits the parameter's ``.grad`` in place
+    "post_accumulate_hook": Feature(init="def halve{i}(p):\n    p.grad.mul_(0.5)\n"
+                                    "self.l{s}.bias.register_post_accumulate_grad_hook(halve{i})"),
     "removable_hook": Feature(init="self.handle{i} = self.l{s}.register_forward_hook("
                               "lambda m, i, o: o * 2)"),
     "frozen": Feature(init="self.l{s}.bias.requires_grad_(False)"),
@@ -391,6 +395,8 @@ EDITS = {
     "init_zeros": "torch.nn.init.zeros_(net.l{s}.bias)",
     # hooks added between calls, a layer replaced, the optimizer's state dropped
     "hook_add": "net.l{s}.register_forward_hook(lambda m, i, o: o * 0.5)",
+    "post_hook_add": "def halve(p):\n    p.grad.mul_(0.5)\n"
+                     "net.l{s}.weight.register_post_accumulate_grad_hook(halve)",
     "hook_remove": "for name, handle in list(vars(net).items()):\n"
                    "    if name.startswith(\"handle\"):\n        handle.remove()",
     "forward_replace": "net.l{s}.forward = lambda t, m=net.l{s}: F.linear(t, m.weight) * 0.5",

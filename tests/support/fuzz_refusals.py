@@ -105,7 +105,8 @@ def acceptable(program: Program, config: Config) -> dict:
     if "tensor_counter" in kinds and (config.device in ("gpu_twin", "cuda") or config.recompute
                                       or config.compiled):
         ok["E-PART-28"] = "a tensor attribute the forward writes, on a GPU, recomputed or compiled"
-    hooked = {o.stage for o in program.ops if o.kind == "param_hook"}
+    hooked = {o.stage for o in program.ops
+              if o.kind in ("param_hook", "post_accumulate_hook")}
     if any(o.kind == "shared_module" and o.to != o.stage and o.stage in hooked
            for o in program.ops):
         ok["E-PART-27"] = "a gradient hook on a parameter that two stages use"
