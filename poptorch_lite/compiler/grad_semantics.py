@@ -44,8 +44,9 @@ training trace keeps them, and the stages replay them as plain PyTorch ran them:
   ``register_full_backward_pre_hook``: where ``Module.__call__`` sets them up, two nodes set
   up a fresh ``BackwardHook`` of the module on the stage's values in every micro-batch,
   with the module's hooks of the time (the deprecated ``register_backward_hook`` is refused).
-  A hook registered on a parameter outside the forward is the parameter's own; its copies on
-  other devices share it (``Weights.share_hooks``).
+  A hook registered on a parameter outside the forward (``register_hook``,
+  ``register_post_accumulate_grad_hook``) is the parameter's own; its copies on other devices
+  share it (``Weights.share_hooks``).
 - **Tensor hooks.** ``t.register_hook(fn)`` in the forward is a node that registers
   ``fn`` on the stage's value of ``t`` (:func:`traced_register_hook`), in every micro-batch,
   as plain PyTorch registers it in every forward (once, where a recompute runs the forward

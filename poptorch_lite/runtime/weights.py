@@ -223,13 +223,21 @@ class Weights:
             self.host_stale = True
 
     def share_hooks(self) -> None:
-        """Give each copy of a parameter the host parameter's gradient hooks (its own
-        ``register_hook``'s: one dict for both), as a shared home has them already."""
+        """Give each copy of a parameter the host parameter's gradient hooks, as a shared home
+        has them already: those of ``register_hook``, which see each gradient before it is
+        added to ``.grad``, and those of ``register_post_accumulate_grad_hook``, which edit
+        ``.grad`` once it has been added to (one dict of each for both, so a hook registered
+        or removed between calls reaches the copies too). A post-accumulate hook is called
+        with the copy, whose ``.grad`` is the one the step reads."""
         params = self.params
         for (name, _), c in self._copies.items():
-            hooks = params[name]._backward_hooks
+            p = params[name]
+            hooks = p._backward_hooks
             if c._backward_hooks is not hooks:
                 c._backward_hooks = hooks
+            accumulated = p._post_accumulate_grad_hooks
+            if c._post_accumulate_grad_hooks is not accumulated:
+                c._post_accumulate_grad_hooks = accumulated
 
     def hold_host_grads(self) -> tuple:
         """A training call begins: the host parameters' ``.grad`` as the user left them

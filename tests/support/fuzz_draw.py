@@ -34,9 +34,6 @@ PROCESSES_ONE_IN = 0
 
 PENDING = {
     # found by the fuzzer (tests/support/fuzz_found.py); fixes on their way
-    "post_accumulate_hook&device=ipu_model": "copies of a weight lack its post-accumulate hooks",
-    "post_accumulate_hook&device=gpu_twin": "copies of a weight lack its post-accumulate hooks",
-    "post_hook_add&device=ipu_model": "copies of a weight lack its post-accumulate hooks",
     "post_hook_add&processes=2": "a hook registered after the overlap's edits a launched gradient",
 }
 
