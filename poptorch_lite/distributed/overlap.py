@@ -15,7 +15,9 @@ backward goes on. This does the same:
   autograd adds into its ``.grad`` in a run: one per micro-batch (every micro-batch of every
   replica runs its stage's backward once). After the last, the sum is final: the hook divides
   it as the stage's reduction (``sG``) would have (loss scaling, Mean's G·R), which then
-  leaves it alone, and marks it ready;
+  leaves it alone, and marks it ready. It is the parameter's last post-accumulate hook, so a
+  user's runs first, on this process's gradient, as in plain PyTorch: one registered between
+  calls has the run make the overlap again, its hooks after the user's (``hooked_last``);
 - a bucket is launched (``all_reduce(async_op=True)``; with the optimizer state sharded,
   the reduce-scatter of [Note: sharded optimizer state], its large weights alone and in
   place as there) once it and every bucket before it are ready, so every process launches
@@ -91,6 +93,14 @@ class Overlap:
     def remove(self) -> None:
         """Take the hooks off the parameters."""
         self._finalizer()
+
+    def hooked_last(self) -> bool:
+        """Whether its hook is still each parameter's last post-accumulate hook. A user's
+        hook registered after it (between calls) would edit a gradient its bucket has already
+        launched, where plain PyTorch's hooks edit each process's gradient before the sum:
+        the update then makes the overlap again, its hooks after the user's."""
+        return all(next(reversed(p._post_accumulate_grad_hooks)) == handle.id
+                   for p, handle in zip(self.params.values(), self._hooks))
 
     def begin(self, microbatches: int, divisor: float) -> None:
         """A run of ``microbatches`` backward passes starts; its gradients are divided by

@@ -130,7 +130,8 @@ class Update:
             return
         overlap = self._overlap
         if overlap is None or overlap.params.keys() != trainable.keys() or \
-                (shards is not None and overlap.reducer is not shards):
+                (shards is not None and overlap.reducer is not shards) or \
+                not overlap.hooked_last():  # a user's hook registered since: ours after it
             if overlap is not None:
                 overlap.remove()
             overlap = self._overlap = self.processes.overlap(trainable, shards)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import overlap_script as script
-from poptorch_lite.distributed.overlap import buckets_in_backward_order
+from poptorch_lite.distributed.overlap import Overlap, buckets_in_backward_order
 from poptorch_lite.distributed.processes import _buckets
 from poptorch_lite.runtime.update import overlappable
 from processes import ranks_results
@@ -108,6 +108,25 @@ def test_which_parameters_are_overlapped_and_in_what_order():
     assert overlappable(params, Weights(), [Stage(), Stage()]) is None  # shared by two
     Weights.offload = True
     assert overlappable(params, Weights(), [Stage()]) is None
+
+
+def test_a_users_hook_registered_after_the_overlaps_is_seen():
+    """The overlap's hooks must run after a user's post-accumulate hooks (which edit each
+    process's gradient before the sum, as in plain PyTorch): one registered after them
+    (between calls) is seen, and the update then makes the overlap again. The end-to-end
+    check is the fuzzer's found example ``post_accumulate_hook_registered_after_the_
+    overlapped_all_reduce``."""
+    net = torch.nn.Linear(3, 2)
+    earlier = net.bias.register_post_accumulate_grad_hook(lambda p: None)
+    params = dict(net.named_parameters())
+    overlap = Overlap(params, [list(params.values())], None, None, None)
+    assert overlap.hooked_last()  # the user's first, then the overlap's
+    later = net.weight.register_post_accumulate_grad_hook(lambda p: None)
+    assert not overlap.hooked_last()
+    later.remove()
+    assert overlap.hooked_last()
+    overlap.remove()
+    assert list(net.bias._post_accumulate_grad_hooks) == [earlier.id]
 
 
 def test_docstring_examples_run():

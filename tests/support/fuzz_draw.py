@@ -34,7 +34,6 @@ PROCESSES_ONE_IN = 0
 
 PENDING = {
     # found by the fuzzer (tests/support/fuzz_found.py); fixes on their way
-    "post_hook_add&processes=2": "a hook registered after the overlap's edits a launched gradient",
 }
 
 
