@@ -341,4 +341,11 @@ FOUND = [
     Found("post_accumulate_hook_registered_after_the_overlapped_all_reduce",
           "post_hook_add&processes=2",
           Program(edits=(Edit("post_hook_add"),)), Config(processes=2)),
+    # -- the optimizer's step hooks, new in the grammar: with its state sharded over two
+    #    processes, a post-hook's clip of the weights was overwritten by the chunks' gather,
+    #    and a pre-hook scaled chunks of the gradients that the anchors had read whole
+    Found("step_post_hook_with_a_sharded_state", "step_post_hook&sharded",
+          Program(edits=(Edit("step_post_hook"),)), Config(processes=2, sharded=True)),
+    Found("step_pre_hook_with_a_sharded_state", "step_pre_hook&sharded",
+          Program(edits=(Edit("step_pre_hook"),)), Config(processes=2, sharded=True)),
 ]

@@ -397,6 +397,14 @@ EDITS = {
     "hook_add": "net.l{s}.register_forward_hook(lambda m, i, o: o * 0.5)",
     "post_hook_add": "def halve(p):\n    p.grad.mul_(0.5)\n"
                      "net.l{s}.weight.register_post_accumulate_grad_hook(halve)",
+    # the optimizer's own hooks (torch's register_step_pre_hook and _post_hook): a weight
+    # clipped after every step, as WGAN's critic is; gradients scaled before it
+    "step_post_hook": "def clip(o, args, kwargs):\n    with torch.no_grad():\n"
+                      "        for p in net.parameters():\n            p.clamp_(-0.2, 0.2)\n"
+                      "opt.register_step_post_hook(clip)",
+    "step_pre_hook": "def halve(o, args, kwargs):\n    for g in o.param_groups:\n"
+                     "        for p in g[\"params\"]:\n            if p.grad is not None:\n"
+                     "                p.grad.mul_(0.5)\nopt.register_step_pre_hook(halve)",
     "hook_remove": "for name, handle in list(vars(net).items()):\n"
                    "    if name.startswith(\"handle\"):\n        handle.remove()",
     "forward_replace": "net.l{s}.forward = lambda t, m=net.l{s}: F.linear(t, m.weight) * 0.5",
