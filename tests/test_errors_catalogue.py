@@ -323,6 +323,16 @@ def another_processs_chunks():
     Shards(lambda: None, 1, 2, lambda what, fn, *args, **kwargs: None).check_state(opt)
 
 
+def step_pre_hook_on_a_sharded_state():
+    """A step pre-hook on an optimizer whose state is sharded over 2 processes; the
+    agreement's all-reduce stood in for (this process's flags alone)."""
+    from poptorch_lite.distributed.sharding import Shards
+    layer = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9)
+    opt.register_step_pre_hook(lambda o, args, kwargs: None)
+    Shards(lambda: None, 1, 2, lambda what, fn, *args, **kwargs: None).check_state(opt)
+
+
 def normalisation_frozen_between_calls():
     """A BatchNorm put in eval mode after the training model's first call."""
     model = Two(bn=True)
@@ -1227,6 +1237,7 @@ T = {
     "E-OPTIM-12": lambda: optim.Adam(params(), amsgrad=True),
     "E-OPTIM-13": host_step_of_a_sharded_state,
     "E-OPTIM-14": another_processs_chunks,
+    "E-OPTIM-15": step_pre_hook_on_a_sharded_state,
     # DataLoader and AsynchronousDataAccessor
     "E-DL-01": lambda: poptorch.DataLoader(ds(), ds()),
     "E-DL-02": lambda: loader_refuses(batch_size=2, batch_sampler=[[0, 1]]),

@@ -66,6 +66,12 @@ The user's optimizer cannot step on the host while its state holds chunks: its
 ``step()`` is refused (E-OPTIM-13, a step pre-hook, :func:`refuse_host_steps`) before it
 changes anything, where torch would fail on the shapes or, for a chunk that broadcasts,
 step wrong.
+The optimizer's step hooks read and write whole weights in plain PyTorch (a post-hook that
+clips every weight after the step, as WGAN's critic is clipped): its post-hooks, and torch's
+global ones, run after the gather (``Shards.step_whole``), where inside the chunks' step a
+write to a weight would be overwritten by the gather. A pre-hook would see chunks, or the
+process's own unreduced gradients, where plain PyTorch's sees each whole reduced gradient:
+each training call refuses one, in every process alike, with the check above (E-OPTIM-15).
 Within one process the replicas (``replicationFactor``) already share one copy of
 the state: N counts processes.
 """
@@ -78,6 +84,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+import torch.optim.optimizer as torch_optimizer  # its global step hooks
 
 from ..errors import OptimizerError
 from ..optim import optimizers as poptorch_optim
@@ -146,13 +153,27 @@ class Shards:
     def check_state(self, optimizer: torch.optim.Optimizer) -> None:
         """Refuse a state of chunks that are not this process's, in every process alike
         (E-OPTIM-14): one all-reduce of a flag per process ([Note: sharded optimizer state])."""
-        N, foreign = self.size, self._foreign(optimizer)
-        flags = torch.zeros(N, dtype=torch.int32)
+        N, foreign, hooked = self.size, self._foreign(optimizer), pre_hooks(optimizer)
+        flags = torch.zeros(2 * N, dtype=torch.int32)
         flags[self.rank] = foreign is not None
+        flags[N + self.rank] = bool(hooked)
         self._collective("agreeing that each process holds its own chunks of the state",
                          dist.all_reduce, flags, group=self._group())
         if not flags.any():
             return
+        if flags[N:].any():
+            hooking = [k for k, f in enumerate(flags[N:].tolist()) if f]
+            raise OptimizerError(
+                f"the optimizer's state is sharded over {N} processes (useReplicatedTensor"
+                f"Sharding(True)), and process{'es' if len(hooking) > 1 else ''} {hooking} "
+                f"ha{'ve' if len(hooking) > 1 else 's'} a step pre-hook "
+                f"({', '.join(hooked) if hooked else 'not this one'}): each process steps "
+                f"only its chunk of every weight, with its chunk of the reduced gradient, "
+                f"so a pre-hook would see chunks, or this process's own gradients, where in "
+                f"plain PyTorch it sees each weight's whole gradient. Remove the hook (scale "
+                f"the loss, or clip with the optimizer's max_grad_norm), or train without "
+                f"useReplicatedTensorSharding")
+        flags = flags[:N]
         bad = [k for k, f in enumerate(flags.tolist()) if f]
         if foreign is not None:
             g, i, held, (k, _, start, end) = foreign
@@ -282,6 +303,27 @@ class Shards:
         for g in self._grads:
             g.mul_(coef.to(g.device))
 
+    def step_whole(self, optimizer: torch.optim.Optimizer) -> None:
+        """Step ``optimizer`` on the chunks (:meth:`step`), gather the weights (:meth:`gather`),
+        then run its step post-hooks, torch's global ones first, as ``optimizer.step()`` runs
+        them: on the whole weights, which is what they read and write in plain PyTorch (a
+        weight clipped after every step), where inside the chunks' step a write to a weight
+        would be overwritten by the gather."""
+        hooks = (torch_optimizer._global_optimizer_post_hooks,
+                 optimizer._optimizer_step_post_hooks)
+        held = [dict(h) for h in hooks]
+        for h in hooks:
+            h.clear()
+        try:
+            self.step(optimizer)
+            self.gather()
+        finally:
+            for h, kept in zip(hooks, held):
+                h.update(kept)
+        for kept in held:
+            for hook in kept.values():
+                hook(optimizer, (), {})
+
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """Step ``optimizer`` on the chunks (step 3); the parameters are unchanged until
         :meth:`gather`."""
@@ -410,7 +452,17 @@ def refuse_host_steps(optimizer: torch.optim.Optimizer, processes: int) -> None:
                             f"{p.numel()} elements), so no step of the whole weight can run "
                             f"here. Step through the trainingModel (each call steps), or "
                             f"train without useReplicatedTensorSharding to step on the host")
+    pre_hook.refuses_host_steps = True  # not a user's hook (pre_hooks)
     optimizer.register_step_pre_hook(pre_hook)
+
+
+def pre_hooks(optimizer: torch.optim.Optimizer) -> list:
+    """The names of the step pre-hooks that ``optimizer.step()`` would run, torch's global
+    ones included, but for :func:`refuse_host_steps`' own."""
+    return [getattr(hook, "__qualname__", repr(hook))
+            for hooks in (torch_optimizer._global_optimizer_pre_hooks,
+                          optimizer._optimizer_step_pre_hooks)
+            for hook in hooks.values() if not getattr(hook, "refuses_host_steps", False)]
 
 
 def _chunked(state: dict, p: torch.Tensor) -> bool:

@@ -267,8 +267,7 @@ class Update:
         if shards.anchored:  # what Gradient___ anchors read: the step's gradient, whole
             shards.gather_grads([p for n, p in stepped.items() if n in shards.anchored])
         try:  # [Note: commit point]: from here parameters and optimizer state change
-            shards.step(step.optimizer)
-            shards.gather()
+            shards.step_whole(step.optimizer)
         except Exception as exc:
             raise PartialUpdate(exc) from exc
         return True

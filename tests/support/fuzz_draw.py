@@ -34,8 +34,6 @@ PROCESSES_ONE_IN = 0
 
 PENDING = {
     # found by the fuzzer (tests/support/fuzz_found.py); fixes on their way
-    "step_post_hook&sharded": "a post-hook's write to the weights is lost in the gather",
-    "step_pre_hook&sharded": "a pre-hook sees chunks of the gradients",
 }
 
 

@@ -110,6 +110,8 @@ def acceptable(program: Program, config: Config) -> dict:
     if any(o.kind == "shared_module" and o.to != o.stage and o.stage in hooked
            for o in program.ops):
         ok["E-PART-27"] = "a gradient hook on a parameter that two stages use"
+    if config.sharded and "step_pre_hook" in {e.kind for e in program.edits}:
+        ok["E-OPTIM-15"] = "a step pre-hook on an optimizer whose state is sharded"
     for edit in sorted({e.kind for e in program.edits} & set(REFUSABLE_EDITS)):
         ok[REFUSABLE_EDITS[edit]] = edit
     pending = sorted(k for k in kinds if FEATURES[k].refused == "pending")
