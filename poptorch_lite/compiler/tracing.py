@@ -135,6 +135,18 @@ def _keyword_safe(tracer) -> None:
     tracer.create_node = create
 
 
+def _forget_tensors(tracer) -> None:
+    """Empty ``tracer``'s tables of the tensors it saw (``tensor_tracker`` and the like), once
+    the graph is made. make_fx's tracer lives on in reference cycles until Python's collector
+    runs, and its tables hold a weak reference to each parameter of the model, which
+    ``torch.utils.swap_tensors`` refuses to swap ("Cannot swap t1 because it has weakref
+    associated with it"): ``Module.to()`` under ``torch.__future__``'s swap of parameters on
+    conversion, between calls, would fail or not by when the collector last ran."""
+    for name, table in list(vars(tracer).items()):
+        if name.endswith("_tracker") and hasattr(table, "clear"):
+            table.clear()
+
+
 def _check_buffers_kept(model: torch.nn.Module, values: dict) -> None:
     """Refuse a forward that deleted or replaced a registered buffer, as PopTorch does.
 
@@ -310,6 +322,7 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
     written = WrittenParameters()  # the parameters the forward writes, put back after it
 
     def run(*flat):
+        tracers.append(get_proxy_mode().tracer)
         _keyword_safe(get_proxy_mode().tracer)
         written.watch(get_proxy_mode().tracer, list(flat[:len(params)]))
         if training:  # [Note: gradients the forward shapes] in ``grad_semantics``
@@ -345,6 +358,7 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
         return tensors
 
     marked: list = []  # (node, grad_fn) of each loss marked ([Note: the trained loss])
+    tracers: list = []  # make_fx's tracer, whose tables are emptied once it has traced
 
     def on_loss(t: torch.Tensor) -> None:
         proxy = get_proxy_slot(t, get_proxy_mode().tracer, None)
@@ -398,6 +412,8 @@ def trace(model: torch.nn.Module, modes: dict, args: tuple, kwargs: dict, traini
         hook.remove()
         torch._C._set_mkldnn_enabled(onednn)
         marked.clear()  # autograd's nodes of the traced micro-batch: its activations
+        for tracer in tracers:
+            _forget_tensors(tracer)
     generators.check()
     _drop_unused_getitems(gm)
     if training:  # [Note: gradients the forward shapes] in ``grad_semantics``

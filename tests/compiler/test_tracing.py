@@ -405,3 +405,48 @@ def test_a_refusals_traceback_keeps_the_users_frames_or_all_when_it_has_none():
     assert len(frames) > 1  # json's own frames below this test's
     assert [f.name for f in traceback.extract_tb(_user_traceback(tb))] == frames[:1]
     assert _user_traceback(tb.tb_next) is tb.tb_next  # only the standard library's frames
+
+
+def test_the_trace_leaves_no_weak_reference_to_the_parameters():
+    """make_fx's tracer lives on in reference cycles until Python's collector runs, and its
+    tables held a weak reference to every parameter, which ``torch.utils.swap_tensors``
+    (``Module.to()`` under torch.__future__'s swap of parameters on conversion) refuses: the
+    swap between calls failed or not by when the collector last ran. Collection stays off
+    here, so only the trace's own emptying of its tables can pass this."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    plain = copy.deepcopy(model)
+
+    class WithLoss(torch.nn.Module):
+        def __init__(self, net):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x, y):
+            out = self.net(x)
+            return out, F.mse_loss(out, y)
+
+    x, y = torch.randn(2, 4), torch.randn(2, 2)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        train = poptorch.trainingModel(WithLoss(model), poptorch.Options(),
+                                       torch.optim.SGD(model.parameters(), lr=0.1))
+        train(x, y)
+        assert [weakref.getweakrefcount(p) for p in model.parameters()] == [0, 0, 0, 0]
+        train.copyWeightsToHost()
+        torch.utils.swap_tensors(model[0].bias, torch.nn.Parameter(model[0].bias.detach() * 0.5))
+    finally:
+        if collecting:
+            gc.enable()
+    _, loss = train(x, y)
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    F.mse_loss(plain(x), y).backward()
+    opt.step()
+    with torch.no_grad():
+        plain[0].bias.mul_(0.5)
+    assert torch.equal(loss, F.mse_loss(plain(x), y).detach())
+    train.destroy()
