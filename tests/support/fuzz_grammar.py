@@ -405,6 +405,37 @@ EDITS = {
     "step_pre_hook": "def halve(o, args, kwargs):\n    for g in o.param_groups:\n"
                      "        for p in g[\"params\"]:\n            if p.grad is not None:\n"
                      "                p.grad.mul_(0.5)\nopt.register_step_pre_hook(halve)",
+    # a checkpoint written, the model and the optimizer's state overwritten, the checkpoint
+    # read back: poptorch's save_checkpoint/load_checkpoint against torch's state dicts (in
+    # one process: where the processes write their own files, the examples skip it)
+    "checkpoint_rewind": "if not torch.distributed.is_initialized():\n"
+                         "    with tempfile.TemporaryDirectory() as folder:\n"
+                         "        path = folder + \"/checkpoint.pt\"\n"
+                         "        if train is not None:\n"
+                         "            poptorch.save_checkpoint(path, train)\n"
+                         "        else:\n"
+                         "            saved = copy.deepcopy((net.state_dict(), opt.state_dict()))\n"
+                         "        with torch.no_grad():\n"
+                         "            for q in net.parameters():\n"
+                         "                q.mul_(0.5)\n"
+                         "        for st in opt.state.values():\n"
+                         "            for v in st.values():\n"
+                         "                if torch.is_tensor(v) and v.dim() > 0:\n"
+                         "                    v.zero_()\n"
+                         "        if train is not None:\n"
+                         "            poptorch.load_checkpoint(path, train)\n"
+                         "        else:\n"
+                         "            net.load_state_dict(saved[0])\n"
+                         "            opt.load_state_dict(saved[1])",
+    # a parameter's storage replaced in place (pruning code), its whole tensor swapped
+    # (torch.utils.swap_tensors, what Module.to does under
+    # torch.__future__.set_swap_module_params_on_conversion), a state dict assigned
+    "set_storage": "with torch.no_grad():\n    net.{p}.set_(net.{p}.detach().clone() * 0.5)",
+    "swap_tensors": "torch.utils.swap_tensors(net.{p}, "
+                    "torch.nn.Parameter(net.{p}.detach() * 0.5))",
+    "assign_state_dict": "net.load_state_dict({{k: v * 0.9 if v.is_floating_point() else v\n"
+                         "                     for k, v in net.state_dict().items()}}, "
+                         "assign=True)",
     "hook_remove": "for name, handle in list(vars(net).items()):\n"
                    "    if name.startswith(\"handle\"):\n        handle.remove()",
     "forward_replace": "net.l{s}.forward = lambda t, m=net.l{s}: F.linear(t, m.weight) * 0.5",
@@ -463,8 +494,10 @@ OPTIMIZERS = {
     "clipped": "poptorch.optim.SGD({}, lr=0.1, momentum=0.9, max_grad_norm=0.1)",
 }
 #: Edits a documented refusal may meet at the next call: edit -> its docs/ERRORS.md id (a
-#: parameter or a layer replaced by another object than the one the wrapper took: E-WRAP-21).
-REFUSABLE_EDITS = {"replace_param": "E-WRAP-21", "module_replace": "E-WRAP-21"}
+#: parameter or a layer replaced by another object than the one the wrapper took, as
+#: ``load_state_dict(..., assign=True)`` replaces every parameter: E-WRAP-21).
+REFUSABLE_EDITS = {"replace_param": "E-WRAP-21", "module_replace": "E-WRAP-21",
+                   "assign_state_dict": "E-WRAP-21"}
 _GROUPS = {
     "one": "net.parameters()",
     "two": "[{\"params\": [p for n, p in net.named_parameters() if not n.startswith(\"head\")]},\n"
@@ -544,7 +577,7 @@ def _block(lines: list, indent: int) -> str:
 def source(program: Program) -> str:
     """The program as the Python module a user would write: ``Net``, ``make_optimizer``,
     ``make_scheduler`` and ``between_calls``."""
-    imports = {"import copy", "import torch", "import torch.nn.functional as F",
+    imports = {"import copy", "import tempfile", "import torch", "import torch.nn.functional as F",
                "import poptorch_lite as poptorch"}
     init = [f"self.l{s} = torch.nn.Linear({WIDTH}, {WIDTH})" for s in range(program.stages)]
     init.append(f"self.head = torch.nn.Linear({WIDTH}, {CLASSES})")
