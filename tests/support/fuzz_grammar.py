@@ -436,6 +436,9 @@ EDITS = {
     "assign_state_dict": "net.load_state_dict({{k: v * 0.9 if v.is_floating_point() else v\n"
                          "                     for k, v in net.state_dict().items()}}, "
                          "assign=True)",
+    "backward_hook_add": "net.l{s}.register_full_backward_hook(\n"
+                         "    lambda m, gi, go: tuple(None if g is None else g * 0.5 for g in gi))",
+    "pre_hook_add": "net.l{s}.register_forward_pre_hook(lambda m, args: (args[0] * 0.5,))",
     "hook_remove": "for name, handle in list(vars(net).items()):\n"
                    "    if name.startswith(\"handle\"):\n        handle.remove()",
     "forward_replace": "net.l{s}.forward = lambda t, m=net.l{s}: F.linear(t, m.weight) * 0.5",
