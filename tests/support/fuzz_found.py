@@ -348,4 +348,9 @@ FOUND = [
           Program(edits=(Edit("step_post_hook"),)), Config(processes=2, sharded=True)),
     Found("step_pre_hook_with_a_sharded_state", "step_pre_hook&sharded",
           Program(edits=(Edit("step_pre_hook"),)), Config(processes=2, sharded=True)),
+    # -- sparse gradients, new in the grammar: exact in one process on every device; over two
+    #    processes the gradient all-reduce's buckets flatten dense tensors only, and the call
+    #    fails in its backward (a loud ExecutionError, where plain PyTorch sums them)
+    Found("sparse_gradients_over_two_processes", "embedding_sparse&processes=2",
+          Program(ops=(Op("embedding_sparse"),)), Config(processes=2)),
 ]

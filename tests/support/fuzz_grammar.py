@@ -205,6 +205,9 @@ FEATURES = {
     "embedding": Feature("h = h + self.emb{i}(y)", init=f"self.emb{{i}} = torch.nn.Embedding("
                          f"{CLASSES}, {WIDTH})",
                          head="out = out + 0.1 * F.linear(h, self.emb{i}.weight)"),
+    # sparse gradients (recommender models'), which SGD steps and Adam refuses
+    "embedding_sparse": Feature("h = h + self.semb{i}(y)", init=f"self.semb{{i}} = "
+                                f"torch.nn.Embedding({CLASSES}, {WIDTH}, sparse=True)"),
     "lstm": Feature("seq{i}, _ = self.lstm{i}(h.unsqueeze(1).repeat(1, 3, 1))\n"
                     "h = seq{i}[:, -1]",
                     init=f"self.lstm{{i}} = torch.nn.LSTM({WIDTH}, {WIDTH}, batch_first=True)"),
