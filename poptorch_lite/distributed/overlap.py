@@ -99,7 +99,8 @@ class Overlap:
         hook registered after it (between calls) would edit a gradient its bucket has already
         launched, where plain PyTorch's hooks edit each process's gradient before the sum:
         the update then makes the overlap again, its hooks after the user's."""
-        return all(next(reversed(p._post_accumulate_grad_hooks)) == handle.id
+        return all(p._post_accumulate_grad_hooks and  # (None: a user reset the table)
+                   next(reversed(p._post_accumulate_grad_hooks)) == handle.id
                    for p, handle in zip(self.params.values(), self._hooks))
 
     def begin(self, microbatches: int, divisor: float) -> None:
