@@ -98,7 +98,7 @@ from . import compile_cache, grad_semantics, rng, tracing
 from .lowered import Lowered
 from .split_graphs import SplitState, split_backward
 from .subgraphs import base_op, written_in_place
-from .work import work
+from .work import forget_real_tensors, work
 
 _LOG = logging.getLogger("poptorch_lite")
 
@@ -302,6 +302,7 @@ class CompiledGraph:
         viewed = _viewed_arguments(plain)
 
         lifted = [0]  # the graph's own tensors AOTAutograd lifts ahead of the arguments
+        made: list = []  # the graphs AOTAutograd hands the compilers
 
         def unreached(bw: fx.GraphModule) -> None:  # its outputs: one per forward argument
             outs = bw.graph.output_node().args[0]
@@ -330,6 +331,7 @@ class CompiledGraph:
                 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
                 def inner(gm, example_inputs, **kw):
+                    made.append(gm)
                     if kw.get("is_backward"):
                         _without_draws(gm, self.part)
                         unreached(gm)
@@ -346,14 +348,17 @@ class CompiledGraph:
                 from torch._functorch.aot_autograd import aot_module_simplified
 
                 def backward(gm, example_inputs):
+                    made.append(gm)
                     _without_draws(gm, self.part)
                     unreached(gm)
                     if split is not None:
                         return split_backward(gm, example_inputs, reached(),
                                               lambda g, ex, first: _boxed(g), split, lifted[0])
                     return _boxed(gm)
-                fn = aot_module_simplified(plain, list(args), fw_compiler=lambda g, _: _boxed(g),
-                                           bw_compiler=backward)
+                fn = aot_module_simplified(
+                    plain, list(args), fw_compiler=lambda g, _: (made.append(g), _boxed(g))[1],
+                    bw_compiler=backward)
+        _forget_real_tensors(made)
         return fn, split, tuple(cut)
 
     def _pays(self, plain: fx.GraphModule, args: tuple) -> bool:
@@ -549,3 +554,22 @@ def _strip(target):
         return target
     inner = _strip(target.wrapped_op)
     return inner if target.rewrap is rng.seeded else target.rewrap(inner)
+
+
+
+def _forget_real_tensors(graphs: list) -> None:
+    """Empty the tables in which the fake-tensor modes of ``graphs`` (AOTAutograd's, reached
+    through the fake values their nodes keep in ``meta["val"]``) describe the real tensors
+    they were made from (``work.forget_real_tensors``): the graphs live as long as the
+    compiled stage."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    modes = {}
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            value = node.meta.get("val")
+            if isinstance(value, FakeTensor):
+                modes[id(value.fake_mode)] = value.fake_mode
+                break
+    for mode in modes.values():
+        forget_real_tensors(mode)

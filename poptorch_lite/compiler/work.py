@@ -47,4 +47,20 @@ def work(gm: fx.GraphModule, args: tuple) -> tuple:
 
     with rng.use(None), torch.no_grad(), mode:
         _Count(gm).run(*fake)
+    forget_real_tensors(mode)
     return counts[0], counts[1]
+
+
+def forget_real_tensors(mode) -> None:
+    """Empty the tables in which the fake-tensor mode ``mode`` describes the real tensors it
+    made fakes of. Each holds a weak reference to every parameter it saw, for as long as
+    the mode lives (in reference cycles, until Python's collector runs; or kept by a
+    compiled stage's graphs), and ``torch.utils.swap_tensors`` refuses a tensor that has
+    one (``Module.to()`` under torch.__future__'s swap of parameters on conversion; plain
+    PyTorch's ``torch.compile`` keeps none). Nothing reads them once the fakes are made."""
+    describer = getattr(getattr(getattr(mode, "fake_tensor_converter", None),
+                                "meta_converter", None), "describer", None)
+    for name in ("lookup_tensor", "lookup_storage"):
+        table = getattr(describer, name, None)
+        if table is not None:
+            table.clear()
