@@ -84,8 +84,10 @@ def programs(draw, pending=frozenset(PENDING), require=frozenset()) -> Program:
 
 
 #: What an inference model cannot run (a gradient the forward takes; a tensor hook on a
-#: value that needs none) or has not (``setOptimizer``).
-TRAINING_ONLY = {"penalty", "saliency", "input_penalty", "tensor_hook", "set_optimizer"}
+#: value that needs none) or has not (``setOptimizer``; a checkpoint, which holds a training
+#: state: save_checkpoint refuses an inference model).
+TRAINING_ONLY = {"penalty", "saliency", "input_penalty", "tensor_hook", "set_optimizer",
+                 "checkpoint_rewind"}
 
 
 @st.composite
