@@ -279,6 +279,11 @@ class AsynchronousDataAccessor:
     def _open(self, go: bool = True) -> _Epoch:
         """Opens the next epoch here (so a DataLoader's epoch number is read in order)."""
         is_loader = _opens_own_epochs(self._dataset)
+        # torch's iterator forks its worker processes here, on the caller's thread: with Ctrl-C
+        # held (pending, raised here once they are forked), so that none lands in a worker
+        # still starting up (logging's at-fork handler printed "Exception ignored in" it),
+        # as the loading thread's own mask does for what it forks (_Epoch._run)
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             source = (self._dataset._sync_iter(own_iterator=not self._loader_owned) if is_loader
                       else iter(self._dataset))
@@ -287,6 +292,8 @@ class AsynchronousDataAccessor:
                 source = _rebatch(source, self.rebatched_size, drop_last)
         except Exception as error:  # reported by the first next(); Ctrl-C goes through now
             source = _failing(error)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         epoch = _Epoch(source, self._buffer_size, go, owns_source=not (is_loader and
                                                                       self._loader_owned))
         self._epochs.add(epoch)

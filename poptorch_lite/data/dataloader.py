@@ -314,7 +314,7 @@ class DataLoader(torch.utils.data.DataLoader):
         return self._counted(self._sync_iter())
 
     def _sync_iter(self, own_iterator: bool = False) -> Iterator[Any]:
-        """One epoch of the torch loader (the Async worker thread calls this). With
+        """One epoch of the torch loader (the Async accessor calls this as it opens one). With
         ``own_iterator`` (a user's accessor over this loader) a torch iterator of its own, with
         worker processes of its own for the epoch, so that iterating the loader directly at
         the same time does not reset it under the accessor's thread."""
