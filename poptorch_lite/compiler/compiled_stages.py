@@ -556,7 +556,6 @@ def _strip(target):
     return inner if target.rewrap is rng.seeded else target.rewrap(inner)
 
 
-
 def _forget_real_tensors(graphs: list) -> None:
     """Empty the tables in which the fake-tensor modes of ``graphs`` (AOTAutograd's, reached
     through the fake values their nodes keep in ``meta["val"]``) describe the real tensors
