@@ -154,6 +154,9 @@ def two_by_two(tmp_path_factory):
         os.kill(trained[r]["pid"], signal.SIGKILL)
     os.killpg(victim.pid, signal.SIGKILL)
     survivors = sorted(set(range(4)) - doomed)
+    # a hang guard of its own: on a loaded machine the launch and the three calls above can
+    # take most of the first (the survivors then wait out their collective timeout)
+    deadline = time.monotonic() + limit(240)
     try:
         wait_for(out, [f"killed-rank{r}.pt" for r in survivors], [], deadline)
     finally:
