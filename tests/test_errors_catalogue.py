@@ -333,6 +333,15 @@ def step_pre_hook_on_a_sharded_state():
     Shards(lambda: None, 1, 2, lambda what, fn, *args, **kwargs: None).check_state(opt)
 
 
+def sparse_gradients_with_a_sharded_state():
+    """An embedding with sparse=True whose optimizer's state is sharded over 2 processes;
+    the agreement's all-reduce stood in for (this process's flags alone)."""
+    from poptorch_lite.distributed.sharding import Shards
+    opt = torch.optim.SGD(torch.nn.Embedding(4, 2, sparse=True).parameters(), lr=0.1)
+    Shards(lambda: None, 1, 2, lambda what, fn, *args, **kwargs: None).check_state(
+        opt, frozenset({"emb.weight"}))
+
+
 def normalisation_frozen_between_calls():
     """A BatchNorm put in eval mode after the training model's first call."""
     model = Two(bn=True)
@@ -1238,6 +1247,7 @@ T = {
     "E-OPTIM-13": host_step_of_a_sharded_state,
     "E-OPTIM-14": another_processs_chunks,
     "E-OPTIM-15": step_pre_hook_on_a_sharded_state,
+    "E-OPTIM-16": sparse_gradients_with_a_sharded_state,
     # DataLoader and AsynchronousDataAccessor
     "E-DL-01": lambda: poptorch.DataLoader(ds(), ds()),
     "E-DL-02": lambda: loader_refuses(batch_size=2, batch_sampler=[[0, 1]]),

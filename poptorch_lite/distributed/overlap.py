@@ -10,7 +10,10 @@ backward goes on. This does the same:
 - the parameters this process steps are cut into buckets in the reverse of the model's
   order (about the order the backward makes their gradients, as DDP's buckets): a tensor of
   1 MB or more alone, reduced in place; smaller ones flattened together, up to 25 MB a
-  bucket (``processes._buckets``);
+  bucket (``processes._buckets``); a weight whose gradient is sparse (an embedding traced
+  with ``sparse=True``: ``update.sparse_gradients``, as DDP expects one of a sparse
+  ``Embedding``) alone, summed as a sparse tensor (gloo's sparse all-reduce, in place), an
+  empty sparse tensor standing in where a process got none; it carries no flags;
 - a hook on each parameter (``register_post_accumulate_grad_hook``) counts the gradients
   autograd adds into its ``.grad`` in a run: one per micro-batch (every micro-batch of every
   replica runs its stage's backward once). After the last, the sum is final: the hook divides
@@ -51,6 +54,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ..errors import ExecutionError
+
 
 class Overlap:
     """The buckets of this process's stepped parameters and the state of one run's reduction.
@@ -68,9 +73,10 @@ class Overlap:
     """
 
     def __init__(self, params: dict, buckets: list, group: Callable, collective: Callable,
-                 reducer):
+                 reducer, sparse: frozenset = frozenset()):
         self.params = params
         self.buckets = buckets
+        self.sparse = sparse  # the ids of the parameters whose gradients are sparse
         self._group, self._collective = group, collective
         self.reducer = reducer
         self._bucket_of = {id(p): k for k, bucket in enumerate(buckets) for p in bucket}
@@ -146,7 +152,15 @@ class Overlap:
         with torch.no_grad():
             for p in bucket:
                 if p.grad is None:  # no gradient here: zeros, as without overlap
-                    p.grad = torch.zeros_like(p)
+                    p.grad = zero_gradient(p, sparse=id(p) in self.sparse)
+                elif p.grad.is_sparse != (id(p) in self.sparse):
+                    raise ExecutionError(
+                        f"parameter '{self._name[id(p)]}' got a "
+                        f"{'sparse' if p.grad.is_sparse else 'dense'} gradient where its "
+                        f"graph makes a {'dense' if p.grad.is_sparse else 'sparse'} one "
+                        f"(only an embedding traced with sparse=True makes a sparse one), so "
+                        f"the gradient all-reduce over the processes, which every process "
+                        f"launches alike, cannot sum it; give its gradient one layout")
                 else:
                     self._had.add(id(p))
         if len(self._launched) < len(self.buckets) - 1:
@@ -208,6 +222,22 @@ def buckets_in_backward_order(params: dict, make_buckets: Callable) -> list:
     ordered = list(reversed(list(params.values())))
     at = {id(p): k for k, p in enumerate(ordered)}
     return sorted(make_buckets(ordered), key=lambda bucket: max(at[id(p)] for p in bucket))
+
+
+def zero_gradient(p: torch.Tensor, sparse: bool) -> torch.Tensor:
+    """The gradient ``p`` contributes to a sum over the processes where it got none here:
+    zeros, or an empty sparse tensor where the others' are sparse (an embedding's: one sparse
+    dimension).
+
+    Example:
+        >>> zero_gradient(torch.ones(3, 2), sparse=True).to_dense().tolist()
+        [[0.0, 0.0], [0.0, 0.0], [0.0, 0.0]]
+    """
+    if not sparse:
+        return torch.zeros_like(p)
+    return torch.sparse_coo_tensor(torch.empty((1, 0), dtype=torch.long, device=p.device),
+                                   p.new_empty((0, *p.shape[1:])), p.shape,
+                                   check_invariants=False, is_coalesced=True)
 
 
 def _remove(handles: list) -> None:

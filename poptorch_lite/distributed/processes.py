@@ -81,7 +81,7 @@ from ..errors import ExecutionError, OptionsError, warn_once
 from ..runtime import anchors
 from ..runtime.devices import process_gpu
 from .layout import Layout
-from .overlap import Overlap, buckets_in_backward_order
+from .overlap import Overlap, buckets_in_backward_order, zero_gradient
 from .sharding import Shards, refuse_host_steps, shardable
 
 TIMEOUT_ENV = "POPTORCH_LITE_DIST_TIMEOUT"
@@ -359,13 +359,16 @@ class Processes:
         self.all_reduce([p.grad for p in used], self._replicas_group(),
                         "the gradient all-reduce", replicas if self.mean else 1)
 
-    def overlap(self, params: dict, shards: Optional[Shards] = None):
+    def overlap(self, params: dict, shards: Optional[Shards] = None,
+                sparse: frozenset = frozenset()):
         """An :class:`~poptorch_lite.distributed.overlap.Overlap` of ``params`` (name ->
         trainable parameter) over the replicas ([Note: overlapped all-reduce]): an
-        all-reduce, or ``shards``' reduce-scatter."""
+        all-reduce, or ``shards``' reduce-scatter. ``sparse``: the ids of the parameters whose
+        gradients are sparse, each summed on its own (not with ``shards``: E-OPTIM-16)."""
         if shards is None:
-            return Overlap(params, buckets_in_backward_order(params, _buckets),
-                           self._replicas_group, self._collective, _AllReduce(self))
+            return Overlap(params, buckets_in_backward_order(
+                params, lambda ps: _buckets(ps, alone=sparse)), self._replicas_group,
+                           self._collective, _AllReduce(self), sparse)
         return Overlap(params, buckets_in_backward_order(
             params, lambda ps: shards.buckets(ps, _buckets)), self._replicas_group,
                        self._collective, shards)
@@ -394,12 +397,13 @@ class Processes:
             self._shards[key] = made
         return self._shards[key]
 
-    def check_sharded_state(self, optimizer) -> None:
+    def check_sharded_state(self, optimizer, sparse: frozenset = frozenset()) -> None:
         """Where ``optimizer``'s state is sharded, refuse chunks that are not this process's,
-        in every process alike (``Shards.check_state``)."""
+        a step pre-hook and sparse gradients (``sparse``: the names of the parameters that get
+        them), in every process alike (``Shards.check_state``)."""
         shards = self.shards(optimizer)
         if shards is not None:
-            shards.check_state(optimizer)
+            shards.check_state(optimizer, sparse)
 
     def reduce_scatter_grads(self, params: dict, shards: Shards, overlap=None) -> None:
         """As :meth:`all_reduce_grads`, but each process keeps only its chunk of each sum
@@ -413,19 +417,28 @@ class Processes:
 
     def _used(self, params: dict) -> list:
         """The trainable parameters that have a gradient in any of the processes that run the
-        same stages; one where this process has none gets zeros."""
+        same stages; one where this process has none gets zeros (sparse ones where another
+        process's gradient is sparse). Where one process's is sparse and another's dense, each
+        sums a dense one, as autograd's accumulation of both in one process would."""
         trainable = [p for p in params.values() if p.requires_grad]
         if not trainable:
             return []
-        present = torch.tensor([p.grad is not None for p in trainable], dtype=torch.int32,
-                               device=trainable[0].device)
+        present = torch.tensor([[p.grad is not None for p in trainable],
+                                [p.grad is not None and p.grad.is_sparse for p in trainable]],
+                               dtype=torch.int32, device=trainable[0].device)
         self._collective("the gradient all-reduce", dist.all_reduce, present,
                          group=self._replicas_group())
-        used = [p for p, n in zip(trainable, present.tolist()) if n > 0]
+        had, sparse = present.tolist()
+        used = []
         with torch.no_grad():
-            for p in used:
+            for p, n, s in zip(trainable, had, sparse):
+                if not n:
+                    continue
                 if p.grad is None:  # unused here, used elsewhere: contributes zeros
-                    p.grad = torch.zeros_like(p)
+                    p.grad = zero_gradient(p, sparse=s == n)
+                elif p.grad.is_sparse and s < n:  # dense in another process
+                    p.grad = p.grad.to_dense()
+                used.append(p)
         return used
 
     def all_reduce(self, tensors: list, group, what: str, divisor: int = 1) -> None:
@@ -586,8 +599,9 @@ class _AllReduce:
         """Whether the flags of the weights that had a gradient can ride in ``bucket``'s
         all-reduce (its flat copy made anyway, of a dtype whose sums of 0 and 1 over the
         processes are exact), saving a collective a step."""
-        return bucket[0].dtype in (torch.float32, torch.float64) and (
-            len(bucket) > 1 or bucket[0].numel() * bucket[0].element_size() < ALONE_BYTES)
+        return bucket[0].dtype in (torch.float32, torch.float64) and not \
+            bucket[0].grad.is_sparse and (
+                len(bucket) > 1 or bucket[0].numel() * bucket[0].element_size() < ALONE_BYTES)
 
     def launch(self, bucket: list, flags: Optional[torch.Tensor] = None) -> tuple:
         """Start the sum of ``bucket``'s gradients, and of ``flags`` after them where
@@ -615,8 +629,9 @@ class _AllReduce:
 
 
 def _flat(bucket: list) -> torch.Tensor:
-    """One tensor to communicate: a lone contiguous tensor itself, else a flat copy."""
-    if len(bucket) == 1 and bucket[0].is_contiguous():
+    """One tensor to communicate: a lone sparse or contiguous tensor itself (gloo sums a sparse
+    one in place, coalesced), else a flat copy."""
+    if len(bucket) == 1 and (bucket[0].is_sparse or bucket[0].is_contiguous()):
         return bucket[0]
     return _flatten_dense_tensors(bucket)
 
@@ -628,13 +643,14 @@ def _unflat(flat: torch.Tensor, bucket: list) -> None:
             t.copy_(v)
 
 
-def _buckets(tensors: list) -> list:
+def _buckets(tensors: list, alone: frozenset = frozenset()) -> list:
     """Group tensors by (dtype, device) into lists of at most BUCKET_BYTES.
 
     A tensor of ALONE_BYTES or more is a bucket of its own: it is reduced in
     place, without the two copies that flattening costs (measured in
     docs/PERFORMANCE.md); buckets amortise the per-collective latency of the
-    small ones.
+    small ones. So is a sparse tensor, and a tensor whose id is in ``alone`` (a
+    parameter whose gradient will be sparse), which cannot be flattened.
 
     Example:
         >>> [len(b) for b in _buckets([torch.zeros(2), torch.zeros(2, dtype=torch.int64),
@@ -644,7 +660,7 @@ def _buckets(tensors: list) -> list:
     out, open_ = [], {}
     for t in tensors:
         nbytes = t.numel() * t.element_size()
-        if nbytes >= ALONE_BYTES:
+        if nbytes >= ALONE_BYTES or t.is_sparse or id(t) in alone:
             out.append([t])
             continue
         key = (t.dtype, t.device)

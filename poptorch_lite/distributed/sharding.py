@@ -72,6 +72,8 @@ global ones, run after the gather (``Shards.step_whole``), where inside the chun
 write to a weight would be overwritten by the gather. A pre-hook would see chunks, or the
 process's own unreduced gradients, where plain PyTorch's sees each whole reduced gradient:
 each training call refuses one, in every process alike, with the check above (E-OPTIM-15).
+So does a parameter whose gradient is sparse (E-OPTIM-16): its chunk would be cut from a dense
+sum, where plain PyTorch's optimizer steps the sparse gradient or refuses it.
 Within one process the replicas (``replicationFactor``) already share one copy of
 the state: N counts processes.
 """
@@ -150,19 +152,32 @@ class Shards:
         start = min(self.rank * c, p.numel())
         return start, min(start + c, p.numel())
 
-    def check_state(self, optimizer: torch.optim.Optimizer) -> None:
-        """Refuse a state of chunks that are not this process's, in every process alike
-        (E-OPTIM-14): one all-reduce of a flag per process ([Note: sharded optimizer state])."""
+    def check_state(self, optimizer: torch.optim.Optimizer, sparse: frozenset = frozenset()
+                    ) -> None:
+        """Refuse a state of chunks that are not this process's (E-OPTIM-14), a step pre-hook
+        (E-OPTIM-15) and parameters whose gradients are sparse (``sparse``, their names:
+        E-OPTIM-16), in every process alike: one all-reduce of three flags per process
+        ([Note: sharded optimizer state])."""
         N, foreign, hooked = self.size, self._foreign(optimizer), pre_hooks(optimizer)
-        flags = torch.zeros(2 * N, dtype=torch.int32)
+        flags = torch.zeros(3 * N, dtype=torch.int32)
         flags[self.rank] = foreign is not None
         flags[N + self.rank] = bool(hooked)
+        flags[2 * N + self.rank] = bool(sparse)
         self._collective("agreeing that each process holds its own chunks of the state",
                          dist.all_reduce, flags, group=self._group())
         if not flags.any():
             return
-        if flags[N:].any():
-            hooking = [k for k, f in enumerate(flags[N:].tolist()) if f]
+        if flags[2 * N:].any():
+            raise OptimizerError(
+                f"the optimizer's state is sharded over {N} processes (useReplicatedTensor"
+                f"Sharding(True)), and the gradients of "
+                f"{', '.join(map(repr, sorted(sparse))) or 'some parameters in another process'}"
+                f" are sparse (an embedding with sparse=True): each process steps a chunk of "
+                f"every weight, cut from the dense sum of its gradient, where plain PyTorch's "
+                f"optimizer steps the sparse gradient (or refuses it, as Adam does). Use a "
+                f"dense embedding (sparse=False), or train without useReplicatedTensorSharding")
+        if flags[N:2 * N].any():
+            hooking = [k for k, f in enumerate(flags[N:2 * N].tolist()) if f]
             raise OptimizerError(
                 f"the optimizer's state is sharded over {N} processes (useReplicatedTensor"
                 f"Sharding(True)), and process{'es' if len(hooking) > 1 else ''} {hooking} "

@@ -33,7 +33,7 @@ from .schedule import Action, Kind, Schedule
 from .run import Run
 from .stage_work import StageWork, WorkState
 from .streams import ActionFailed, ActionStuck, StreamFailed, on_caller
-from .update import PartialUpdate, StepArithmetic, Update, overlappable
+from .update import PartialUpdate, StepArithmetic, Update, overlappable, sparse_gradients
 from .weights import Weights
 
 
@@ -95,7 +95,8 @@ class Executor:
         overlapped = overlappable(stepped, weights, lowered.stages) \
             if processes is not None and channels is None else None
         self.update = Update(weights, self.owned, stepped, channels, processes, self._describe,
-                             self._result, overlapped)
+                             self._result, overlapped, sparse_gradients(partition.stages)
+                             if processes is not None else frozenset())
         self.undoable = False   # the caller snapshots whole calls (allOrNothingCalls)
         self.handlers = {Kind.FORWARD: self.work.forward, Kind.BACKWARD: self.work.backward,
                          Kind.BACKWARD_INPUT: self.work.backward_input,

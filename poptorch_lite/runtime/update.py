@@ -103,7 +103,7 @@ class Update:
     """
 
     def __init__(self, weights, owned: list, stepped: dict, channels, processes, describe,
-                 result, overlapped: Optional[dict] = None):
+                 result, overlapped: Optional[dict] = None, sparse: frozenset = frozenset()):
         self.weights, self.owned, self._stepped = weights, owned, stepped
         self.channels, self.processes = channels, processes
         self._describe, self._result = describe, result
@@ -111,6 +111,7 @@ class Update:
         self.ctrl_c: Optional[CtrlC] = None
         # [Note: overlapped all-reduce]: the parameters it may overlap, and its buckets
         self._overlapped, self._overlap = overlapped, None
+        self.sparse = sparse  # the parameters whose gradients are sparse (sparse_gradients)
 
     def begin_run(self, plan, step: Optional[StepArithmetic], microbatches: int) -> None:
         """A training run starts: its gradient all-reduce overlaps the backward where it can
@@ -134,7 +135,9 @@ class Update:
                 not overlap.hooked_last():  # a user's hook registered since: ours after it
             if overlap is not None:
                 overlap.remove()
-            overlap = self._overlap = self.processes.overlap(trainable, shards)
+            overlap = self._overlap = self.processes.overlap(
+                trainable, shards, frozenset(id(p) for n, p in trainable.items()
+                                             if n in self.sparse))
         overlap.begin(microbatches, step.loss_scaling * step.divisor)
 
     def guard_call(self) -> None:
@@ -421,6 +424,39 @@ def overlappable(stepped: dict, weights, stages) -> Optional[dict]:
         if weights.home(name) is not p or p.device.type != "cpu" or _graphs(name, stages) != 1:
             return None
     return dict(stepped)
+
+
+def sparse_gradients(stages) -> frozenset:
+    """The names of the parameters whose gradients are sparse: the weight of an op of the
+    partition's ``stages`` traced with ``sparse=True`` (``Embedding`` and ``EmbeddingBag``
+    with ``sparse=True``, or their functional forms), as DDP expects a sparse gradient of such
+    a module's weight. The processes' gradient all-reduce sums them as sparse tensors, each
+    on its own ([Note: overlapped all-reduce] in ``distributed/overlap``).
+
+    Example:
+        >>> import types
+        >>> from torch.fx.experimental.proxy_tensor import make_fx
+        >>> graph = make_fx(lambda w, i: torch.nn.functional.embedding(i, w, sparse=True))(
+        ...     torch.zeros(4, 2), torch.tensor([1]))
+        >>> stage = types.SimpleNamespace(module=graph, inputs=("param:emb.weight", "input:0"))
+        >>> sorted(sparse_gradients([stage]))
+        ['emb.weight']
+    """
+    names = set()
+    for st in stages:
+        nodes = st.module.graph.nodes
+        param_of = {node: value.split(":", 1)[1] for node, value in zip(
+            (n for n in nodes if n.op == "placeholder"), st.inputs) if value.startswith("param:")}
+        for node in nodes:
+            schema = getattr(node.target, "_schema", None)
+            if schema is None or all(a.name != "sparse" for a in schema.arguments):
+                continue
+            given = {a.name: node.args[k] if k < len(node.args)
+                     else node.kwargs.get(a.name, a.default_value)
+                     for k, a in enumerate(schema.arguments)}
+            if given.get("sparse") is True and given.get("weight") in param_of:
+                names.add(param_of[given["weight"]])
+    return frozenset(names)
 
 
 def _graphs(name: str, stages) -> int:

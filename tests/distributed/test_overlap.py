@@ -110,6 +110,37 @@ def test_which_parameters_are_overlapped_and_in_what_order():
     assert overlappable(params, Weights(), [Stage()]) is None
 
 
+def test_a_sparse_gradient_goes_alone_and_carries_no_flags():
+    """A sparse embedding's weight (found in the traced graph) is a bucket of its own, summed
+    as a sparse tensor: flattened with the small ones, its all-reduce failed. The end-to-end
+    checks are the fuzzer's found examples ``sparse_gradients_over_two_processes*``."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from poptorch_lite.distributed.processes import _AllReduce
+    from poptorch_lite.runtime.update import sparse_gradients
+    emb, head = torch.nn.Embedding(5, 3, sparse=True), torch.nn.Linear(3, 2)
+
+    def forward(w, weight, bias, i):
+        return torch.nn.functional.linear(torch.nn.functional.embedding(i, w, sparse=True),
+                                          weight, bias)
+    graph = make_fx(forward)(emb.weight, head.weight, head.bias, torch.tensor([1]))
+
+    class Stage:
+        module, inputs = graph, ("param:emb.weight", "param:head.weight", "param:head.bias",
+                                 "input:0")
+    assert sparse_gradients([Stage()]) == {"emb.weight"}
+    assert sparse_gradients([type("Dense", (Stage,), {"module": make_fx(
+        lambda w, *rest: torch.nn.functional.embedding(rest[-1], w))(
+            emb.weight, head.weight, head.bias, torch.tensor([1]))})]) == frozenset()
+    params = {"emb.weight": emb.weight, "head.weight": head.weight, "head.bias": head.bias}
+    assert [[n for n, p in params.items() if any(p is q for q in b)] for b in
+            buckets_in_backward_order(params, lambda ps: _buckets(ps, alone={id(emb.weight)}))
+            ] == [["head.weight", "head.bias"], ["emb.weight"]]
+    head(emb(torch.tensor([1, 1]))).sum().backward()
+    assert emb.weight.grad.is_sparse and _AllReduce(None).carries([head.weight])
+    assert not _AllReduce(None).carries([emb.weight])
+
+
 def test_a_users_hook_registered_after_the_overlaps_is_seen():
     """The overlap's hooks must run after a user's post-accumulate hooks (which edit each
     process's gradient before the sum, as in plain PyTorch): one registered after them

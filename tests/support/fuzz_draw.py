@@ -34,7 +34,6 @@ PROCESSES_ONE_IN = 0
 
 PENDING = {
     # found by the fuzzer (tests/support/fuzz_found.py); fixes on their way
-    "embedding_sparse&processes=2": "the gradient all-reduce flattens dense gradients only",
 }
 
 

@@ -349,8 +349,12 @@ FOUND = [
     Found("step_pre_hook_with_a_sharded_state", "step_pre_hook&sharded",
           Program(edits=(Edit("step_pre_hook"),)), Config(processes=2, sharded=True)),
     # -- sparse gradients, new in the grammar: exact in one process on every device; over two
-    #    processes the gradient all-reduce's buckets flatten dense tensors only, and the call
-    #    fails in its backward (a loud ExecutionError, where plain PyTorch sums them)
+    #    processes the gradient all-reduce's buckets flattened dense tensors only, and the call
+    #    failed in its backward (a loud ExecutionError, where plain PyTorch sums them); now a
+    #    sparse gradient is summed alone, as a sparse tensor (update.sparse_gradients)
     Found("sparse_gradients_over_two_processes", "embedding_sparse&processes=2",
           Program(ops=(Op("embedding_sparse"),)), Config(processes=2)),
+    Found("sparse_gradients_over_two_processes_split_backward", "embedding_sparse&processes=2",
+          Program(ops=(Op("embedding_sparse"),)), Config(processes=2, D=2,
+                                                          schedule="zero_bubble")),
 ]

@@ -112,6 +112,8 @@ def acceptable(program: Program, config: Config) -> dict:
         ok["E-PART-27"] = "a gradient hook on a parameter that two stages use"
     if config.sharded and "step_pre_hook" in {e.kind for e in program.edits}:
         ok["E-OPTIM-15"] = "a step pre-hook on an optimizer whose state is sharded"
+    if config.sharded and "embedding_sparse" in kinds:
+        ok["E-OPTIM-16"] = "a sparse gradient, with the optimizer's state sharded"
     for edit in sorted({e.kind for e in program.edits} & set(REFUSABLE_EDITS)):
         ok[REFUSABLE_EDITS[edit]] = edit
     pending = sorted(k for k in kinds if FEATURES[k].refused == "pending")
