@@ -6,6 +6,7 @@ import gc
 import multiprocessing
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import textwrap
@@ -434,6 +435,32 @@ def test_ctrl_c_while_an_epoch_opens_stays_a_keyboard_interrupt():
 
     with pytest.raises(KeyboardInterrupt):
         AsynchronousDataAccessor(Interrupted())
+
+
+class _BlockedSignals(Dataset):
+    """Each item: the signal mask (``SigBlk``) of the worker process that loads it."""
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        status = pathlib.Path("/proc/self/status").read_text()
+        return torch.tensor(int(next(line.split()[1] for line in status.splitlines()
+                                     if line.startswith("SigBlk:")), 16))
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/status").exists(), reason="reads /proc")
+def test_a_worker_forked_as_an_epoch_opens_holds_ctrl_c(loaders):
+    # The accessor opens an epoch (torch's iterator forks its workers) on the caller's thread,
+    # with Ctrl-C held: a Ctrl-C to the process group must not land in a worker still starting
+    # up (logging's at-fork handler printed "Exception ignored in" it); the caller raises it.
+    loader = torch.utils.data.DataLoader(_BlockedSignals(), batch_size=None, num_workers=1,
+                                         multiprocessing_context="fork")
+    accessor = AsynchronousDataAccessor(loader, load_indefinitely=False)
+    loaders.append(accessor)
+    masks = [int(m) for m in accessor]
+    assert len(masks) == 2 and all(m & (1 << (signal.SIGINT - 1)) for m in masks), masks
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, set())  # caller's
 
 
 def test_a_sync_loader_iterates_beside_a_users_accessor_over_it(loaders):
