@@ -272,8 +272,10 @@ def compiled_input(state, tensors: list, grads: list, params: list) -> list:
     split backward] in ``compiler/split_graphs``): the backward of ``tensors`` runs the input
     half, and the weight halves it leaves (``state``: the graph's ``SplitState``) come back
     for W, told the parameters by argument position (``params``). A weight with a hook runs
-    its backward whole here: the hook sees its gradient whole, as in plain PyTorch."""
-    if any(p._backward_hooks for p in params if p is not None):
+    its backward whole here: the hook sees its gradient whole, as in plain PyTorch (a
+    post-accumulate hook would otherwise run in the input half, where the compiled backward
+    gives the weight no gradient, and its ``.grad`` is None or last micro-batch's)."""
+    if any(p._backward_hooks or p._post_accumulate_grad_hooks for p in params if p is not None):
         run_backward(tensors, grads)
         return []
     with state.lock:

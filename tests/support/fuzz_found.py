@@ -341,6 +341,19 @@ FOUND = [
     Found("post_accumulate_hook_registered_after_the_overlapped_all_reduce",
           "post_hook_add&processes=2",
           Program(edits=(Edit("post_hook_add"),)), Config(processes=2)),
+    # -- seed 199: a compiled stage's split backward (zero bubble's I and W) ran a weight's
+    #    post-accumulate hooks in its input half, where the weight has no gradient yet (the
+    #    call failed on .grad None; with accumulation the hook would have seen the last
+    #    micro-batch's sum); a weight with one now runs its backward whole in I, as a weight
+    #    with a gradient hook did
+    Found("post_accumulate_hook_in_a_compiled_split_backward",
+          "post_accumulate_hook&compiled&schedule=zero_bubble",
+          Program(ops=(Op("post_accumulate_hook"),)),
+          Config(schedule="zero_bubble", compiled=True)),
+    Found("post_accumulate_hook_registered_between_calls_compiled_split_backward",
+          "post_hook_add&compiled&schedule=zero_bubble",
+          Program(edits=(Edit("post_hook_add"),)),
+          Config(schedule="zero_bubble", compiled=True, G=2)),
     # -- the optimizer's step hooks, new in the grammar: with its state sharded over two
     #    processes, a post-hook's clip of the weights was overwritten by the chunks' gather,
     #    and a pre-hook scaled chunks of the gradients that the anchors had read whole
