@@ -467,6 +467,20 @@ EDITS = {
                 "net.train()",
     "module_replace": f"net.l{{s}} = torch.nn.Linear({WIDTH}, {WIDTH})",
     "opt_state_clear": "opt.state.clear()",
+    # the global random state between calls (a seed reset, a draw of the script's own, a
+    # state saved and put back): the next call's draws follow it, as plain PyTorch's do
+    "reseed": "torch.manual_seed(1234 + call)",
+    "host_draw": "torch.randn(5)",
+    "rng_rewind": "state = torch.get_rng_state()\ntorch.rand(3)\ntorch.set_rng_state(state)",
+    # the host gradients (the user's again after a call), an average of the weights kept
+    # beside them (swa_utils), an initialiser applied, and a round trip through float16
+    # (which gives the buffers new tensors: refused as a replaced one, E-WRAP-21)
+    "zero_grad_host": "opt.zero_grad(set_to_none=False)",
+    "grad_assign": "net.{p}.grad = torch.ones_like(net.{p})",
+    "ema_average": "ema = torch.optim.swa_utils.AveragedModel(net)\nema.update_parameters(net)",
+    "apply_init": "net.apply(lambda m: torch.nn.init.zeros_(m.bias) "
+                  "if isinstance(m, torch.nn.Linear) else None)",
+    "half_then_float": "net.half()\nnet.float()",
     # modes: the submodules' flags are the user's ([Note: train and eval modes])
     "eval_mode": "net.eval()",
     "train_mode": "net.train()",
@@ -503,7 +517,7 @@ OPTIMIZERS = {
 #: parameter or a layer replaced by another object than the one the wrapper took, as
 #: ``load_state_dict(..., assign=True)`` replaces every parameter: E-WRAP-21).
 REFUSABLE_EDITS = {"replace_param": "E-WRAP-21", "module_replace": "E-WRAP-21",
-                   "assign_state_dict": "E-WRAP-21"}
+                   "assign_state_dict": "E-WRAP-21", "half_then_float": "E-WRAP-21"}
 _GROUPS = {
     "one": "net.parameters()",
     "two": "[{\"params\": [p for n, p in net.named_parameters() if not n.startswith(\"head\")]},\n"
