@@ -299,7 +299,8 @@ class CompiledModel:
         """
         opts, weights, training = self.options, self.weights, self.training
         if training and self.processes is not None:  # [Note: sharded optimizer state]
-            self.processes.check_sharded_state(optimizer, program.executor.update.sparse)
+            self.processes.check_sharded_state(optimizer, frozenset(  # sparse gradients
+                n for n in program.executor.update.sparse if weights.params[n].requires_grad))
         if weights.edits():  # host edits reach the devices ([Note: weight sync] in host_sync)
             weights.to_device(everything=False)
         ex = program.executor
