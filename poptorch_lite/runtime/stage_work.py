@@ -404,11 +404,13 @@ class StageWork:
         return compiled_input(graph.split, tensors, grads, params)
 
     def _accumulate(self, s: int, run: Run, dtype: torch.dtype) -> None:
-        """Move this backward's gradients into accumulators of ``dtype`` ([Note: gradient arithmetic])."""
+        """Move this backward's gradients into accumulators of ``dtype`` ([Note: gradient
+        arithmetic]); a weight with a post-accumulate hook keeps summing in ``.grad``, in its
+        own dtype, as in plain PyTorch, where the hook edits the running sum."""
         ipu = self.stages[s].ipu
         for name in self.stages[s].exclusive:
             p = self.weights.param(name, ipu)
-            if p.grad is None or p.grad.dtype == dtype:
+            if p.grad is None or p.grad.dtype == dtype or p._post_accumulate_grad_hooks:
                 continue
             held = run.work.accum.get(name)
             g = p.grad.to(dtype)

@@ -354,6 +354,24 @@ FOUND = [
           "post_hook_add&compiled&schedule=zero_bubble",
           Program(edits=(Edit("post_hook_add"),)),
           Config(schedule="zero_bubble", compiled=True, G=2)),
+    # -- seed 201: with an accumulator of another dtype than the weight's (poptorch.optim's
+    #    float32 accum_type for bfloat16 weights), each micro-batch's gradient moved into it
+    #    after its backward, so a post-accumulate hook edited that micro-batch's gradient,
+    #    where plain PyTorch's edits the running sum in .grad (found through the float64 run
+    #    that confirms a float32 difference, which keeps poptorch.optim's float32
+    #    accumulators); a weight with such a hook now sums in .grad, in its own dtype
+    Found("post_accumulate_hook_with_an_accumulator_of_another_dtype",
+          "post_accumulate_hook&optimizer=poptorch_sgd&dtype=bfloat16",
+          Program(ops=(Op("post_accumulate_hook"),), optimizer="poptorch_sgd"),
+          Config(dtype="bfloat16", G=2)),
+    # -- seed 201: a pipeline over two processes whose later stage detaches its input: the
+    #    gradient of that input, which the later stage never makes, is sent as zeros, so the
+    #    earlier stages' weights get zero gradients where plain PyTorch's have none (Adam then
+    #    keeps state for them, and a decay would move them); pending
+    Found("a_detached_input_of_a_stage_in_another_process",
+          "stop&processes=2&spread=stages",
+          Program(stages=3, ops=(Op("stop", stage=2),)),
+          Config(G=5, processes=2, spread="stages")),
     # -- the optimizer's step hooks, new in the grammar: with its state sharded over two
     #    processes, a post-hook's clip of the weights was overwritten by the chunks' gather,
     #    and a pre-hook scaled chunks of the gradients that the anchors had read whole
